@@ -1,0 +1,302 @@
+// CUDA implementations of the primitives in cuda_ops.h. No fmt here (nvcc 13 cannot compile
+// fmt 9): messages are built with std::string.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <string>
+
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/detail/convert.h"
+#include "kernels/detail/layout.h"
+#include "kernels/device.h"
+#include "kernels/error.h"
+
+namespace kernels {
+namespace {
+
+struct Probe {
+  int count = 0;
+  std::string reason;  // why count is 0
+};
+
+// cudaGetDeviceCount fails with cudaErrorNoDevice (100) on a host with a driver and no GPU,
+// and cudaErrorInsufficientDriver (35) without a driver; it then leaves the count unwritten.
+const Probe& probe() {
+  static const Probe result = [] {
+    Probe p;
+    int n = 0;
+    const cudaError_t err = cudaGetDeviceCount(&n);
+    if (err != cudaSuccess) {
+      p.reason = std::string("cudaGetDeviceCount: ") + cudaGetErrorName(err) + ": " +
+                 cudaGetErrorString(err);
+      (void)cudaGetLastError();  // clear the sticky-free error so later calls start clean
+      n = 0;
+    } else if (n == 0) {
+      p.reason = "cudaGetDeviceCount found no GPU";
+    }
+    p.count = n;
+    return p;
+  }();
+  return result;
+}
+
+std::string device_name(int device) { return "cuda:" + std::to_string(device); }
+
+void check(cudaError_t err, const std::string& what) {
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw Error(what + " failed: " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
+  }
+}
+
+// Makes `device` current for the scope (kernel launches and allocations go to it).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device)
+      check(cudaSetDevice(device), "cudaSetDevice(" + device_name(device) + ")");
+    else
+      previous_ = -1;
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0) (void)cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+// ---- kernels ----
+
+struct Layout2 {
+  int ndim;
+  int64_t shape[kMaxDims];
+  int64_t stride[2][kMaxDims];  // [0] destination, [1] source
+};
+
+__device__ __forceinline__ void offsets_of(const Layout2& l, int64_t i, int64_t& dst,
+                                           int64_t& src) {
+  dst = 0;
+  src = 0;
+  for (int d = l.ndim - 1; d >= 0; --d) {
+    const int64_t idx = i % l.shape[d];
+    i /= l.shape[d];
+    dst += idx * l.stride[0][d];
+    src += idx * l.stride[1][d];
+  }
+}
+
+template <class V>
+__device__ void store_as(char* p, DType dtype, V v) {
+  using detail::narrow_to;
+  switch (dtype) {
+    case DType::kF32: *reinterpret_cast<float*>(p) = narrow_to<float>(v); return;
+    case DType::kF64: *reinterpret_cast<double*>(p) = narrow_to<double>(v); return;
+    case DType::kBF16: *reinterpret_cast<BFloat16*>(p) = narrow_to<BFloat16>(v); return;
+    case DType::kF16: *reinterpret_cast<Half*>(p) = narrow_to<Half>(v); return;
+    case DType::kI32: *reinterpret_cast<int32_t*>(p) = narrow_to<int32_t>(v); return;
+    case DType::kI64: *reinterpret_cast<int64_t*>(p) = narrow_to<int64_t>(v); return;
+    case DType::kU8: *reinterpret_cast<uint8_t*>(p) = narrow_to<uint8_t>(v); return;
+    case DType::kF8E4M3: *reinterpret_cast<Float8E4M3*>(p) = narrow_to<Float8E4M3>(v); return;
+    case DType::kF8E5M2: *reinterpret_cast<Float8E5M2*>(p) = narrow_to<Float8E5M2>(v); return;
+  }
+}
+
+template <class S>
+__device__ __forceinline__ S load(const char* p) {
+  return *reinterpret_cast<const S*>(p);
+}
+
+// The source and destination dtypes are uniform across the grid, so the switches do not diverge.
+__global__ void cast_kernel(char* dst, DType dst_dtype, int dst_size, const char* src,
+                            DType src_dtype, int src_size, Layout2 l, int64_t n) {
+  using detail::widen;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    int64_t d_off, s_off;
+    offsets_of(l, i, d_off, s_off);
+    char* d = dst + d_off * dst_size;
+    const char* s = src + s_off * src_size;
+    switch (src_dtype) {
+      case DType::kF32: store_as(d, dst_dtype, widen(load<float>(s))); break;
+      case DType::kF64: store_as(d, dst_dtype, widen(load<double>(s))); break;
+      case DType::kBF16: store_as(d, dst_dtype, widen(load<BFloat16>(s))); break;
+      case DType::kF16: store_as(d, dst_dtype, widen(load<Half>(s))); break;
+      case DType::kI32: store_as(d, dst_dtype, widen(load<int32_t>(s))); break;
+      case DType::kI64: store_as(d, dst_dtype, widen(load<int64_t>(s))); break;
+      case DType::kU8: store_as(d, dst_dtype, widen(load<uint8_t>(s))); break;
+      case DType::kF8E4M3: store_as(d, dst_dtype, widen(load<Float8E4M3>(s))); break;
+      case DType::kF8E5M2: store_as(d, dst_dtype, widen(load<Float8E5M2>(s))); break;
+    }
+  }
+}
+
+// Same dtype: moves words of W bytes unchanged (NaN payloads kept, like the CPU memcpy path).
+template <class W>
+__global__ void move_kernel(W* dst, const W* src, Layout2 l, int64_t n) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    int64_t d_off, s_off;
+    offsets_of(l, i, d_off, s_off);
+    dst[d_off] = src[s_off];
+  }
+}
+
+template <class W>
+__global__ void fill_kernel(W* dst, W value, Layout2 l, int64_t n) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    int64_t d_off, unused;
+    offsets_of(l, i, d_off, unused);
+    dst[d_off] = value;
+  }
+}
+
+constexpr int kThreads = 256;
+
+unsigned blocks_for(int64_t n) {
+  const int64_t blocks = (n + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(std::min<int64_t>(blocks, 65535));
+}
+
+Layout2 make_layout(const Dims& shape, const Dims& dst_strides, const Dims& src_strides) {
+  const auto space = detail::coalesce<2>(shape, {dst_strides, src_strides});
+  Layout2 l{};
+  l.ndim = space.shape.size();
+  for (int d = 0; d < l.ndim; ++d) {
+    l.shape[d] = space.shape[d];
+    l.stride[0][d] = space.strides[0][d];
+    l.stride[1][d] = space.strides[1][d];
+  }
+  return l;
+}
+
+void check_launch(const char* kernel, int device) {
+  check(cudaGetLastError(), std::string("launching ") + kernel + " on " + device_name(device));
+}
+
+}  // namespace
+
+bool cuda_built() { return true; }
+
+int cuda_device_count() { return probe().count; }
+
+namespace detail {
+
+void cuda_check_device(int device) {
+  if (device < 0) {
+    throw InvalidArgument("invalid CUDA device index " + std::to_string(device) +
+                          ": expected 0 or more");
+  }
+  const Probe& p = probe();
+  if (p.count == 0) {
+    throw Unsupported(device_name(device) + " requested but no GPU is usable (" + p.reason + ")");
+  }
+  if (device >= p.count) {
+    throw Unsupported(device_name(device) + " requested but only " + std::to_string(p.count) +
+                      " GPU(s) are visible (expected cuda:0..cuda:" + std::to_string(p.count - 1) +
+                      ")");
+  }
+}
+
+void* cuda_malloc(size_t nbytes, int device) {
+  cuda_check_device(device);
+  DeviceGuard guard(device);
+  void* ptr = nullptr;
+  check(cudaMalloc(&ptr, nbytes),
+        "cudaMalloc of " + std::to_string(nbytes) + " bytes on " + device_name(device));
+  return ptr;
+}
+
+void cuda_free(void* ptr, int device) noexcept {
+  if (ptr == nullptr) return;
+  int previous = -1;
+  if (cudaGetDevice(&previous) == cudaSuccess && previous != device) (void)cudaSetDevice(device);
+  (void)cudaFree(ptr);
+  if (previous >= 0 && previous != device) (void)cudaSetDevice(previous);
+  (void)cudaGetLastError();
+}
+
+void cuda_memcpy(void* dst, Device dst_device, const void* src, Device src_device, size_t nbytes) {
+  if (nbytes == 0) return;
+  if (dst_device.is_cpu() && src_device.is_cpu()) {
+    std::memcpy(dst, src, nbytes);
+    return;
+  }
+  const int device = dst_device.is_cuda() ? dst_device.index : src_device.index;
+  cuda_check_device(device);
+  DeviceGuard guard(device);
+  check(cudaMemcpy(dst, src, nbytes, cudaMemcpyDefault), "cudaMemcpy of " + std::to_string(nbytes) +
+                                                             " bytes " + to_string(src_device) +
+                                                             " -> " + to_string(dst_device));
+}
+
+void cuda_copy_cast(void* dst, DType dst_dtype, const Dims& dst_strides, const void* src,
+                    DType src_dtype, const Dims& src_strides, const Dims& shape, int device) {
+  const int64_t n = shape.product();
+  if (n == 0) return;
+  cuda_check_device(device);
+  DeviceGuard guard(device);
+  const Layout2 l = make_layout(shape, dst_strides, src_strides);
+  const unsigned blocks = blocks_for(n);
+  if (dst_dtype == src_dtype) {
+    switch (itemsize(dst_dtype)) {
+      case 1:
+        move_kernel<<<blocks, kThreads>>>(static_cast<uint8_t*>(dst),
+                                          static_cast<const uint8_t*>(src), l, n);
+        break;
+      case 2:
+        move_kernel<<<blocks, kThreads>>>(static_cast<uint16_t*>(dst),
+                                          static_cast<const uint16_t*>(src), l, n);
+        break;
+      case 4:
+        move_kernel<<<blocks, kThreads>>>(static_cast<uint32_t*>(dst),
+                                          static_cast<const uint32_t*>(src), l, n);
+        break;
+      default:
+        move_kernel<<<blocks, kThreads>>>(static_cast<uint64_t*>(dst),
+                                          static_cast<const uint64_t*>(src), l, n);
+        break;
+    }
+    check_launch("move_kernel", device);
+    return;
+  }
+  cast_kernel<<<blocks, kThreads>>>(
+      static_cast<char*>(dst), dst_dtype, static_cast<int>(itemsize(dst_dtype)),
+      static_cast<const char*>(src), src_dtype, static_cast<int>(itemsize(src_dtype)), l, n);
+  check_launch("cast_kernel", device);
+}
+
+void cuda_fill(void* dst, size_t itemsize, const Dims& strides, const Dims& shape, uint64_t pattern,
+               int device) {
+  const int64_t n = shape.product();
+  if (n == 0) return;
+  cuda_check_device(device);
+  DeviceGuard guard(device);
+  const Layout2 l = make_layout(shape, strides, strides);
+  const unsigned blocks = blocks_for(n);
+  switch (itemsize) {
+    case 1:
+      fill_kernel<<<blocks, kThreads>>>(static_cast<uint8_t*>(dst), static_cast<uint8_t>(pattern),
+                                        l, n);
+      break;
+    case 2:
+      fill_kernel<<<blocks, kThreads>>>(static_cast<uint16_t*>(dst), static_cast<uint16_t>(pattern),
+                                        l, n);
+      break;
+    case 4:
+      fill_kernel<<<blocks, kThreads>>>(static_cast<uint32_t*>(dst), static_cast<uint32_t>(pattern),
+                                        l, n);
+      break;
+    default: fill_kernel<<<blocks, kThreads>>>(static_cast<uint64_t*>(dst), pattern, l, n); break;
+  }
+  check_launch("fill_kernel", device);
+}
+
+}  // namespace detail
+}  // namespace kernels

@@ -1,0 +1,36 @@
+// Internal: the device-specific primitives behind Storage and Tensor. Plain C++ declarations;
+// implemented by cuda_ops.cu (CUDA builds) or cuda_absent.cpp (no CUDA: every primitive throws
+// Unsupported). `device` is a CUDA device index; data pointers point at element [0,...,0]; strides
+// are in elements.
+//
+// NOTE [cuda ordering] Kernels run on the legacy default stream, so they are ordered with every
+// cudaMemcpy and with each other; host-visible results are obtained through cuda_memcpy, which
+// waits for them. Nothing here synchronises otherwise.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/device.h"
+#include "kernels/dims.h"
+#include "kernels/dtype.h"
+
+namespace kernels::detail {
+
+// Throws Unsupported naming the device and the reason when it cannot be used (no CUDA build,
+// no driver / GPU, index beyond the visible GPUs), InvalidArgument for a negative index.
+void cuda_check_device(int device);
+void* cuda_malloc(size_t nbytes, int device);
+// Never throws (errors at process exit are ignored).
+void cuda_free(void* ptr, int device) noexcept;
+// Copies nbytes between any two of host and CUDA memory; returns when the copy is complete.
+void cuda_memcpy(void* dst, Device dst_device, const void* src, Device src_device, size_t nbytes);
+// dst[i] = cast(src[i]) for every multi-index i of shape (NOTE [cast rules] in
+// kernels/detail/convert.h; bit-identical to the CPU copy). Both operands on `device`.
+void cuda_copy_cast(void* dst, DType dst_dtype, const Dims& dst_strides, const void* src,
+                    DType src_dtype, const Dims& src_strides, const Dims& shape, int device);
+// Writes the low `itemsize` bytes of `pattern` (little-endian) to every element.
+void cuda_fill(void* dst, size_t itemsize, const Dims& strides, const Dims& shape, uint64_t pattern,
+               int device);
+
+}  // namespace kernels::detail

@@ -1,0 +1,65 @@
+// ReduceOp names, Device names and Dims.
+#include <catch2/catch.hpp>
+
+#include "kernels/device.h"
+#include "kernels/dims.h"
+#include "kernels/error.h"
+#include "kernels/reduce_op.h"
+
+using namespace kernels;
+
+TEST_CASE("reduce op names round trip", "[kernels][reduce_op]") {
+  const struct {
+    ReduceOp op;
+    const char* name;
+  } cases[] = {{ReduceOp::kSum, "sum"},
+               {ReduceOp::kAvg, "avg"},
+               {ReduceOp::kMin, "min"},
+               {ReduceOp::kMax, "max"},
+               {ReduceOp::kProd, "prod"}};
+  for (const auto& c : cases) {
+    CHECK(to_string(c.op) == c.name);
+    CHECK(parse_reduce_op(c.name) == c.op);
+  }
+  CHECK(parse_reduce_op("product") == ReduceOp::kProd);
+}
+
+TEST_CASE("parse_reduce_op rejects unknown names", "[kernels][reduce_op]") {
+  REQUIRE_THROWS_AS(parse_reduce_op("mean"), InvalidArgument);
+  REQUIRE_THROWS_WITH(
+      parse_reduce_op("mean"),
+      "unknown reduce op 'mean': expected one of sum, avg, min, max, prod (or product)");
+  REQUIRE_THROWS_WITH(parse_reduce_op("SUM"), Catch::Contains("'SUM'"));
+  REQUIRE_THROWS_WITH(parse_reduce_op(""), Catch::Contains("''"));
+}
+
+TEST_CASE("device names and CUDA presence", "[kernels][device]") {
+  CHECK(to_string(Device{}) == "cpu");
+  CHECK(to_string(Device::cpu()) == "cpu");
+  CHECK(to_string(Device::cuda()) == "cuda:0");
+  CHECK(to_string(Device::cuda(3)) == "cuda:3");
+  CHECK(Device::cuda(1) == Device::cuda(1));
+  CHECK_FALSE(Device::cuda(1) == Device::cuda(0));
+  CHECK(Device::cuda().is_cuda());
+  CHECK(Device{}.is_cpu());
+  CHECK(cuda_device_count() >= 0);
+  if (!cuda_built()) CHECK(cuda_device_count() == 0);
+}
+
+TEST_CASE("Dims behaves like a small vector", "[kernels][dims]") {
+  Dims d{4, 3};
+  d.push_back(2);
+  CHECK(d.size() == 3);
+  CHECK(d == Dims{4, 3, 2});
+  CHECK(d.product() == 24);
+  CHECK(Dims{}.product() == 1);
+  d.insert(0, 7);
+  CHECK(d == Dims{7, 4, 3, 2});
+  d.erase(1);
+  CHECK(d == Dims{7, 3, 2});
+  CHECK(Dims::filled(3, 5) == Dims{5, 5, 5});
+  CHECK(d.vec() == std::vector<int64_t>{7, 3, 2});
+  Dims full = Dims::filled(kMaxDims, 1);
+  REQUIRE_THROWS_WITH(full.push_back(1), Catch::Contains("at most 8"));
+  REQUIRE_THROWS_AS(Dims(std::vector<int64_t>(9, 1)), InvalidArgument);
+}

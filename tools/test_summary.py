@@ -1,0 +1,35 @@
+#!/usr/bin/env python3
+"""Prints the closing line CI reads, 'N passed, N failed', from meson's testlog.json files.
+
+A Catch2 executable counts as its number of test cases (from its own summary line); any other
+test counts as one. A test that crashed or timed out before its summary counts as one failure."""
+import json
+import pathlib
+import re
+import sys
+
+passed = failed = 0
+for build in sys.argv[1:]:
+    log = pathlib.Path(build) / "meson-logs" / "testlog.json"
+    if not log.exists():
+        print(f"test_summary: {log} missing")
+        failed += 1
+        continue
+    for line in log.read_text().splitlines():
+        t = json.loads(line)
+        ok = t["result"] in ("OK", "EXPECTEDFAIL", "SKIP")
+        out = t.get("stdout") or ""
+        m = re.search(r"All tests passed \(\d+ assertions? in (\d+) test cases?\)", out)
+        f = re.search(r"test cases:\s*(\d+)(?:\s*\|\s*(\d+) passed)?(?:\s*\|\s*(\d+) failed)?", out)
+        if m and ok:
+            passed += int(m.group(1))
+        elif f:
+            passed += int(f.group(2) or 0)
+            failed += max(int(f.group(3) or 0), 0 if ok else 1)
+        elif ok:
+            passed += 1
+        else:
+            failed += 1
+            print(f"test_summary: {build}: {t['name']} {t['result']}")
+print(f"{passed} passed, {failed} failed")
+sys.exit(1 if failed else 0)
