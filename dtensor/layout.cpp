@@ -1,0 +1,136 @@
+#include "dtensor/layout.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "kernels/error.h"
+
+namespace dtensor {
+
+using kernels::InvalidArgument;
+
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The pieces [begin, end) of positions 0..n-1 kept by `index`, in local order.
+void append_range(IndexRuns& out, int64_t begin, int64_t end) {
+  if (end <= begin) return;
+  if (!out.empty() && out.back().start + out.back().length == begin)
+    out.back().length += end - begin;
+  else
+    out.push_back({begin, end - begin});
+}
+
+// Selects positions [begin, end) of the index list described by `runs` (local order).
+void select_positions(const IndexRuns& runs, int64_t begin, int64_t end, IndexRuns& out) {
+  int64_t pos = 0;  // local position of the current run's first index
+  for (const IndexRun& run : runs) {
+    int64_t lo = std::max(begin, pos), hi = std::min(end, pos + run.length);
+    if (lo < hi) append_range(out, run.start + (lo - pos), run.start + (hi - pos));
+    pos += run.length;
+    if (pos >= end) break;
+  }
+}
+
+}  // namespace
+
+Chunk chunk(int64_t n, int64_t k, int64_t index) {
+  // REQUIRES: n >= 0, k >= 1, 0 <= index < k (checked by callers that take user input).
+  if (n % k == 0) return {index * (n / k), n / k};
+  int64_t c = ceil_div(n, k);
+  int64_t start = index * c;
+  if (start > n) return {n, 0};
+  return {start, std::min(n, start + c) - start};
+}
+
+IndexRuns split_positions(int64_t n, int64_t k, int64_t index, int split_factor) {
+  IndexRuns out;
+  if (split_factor == 0) {
+    Chunk c = chunk(n, k, index);
+    append_range(out, c.offset, c.offset + c.size);
+    return out;
+  }
+  // NOTE [strided split] chunk n into split_factor pieces, chunk each piece into k, and keep
+  // sub-piece `index` of every piece, concatenated in piece order (dtensor-semantics.md 2.3).
+  int64_t piece = ceil_div(n, split_factor);
+  for (int64_t j = 0; j < split_factor; ++j) {
+    int64_t begin = std::min(n, j * piece), end = std::min(n, (j + 1) * piece);
+    Chunk sub = chunk(end - begin, k, index);
+    if (sub.size > 0) append_range(out, begin + sub.offset, begin + sub.offset + sub.size);
+  }
+  return out;
+}
+
+std::vector<int64_t> ShardLayout::indices(int tensor_dim) const {
+  std::vector<int64_t> out;
+  out.reserve(local_shape[tensor_dim]);
+  for (const IndexRun& run : runs[tensor_dim])
+    for (int64_t i = 0; i < run.length; ++i) out.push_back(run.start + i);
+  return out;
+}
+
+ShardLayout compute_layout(const Dims& global_shape, const Dims& mesh_shape,
+                           const Placements& placements, const Dims& coord) {
+  const int ndim = global_shape.size();
+  if (static_cast<int>(placements.size()) != mesh_shape.size())
+    throw InvalidArgument(fmt::format("{} placements ({}) for a {}-d mesh (expected {})",
+                                      placements.size(), to_string(placements),
+                                      mesh_shape.size(), mesh_shape.size()));
+  if (coord.size() != mesh_shape.size())
+    throw InvalidArgument(fmt::format("coordinate [{}] does not match mesh shape [{}]",
+                                      fmt::join(coord, ","), fmt::join(mesh_shape, ",")));
+  ShardLayout layout;
+  layout.runs.resize(ndim);
+  std::vector<bool> sharded(ndim, false);
+  for (int t = 0; t < ndim; ++t) {
+    if (global_shape[t] < 0)
+      throw InvalidArgument(fmt::format("global shape [{}] has a negative size",
+                                        fmt::join(global_shape, ",")));
+    if (global_shape[t] > 0) layout.runs[t].push_back({0, global_shape[t]});
+  }
+  for (int m = 0; m < mesh_shape.size(); ++m) {
+    std::optional<int> t = shard_dim(placements[m]);
+    if (!t) continue;
+    if (*t < 0 || *t >= ndim)
+      throw InvalidArgument(fmt::format("shard dim {} of {} out of range for a {}-d tensor",
+                                        *t, to_string(placements[m]), ndim));
+    if (coord[m] < 0 || coord[m] >= mesh_shape[m])
+      throw InvalidArgument(fmt::format("coordinate [{}] outside mesh shape [{}]",
+                                        fmt::join(coord, ","), fmt::join(mesh_shape, ",")));
+    int split_factor = 0;
+    if (const auto* s = std::get_if<StridedShard>(&placements[m])) {
+      if (s->split_factor < 1)
+        throw InvalidArgument(fmt::format("split factor {} of {} must be >= 1", s->split_factor,
+                                          to_string(placements[m])));
+      split_factor = s->split_factor;
+    }
+    sharded[*t] = true;
+    IndexRuns& runs = layout.runs[*t];
+    int64_t n = 0;
+    for (const IndexRun& r : runs) n += r.length;
+    IndexRuns kept;
+    for (const IndexRun& pos : split_positions(n, mesh_shape[m], coord[m], split_factor))
+      select_positions(runs, pos.start, pos.start + pos.length, kept);
+    runs = std::move(kept);
+  }
+  for (int t = 0; t < ndim; ++t) {
+    int64_t n = 0;
+    for (const IndexRun& r : layout.runs[t]) n += r.length;
+    layout.local_shape.push_back(n);
+    if (!sharded[t])
+      layout.global_offset.push_back(0);
+    else
+      layout.global_offset.push_back(n == 0 ? global_shape[t] : layout.runs[t].front().start);
+  }
+  return layout;
+}
+
+std::optional<ShardLayout> layout_of_rank(const Dims& global_shape, const DeviceMesh& mesh,
+                                          const Placements& placements, int rank) {
+  std::optional<Dims> coord = mesh.coord_of(rank);
+  if (!coord) return std::nullopt;
+  return compute_layout(global_shape, mesh.shape(), placements, *coord);
+}
+
+}  // namespace dtensor

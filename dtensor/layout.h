@@ -1,0 +1,67 @@
+// Element ownership: which global indices each rank holds, exactly as PyTorch DTensor
+// (dtensor-semantics.md 2.1-2.4). Pure functions of (global shape, mesh shape, placements, coord).
+//
+// NOTE [chunk rule] An extent of n split over k follows torch.chunk: pieces of c = ceil(n/k),
+// trailing pieces may be empty (9 over 4 -> 3,3,3,0, never 3,2,2,2).
+// NOTE [nested sharding] Placements apply left to right over mesh dims; each Shard splits what
+// the earlier mesh dims left of that tensor dim (5 rows on (2,2) [S(0),S(0)] -> 2,1,1,1).
+// NOTE [sentinel offset] A rank holding nothing of a sharded dim reports offset = global size.
+//
+// Example: shape (13,2), mesh (4,2), [S(0),S(0)], coord (3,1): local_shape (0,2),
+//   global_offset (13,0), indices {[], [0,1]}.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "dtensor/mesh.h"
+#include "dtensor/placement.h"
+
+namespace dtensor {
+
+// One piece of torch.chunk: [offset, offset + size).
+struct Chunk {
+  int64_t offset = 0;
+  int64_t size = 0;
+  friend bool operator==(const Chunk&, const Chunk&) = default;
+};
+// Piece `index` of n split into k by the chunk rule. offset follows PyTorch's closed form: an
+// empty piece that starts past the end reports offset n. REQUIRES: n >= 0, k >= 1, 0 <= index < k.
+Chunk chunk(int64_t n, int64_t k, int64_t index);
+
+// A run of consecutive global indices [start, start + length).
+struct IndexRun {
+  int64_t start = 0;
+  int64_t length = 0;
+  friend bool operator==(const IndexRun&, const IndexRun&) = default;
+};
+using IndexRuns = std::vector<IndexRun>;
+
+// What one rank holds of a tensor: per tensor dim, the global indices in local order as runs.
+struct ShardLayout {
+  Dims local_shape;
+  Dims global_offset;
+  std::vector<IndexRuns> runs;  // one list per tensor dim, adjacent runs merged
+
+  // Every held global index of tensor_dim, in local order.
+  std::vector<int64_t> indices(int tensor_dim) const;
+  // True when tensor_dim is held as one contiguous range (or not at all).
+  bool contiguous(int tensor_dim) const { return runs[tensor_dim].size() <= 1; }
+};
+
+// The layout of the rank at `coord` of a mesh of shape `mesh_shape`.
+// REQUIRES: placements normalised (non-negative shard dims < global_shape.size()), one per mesh
+// dim, split factors >= 1, coord inside mesh_shape. Throws InvalidArgument otherwise.
+ShardLayout compute_layout(const Dims& global_shape, const Dims& mesh_shape,
+                           const Placements& placements, const Dims& coord);
+
+// The layout of global `rank`, or nullopt when the rank is not in the mesh (PyTorch: shape (0,)).
+std::optional<ShardLayout> layout_of_rank(const Dims& global_shape, const DeviceMesh& mesh,
+                                          const Placements& placements, int rank);
+
+// The index-list form of one split, for tests and tools: the positions (0..n-1 of the current
+// extent) that piece `index` keeps under Shard (split_factor == 0) or StridedShard.
+IndexRuns split_positions(int64_t n, int64_t k, int64_t index, int split_factor);
+
+}  // namespace dtensor

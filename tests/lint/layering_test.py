@@ -1,0 +1,37 @@
+#!/usr/bin/env python3
+"""Layering rules of design.md section 2, checked on the source tree:
+- kernels <- collectives <- dtensor <- nn <- fsdp: no include of a higher layer;
+- CUDA and NCCL headers only in .cpp/.cu files under kernels/cuda and collectives/nccl;
+- no environment reads or exit() in library code."""
+import pathlib
+import re
+import sys
+
+root = pathlib.Path(sys.argv[1])
+layers = ["kernels", "collectives", "dtensor", "nn", "fsdp"]
+include = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
+gpu_header = re.compile(r"^(cuda|cuda_runtime|cuda_runtime_api|nccl|cuda_fp16|cuda_bf16|cublas.*)\.h$")
+failures = []
+for level, layer in enumerate(layers):
+    for path in sorted((root / layer).rglob("*")):
+        if path.suffix not in {".h", ".cpp", ".cu", ".cuh"}:
+            continue
+        rel = path.relative_to(root)
+        text = path.read_text()
+        for inc in include.findall(text):
+            top = inc.split("/")[0]
+            if top in layers and layers.index(top) > level:
+                failures.append(f"{rel}: includes {inc} from a higher layer ({top} above {layer})")
+            if gpu_header.match(inc.split("/")[-1]):
+                allowed = (str(rel).startswith(("kernels/cuda/", "collectives/nccl/"))
+                           and path.suffix in {".cpp", ".cu"})
+                if not allowed:
+                    failures.append(f"{rel}: includes {inc} outside a .cpp/.cu of kernels/cuda or collectives/nccl")
+        if re.search(r"\b(getenv|secure_getenv|setenv)\s*\(", text):
+            failures.append(f"{rel}: reads or writes the environment in library code")
+        if re.search(r"(?<![\w:])(std::)?(exit|abort)\s*\(", text):
+            failures.append(f"{rel}: calls exit/abort in library code")
+for f in failures:
+    print("FAIL:", f)
+print(f"layering_test: {len(failures)} failures")
+sys.exit(1 if failures else 0)
