@@ -25,6 +25,8 @@ void cuda_copy_cast(void*, DType, const Dims&, const void*, DType, const Dims&, 
   no_cuda();
 }
 void cuda_fill(void*, size_t, const Dims&, const Dims&, uint64_t, int) { no_cuda(); }
+void cuda_reduce_into(void*, const void*, DType, int64_t, ReduceOp, double, int) { no_cuda(); }
+void cuda_scale(void*, DType, int64_t, double, int) { no_cuda(); }
 
 }  // namespace detail
 }  // namespace kernels

@@ -14,6 +14,7 @@
 #include "kernels/device.h"
 #include "kernels/dims.h"
 #include "kernels/dtype.h"
+#include "kernels/reduce_op.h"
 
 namespace kernels::detail {
 
@@ -32,5 +33,11 @@ void cuda_copy_cast(void* dst, DType dst_dtype, const Dims& dst_strides, const v
 // Writes the low `itemsize` bytes of `pattern` (little-endian) to every element.
 void cuda_fill(void* dst, size_t itemsize, const Dims& strides, const Dims& shape, uint64_t pattern,
                int device);
+
+// acc[i] = op(acc[i], src[i]) and data[i] *= factor over n contiguous elements on `device`, with
+// the arithmetic of kernels/cpu/reduce.cpp (narrow floats in float, integers wrapping).
+void cuda_reduce_into(void* acc, const void* src, DType dtype, int64_t n, ReduceOp op,
+                      double src_scale, int device);
+void cuda_scale(void* data, DType dtype, int64_t n, double factor, int device);
 
 }  // namespace kernels::detail

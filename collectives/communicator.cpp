@@ -1,0 +1,89 @@
+#include "collectives/communicator.h"
+
+#include <fmt/format.h>
+
+#include "kernels/error.h"
+
+namespace collectives {
+
+using kernels::InvalidArgument;
+
+std::string_view to_string(CollectiveKind kind) {
+  switch (kind) {
+    case CollectiveKind::kAllGather: return "all_gather";
+    case CollectiveKind::kReduceScatter: return "reduce_scatter";
+    case CollectiveKind::kAllReduce: return "all_reduce";
+    case CollectiveKind::kAllToAll: return "all_to_all";
+    case CollectiveKind::kAllToAllV: return "all_to_all_v";
+    case CollectiveKind::kBroadcast: return "broadcast";
+    case CollectiveKind::kScatter: return "scatter";
+    case CollectiveKind::kBarrier: return "barrier";
+    case CollectiveKind::kSendRecv: return "send_recv";
+  }
+  return "unknown";
+}
+
+namespace detail {
+
+namespace {
+bool is_supported(kernels::DType dtype) {
+  using kernels::DType;
+  return dtype != DType::kF8E4M3 && dtype != DType::kF8E5M2;
+}
+}  // namespace
+
+void check_tensor(CollectiveKind kind, const Communicator& comm, const Tensor& t, const char* role) {
+  if (!t.defined())
+    throw InvalidArgument(fmt::format("{} on group '{}': {} tensor is undefined", to_string(kind),
+                                      comm.name(), role));
+  if (!t.is_contiguous())
+    throw InvalidArgument(fmt::format("{} on group '{}': {} tensor must be contiguous",
+                                      to_string(kind), comm.name(), role));
+  if (!is_supported(t.dtype()))
+    throw InvalidArgument(fmt::format(
+        "{} on group '{}': dtype {} is not supported by the collectives (expected f32, f64, "
+        "bf16, f16, i32, i64 or u8)",
+        to_string(kind), comm.name(), kernels::to_string(t.dtype())));
+}
+
+void check_buffers(CollectiveKind kind, const Communicator& comm, const Tensor& input,
+                   const Tensor& output) {
+  check_tensor(kind, comm, input, "input");
+  check_tensor(kind, comm, output, "output");
+  if (input.dtype() != output.dtype())
+    throw InvalidArgument(fmt::format("{} on group '{}': input dtype {} != output dtype {}",
+                                      to_string(kind), comm.name(),
+                                      kernels::to_string(input.dtype()),
+                                      kernels::to_string(output.dtype())));
+  if (input.device().type != output.device().type)
+    throw InvalidArgument(fmt::format("{} on group '{}': input on {} but output on {}",
+                                      to_string(kind), comm.name(),
+                                      kernels::to_string(input.device()),
+                                      kernels::to_string(output.device())));
+  const int64_t n = comm.size(), in = input.numel(), out = output.numel();
+  auto want = [&](bool ok, const char* rule) {
+    if (!ok)
+      throw InvalidArgument(fmt::format(
+          "{} on group '{}' of {} ranks: input has {} elements and output {} (expected {})",
+          to_string(kind), comm.name(), n, in, out, rule));
+  };
+  switch (kind) {
+    case CollectiveKind::kAllGather: want(out == n * in, "output = size x input"); break;
+    case CollectiveKind::kReduceScatter: want(in == n * out, "input = size x output"); break;
+    case CollectiveKind::kAllReduce: want(in == out, "equal counts"); break;
+    case CollectiveKind::kAllToAll:
+      want(in == out && in % n == 0, "equal counts divisible by the group size");
+      break;
+    default: break;
+  }
+}
+
+void check_reduction(CollectiveKind kind, const Tensor& t, Reduction r) {
+  if (r.pre_multiplier != 1.0 && r.op != ReduceOp::kSum)
+    throw InvalidArgument(fmt::format("{}: a pre-multiplier ({}) needs ReduceOp sum, got {}",
+                                      to_string(kind), r.pre_multiplier, kernels::to_string(r.op)));
+  (void)t;
+}
+
+}  // namespace detail
+}  // namespace collectives

@@ -1,0 +1,147 @@
+// Communicator: one group of ranks and the collectives it runs. One interface, three backends:
+// local (ranks are threads of one process; collectives/local.h), mpi (collectives/mpi.h) and
+// nccl (collectives/nccl.h). Buffers are Tensors on the CPU or a CUDA device.
+//
+// Every call is asynchronous and returns a Work; wait() blocks until this rank's part is done:
+//   auto work = comm.all_gather(shard, full);   // issue
+//   work->wait();                                // full now holds every rank's shard in group order
+// Calls are matched across ranks by their order on the communicator (as NCCL does): every member
+// must issue the same sequence of collectives with matching counts, dtypes, ops and roots.
+// A member that never joins makes the others fail in wait() with a CommError naming the
+// collective, the group and the missing ranks, within the timeout.
+//
+// Group rank vs global rank: rank() is this member's index in the group; ranks()[i] is the
+// global rank of member i. Mesh-dim groups are ordered by mesh coordinate (dtensor/mesh.h).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kernels/reduce_op.h"
+#include "kernels/tensor.h"
+
+namespace collectives {
+
+using kernels::ReduceOp;
+using kernels::Tensor;
+using Milliseconds = std::chrono::milliseconds;
+
+// The reduction of a reducing collective. pre_multiplier scales every input before a sum
+// (NCCL's ncclRedOpCreatePreMulSum; FSDP's gradient divide factor): result = sum_i(x_i * m).
+// REQUIRES: pre_multiplier != 1 only with ReduceOp::kSum.
+struct Reduction {
+  ReduceOp op = ReduceOp::kSum;
+  double pre_multiplier = 1.0;
+  Reduction() = default;
+  Reduction(ReduceOp op_) : op(op_) {}  // NOLINT: implicit, so all_reduce(x, x, ReduceOp::kMax) reads well
+  static Reduction premul_sum(double m) {
+    Reduction r;
+    r.pre_multiplier = m;
+    return r;
+  }
+};
+
+enum class CollectiveKind {
+  kAllGather, kReduceScatter, kAllReduce, kAllToAll, kAllToAllV, kBroadcast, kScatter, kBarrier,
+  kSendRecv,
+};
+std::string_view to_string(CollectiveKind kind);
+
+class Work {
+ public:
+  virtual ~Work() = default;
+  // Blocks until this rank's part of the call (or batch) is complete. Throws CommError on a
+  // timeout (naming the collective, the group and the ranks that never joined), on a mismatch
+  // between ranks, or when another rank failed.
+  virtual void wait(Milliseconds timeout) = 0;
+  // Non-blocking: true once wait() would return at once.
+  virtual bool completed() = 0;
+};
+using WorkPtr = std::shared_ptr<Work>;
+
+// One side of a point-to-point transfer inside send_recv(). `peer` is a group rank.
+struct P2POp {
+  enum class Kind { kSend, kRecv };
+  Kind kind = Kind::kSend;
+  Tensor buffer;
+  int peer = 0;
+  static P2POp send(Tensor t, int peer) { return {Kind::kSend, std::move(t), peer}; }
+  static P2POp recv(Tensor t, int peer) { return {Kind::kRecv, std::move(t), peer}; }
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  int rank() const { return rank_; }
+  int size() const { return static_cast<int>(ranks_.size()); }
+  const std::vector<int>& ranks() const { return ranks_; }
+  // Human-readable group name used in errors, e.g. "world" or "mesh dim 1 (tp) [4,5,6,7]".
+  const std::string& name() const { return name_; }
+  virtual std::string_view backend() const = 0;
+  // Default timeout of wait() without an argument.
+  Milliseconds timeout() const { return timeout_; }
+  void set_timeout(Milliseconds t) { timeout_ = t; }
+  void wait(const WorkPtr& work) { work->wait(timeout_); }
+
+  // All buffers are contiguous, on this communicator's device kind, one dtype per call.
+  // output = concat over members (group order) of input; output.numel() == size() * input.numel().
+  // In place when input is this rank's slice of output.
+  virtual WorkPtr all_gather(const Tensor& input, const Tensor& output) = 0;
+  // output = reduce over members of slice rank() of input; input.numel() == size() * output.numel().
+  // In place when output is this rank's slice of input.
+  virtual WorkPtr reduce_scatter(const Tensor& input, const Tensor& output, Reduction r) = 0;
+  // output = reduce over members of input (same numel); in place when both are the same tensor.
+  virtual WorkPtr all_reduce(const Tensor& input, const Tensor& output, Reduction r) = 0;
+  // Equal splits: slice j of input goes to member j, and slice i of output comes from member i.
+  virtual WorkPtr all_to_all(const Tensor& input, const Tensor& output) = 0;
+  // Per-member element counts (send_counts[j] to member j, recv_counts[i] from member i), packed
+  // back to back in member order. Counts may be zero; they must agree pairwise across members.
+  virtual WorkPtr all_to_all_v(const Tensor& input, std::span<const int64_t> send_counts,
+                               const Tensor& output, std::span<const int64_t> recv_counts) = 0;
+  // buffer on every member = buffer of member `root`.
+  virtual WorkPtr broadcast(const Tensor& buffer, int root) = 0;
+  // output on member i = slice i of root's input (input is ignored on the other members and may
+  // be undefined there).
+  virtual WorkPtr scatter(const Tensor& input, const Tensor& output, int root) = 0;
+  virtual WorkPtr barrier() = 0;
+  // A batch of sends and receives exchanged as one operation (any permutation of data between
+  // members). Each send must be matched by the peer's receive of the same numel and dtype, in
+  // order per (sender, receiver) pair.
+  virtual WorkPtr send_recv(std::span<const P2POp> ops) = 0;
+
+  // Batching (NCCL group semantics): calls between begin_batch() and end_batch() are issued as
+  // one operation; their Works complete together, and end_batch() returns a Work for all of them.
+  virtual void begin_batch() = 0;
+  virtual WorkPtr end_batch() = 0;
+
+  // Collective over this communicator: every member calls it with the group it belongs to (group
+  // ranks of *this* communicator, in the new group's order; groups are disjoint). Returns the
+  // new communicator; it inherits the timeout. `name` names the new group in errors.
+  virtual std::unique_ptr<Communicator> split(std::span<const int> group, std::string name) = 0;
+
+ protected:
+  Communicator(int rank, std::vector<int> ranks, std::string name, Milliseconds timeout)
+      : rank_(rank), ranks_(std::move(ranks)), name_(std::move(name)), timeout_(timeout) {}
+
+ private:
+  int rank_;
+  std::vector<int> ranks_;
+  std::string name_;
+  Milliseconds timeout_;
+};
+
+// Checks shared by the backends; each throws InvalidArgument naming the call and the value.
+namespace detail {
+// Defined, contiguous, and of a dtype the collectives move (fp8 is storage-only).
+void check_tensor(CollectiveKind kind, const Communicator& comm, const Tensor& t, const char* role);
+void check_buffers(CollectiveKind kind, const Communicator& comm, const Tensor& input,
+                   const Tensor& output);
+void check_reduction(CollectiveKind kind, const Tensor& t, Reduction r);
+}  // namespace detail
+
+}  // namespace collectives

@@ -1,0 +1,696 @@
+#include "collectives/local.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <thread>
+#include <utility>
+
+#include "kernels/error.h"
+#include "kernels/reduce.h"
+
+namespace collectives {
+
+using kernels::CommError;
+using kernels::DType;
+using kernels::InvalidArgument;
+
+namespace detail {
+
+class LocalGroup;
+
+// Shared by every rank of one LocalWorld. One mutex and condition variable serve all groups: the
+// rendezvous is coarse (one lock per phase per call), and an abort must wake every waiter.
+class LocalWorldState {
+ public:
+  LocalWorldState(int size, Milliseconds timeout) : size(size), timeout(timeout) {}
+  const int size;
+  const Milliseconds timeout;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool aborted = false;
+  int aborted_rank = -1;
+  std::string abort_reason;
+  // Groups made by split(), by (parent group id, parent call number, member list).
+  std::map<std::tuple<uint64_t, uint64_t, std::vector<int>>, std::weak_ptr<LocalGroup>> splits;
+  uint64_t next_group_id = 0;
+  std::weak_ptr<LocalGroup> world_group;
+};
+
+// One member's posted call.
+struct PostedCall {
+  CollectiveKind kind = CollectiveKind::kBarrier;
+  DType dtype = DType::kF32;
+  Tensor input, output;  // flat 1-D views
+  Reduction reduction;
+  int root = -1;
+  std::vector<int64_t> send_counts, recv_counts;
+  std::vector<P2POp> ops;
+  std::vector<int> split_group;  // group ranks of the parent
+  std::string split_name;
+  bool posted = false;
+
+  std::string describe() const {
+    std::string what = fmt::format("{}(", to_string(kind));
+    switch (kind) {
+      case CollectiveKind::kBarrier: break;
+      case CollectiveKind::kSendRecv: what += fmt::format("{} ops", ops.size()); break;
+      default:
+        if (split_name.empty())
+          what += fmt::format("{}, {} -> {} elements", kernels::to_string(dtype),
+                              input.defined() ? input.numel() : 0, output.numel());
+    }
+    if (kind == CollectiveKind::kBroadcast || kind == CollectiveKind::kScatter)
+      what += fmt::format(", root {}", root);
+    if (kind == CollectiveKind::kReduceScatter || kind == CollectiveKind::kAllReduce) {
+      what += fmt::format(", {}", kernels::to_string(reduction.op));
+      if (reduction.pre_multiplier != 1.0) what += fmt::format(" x {}", reduction.pre_multiplier);
+    }
+    return what + ")";
+  }
+};
+
+struct Slot {
+  std::vector<PostedCall> calls;  // by group rank
+  int arrived = 0;
+  int phase_done = 0;  // members past the read phase
+  std::vector<char> read_done;  // by group rank
+  int left = 0;        // members that finished
+  bool checked = false;
+  std::string mismatch;
+  std::vector<Tensor> partial;               // all_reduce: member i's reduced chunk
+  std::shared_ptr<LocalGroup> split_result;  // unused by non-split calls
+  std::vector<std::shared_ptr<LocalGroup>> split_groups;
+};
+
+class LocalGroup {
+ public:
+  // REQUIRES: world->mu held (the id is drawn from the world).
+  LocalGroup(std::shared_ptr<LocalWorldState> world_, std::vector<int> ranks_, std::string name_)
+      : world(std::move(world_)), ranks(std::move(ranks_)), name(std::move(name_)),
+        id(world->next_group_id++) {}
+  std::shared_ptr<LocalWorldState> world;
+  const std::vector<int> ranks;  // global ranks in group order
+  const std::string name;
+  const uint64_t id;
+  std::map<uint64_t, Slot> slots;  // guarded by world->mu
+};
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t elems(const Tensor& t) { return t.defined() ? t.numel() : 0; }
+
+Tensor flat(const Tensor& t) { return t.defined() ? t.view({t.numel()}) : t; }
+
+// dst[dst_off : dst_off+n] = src[src_off : src_off+n] (flat contiguous tensors, same dtype).
+void copy_elems(const Tensor& dst, int64_t dst_off, const Tensor& src, int64_t src_off, int64_t n) {
+  if (n == 0) return;
+  if (dst.device().is_cpu() && src.device().is_cpu()) {
+    const size_t item = kernels::itemsize(dst.dtype());
+    std::memcpy(static_cast<char*>(dst.data_ptr()) + dst_off * item,
+                static_cast<const char*>(src.data_ptr()) + src_off * item, n * item);
+    return;
+  }
+  dst.narrow(0, dst_off, n).copy_(src.narrow(0, src_off, n));
+}
+
+// True when the byte ranges of a and b overlap.
+bool overlaps(const Tensor& a, const Tensor& b) {
+  if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0) return false;
+  if (!a.shares_storage_with(b)) return false;
+  const char* pa = static_cast<const char*>(a.data_ptr());
+  const char* pb = static_cast<const char*>(b.data_ptr());
+  return pa < pb + b.nbytes() && pb < pa + a.nbytes();
+}
+
+// Start and length of member r's chunk of n elements (torch.chunk rule).
+std::pair<int64_t, int64_t> chunk_of(int64_t n, int64_t k, int64_t r) {
+  const int64_t c = (n + k - 1) / k;
+  const int64_t begin = std::min(n, r * c), end = std::min(n, (r + 1) * c);
+  return {begin, end - begin};
+}
+
+std::string check_calls(const std::vector<PostedCall>& calls, const LocalGroup& g) {
+  const int n = static_cast<int>(calls.size());
+  const PostedCall& c0 = calls[0];
+  auto differ = [&](int i, const char* what) {
+    return fmt::format("collective mismatch on group '{}' ({}): rank {} called {} but rank {} "
+                       "called {}",
+                       g.name, what, g.ranks[0], c0.describe(), g.ranks[i], calls[i].describe());
+  };
+  for (int i = 1; i < n; ++i) {
+    const PostedCall& c = calls[i];
+    if (c.kind != c0.kind) return differ(i, "different collectives");
+    if (c.kind == CollectiveKind::kBarrier || c.kind == CollectiveKind::kSendRecv) continue;
+    if (!c.split_name.empty() || !c0.split_name.empty()) continue;
+    if (c.dtype != c0.dtype) return differ(i, "different dtypes");
+    if (c.root != c0.root) return differ(i, "different roots");
+    if (c.reduction.op != c0.reduction.op || c.reduction.pre_multiplier != c0.reduction.pre_multiplier)
+      return differ(i, "different reductions");
+    switch (c.kind) {
+      case CollectiveKind::kAllGather:
+      case CollectiveKind::kReduceScatter:
+      case CollectiveKind::kAllReduce:
+      case CollectiveKind::kAllToAll:
+        if (elems(c.input) != elems(c0.input)) return differ(i, "different counts");
+        break;
+      case CollectiveKind::kBroadcast:
+      case CollectiveKind::kScatter:
+        if (elems(c.output) != elems(c0.output)) return differ(i, "different counts");
+        break;
+      default: break;
+    }
+  }
+  if (c0.kind == CollectiveKind::kScatter && elems(calls[c0.root].input) != n * elems(c0.output))
+    return fmt::format("scatter on group '{}': root {} has {} input elements for {} x {}", g.name,
+                       g.ranks[c0.root], elems(calls[c0.root].input), n, elems(c0.output));
+  if (c0.kind == CollectiveKind::kAllToAllV) {
+    for (int i = 0; i < n; ++i)
+      for (int j = 0; j < n; ++j)
+        if (calls[i].send_counts[j] != calls[j].recv_counts[i])
+          return fmt::format(
+              "all_to_all_v count mismatch on group '{}': rank {} sends {} elements to rank {}, "
+              "which expects {}",
+              g.name, g.ranks[i], calls[i].send_counts[j], g.ranks[j], calls[j].recv_counts[i]);
+  }
+  if (c0.kind == CollectiveKind::kSendRecv) {
+    // Per ordered pair (i -> j): the i-th send matches the i-th receive, same numel and dtype.
+    for (int i = 0; i < n; ++i)
+      for (int j = 0; j < n; ++j) {
+        std::vector<const P2POp*> sends, recvs;
+        for (const P2POp& op : calls[i].ops)
+          if (op.kind == P2POp::Kind::kSend && op.peer == j) sends.push_back(&op);
+        for (const P2POp& op : calls[j].ops)
+          if (op.kind == P2POp::Kind::kRecv && op.peer == i) recvs.push_back(&op);
+        if (sends.size() != recvs.size())
+          return fmt::format("send_recv mismatch on group '{}': rank {} posts {} sends to rank {}, "
+                             "which posts {} receives from it",
+                             g.name, g.ranks[i], sends.size(), g.ranks[j], recvs.size());
+        for (size_t k = 0; k < sends.size(); ++k)
+          if (sends[k]->buffer.numel() != recvs[k]->buffer.numel() ||
+              sends[k]->buffer.dtype() != recvs[k]->buffer.dtype())
+            return fmt::format(
+                "send_recv mismatch on group '{}': send #{} from rank {} to rank {} has {} {} "
+                "elements, the receive has {} {}",
+                g.name, k, g.ranks[i], g.ranks[j], sends[k]->buffer.numel(),
+                kernels::to_string(sends[k]->buffer.dtype()), recvs[k]->buffer.numel(),
+                kernels::to_string(recvs[k]->buffer.dtype()));
+      }
+  }
+  if (!c0.split_name.empty()) {
+    for (int i = 0; i < n; ++i) {
+      const auto& gi = calls[i].split_group;
+      if (std::find(gi.begin(), gi.end(), i) == gi.end())
+        return fmt::format("split of group '{}': rank {} passed group [{}], which does not contain it",
+                           g.name, g.ranks[i], fmt::join(gi, ","));
+      for (int m : gi)
+        if (m < 0 || m >= n || calls[m].split_group != gi)
+          return fmt::format("split of group '{}': rank {} passed group [{}] but member {} passed [{}]",
+                             g.name, g.ranks[i], fmt::join(gi, ","), m,
+                             m >= 0 && m < n ? fmt::format("{}", fmt::join(calls[m].split_group, ","))
+                                             : std::string("nothing (out of range)"));
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
+class LocalCommunicator final : public Communicator {
+ public:
+  LocalCommunicator(std::shared_ptr<LocalGroup> group, int rank, Milliseconds timeout)
+      : Communicator(rank, group->ranks, group->name, timeout), group_(std::move(group)) {}
+
+  std::string_view backend() const override { return "local"; }
+
+  WorkPtr all_gather(const Tensor& input, const Tensor& output) override {
+    check_buffers(CollectiveKind::kAllGather, *this, input, output);
+    PostedCall c = make(CollectiveKind::kAllGather, input, output);
+    return post(std::move(c));
+  }
+  WorkPtr reduce_scatter(const Tensor& input, const Tensor& output, Reduction r) override {
+    check_buffers(CollectiveKind::kReduceScatter, *this, input, output);
+    check_reduction(CollectiveKind::kReduceScatter, input, r);
+    PostedCall c = make(CollectiveKind::kReduceScatter, input, output);
+    c.reduction = r;
+    return post(std::move(c));
+  }
+  WorkPtr all_reduce(const Tensor& input, const Tensor& output, Reduction r) override {
+    check_buffers(CollectiveKind::kAllReduce, *this, input, output);
+    check_reduction(CollectiveKind::kAllReduce, input, r);
+    PostedCall c = make(CollectiveKind::kAllReduce, input, output);
+    c.reduction = r;
+    return post(std::move(c));
+  }
+  WorkPtr all_to_all(const Tensor& input, const Tensor& output) override {
+    check_buffers(CollectiveKind::kAllToAll, *this, input, output);
+    return post(make(CollectiveKind::kAllToAll, input, output));
+  }
+  WorkPtr all_to_all_v(const Tensor& input, std::span<const int64_t> send_counts,
+                       const Tensor& output, std::span<const int64_t> recv_counts) override {
+    constexpr auto kind = CollectiveKind::kAllToAllV;
+    check_buffers(kind, *this, input, output);
+    auto check_counts = [&](std::span<const int64_t> counts, const Tensor& t, const char* what) {
+      if (static_cast<int>(counts.size()) != size())
+        throw InvalidArgument(fmt::format("all_to_all_v on group '{}': {} {} counts for {} ranks",
+                                          name(), counts.size(), what, size()));
+      int64_t total = 0;
+      for (int64_t c : counts) {
+        if (c < 0)
+          throw InvalidArgument(fmt::format("all_to_all_v on group '{}': negative {} count {}",
+                                            name(), what, c));
+        total += c;
+      }
+      if (total != t.numel())
+        throw InvalidArgument(fmt::format(
+            "all_to_all_v on group '{}': {} counts [{}] sum to {} but the buffer has {} elements",
+            name(), what, fmt::join(counts, ","), total, t.numel()));
+    };
+    check_counts(send_counts, input, "send");
+    check_counts(recv_counts, output, "receive");
+    PostedCall c = make(kind, input, output);
+    c.send_counts.assign(send_counts.begin(), send_counts.end());
+    c.recv_counts.assign(recv_counts.begin(), recv_counts.end());
+    return post(std::move(c));
+  }
+  WorkPtr broadcast(const Tensor& buffer, int root) override {
+    check_tensor(CollectiveKind::kBroadcast, *this, buffer, "buffer");
+    check_root(CollectiveKind::kBroadcast, root);
+    PostedCall c = make(CollectiveKind::kBroadcast, buffer, buffer);
+    c.root = root;
+    return post(std::move(c));
+  }
+  WorkPtr scatter(const Tensor& input, const Tensor& output, int root) override {
+    check_root(CollectiveKind::kScatter, root);
+    if (rank() == root) check_buffers(CollectiveKind::kScatter, *this, input, output);
+    else check_tensor(CollectiveKind::kScatter, *this, output, "output");
+    PostedCall c = make(CollectiveKind::kScatter, rank() == root ? input : Tensor(), output);
+    c.root = root;
+    return post(std::move(c));
+  }
+  WorkPtr barrier() override { return post(PostedCall{}); }
+  WorkPtr send_recv(std::span<const P2POp> ops) override {
+    PostedCall c;
+    c.kind = CollectiveKind::kSendRecv;
+    for (const P2POp& op : ops) {
+      check_tensor(CollectiveKind::kSendRecv, *this, op.buffer, "send/recv");
+      if (op.peer < 0 || op.peer >= size())
+        throw InvalidArgument(fmt::format("send_recv on group '{}': peer {} out of range 0..{}",
+                                          name(), op.peer, size() - 1));
+      c.ops.push_back({op.kind, flat(op.buffer), op.peer});
+    }
+    return post(std::move(c));
+  }
+
+  void begin_batch() override {
+    if (batching_) throw InvalidArgument(fmt::format("begin_batch on group '{}': already in a batch", name()));
+    batching_ = true;
+  }
+  WorkPtr end_batch() override;
+
+  std::unique_ptr<Communicator> split(std::span<const int> group, std::string new_name) override;
+
+ private:
+  void check_root(CollectiveKind kind, int root) const {
+    if (root < 0 || root >= size())
+      throw InvalidArgument(fmt::format("{} on group '{}': root {} out of range 0..{}",
+                                        to_string(kind), name(), root, size() - 1));
+  }
+  static PostedCall make(CollectiveKind kind, const Tensor& input, const Tensor& output) {
+    PostedCall c;
+    c.kind = kind;
+    c.dtype = output.dtype();
+    c.input = flat(input);
+    c.output = flat(output);
+    return c;
+  }
+  WorkPtr post(PostedCall call);
+
+  std::shared_ptr<LocalGroup> group_;
+  uint64_t next_seq_ = 0;
+  bool batching_ = false;
+  std::vector<WorkPtr> batch_;
+};
+
+namespace {
+
+class LocalWork final : public Work {
+ public:
+  LocalWork(std::shared_ptr<LocalGroup> group, uint64_t seq, int rank)
+      : group_(std::move(group)), seq_(seq), rank_(rank) {}
+  ~LocalWork() override {
+    // Complete this rank's part even if nobody waited (the call must not stall the others),
+    // unless the rank is unwinding from an exception: then run_ranks aborts the world.
+    if (state_ == State::kPending && std::uncaught_exceptions() == 0) {
+      try {
+        wait(group_->world->timeout);
+      } catch (...) {  // NOLINT: destructors never throw
+      }
+    }
+  }
+
+  void wait(Milliseconds timeout) override {
+    if (state_ == State::kDone) return;
+    if (state_ == State::kFailed) throw CommError(error_);
+    try {
+      run(timeout);
+      state_ = State::kDone;
+    } catch (const std::exception& e) {
+      state_ = State::kFailed;
+      error_ = e.what();
+      throw;
+    }
+  }
+
+  bool completed() override {
+    if (state_ != State::kPending) return true;
+    std::lock_guard lk(group_->world->mu);
+    return group_->slots.at(seq_).arrived == static_cast<int>(group_->ranks.size()) &&
+           group_->slots.at(seq_).phase_done == static_cast<int>(group_->ranks.size());
+  }
+
+  std::shared_ptr<LocalGroup> split_result() const { return split_result_; }
+
+ private:
+  enum class State { kPending, kDone, kFailed };
+
+  [[noreturn]] void fail_locked(const Slot& slot, const char* waiting_for) {
+    LocalWorldState& w = *group_->world;
+    const PostedCall& mine = slot.calls[rank_];
+    if (w.aborted)
+      throw CommError(fmt::format("{} on group '{}' abandoned: rank {} failed: {}",
+                                  to_string(mine.kind), group_->name, w.aborted_rank,
+                                  w.abort_reason));
+    const bool joining = std::string_view(waiting_for) == "join";
+    std::vector<int> missing;
+    for (size_t i = 0; i < slot.calls.size(); ++i)
+      if (joining ? !slot.calls[i].posted : !slot.read_done[i]) missing.push_back(group_->ranks[i]);
+    throw CommError(fmt::format("{} on group '{}' [{}] (call #{}) timed out after {} ms: ranks [{}] {}",
+                                to_string(mine.kind), group_->name, fmt::join(group_->ranks, ","),
+                                seq_, timeout_.count(), fmt::join(missing, ","),
+                                joining ? "never joined" : "joined but never waited for it"));
+  }
+
+  // Blocks until pred() or the deadline / an abort; throws on the latter two.
+  template <class Pred>
+  void block(std::unique_lock<std::mutex>& lk, Slot& slot, Pred pred, const char* waiting_for) {
+    LocalWorldState& w = *group_->world;
+    if (!w.cv.wait_until(lk, deadline_, [&] { return pred() || w.aborted; }) || (w.aborted && !pred()))
+      fail_locked(slot, waiting_for);
+  }
+
+  void run(Milliseconds timeout) {
+    LocalWorldState& w = *group_->world;
+    const int n = static_cast<int>(group_->ranks.size());
+    timeout_ = timeout;
+    deadline_ = Clock::now() + timeout;
+    std::unique_lock lk(w.mu);
+    Slot& slot = group_->slots.at(seq_);
+    block(lk, slot, [&] { return slot.arrived == n; }, "join");
+    if (!slot.checked) {
+      slot.mismatch = check_calls(slot.calls, *group_);
+      slot.checked = true;
+    }
+    if (!slot.mismatch.empty()) throw CommError(slot.mismatch);
+    const PostedCall& call = slot.calls[rank_];
+    if (!call.split_name.empty()) {
+      make_split_group(slot);
+      split_result_ = slot.split_groups[rank_];
+    }
+    lk.unlock();
+
+    Tensor staged = read_phase(slot);  // reads other members' buffers
+
+    lk.lock();
+    ++slot.phase_done;
+    slot.read_done[rank_] = 1;
+    w.cv.notify_all();
+    block(lk, slot, [&] { return slot.phase_done == n; }, "complete");
+    lk.unlock();
+
+    write_phase(slot, staged);  // only touches this rank's output and slot-owned partials
+
+    lk.lock();
+    if (++slot.left == n) group_->slots.erase(seq_);
+  }
+
+  // Builds (once per group) the sub-group objects of a split.
+  void make_split_group(Slot& slot) {
+    if (!slot.split_groups.empty()) return;
+    const int n = static_cast<int>(slot.calls.size());
+    slot.split_groups.resize(n);
+    for (int i = 0; i < n; ++i) {
+      if (slot.split_groups[i]) continue;
+      std::vector<int> global;
+      for (int m : slot.calls[i].split_group) global.push_back(group_->ranks[m]);
+      auto g = std::make_shared<LocalGroup>(group_->world, global, slot.calls[i].split_name);
+      for (int m : slot.calls[i].split_group) slot.split_groups[m] = g;
+    }
+  }
+
+  // Reads from the other members; returns data to write into this rank's output later when the
+  // output may alias a buffer the others are still reading.
+  Tensor read_phase(Slot& slot) {
+    const int n = static_cast<int>(slot.calls.size());
+    const int r = rank_;
+    const PostedCall& me = slot.calls[r];
+    switch (me.kind) {
+      case CollectiveKind::kAllGather: {
+        const int64_t cnt = me.input.numel();
+        for (int i = 0; i < n; ++i)
+          if (i != r || !overlaps(me.output, me.input)) copy_elems(me.output, i * cnt, slot.calls[i].input, 0, cnt);
+        return {};
+      }
+      case CollectiveKind::kReduceScatter: {
+        const int64_t cnt = me.output.numel();
+        Tensor acc = overlaps(me.output, me.input) ? Tensor::empty({cnt}, me.dtype, me.output.device()) : me.output;
+        reduce_chunk(slot, acc, r * cnt, cnt);
+        return acc.shares_storage_with(me.output) ? Tensor() : acc;
+      }
+      case CollectiveKind::kAllReduce: {
+        auto [begin, len] = chunk_of(me.input.numel(), n, r);
+        Tensor acc = Tensor::empty({len}, me.dtype, me.output.device());
+        reduce_chunk(slot, acc, begin, len);
+        std::lock_guard lk(group_->world->mu);
+        if (slot.partial.empty()) slot.partial.resize(n);
+        slot.partial[r] = acc;
+        return {};
+      }
+      case CollectiveKind::kAllToAll:
+      case CollectiveKind::kAllToAllV: {
+        const bool v = me.kind == CollectiveKind::kAllToAllV;
+        const int64_t cnt = v ? 0 : me.input.numel() / n;
+        Tensor dst = overlaps(me.output, me.input)
+                         ? Tensor::empty({me.output.numel()}, me.dtype, me.output.device())
+                         : me.output;
+        int64_t recv_off = 0;
+        for (int i = 0; i < n; ++i) {
+          const PostedCall& src = slot.calls[i];
+          const int64_t send_off =
+              v ? std::accumulate(src.send_counts.begin(), src.send_counts.begin() + r, int64_t{0})
+                : r * cnt;
+          const int64_t len = v ? me.recv_counts[i] : cnt;
+          copy_elems(dst, recv_off, src.input, send_off, len);
+          recv_off += len;
+        }
+        return dst.shares_storage_with(me.output) ? Tensor() : dst;
+      }
+      case CollectiveKind::kBroadcast:
+        if (r != me.root) copy_elems(me.output, 0, slot.calls[me.root].input, 0, me.output.numel());
+        return {};
+      case CollectiveKind::kScatter: {
+        const int64_t cnt = me.output.numel();
+        copy_elems(me.output, 0, slot.calls[me.root].input, r * cnt, cnt);
+        return {};
+      }
+      case CollectiveKind::kSendRecv: {
+        // The k-th receive from p takes the k-th send from p to r.
+        std::vector<int> taken(n, 0);
+        for (const P2POp& op : me.ops) {
+          if (op.kind != P2POp::Kind::kRecv) continue;
+          int k = taken[op.peer]++;
+          for (const P2POp& s : slot.calls[op.peer].ops)
+            if (s.kind == P2POp::Kind::kSend && s.peer == r && k-- == 0) {
+              copy_elems(op.buffer, 0, s.buffer, 0, op.buffer.numel());
+              break;
+            }
+        }
+        return {};
+      }
+      case CollectiveKind::kBarrier: return {};
+    }
+    return {};
+  }
+
+  // acc = reduction over members of input[begin, begin+len), in group order.
+  void reduce_chunk(const Slot& slot, const Tensor& acc, int64_t begin, int64_t len) {
+    const PostedCall& me = slot.calls[rank_];
+    const int n = static_cast<int>(slot.calls.size());
+    const Reduction red = me.reduction;
+    copy_elems(acc, 0, slot.calls[0].input, begin, len);
+    if (red.pre_multiplier != 1.0) kernels::scale_(acc, red.pre_multiplier);
+    for (int i = 1; i < n; ++i)
+      kernels::reduce_into(acc, slot.calls[i].input.narrow(0, begin, len), red.op, red.pre_multiplier);
+    if (red.op == ReduceOp::kAvg) kernels::scale_(acc, 1.0 / n);
+  }
+
+  void write_phase(Slot& slot, const Tensor& staged) {
+    const PostedCall& me = slot.calls[rank_];
+    if (staged.defined()) copy_elems(me.output, 0, staged, 0, me.output.numel());
+    if (me.kind == CollectiveKind::kAllReduce) {
+      const int n = static_cast<int>(slot.calls.size());
+      for (int i = 0; i < n; ++i) {
+        auto [begin, len] = chunk_of(me.output.numel(), n, i);
+        copy_elems(me.output, begin, slot.partial[i], 0, len);
+      }
+    }
+  }
+
+  std::shared_ptr<LocalGroup> group_;
+  uint64_t seq_;
+  int rank_;
+  State state_ = State::kPending;
+  std::string error_;
+  Milliseconds timeout_{0};
+  Clock::time_point deadline_;
+  std::shared_ptr<LocalGroup> split_result_;
+};
+
+// Completes when every member Work does.
+class BatchWork final : public Work {
+ public:
+  explicit BatchWork(std::vector<WorkPtr> works) : works_(std::move(works)) {}
+  void wait(Milliseconds timeout) override {
+    const auto deadline = Clock::now() + timeout;
+    for (auto& w : works_)
+      w->wait(std::max(Milliseconds{0}, std::chrono::duration_cast<Milliseconds>(deadline - Clock::now())));
+  }
+  bool completed() override {
+    return std::all_of(works_.begin(), works_.end(), [](auto& w) { return w->completed(); });
+  }
+
+ private:
+  std::vector<WorkPtr> works_;
+};
+
+}  // namespace
+
+WorkPtr LocalCommunicator::post(PostedCall call) {
+  const uint64_t seq = next_seq_++;
+  LocalWorldState& w = *group_->world;
+  {
+    std::lock_guard lk(w.mu);
+    Slot& slot = group_->slots[seq];
+    if (slot.calls.empty()) {
+      slot.calls.resize(group_->ranks.size());
+      slot.read_done.resize(group_->ranks.size());
+    }
+    call.posted = true;
+    slot.calls[rank()] = std::move(call);
+    if (++slot.arrived == static_cast<int>(group_->ranks.size())) w.cv.notify_all();
+  }
+  auto work = std::make_shared<LocalWork>(group_, seq, rank());
+  if (batching_) batch_.push_back(work);
+  return work;
+}
+
+WorkPtr LocalCommunicator::end_batch() {
+  if (!batching_) throw InvalidArgument(fmt::format("end_batch on group '{}': no batch begun", name()));
+  batching_ = false;
+  return std::make_shared<BatchWork>(std::exchange(batch_, {}));
+}
+
+std::unique_ptr<Communicator> LocalCommunicator::split(std::span<const int> group,
+                                                       std::string new_name) {
+  if (batching_) throw InvalidArgument(fmt::format("split on group '{}': not allowed inside a batch", name()));
+  PostedCall c;
+  c.kind = CollectiveKind::kBarrier;
+  c.split_group.assign(group.begin(), group.end());
+  c.split_name = new_name.empty() ? std::string("split") : std::move(new_name);
+  auto work = std::static_pointer_cast<LocalWork>(post(std::move(c)));
+  work->wait(timeout());
+  std::shared_ptr<LocalGroup> g = work->split_result();
+  const auto it = std::find(g->ranks.begin(), g->ranks.end(), ranks()[rank()]);
+  return std::make_unique<LocalCommunicator>(g, static_cast<int>(it - g->ranks.begin()), timeout());
+}
+
+}  // namespace detail
+
+LocalWorld::LocalWorld(int size, Milliseconds timeout) {
+  if (size < 1) throw InvalidArgument(fmt::format("LocalWorld: size {} must be >= 1", size));
+  state_ = std::make_shared<detail::LocalWorldState>(size, timeout);
+}
+
+LocalWorld::~LocalWorld() = default;
+
+int LocalWorld::size() const { return state_->size; }
+
+std::unique_ptr<Communicator> LocalWorld::communicator(int rank) {
+  if (rank < 0 || rank >= state_->size)
+    throw InvalidArgument(fmt::format("LocalWorld: rank {} out of range 0..{}", rank, state_->size - 1));
+  std::shared_ptr<detail::LocalGroup> world;
+  {
+    std::lock_guard lk(state_->mu);
+    world = state_->world_group.lock();
+    if (!world) {
+      std::vector<int> ranks(state_->size);
+      std::iota(ranks.begin(), ranks.end(), 0);
+      world = std::make_shared<detail::LocalGroup>(state_, ranks, "world");
+      state_->world_group = world;
+    }
+  }
+  return std::make_unique<detail::LocalCommunicator>(world, rank, state_->timeout);
+}
+
+void LocalWorld::abort(int rank, const std::string& reason) {
+  std::lock_guard lk(state_->mu);
+  if (!state_->aborted) {
+    state_->aborted = true;
+    state_->aborted_rank = rank;
+    state_->abort_reason = reason;
+  }
+  state_->cv.notify_all();
+}
+
+void run_ranks(int size, const std::function<void(Communicator& world)>& fn, Milliseconds timeout) {
+  LocalWorld world(size, timeout);
+  std::mutex mu;
+  std::exception_ptr first;
+  std::vector<std::thread> threads;
+  threads.reserve(size);
+  for (int r = 0; r < size; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        std::unique_ptr<Communicator> comm = world.communicator(r);
+        fn(*comm);
+      } catch (...) {
+        std::string what = "unknown exception";
+        try {
+          throw;
+        } catch (const std::exception& e) {
+          what = e.what();
+        } catch (...) {
+        }
+        {
+          std::lock_guard lk(mu);
+          if (!first) first = std::current_exception();
+        }
+        world.abort(r, what);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  if (first) std::rethrow_exception(first);
+}
+
+}  // namespace collectives

@@ -1,0 +1,56 @@
+// The local backend: N ranks as threads of one process, exchanging CPU (or CUDA) buffers through
+// shared memory. The embedded default and the test harness.
+//
+//   run_ranks(4, [](Communicator& world) {
+//     Tensor x = Tensor::full({3}, world.rank(), DType::kF32);
+//     Tensor all = Tensor::empty({12}, DType::kF32);
+//     world.wait(world.all_gather(x, all));      // all == [0,0,0,1,1,1,2,2,2,3,3,3]
+//   });
+//
+// NOTE [local rendezvous] A call posts this rank's buffers to a slot shared by the group (slots
+// are matched by call order) and returns at once; wait() blocks until every member posted,
+// checks that the calls agree (kind, dtype, counts, op, root), then each member pulls what it
+// needs from the others' buffers. Members leave together, so no buffer is reused while another
+// member still reads it. A member that never posts makes the others time out naming it.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "collectives/communicator.h"
+
+namespace collectives {
+
+namespace detail {
+class LocalWorldState;
+}
+
+inline constexpr Milliseconds kDefaultTimeout{300'000};
+
+class LocalWorld {
+ public:
+  explicit LocalWorld(int size, Milliseconds timeout = kDefaultTimeout);
+  ~LocalWorld();
+  LocalWorld(const LocalWorld&) = delete;
+  LocalWorld& operator=(const LocalWorld&) = delete;
+
+  int size() const;
+  // The world communicator of `rank` (group "world", ranks 0..size-1). Each rank takes its own,
+  // once, and uses it from its own thread.
+  std::unique_ptr<Communicator> communicator(int rank);
+  // Marks the world failed: every member blocked in (or later entering) wait() throws a
+  // CommError naming `rank` and `reason` instead of waiting for it.
+  void abort(int rank, const std::string& reason);
+
+ private:
+  std::shared_ptr<detail::LocalWorldState> state_;
+};
+
+// Runs fn(world communicator) on `size` threads, one per rank, and joins them. When a rank
+// throws, the world is aborted so the others fail fast instead of waiting for it, and after the
+// join the first exception thrown (in time) is re-raised here.
+void run_ranks(int size, const std::function<void(Communicator& world)>& fn,
+               Milliseconds timeout = Milliseconds{120'000});
+
+}  // namespace collectives

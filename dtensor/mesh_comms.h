@@ -1,0 +1,46 @@
+// MeshComms: the communicators of one rank on a DeviceMesh, one per mesh dim (and one per
+// requested flattening of several dims), built once at creation by splitting a world
+// communicator, never lazily inside a transition.
+//
+// Example: mesh [[0,1,2,3],[4,5,6,7]] (dp,tp) on an 8-rank world, rank 6:
+//   MeshComms comms(mesh, world);          // collective over the world
+//   comms.dim(0).ranks() == {2,6}          // group rank 1 == coord[0]
+//   comms.dim(1).ranks() == {4,5,6,7}      // group rank 2 == coord[1]
+// With flatten = {{0,1}}: comms.flattened({0,1}).ranks() == {0..7} in row-major coordinate order.
+// A world rank outside the mesh still takes part in the creation and holds no communicators.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "collectives/communicator.h"
+#include "dtensor/mesh.h"
+
+namespace dtensor {
+
+class MeshComms {
+ public:
+  // REQUIRES: world's group rank i is global rank i (a world communicator) and every mesh rank
+  // is < world.size(). Every world rank must call this with the same mesh and flatten list.
+  MeshComms(const DeviceMesh& mesh, collectives::Communicator& world,
+            const std::vector<std::vector<int>>& flatten = {});
+
+  const DeviceMesh& mesh() const { return mesh_; }
+  int rank() const { return rank_; }
+  // False when this rank is not in the mesh (then dim() and flattened() throw).
+  bool in_mesh() const { return !dims_.empty(); }
+  const Dims& coord() const { return coord_; }
+  collectives::Communicator& dim(int mesh_dim) const;
+  // The communicator of a flattening requested at creation (mesh dims ascending).
+  collectives::Communicator& flattened(std::span<const int> mesh_dims) const;
+
+ private:
+  DeviceMesh mesh_;
+  int rank_;
+  Dims coord_;
+  std::vector<std::unique_ptr<collectives::Communicator>> dims_;
+  std::vector<std::pair<std::vector<int>, std::unique_ptr<collectives::Communicator>>> flat_;
+};
+
+}  // namespace dtensor
