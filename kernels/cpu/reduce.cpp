@@ -11,16 +11,9 @@
 namespace kernels::detail {
 namespace {
 
-// The arithmetic type of a storage type: narrow floats compute in float.
-template <class T> struct Compute { using type = T; };
-template <> struct Compute<BFloat16> { using type = float; };
-template <> struct Compute<Half> { using type = float; };
-template <> struct Compute<Float8E4M3> { using type = float; };
-template <> struct Compute<Float8E5M2> { using type = float; };
-
 template <class T, class F>
 void combine(T* acc, const T* src, int64_t n, F f) {
-  using C = typename Compute<T>::type;
+  using C = compute_t<T>;
   if constexpr (std::is_same_v<C, T>) {
     for (int64_t i = 0; i < n; ++i) acc[i] = static_cast<T>(f(acc[i], src[i]));
   } else {
@@ -35,7 +28,7 @@ void cpu_reduce_into(void* acc_ptr, const void* src_ptr, DType dtype, int64_t n,
                      double src_scale) {
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    using C = typename Compute<T>::type;
+    using C = compute_t<T>;
     T* acc = static_cast<T*>(acc_ptr);
     const T* src = static_cast<const T*>(src_ptr);
     switch (op) {
@@ -66,7 +59,7 @@ void cpu_reduce_into(void* acc_ptr, const void* src_ptr, DType dtype, int64_t n,
 void cpu_scale(void* data, DType dtype, int64_t n, double factor) {
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    using C = typename Compute<T>::type;
+    using C = compute_t<T>;
     T* d = static_cast<T*>(data);
     if constexpr (std::is_floating_point_v<C>) {
       const C f = static_cast<C>(factor);

@@ -9,6 +9,7 @@
 
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/detail/convert.h"
+#include "kernels/detail/dispatch.h"
 #include "kernels/detail/layout.h"
 #include "kernels/device.h"
 #include "kernels/error.h"
@@ -305,15 +306,9 @@ void cuda_fill(void* dst, size_t itemsize, const Dims& strides, const Dims& shap
 namespace kernels {
 namespace {
 
-template <class T> struct Compute { using type = T; };
-template <> struct Compute<BFloat16> { using type = float; };
-template <> struct Compute<Half> { using type = float; };
-template <> struct Compute<Float8E4M3> { using type = float; };
-template <> struct Compute<Float8E5M2> { using type = float; };
-
 template <class T>
 __global__ void reduce_kernel(T* acc, const T* src, int64_t n, ReduceOp op, double src_scale) {
-  using C = typename Compute<T>::type;
+  using C = detail::compute_t<T>;
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
     const C a = detail::cast_value<C>(acc[i]), b = detail::cast_value<C>(src[i]);
@@ -339,28 +334,13 @@ __global__ void reduce_kernel(T* acc, const T* src, int64_t n, ReduceOp op, doub
 
 template <class T>
 __global__ void scale_kernel(T* data, int64_t n, double factor) {
-  using C = typename Compute<T>::type;
+  using C = detail::compute_t<T>;
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
     if constexpr (std::is_floating_point_v<C>)
       data[i] = detail::cast_value<T>(static_cast<C>(detail::cast_value<C>(data[i]) * static_cast<C>(factor)));
     else
       data[i] = detail::cast_value<T>(static_cast<double>(data[i]) * factor);
-  }
-}
-
-template <class F>
-void launch_typed(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::kF32: return f(float{});
-    case DType::kF64: return f(double{});
-    case DType::kBF16: return f(BFloat16{});
-    case DType::kF16: return f(Half{});
-    case DType::kI32: return f(int32_t{});
-    case DType::kI64: return f(int64_t{});
-    case DType::kU8: return f(uint8_t{});
-    case DType::kF8E4M3: return f(Float8E4M3{});
-    case DType::kF8E5M2: return f(Float8E5M2{});
   }
 }
 
@@ -372,7 +352,7 @@ void cuda_reduce_into(void* acc, const void* src, DType dtype, int64_t n, Reduce
                       double src_scale, int device) {
   cuda_check_device(device);
   DeviceGuard guard(device);
-  launch_typed(dtype, [&](auto tag) {
+  detail::dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     reduce_kernel<T><<<blocks_for(n), kThreads>>>(static_cast<T*>(acc), static_cast<const T*>(src), n, op,
                                                   src_scale);
@@ -383,7 +363,7 @@ void cuda_reduce_into(void* acc, const void* src, DType dtype, int64_t n, Reduce
 void cuda_scale(void* data, DType dtype, int64_t n, double factor, int device) {
   cuda_check_device(device);
   DeviceGuard guard(device);
-  launch_typed(dtype, [&](auto tag) {
+  detail::dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     scale_kernel<T><<<blocks_for(n), kThreads>>>(static_cast<T*>(data), n, factor);
   });

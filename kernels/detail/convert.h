@@ -241,6 +241,15 @@ KERNELS_HD D narrow_to(V v) {
   }
 }
 
+// The arithmetic type of a storage type: the narrow floats compute in float (reductions,
+// scaling), everything else in itself.
+template <class T> struct ComputeType { using type = T; };
+template <> struct ComputeType<BFloat16> { using type = float; };
+template <> struct ComputeType<Half> { using type = float; };
+template <> struct ComputeType<Float8E4M3> { using type = float; };
+template <> struct ComputeType<Float8E5M2> { using type = float; };
+template <class T> using compute_t = typename ComputeType<T>::type;
+
 template <class D, class S>
 KERNELS_HD D cast_value(S s) {
   if constexpr (std::is_same_v<D, S>) {
