@@ -1,0 +1,394 @@
+#include "dtensor/exec/executor.h"
+
+#include <fmt/format.h>
+
+#include "kernels/error.h"
+#include "kernels/reduce.h"
+
+namespace dtensor {
+
+using collectives::Communicator;
+using collectives::P2POp;
+using kernels::InternalError;
+using kernels::InvalidArgument;
+
+namespace {
+
+// The increasing runs common to a and b.
+IndexRuns intersect(const IndexRuns& a, const IndexRuns& b) {
+  IndexRuns out;
+  size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    const int64_t lo = std::max(a[i].start, b[j].start);
+    const int64_t hi = std::min(a[i].start + a[i].length, b[j].start + b[j].length);
+    if (lo < hi) out.push_back({lo, hi - lo});
+    if (a[i].start + a[i].length < b[j].start + b[j].length) ++i;
+    else ++j;
+  }
+  return out;
+}
+
+// Positions, in the local order of `held`, of the global indices `subset` (subset ⊆ held).
+IndexRuns positions_of(const IndexRuns& held, const IndexRuns& subset) {
+  IndexRuns out;
+  int64_t base = 0;  // local position of held[i].start
+  size_t i = 0;
+  for (const IndexRun& s : subset) {
+    while (held[i].start + held[i].length <= s.start) base += held[i++].length;
+    const int64_t pos = base + (s.start - held[i].start);
+    if (!out.empty() && out.back().start + out.back().length == pos) out.back().length += s.length;
+    else out.push_back({pos, s.length});
+  }
+  return out;
+}
+
+// A Cartesian product of per-dim position runs inside some local tensor.
+struct Block {
+  std::vector<IndexRuns> pos;
+  Dims shape;
+  int64_t numel() const { return shape.product(); }
+};
+
+Block block_in(const ShardLayout& holder, const std::vector<IndexRuns>& global_sets) {
+  Block b;
+  for (size_t t = 0; t < global_sets.size(); ++t) {
+    b.pos.push_back(positions_of(holder.runs[t], global_sets[t]));
+    int64_t n = 0;
+    for (const IndexRun& r : global_sets[t]) n += r.length;
+    b.shape.push_back(n);
+  }
+  return b;
+}
+
+std::vector<IndexRuns> intersect_layouts(const ShardLayout& a, const ShardLayout& b) {
+  std::vector<IndexRuns> out;
+  for (size_t t = 0; t < a.runs.size(); ++t) out.push_back(intersect(a.runs[t], b.runs[t]));
+  return out;
+}
+
+// Calls f(sub_of_local, sub_of_packed) for every rectangular piece of the block, where
+// `packed` is a tensor of the block's shape holding its elements in row-major order.
+template <class F>
+void for_each_piece(const Tensor& local, const Block& b, const Tensor& packed, F f) {
+  const int nd = static_cast<int>(b.pos.size());
+  if (b.numel() == 0) return;
+  if (nd == 0) return f(local, packed);
+  std::vector<size_t> idx(nd, 0);
+  std::vector<int64_t> at(nd, 0);  // start of the current run inside the packed block
+  for (;;) {
+    Tensor src = local, dst = packed;
+    for (int t = 0; t < nd; ++t) {
+      const IndexRun& run = b.pos[t][idx[t]];
+      src = src.narrow(t, run.start, run.length);
+      dst = dst.narrow(t, at[t], run.length);
+    }
+    f(src, dst);
+    int t = nd - 1;
+    for (; t >= 0; --t) {
+      at[t] += b.pos[t][idx[t]].length;
+      if (++idx[t] < b.pos[t].size()) break;
+      idx[t] = 0;
+      at[t] = 0;
+    }
+    if (t < 0) return;
+  }
+}
+
+// flat[offset : offset + numel] <- block of local (row-major).
+void pack(const Tensor& local, const Block& b, const Tensor& flat, int64_t offset) {
+  if (b.numel() == 0) return;
+  Tensor packed = flat.narrow(0, offset, b.numel()).view(b.shape);
+  for_each_piece(local, b, packed, [](const Tensor& src, Tensor dst) { dst.copy_(src); });
+}
+
+void unpack(const Tensor& flat, int64_t offset, const Tensor& local, const Block& b) {
+  if (b.numel() == 0) return;
+  Tensor packed = flat.narrow(0, offset, b.numel()).view(b.shape);
+  for_each_piece(local, b, packed, [](Tensor dst, const Tensor& src) { dst.copy_(src); });
+}
+
+Dims coord_with(Dims coord, int m, int64_t g) {
+  coord[m] = g;
+  return coord;
+}
+
+// One tensor of a batch during a step.
+struct Item {
+  const DTensorSpec* spec;
+  Tensor local;
+};
+
+class StepRunner {
+ public:
+  StepRunner(const MeshComms& comms, const Placements& before, const Step& step)
+      : comms_(comms), before_(before), after_(apply_step(step, before)), step_(step),
+        m_(mesh_dim_of(step)), k_(comms.mesh().size(m_)), r_(comms.coord()[m_]) {}
+
+  std::vector<Tensor> run(const std::vector<Item>& items) {
+    if (k_ == 1) {  // a size-1 group holds everything already: relabel only
+      std::vector<Tensor> out;
+      for (const Item& it : items) out.push_back(it.local);
+      return out;
+    }
+    return std::visit(
+        [&](const auto& s) -> std::vector<Tensor> { return this->run_step(s, items); }, step_);
+  }
+
+ private:
+  ShardLayout layout(const Item& it, const Placements& ps, int64_t g) const {
+    return compute_layout(it.spec->shape, comms_.mesh().shape(), ps, coord_with(comms_.coord(), m_, g));
+  }
+  Communicator& comm() const { return comms_.dim(m_); }
+  kernels::Device device(const std::vector<Item>& items) const { return items[0].local.device(); }
+  kernels::DType dtype(const std::vector<Item>& items) const { return items[0].spec->dtype; }
+
+  std::vector<Tensor> run_step(const AllGather& s, const std::vector<Item>& items) {
+    // Even split of the leading dim with contiguous locals: gather straight into the result.
+    bool direct = true;
+    for (const Item& it : items) {
+      const ShardLayout full = layout(it, after_, r_);
+      direct = direct && s.tensor_dim == 0 && full.local_shape[0] % k_ == 0 && it.local.is_contiguous();
+    }
+    if (!direct) return exchange(items);
+    std::vector<Tensor> out;
+    if (items.size() == 1) {
+      const ShardLayout full = layout(items[0], after_, r_);
+      out.push_back(Tensor::empty(full.local_shape, dtype(items), device(items)));
+      Tensor in = items[0].local.view({items[0].local.numel()});
+      comm().wait(comm().all_gather(in, out[0].view({out[0].numel()})));
+      return out;
+    }
+    int64_t total = 0;
+    for (const Item& it : items) total += it.local.numel();
+    Tensor send = Tensor::empty({total}, dtype(items), device(items));
+    Tensor recv = Tensor::empty({k_ * total}, dtype(items), device(items));
+    int64_t off = 0;
+    for (const Item& it : items) {  // copy-in
+      send.narrow(0, off, it.local.numel()).copy_(it.local.view({it.local.numel()}));
+      off += it.local.numel();
+    }
+    comm().wait(comm().all_gather(send, recv));
+    off = 0;
+    for (const Item& it : items) {  // copy-out: member g's piece of tensor i
+      const ShardLayout full = layout(it, after_, r_);
+      Tensor o = Tensor::empty(full.local_shape, dtype(items), device(items));
+      Tensor flat = o.view({o.numel()});
+      const int64_t n = it.local.numel();
+      for (int64_t g = 0; g < k_; ++g) flat.narrow(0, g * n, n).copy_(recv.narrow(0, g * total + off, n));
+      off += n;
+      out.push_back(o);
+    }
+    return out;
+  }
+  std::vector<Tensor> run_step(const StridedAllGather&, const std::vector<Item>& items) { return exchange(items); }
+  std::vector<Tensor> run_step(const AllToAll&, const std::vector<Item>& items) { return exchange(items); }
+  std::vector<Tensor> run_step(const Regroup&, const std::vector<Item>& items) { return exchange(items); }
+
+  std::vector<Tensor> run_step(const LocalChunk&, const std::vector<Item>& items) {
+    std::vector<Tensor> out;
+    for (const Item& it : items) {
+      const ShardLayout pre = layout(it, before_, r_), post = layout(it, after_, r_);
+      Block b = block_in(pre, intersect_layouts(pre, post));
+      Tensor o = Tensor::empty(post.local_shape, it.spec->dtype, it.local.device());
+      pack(it.local, b, o.view({o.numel()}), 0);
+      out.push_back(o);
+    }
+    return out;
+  }
+
+  std::vector<Tensor> run_step(const LocalPartial& s, const std::vector<Item>& items) {
+    if (s.op == ReduceOp::kProd)
+      throw kernels::Unsupported("Replicate -> P(prod) has no partition (PyTorch rejects it too)");
+    std::vector<Tensor> out;
+    for (const Item& it : items) {
+      Tensor o = it.local.clone();
+      if (s.op == ReduceOp::kSum) kernels::scale_(o, 1.0 / static_cast<double>(k_));
+      out.push_back(o);
+    }
+    return out;
+  }
+
+  std::vector<Tensor> run_step(const AllReduce& s, const std::vector<Item>& items) {
+    int64_t total = 0;
+    for (const Item& it : items) total += it.local.numel();
+    Tensor in, out;
+    if (items.size() == 1 && items[0].local.is_contiguous()) {
+      in = items[0].local.view({total});
+    } else {
+      in = Tensor::empty({total}, dtype(items), device(items));
+      int64_t off = 0;
+      for (const Item& it : items) {
+        in.narrow(0, off, it.local.numel()).copy_(it.local.contiguous().view({it.local.numel()}));
+        off += it.local.numel();
+      }
+    }
+    out = Tensor::empty({total}, dtype(items), device(items));
+    comm().wait(comm().all_reduce(in, out, s.op));
+    std::vector<Tensor> result;
+    int64_t off = 0;
+    for (const Item& it : items) {  // views of the one result buffer
+      result.push_back(out.narrow(0, off, it.local.numel()).view(it.local.shape()));
+      off += it.local.numel();
+    }
+    return result;
+  }
+
+  std::vector<Tensor> run_step(const ReduceScatter& s, const std::vector<Item>& items) {
+    // Pack, per destination member, each tensor's block of that member's chunk.
+    std::vector<std::vector<Block>> blocks(k_);  // [g][i]
+    std::vector<int64_t> seg(k_, 0);
+    for (int64_t g = 0; g < k_; ++g)
+      for (const Item& it : items) {
+        const ShardLayout pre = layout(it, before_, r_), post_g = layout(it, after_, g);
+        blocks[g].push_back(block_in(pre, intersect_layouts(pre, post_g)));
+        seg[g] += blocks[g].back().numel();
+      }
+    int64_t total = 0;
+    for (int64_t n : seg) total += n;
+    Tensor send = Tensor::empty({total}, dtype(items), device(items));
+    std::vector<int64_t> seg_off(k_, 0);
+    for (int64_t g = 0, off = 0; g < k_; ++g) {
+      seg_off[g] = off;
+      for (size_t i = 0; i < items.size(); ++i) {
+        pack(items[i].local, blocks[g][i], send, off);
+        off += blocks[g][i].numel();
+      }
+    }
+    Tensor mine = Tensor::empty({seg[r_]}, dtype(items), device(items));
+    if (std::all_of(seg.begin(), seg.end(), [&](int64_t n) { return n == seg[0]; })) {
+      comm().wait(comm().reduce_scatter(send, mine, s.op));
+    } else {
+      // Uneven chunks: exchange exactly, then reduce in member order (no padding on the wire).
+      std::vector<Tensor> got(k_);
+      std::vector<P2POp> ops;
+      for (int64_t g = 0; g < k_; ++g) {
+        if (g == r_) continue;
+        got[g] = Tensor::empty({seg[r_]}, dtype(items), device(items));
+        ops.push_back(P2POp::send(send.narrow(0, seg_off[g], seg[g]), static_cast<int>(g)));
+        ops.push_back(P2POp::recv(got[g], static_cast<int>(g)));
+      }
+      comm().wait(comm().send_recv(ops));
+      got[r_] = send.narrow(0, seg_off[r_], seg[r_]);
+      mine.copy_(got[0]);
+      for (int64_t g = 1; g < k_; ++g) kernels::reduce_into(mine, got[g], s.op);
+      if (s.op == ReduceOp::kAvg) kernels::scale_(mine, 1.0 / static_cast<double>(k_));
+    }
+    std::vector<Tensor> out;
+    int64_t off = 0;
+    for (size_t i = 0; i < items.size(); ++i) {
+      const ShardLayout post = layout(items[i], after_, r_);
+      Tensor o = Tensor::empty(post.local_shape, dtype(items), device(items));
+      Block whole = block_in(post, post.runs);
+      unpack(mine, off, o, whole);
+      off += whole.numel();
+      out.push_back(o);
+    }
+    return out;
+  }
+
+  // NOTE [exchange] in executor.h.
+  std::vector<Tensor> exchange(const std::vector<Item>& items) {
+    const size_t n_items = items.size();
+    std::vector<std::vector<Block>> send_blocks(k_), recv_blocks(k_);  // [g][i]
+    std::vector<int64_t> send_n(k_, 0), recv_n(k_, 0);
+    std::vector<Tensor> out;
+    for (const Item& it : items) {
+      const ShardLayout pre_r = layout(it, before_, r_), post_r = layout(it, after_, r_);
+      out.push_back(Tensor::empty(post_r.local_shape, it.spec->dtype, it.local.device()));
+      for (int64_t g = 0; g < k_; ++g) {
+        const ShardLayout pre_g = g == r_ ? pre_r : layout(it, before_, g);
+        const ShardLayout post_g = g == r_ ? post_r : layout(it, after_, g);
+        send_blocks[g].push_back(block_in(pre_r, intersect_layouts(pre_r, post_g)));
+        recv_blocks[g].push_back(block_in(post_r, intersect_layouts(pre_g, post_r)));
+        send_n[g] += send_blocks[g].back().numel();
+        recv_n[g] += recv_blocks[g].back().numel();
+      }
+    }
+    // What this rank keeps moves locally.
+    for (size_t i = 0; i < n_items; ++i) {
+      const Block& keep_src = send_blocks[r_][i];
+      const Block& keep_dst = recv_blocks[r_][i];
+      if (keep_src.numel() == 0) continue;
+      Tensor tmp = Tensor::empty({keep_src.numel()}, items[i].spec->dtype, items[i].local.device());
+      pack(items[i].local, keep_src, tmp, 0);
+      unpack(tmp, 0, out[i], keep_dst);
+    }
+    std::vector<Tensor> send_buf(k_), recv_buf(k_);
+    std::vector<P2POp> ops;
+    for (int64_t g = 0; g < k_; ++g) {
+      if (g == r_) continue;
+      send_buf[g] = Tensor::empty({send_n[g]}, dtype(items), device(items));
+      recv_buf[g] = Tensor::empty({recv_n[g]}, dtype(items), device(items));
+      for (size_t i = 0, off = 0; i < n_items; off += send_blocks[g][i].numel(), ++i)
+        pack(items[i].local, send_blocks[g][i], send_buf[g], static_cast<int64_t>(off));
+      if (send_n[g] > 0) ops.push_back(P2POp::send(send_buf[g], static_cast<int>(g)));
+      if (recv_n[g] > 0) ops.push_back(P2POp::recv(recv_buf[g], static_cast<int>(g)));
+    }
+    comm().wait(comm().send_recv(ops));
+    for (int64_t g = 0; g < k_; ++g) {
+      if (g == r_) continue;
+      for (size_t i = 0, off = 0; i < n_items; off += recv_blocks[g][i].numel(), ++i)
+        unpack(recv_buf[g], static_cast<int64_t>(off), out[i], recv_blocks[g][i]);
+    }
+    return out;
+  }
+
+  const MeshComms& comms_;
+  const Placements& before_;
+  const Placements after_;
+  const Step& step_;
+  const int m_;
+  const int64_t k_;
+  const int64_t r_;
+};
+
+}  // namespace
+
+std::vector<Tensor> execute_batch(const Plan& plan, std::span<const DTensorSpec> specs,
+                                  std::span<const Tensor> locals, const MeshComms& comms) {
+  if (specs.size() != locals.size())
+    throw InvalidArgument(fmt::format("execute_batch: {} specs for {} local tensors", specs.size(),
+                                      locals.size()));
+  std::vector<Item> items;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const DTensorSpec& s = specs[i];
+    if (s.placements != plan.src)
+      throw InvalidArgument(fmt::format("execute: tensor {} has placements [{}], the plan starts at [{}]",
+                                        i, to_string(s.placements), to_string(plan.src)));
+    if (!(*s.mesh == comms.mesh()))
+      throw InvalidArgument(fmt::format("execute: tensor {} is on mesh {}, the communicators on {}", i,
+                                        to_string(*s.mesh), to_string(comms.mesh())));
+    if (s.dtype != specs[0].dtype || locals[i].dtype() != s.dtype)
+      throw InvalidArgument(fmt::format("execute: tensor {} has dtype {} (batch dtype {})", i,
+                                        kernels::to_string(locals[i].dtype()),
+                                        kernels::to_string(specs[0].dtype)));
+    items.push_back({&s, locals[i]});
+  }
+  if (!comms.in_mesh() || items.empty()) return {locals.begin(), locals.end()};
+  for (Item& it : items) {
+    const ShardLayout l = *it.spec->layout(comms.rank());
+    if (!(it.local.shape() == l.local_shape))
+      throw InvalidArgument(fmt::format(
+          "execute: local tensor of shape [{}] but rank {} holds [{}] of {}",
+          fmt::join(it.local.shape(), ","), comms.rank(), fmt::join(l.local_shape, ","),
+          to_string(*it.spec)));
+  }
+  for (size_t i = 0; i < plan.steps.size(); ++i) {
+    const Placements& before = plan.states[i];
+    if (!is_valid_step(plan.steps[i], before))
+      throw InternalError(fmt::format("execute: step {} is not valid from [{}]",
+                                      to_string(plan.steps[i]), to_string(before)));
+    std::vector<Tensor> next = StepRunner(comms, before, plan.steps[i]).run(items);
+    for (size_t j = 0; j < items.size(); ++j) items[j].local = next[j];
+  }
+  std::vector<Tensor> out;
+  for (const Item& it : items) out.push_back(it.local);
+  return out;
+}
+
+Tensor execute(const Plan& plan, const DTensorSpec& src, const Tensor& local, const MeshComms& comms) {
+  return execute_batch(plan, std::span<const DTensorSpec>(&src, 1), std::span<const Tensor>(&local, 1),
+                       comms)[0];
+}
+
+}  // namespace dtensor

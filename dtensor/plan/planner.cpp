@@ -1,0 +1,383 @@
+#include "dtensor/plan/planner.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <functional>
+#include <queue>
+#include <unordered_map>
+
+#include "kernels/error.h"
+
+namespace dtensor {
+
+using kernels::InvalidArgument;
+using kernels::Unsupported;
+
+namespace {
+
+Dims unravel(int64_t flat, const Dims& shape) {
+  Dims c = Dims::filled(shape.size(), 0);
+  for (int d = shape.size() - 1; d >= 0; --d) {
+    c[d] = flat % shape[d];
+    flat /= shape[d];
+  }
+  return c;
+}
+
+int64_t ravel(const Dims& coord, const Dims& shape) {
+  int64_t flat = 0;
+  for (int d = 0; d < shape.size(); ++d) flat = flat * shape[d] + coord[d];
+  return flat;
+}
+
+// |a ∩ b| for two strictly increasing index lists given as runs.
+int64_t intersect_count(const IndexRuns& a, const IndexRuns& b) {
+  int64_t count = 0;
+  size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    const int64_t lo = std::max(a[i].start, b[j].start);
+    const int64_t hi = std::min(a[i].start + a[i].length, b[j].start + b[j].length);
+    if (lo < hi) count += hi - lo;
+    if (a[i].start + a[i].length < b[j].start + b[j].length) ++i;
+    else ++j;
+  }
+  return count;
+}
+
+// Elements in common between two layouts (Cartesian products of per-dim index sets).
+int64_t common(const ShardLayout& a, const ShardLayout& b) {
+  int64_t n = 1;
+  for (size_t t = 0; t < a.runs.size(); ++t) n *= intersect_count(a.runs[t], b.runs[t]);
+  return n;
+}
+
+int64_t numel(const ShardLayout& l) { return l.local_shape.product(); }
+
+std::vector<ShardLayout> all_layouts(const DTensorSpec& spec, const Placements& placements) {
+  const Dims& mesh_shape = spec.mesh->shape();
+  std::vector<ShardLayout> out;
+  out.reserve(spec.mesh->size());
+  for (int64_t p = 0; p < spec.mesh->size(); ++p)
+    out.push_back(compute_layout(spec.shape, mesh_shape, placements, unravel(p, mesh_shape)));
+  return out;
+}
+
+bool is_shard_like(const Placement& p) { return shard_dim(p).has_value(); }
+
+void check_transition(const DTensorSpec& src, const Placements& dst, bool allow_partial_target) {
+  for (size_t m = 0; m < dst.size(); ++m) {
+    const auto* to = std::get_if<Partial>(&dst[m]);
+    if (!to || src.placements[m] == dst[m]) continue;
+    const std::string what = fmt::format("cannot redistribute [{}] -> [{}] on mesh dim {}",
+                                         to_string(src.placements), to_string(dst), m);
+    if (is_partial(src.placements[m]))
+      throw Unsupported(fmt::format("{}: {} -> {} changes the reduce op (a Partial keeps its op)",
+                                    what, to_string(src.placements[m]), to_string(dst[m])));
+    if (is_shard_like(src.placements[m]))
+      throw Unsupported(fmt::format("{}: {} -> {} is not supported (a shard cannot become Partial)",
+                                    what, to_string(src.placements[m]), to_string(dst[m])));
+    if (!allow_partial_target)
+      throw Unsupported(fmt::format(
+          "{}: Replicate -> {} would create a new Partial (only a source's own Partial may stay "
+          "Partial)",
+          what, to_string(dst[m])));
+  }
+}
+
+class Builder {
+ public:
+  Builder(const DTensorSpec& spec, const Placements& dst, PlannerKind kind, const CostModel& cost)
+      : spec_(spec), cost_(cost) {
+    plan_.src = spec.placements;
+    plan_.dst = dst;
+    plan_.planner = kind;
+    plan_.states.push_back(spec.placements);
+  }
+
+  const Placements& current() const { return plan_.states.back(); }
+
+  void add(const Step& step) {
+    if (!is_valid_step(step, current()))
+      throw kernels::InternalError(fmt::format("planner produced an invalid step {} from [{}]",
+                                               to_string(step), to_string(current())));
+    plan_.steps.push_back(step);
+    plan_.states.push_back(apply_step(step, current()));
+  }
+
+  // One primitive when there is one, else through Replicate (PyTorch's fallback).
+  void move(int m, const Placement& to) {
+    const Placement from = current()[m];
+    if (from == to) return;
+    if (auto step = step_between(m, from, to, /*direct=*/false)) return add(*step);
+    auto up = step_between(m, from, Replicate{}, false);
+    auto down = step_between(m, Replicate{}, to, false);
+    if (!up || !down)
+      throw Unsupported(fmt::format("no route for mesh dim {}: {} -> {}", m, to_string(from),
+                                    to_string(to)));
+    add(*up);
+    add(*down);
+  }
+
+  Plan finish(const Placements& dst);
+
+ private:
+  const DTensorSpec& spec_;
+  const CostModel& cost_;
+  Plan plan_;
+};
+
+double step_cost(const Step& step, const DTensorSpec& spec, const Placements& before,
+                 const CostModel& cost) {
+  if (!communicates(step) || spec.mesh->size(mesh_dim_of(step)) == 1) return 1e-9;  // prefer fewer steps
+  const Traffic t = step_traffic(step, spec, before);
+  return cost.latency_us + static_cast<double>(t.max_received()) / (cost.bandwidth_gb_per_s * 1e3);
+}
+
+Plan Builder::finish(const Placements& dst) {
+  if (current() != dst)
+    throw kernels::InternalError(fmt::format("plan ends at [{}], not at [{}]",
+                                             to_string(current()), to_string(dst)));
+  const int64_t n = spec_.mesh->size();
+  plan_.traffic.sent.assign(n, 0);
+  plan_.traffic.received.assign(n, 0);
+  for (size_t i = 0; i < plan_.steps.size(); ++i) {
+    const Step& step = plan_.steps[i];
+    const bool moves = communicates(step) && spec_.mesh->size(mesh_dim_of(step)) > 1;
+    plan_.communicating.push_back(moves);
+    if (!moves) continue;
+    const Traffic t = step_traffic(step, spec_, plan_.states[i]);
+    for (int64_t p = 0; p < n; ++p) {
+      plan_.traffic.sent[p] += t.sent[p];
+      plan_.traffic.received[p] += t.received[p];
+    }
+    plan_.cost_us += step_cost(step, spec_, plan_.states[i], cost_);
+  }
+  return std::move(plan_);
+}
+
+// PyTorch's greedy planner (dtensor-semantics.md 4.2).
+Plan greedy(const DTensorSpec& spec, const Placements& dst, const CostModel& cost) {
+  Builder b(spec, dst, PlannerKind::kGreedy, cost);
+  const int ndim = spec.mesh->ndim();
+  const Placements& src = spec.placements;
+  if (ndim == 1) {
+    b.move(0, dst[0]);
+    return b.finish(dst);
+  }
+  int64_t num_shards = 1;
+  for (int m = 0; m < ndim; ++m)
+    if (is_shard_like(src[m])) num_shards *= spec.mesh->size(m);
+  if (num_shards > 1) {
+    for (int m = ndim - 1; m >= 0; --m) {  // inner -> outer
+      Placement target = dst[m];
+      if (std::optional<int> d = shard_dim(target)) {
+        // Misaligned nesting: the earlier mesh dims must shard d the same way in cur and dst.
+        bool aligned = true;
+        for (int i = 0; i < m; ++i) {
+          const bool in_cur = shard_dim(b.current()[i]) == d, in_dst = shard_dim(dst[i]) == d;
+          if (in_cur != in_dst || (in_cur && b.current()[i] != dst[i])) aligned = false;
+        }
+        if (!aligned) target = Replicate{};
+      }
+      b.move(m, target);
+    }
+  }
+  for (int m = 0; m < ndim; ++m) b.move(m, dst[m]);  // outer -> inner
+  return b.finish(dst);
+}
+
+// Dijkstra over placement states; edges are single valid steps, Regroup included.
+Plan search(const DTensorSpec& spec, const Placements& dst, const CostModel& cost,
+            bool allow_partial_target) {
+  const int ndim = spec.mesh->ndim();
+  const Placements& src = spec.placements;
+  std::vector<std::vector<Placement>> candidates(ndim);
+  for (int m = 0; m < ndim; ++m) {
+    auto add = [&](const Placement& p) {
+      if (std::find(candidates[m].begin(), candidates[m].end(), p) == candidates[m].end())
+        candidates[m].push_back(p);
+    };
+    add(Replicate{});
+    add(src[m]);
+    add(dst[m]);
+    for (int t = 0; t < spec.tensor_ndim(); ++t) add(Shard{t});
+    for (int i = 0; i < ndim; ++i)  // strided placements of src/dst may serve any mesh dim
+      for (const Placement& p : {src[i], dst[i]})
+        if (is_strided_shard(p)) add(p);
+  }
+  struct Entry {
+    double cost;
+    uint64_t order;
+    std::string key;
+    bool operator>(const Entry& o) const { return cost != o.cost ? cost > o.cost : order > o.order; }
+  };
+  struct Node {
+    Placements state;
+    double cost;
+    std::string parent;
+    std::optional<Step> via;
+  };
+  std::unordered_map<std::string, Node> nodes;
+  std::priority_queue<Entry, std::vector<Entry>, std::greater<>> queue;
+  uint64_t order = 0;
+  const std::string start = to_string(src), goal = to_string(dst);
+  nodes[start] = {src, 0.0, "", std::nullopt};
+  queue.push({0.0, order++, start});
+  std::unordered_map<std::string, bool> done;
+  while (!queue.empty()) {
+    Entry e = queue.top();
+    queue.pop();
+    if (done[e.key]) continue;
+    done[e.key] = true;
+    if (e.key == goal) break;
+    const Placements state = nodes[e.key].state;
+    for (int m = 0; m < ndim; ++m)
+      for (const Placement& c : candidates[m]) {
+        if (c == state[m]) continue;
+        if (is_partial(c) && !(c == dst[m] && (c == src[m] || allow_partial_target))) continue;
+        std::optional<Step> step = step_between(m, state[m], c, /*direct=*/true);
+        if (!step || !is_valid_step(*step, state)) continue;
+        Placements next = apply_step(*step, state);
+        const double total = e.cost + step_cost(*step, spec, state, cost);
+        const std::string key = to_string(next);
+        auto it = nodes.find(key);
+        if (it == nodes.end() || total < it->second.cost) {
+          nodes[key] = {next, total, e.key, step};
+          queue.push({total, order++, key});
+        }
+      }
+  }
+  if (!nodes.count(goal))
+    throw Unsupported(fmt::format("no route from [{}] to [{}]", to_string(src), to_string(dst)));
+  std::vector<Step> steps;
+  for (std::string key = goal; key != start; key = nodes[key].parent) steps.push_back(*nodes[key].via);
+  std::reverse(steps.begin(), steps.end());
+  Builder b(spec, dst, PlannerKind::kSearch, cost);
+  for (const Step& s : steps) b.add(s);
+  return b.finish(dst);
+}
+
+}  // namespace
+
+std::string_view to_string(PlannerKind kind) {
+  return kind == PlannerKind::kGreedy ? "greedy" : "search";
+}
+
+PlannerKind parse_planner(std::string_view text) {
+  if (text == "greedy") return PlannerKind::kGreedy;
+  if (text == "search") return PlannerKind::kSearch;
+  throw InvalidArgument(fmt::format("unknown planner '{}': expected greedy or search", text));
+}
+
+int64_t Traffic::max_sent() const {
+  return sent.empty() ? 0 : *std::max_element(sent.begin(), sent.end());
+}
+int64_t Traffic::max_received() const {
+  return received.empty() ? 0 : *std::max_element(received.begin(), received.end());
+}
+
+int Plan::collectives() const {
+  return static_cast<int>(std::count(communicating.begin(), communicating.end(), 1));
+}
+
+std::string to_string(const Plan& plan) {
+  std::string out = fmt::format("[{}]", to_string(plan.states.front()));
+  for (size_t i = 0; i < plan.steps.size(); ++i)
+    out += fmt::format(" -{}-> [{}]", to_string(plan.steps[i]), to_string(plan.states[i + 1]));
+  return out;
+}
+
+Traffic step_traffic(const Step& step, const DTensorSpec& spec, const Placements& before) {
+  const DeviceMesh& mesh = *spec.mesh;
+  const int64_t n = mesh.size();
+  const int m = mesh_dim_of(step);
+  const int64_t k = mesh.size(m);
+  const int64_t item = static_cast<int64_t>(kernels::itemsize(spec.dtype));
+  Traffic t;
+  t.sent.assign(n, 0);
+  t.received.assign(n, 0);
+  if (!communicates(step) || k == 1) return t;
+  const std::vector<ShardLayout> pre = all_layouts(spec, before);
+  const std::vector<ShardLayout> post = all_layouts(spec, apply_step(step, before));
+  for (int64_t p = 0; p < n; ++p) {
+    Dims coord = unravel(p, mesh.shape());
+    const int64_t r = coord[m];
+    if (std::holds_alternative<AllReduce>(step)) {
+      // Bandwidth-optimal all-reduce (ring / reduce-scatter + all-gather).
+      t.sent[p] = t.received[p] = 2 * (k - 1) * numel(pre[p]) / k * item;
+      continue;
+    }
+    if (std::holds_alternative<ReduceScatter>(step)) {
+      t.sent[p] = (numel(pre[p]) - numel(post[p])) * item;
+      t.received[p] = (k - 1) * numel(post[p]) * item;
+      continue;
+    }
+    for (int64_t g = 0; g < k; ++g) {
+      if (g == r) continue;
+      coord[m] = g;
+      const int64_t q = ravel(coord, mesh.shape());
+      t.sent[p] += common(pre[p], post[q]) * item;
+      t.received[p] += common(pre[q], post[p]) * item;
+    }
+  }
+  return t;
+}
+
+Traffic lower_bound_traffic(const DTensorSpec& src, const Placements& dst) {
+  const DeviceMesh& mesh = *src.mesh;
+  const int64_t n = mesh.size();
+  const int64_t item = static_cast<int64_t>(kernels::itemsize(src.dtype));
+  Traffic t;
+  t.sent.assign(n, 0);
+  t.received.assign(n, 0);
+  std::vector<int> partial_dims;
+  for (int m = 0; m < mesh.ndim(); ++m)
+    if (is_partial(src.placements[m]) && src.placements[m] != dst[m] && mesh.size(m) > 1)
+      partial_dims.push_back(m);
+  const std::vector<ShardLayout> pre = all_layouts(src, src.placements);
+  const std::vector<ShardLayout> post = all_layouts(src, dst);
+  for (int64_t p = 0; p < n; ++p) {
+    if (partial_dims.size() == 1) {
+      // Reducing over one mesh dim of k: every rank must receive the k-1 other contributions to
+      // what it ends with (reduce-scatter), or 2(k-1)/k of the data for a full all-reduce.
+      const int64_t k = mesh.size(partial_dims[0]);
+      const bool to_replicate = is_replicate(dst[partial_dims[0]]);
+      t.received[p] = (to_replicate ? 2 * (k - 1) * numel(pre[p]) / k : (k - 1) * numel(post[p])) * item;
+    } else {
+      t.received[p] = (numel(post[p]) - common(pre[p], post[p])) * item;
+    }
+  }
+  return t;
+}
+
+Plan plan_redistribute(const DTensorSpec& src, const Placements& dst_in, PlannerKind kind,
+                       const CostModel& cost, bool allow_partial_target) {
+  const Placements dst = normalize_placements(dst_in, src.mesh->ndim(), src.tensor_ndim());
+  check_transition(src, dst, allow_partial_target);
+  Plan g = greedy(src, dst, cost);
+  if (kind == PlannerKind::kGreedy) return g;
+  Plan s = search(src, dst, cost, allow_partial_target);
+  if (s.cost_us > g.cost_us) {  // cannot happen (greedy's path is in the graph); be safe
+    g.planner = PlannerKind::kSearch;
+    return g;
+  }
+  return s;
+}
+
+const Plan& PlanCache::get(const DTensorSpec& src, const Placements& dst, PlannerKind kind,
+                           const CostModel& cost, bool allow_partial_target) {
+  Key key{src.mesh->shape().vec(), src.shape.vec(), static_cast<int>(src.dtype),
+          to_string(src.placements), to_string(dst), static_cast<int>(kind), allow_partial_target};
+  std::lock_guard lk(mu_);
+  auto it = plans_.find(key);
+  if (it != plans_.end()) return it->second;
+  return plans_.emplace(key, plan_redistribute(src, dst, kind, cost, allow_partial_target)).first->second;
+}
+
+size_t PlanCache::size() const {
+  std::lock_guard lk(mu_);
+  return plans_.size();
+}
+
+}  // namespace dtensor
