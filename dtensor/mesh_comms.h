@@ -16,6 +16,7 @@
 
 #include "collectives/communicator.h"
 #include "dtensor/mesh.h"
+#include "dtensor/plan/planner.h"
 
 namespace dtensor {
 
@@ -34,6 +35,8 @@ class MeshComms {
   collectives::Communicator& dim(int mesh_dim) const;
   // The communicator of a flattening requested at creation (mesh dims ascending).
   collectives::Communicator& flattened(std::span<const int> mesh_dims) const;
+  // Redistribute plans of tensors on this mesh, memoised (plans are rank-independent data).
+  PlanCache& plans() const { return plans_; }
 
  private:
   DeviceMesh mesh_;
@@ -41,6 +44,7 @@ class MeshComms {
   Dims coord_;
   std::vector<std::unique_ptr<collectives::Communicator>> dims_;
   std::vector<std::pair<std::vector<int>, std::unique_ptr<collectives::Communicator>>> flat_;
+  mutable PlanCache plans_;
 };
 
 }  // namespace dtensor

@@ -63,6 +63,23 @@ std::vector<ShardLayout> all_layouts(const DTensorSpec& spec, const Placements& 
   return out;
 }
 
+// Every rank's layout per placement state, computed once per planning call.
+class LayoutCache {
+ public:
+  explicit LayoutCache(const DTensorSpec& spec) : spec_(spec) {}
+  const std::vector<ShardLayout>& get(const Placements& placements) {
+    auto [it, inserted] = by_state_.try_emplace(to_string(placements));
+    if (inserted) it->second = all_layouts(spec_, placements);
+    return it->second;
+  }
+
+ private:
+  const DTensorSpec& spec_;
+  std::unordered_map<std::string, std::vector<ShardLayout>> by_state_;
+};
+
+Traffic traffic_of(const Step& step, const DTensorSpec& spec, const Placements& before, LayoutCache& layouts);
+
 bool is_shard_like(const Placement& p) { return shard_dim(p).has_value(); }
 
 void check_transition(const DTensorSpec& src, const Placements& dst, bool allow_partial_target) {
@@ -128,9 +145,9 @@ class Builder {
 };
 
 double step_cost(const Step& step, const DTensorSpec& spec, const Placements& before,
-                 const CostModel& cost) {
+                 const CostModel& cost, LayoutCache& layouts) {
   if (!communicates(step) || spec.mesh->size(mesh_dim_of(step)) == 1) return 1e-9;  // prefer fewer steps
-  const Traffic t = step_traffic(step, spec, before);
+  const Traffic t = traffic_of(step, spec, before, layouts);
   return cost.latency_us + static_cast<double>(t.max_received()) / (cost.bandwidth_gb_per_s * 1e3);
 }
 
@@ -139,6 +156,7 @@ Plan Builder::finish(const Placements& dst) {
     throw kernels::InternalError(fmt::format("plan ends at [{}], not at [{}]",
                                              to_string(current()), to_string(dst)));
   const int64_t n = spec_.mesh->size();
+  LayoutCache layouts(spec_);
   plan_.traffic.sent.assign(n, 0);
   plan_.traffic.received.assign(n, 0);
   for (size_t i = 0; i < plan_.steps.size(); ++i) {
@@ -146,12 +164,12 @@ Plan Builder::finish(const Placements& dst) {
     const bool moves = communicates(step) && spec_.mesh->size(mesh_dim_of(step)) > 1;
     plan_.communicating.push_back(moves);
     if (!moves) continue;
-    const Traffic t = step_traffic(step, spec_, plan_.states[i]);
+    const Traffic t = traffic_of(step, spec_, plan_.states[i], layouts);
     for (int64_t p = 0; p < n; ++p) {
       plan_.traffic.sent[p] += t.sent[p];
       plan_.traffic.received[p] += t.received[p];
     }
-    plan_.cost_us += step_cost(step, spec_, plan_.states[i], cost_);
+    plan_.cost_us += step_cost(step, spec_, plan_.states[i], cost_, layouts);
   }
   return std::move(plan_);
 }
@@ -225,6 +243,7 @@ Plan search(const DTensorSpec& spec, const Placements& dst, const CostModel& cos
   nodes[start] = {src, 0.0, "", std::nullopt};
   queue.push({0.0, order++, start});
   std::unordered_map<std::string, bool> done;
+  LayoutCache layouts(spec);
   while (!queue.empty()) {
     Entry e = queue.top();
     queue.pop();
@@ -239,7 +258,7 @@ Plan search(const DTensorSpec& spec, const Placements& dst, const CostModel& cos
         std::optional<Step> step = step_between(m, state[m], c, /*direct=*/true);
         if (!step || !is_valid_step(*step, state)) continue;
         Placements next = apply_step(*step, state);
-        const double total = e.cost + step_cost(*step, spec, state, cost);
+        const double total = e.cost + step_cost(*step, spec, state, cost, layouts);
         const std::string key = to_string(next);
         auto it = nodes.find(key);
         if (it == nodes.end() || total < it->second.cost) {
@@ -289,6 +308,13 @@ std::string to_string(const Plan& plan) {
 }
 
 Traffic step_traffic(const Step& step, const DTensorSpec& spec, const Placements& before) {
+  LayoutCache layouts(spec);
+  return traffic_of(step, spec, before, layouts);
+}
+
+namespace {
+
+Traffic traffic_of(const Step& step, const DTensorSpec& spec, const Placements& before, LayoutCache& layouts) {
   const DeviceMesh& mesh = *spec.mesh;
   const int64_t n = mesh.size();
   const int m = mesh_dim_of(step);
@@ -298,8 +324,8 @@ Traffic step_traffic(const Step& step, const DTensorSpec& spec, const Placements
   t.sent.assign(n, 0);
   t.received.assign(n, 0);
   if (!communicates(step) || k == 1) return t;
-  const std::vector<ShardLayout> pre = all_layouts(spec, before);
-  const std::vector<ShardLayout> post = all_layouts(spec, apply_step(step, before));
+  const std::vector<ShardLayout>& pre = layouts.get(before);
+  const std::vector<ShardLayout>& post = layouts.get(apply_step(step, before));
   for (int64_t p = 0; p < n; ++p) {
     Dims coord = unravel(p, mesh.shape());
     const int64_t r = coord[m];
@@ -323,6 +349,8 @@ Traffic step_traffic(const Step& step, const DTensorSpec& spec, const Placements
   }
   return t;
 }
+
+}  // namespace
 
 Traffic lower_bound_traffic(const DTensorSpec& src, const Placements& dst) {
   const DeviceMesh& mesh = *src.mesh;

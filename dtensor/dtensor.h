@@ -1,0 +1,114 @@
+// DTensor: a global tensor distributed over a DeviceMesh: this rank's local shard, the global
+// spec (mesh, placements, shape, stride, dtype) and the mesh communicators that move it.
+// PyTorch names and semantics (dtensor-semantics.md section 5).
+//
+//   auto comms = std::make_shared<MeshComms>(DeviceMesh::from_shape({2, 2}), world);
+//   DTensor x = distribute_tensor(full, comms, parse_placements("S(0),R"));  // scatter + broadcast
+//   DTensor y = x.redistribute(parse_placements("R,S(1)"));                  // planned, cached
+//   Tensor whole = y.full_tensor();                                          // == full
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "dtensor/mesh_comms.h"
+#include "dtensor/plan/planner.h"
+#include "dtensor/spec.h"
+#include "kernels/tensor.h"
+
+namespace dtensor {
+
+using kernels::Tensor;
+
+struct RedistributeOptions {
+  // search by default: never costlier than greedy under the cost model (same data either way);
+  // greedy reproduces PyTorch's collective sequence exactly.
+  PlannerKind planner = PlannerKind::kSearch;
+};
+
+class DTensor {
+ public:
+  // REQUIRES: local has the shape spec.layout(comms->rank()) gives (checked), spec.mesh is the
+  // communicators' mesh. Ranks outside the mesh hold an empty local tensor.
+  DTensor(std::shared_ptr<const MeshComms> comms, DTensorSpec spec, Tensor local);
+
+  const DTensorSpec& spec() const { return spec_; }
+  const Placements& placements() const { return spec_.placements; }
+  const Dims& shape() const { return spec_.shape; }   // global
+  const Dims& stride() const { return spec_.stride; } // global
+  kernels::DType dtype() const { return spec_.dtype; }
+  const DeviceMesh& device_mesh() const { return comms_->mesh(); }
+  const std::shared_ptr<const MeshComms>& comms() const { return comms_; }
+
+  // This rank's shard (a view, no communication).
+  const Tensor& to_local() const { return local_; }
+  // Collective over the mesh. Equal placements return a DTensor sharing the local tensor.
+  // Throws Unsupported for a new Partial target, S -> P, P(a) -> P(b) (see plan_redistribute).
+  DTensor redistribute(const Placements& placements, const RedistributeOptions& options = {}) const;
+  // redistribute to all-Replicate, then the local tensor (collective over the mesh).
+  Tensor full_tensor() const;
+  // The plan redistribute would run (cached in the communicators' PlanCache).
+  const Plan& plan_to(const Placements& placements, const RedistributeOptions& options = {}) const;
+
+  // Per-rank ownership, like PyTorch's visualize_sharding: one line per rank with its coordinate,
+  // local shape, offsets and held index ranges; for 1-D and 2-D tensors also a grid of owners.
+  std::string ownership() const;
+
+ private:
+  std::shared_ptr<const MeshComms> comms_;
+  DTensorSpec spec_;
+  Tensor local_;
+};
+
+// PyTorch's distribute_tensor: placements applied left to right over mesh dims: Shard /
+// StridedShard scatter from group rank src_data_rank, Replicate broadcasts from it, Partial
+// broadcasts then partitions (sum: / group size). With src_data_rank == nullopt every rank
+// splits its own copy locally (no communication). Collective over the mesh.
+DTensor distribute_tensor(const Tensor& tensor, std::shared_ptr<const MeshComms> comms,
+                          const Placements& placements, std::optional<int> src_data_rank = 0);
+
+// PyTorch's DTensor.from_local. Without shape/stride the global shape assumes even sharding
+// (global[d] = local[d] * k per Shard(d) / StridedShard(d) mesh dim, stride as PyTorch); give
+// both for uneven shards (shape alone takes the row-major stride; stride alone is rejected).
+// run_check gathers every rank's (dtype, local shape, global shape, stride, placements) and throws
+// InvalidArgument naming the first disagreeing rank, or a local shape that is not the torch.chunk
+// shard of the global shape.
+DTensor from_local(const Tensor& local, std::shared_ptr<const MeshComms> comms,
+                   const Placements& placements, std::optional<Dims> shape = std::nullopt,
+                   std::optional<Dims> stride = std::nullopt, bool run_check = false);
+
+// Batched redistribute: every tensor on the same mesh, with the same placements and dtype,
+// moves to `placements` with one collective per step (flat buffers). Collective over the mesh.
+std::vector<DTensor> redistribute_batch(std::span<const DTensor> tensors, const Placements& placements,
+                                        const RedistributeOptions& options = {});
+
+// Factories: each rank allocates only its local shard.
+DTensor empty(const Dims& shape, kernels::DType dtype, std::shared_ptr<const MeshComms> comms,
+              const Placements& placements);
+DTensor zeros(const Dims& shape, kernels::DType dtype, std::shared_ptr<const MeshComms> comms,
+              const Placements& placements);
+DTensor ones(const Dims& shape, kernels::DType dtype, std::shared_ptr<const MeshComms> comms,
+             const Placements& placements);
+DTensor full(const Dims& shape, double value, kernels::DType dtype,
+             std::shared_ptr<const MeshComms> comms, const Placements& placements);
+// Uniform [0, 1) values that are a function of (seed, global index) only, so every sharding of
+// the same (shape, seed) holds the same global tensor. Partial placements are rejected.
+DTensor rand(const Dims& shape, uint64_t seed, kernels::DType dtype,
+             std::shared_ptr<const MeshComms> comms, const Placements& placements);
+
+// The text of DTensor::ownership() for any spec (pure; no communication), e.g. for tools:
+//   rank  coord     local       offset        held indices per tensor dim
+//      0  (0)       [3]         [0]           0-2
+//   ...
+//   owners of each element:
+//    0 0 0 1 1 1 2 2 2
+std::string ownership_text(const DTensorSpec& spec);
+
+// "DTensor(shape=[8,6], dtype=f32, mesh=[[0,1],[2,3]], placements=[S(0),R], local=tensor(...))".
+std::string to_string(const DTensor& t);
+
+}  // namespace dtensor
