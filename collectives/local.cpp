@@ -58,7 +58,12 @@ struct PostedCall {
   std::string split_name;
   bool posted = false;
 
+  // "split" for a split (which travels as a barrier), else the collective's name.
+  std::string_view name() const { return split_name.empty() ? to_string(kind) : "split"; }
+
   std::string describe() const {
+    if (!split_name.empty())
+      return fmt::format("split(group [{}], '{}')", fmt::join(split_group, ","), split_name);
     std::string what = fmt::format("{}(", to_string(kind));
     switch (kind) {
       case CollectiveKind::kBarrier: break;
@@ -133,6 +138,14 @@ bool overlaps(const Tensor& a, const Tensor& b) {
   return pa < pb + b.nbytes() && pb < pa + a.nbytes();
 }
 
+// True when `part` is exactly elements [k * part.numel(), (k + 1) * part.numel()) of `whole`
+// (the in-place forms of all_gather and scatter). REQUIRES: same dtype, both contiguous.
+bool is_slice(const Tensor& whole, const Tensor& part, int64_t k) {
+  return part.shares_storage_with(whole) &&
+         static_cast<const char*>(part.data_ptr()) ==
+             static_cast<const char*>(whole.data_ptr()) + k * static_cast<int64_t>(part.nbytes());
+}
+
 // Start and length of member r's chunk of n elements (torch.chunk rule).
 std::pair<int64_t, int64_t> chunk_of(int64_t n, int64_t k, int64_t r) {
   const int64_t c = (n + k - 1) / k;
@@ -150,7 +163,8 @@ std::string check_calls(const std::vector<PostedCall>& calls, const LocalGroup& 
   };
   for (int i = 1; i < n; ++i) {
     const PostedCall& c = calls[i];
-    if (c.kind != c0.kind) return differ(i, "different collectives");
+    if (c.kind != c0.kind || c.split_name.empty() != c0.split_name.empty())
+      return differ(i, "different collectives");
     if (c.kind == CollectiveKind::kBarrier || c.kind == CollectiveKind::kSendRecv) continue;
     if (!c.split_name.empty() || !c0.split_name.empty()) continue;
     if (c.dtype != c0.dtype) return differ(i, "different dtypes");
@@ -224,6 +238,8 @@ std::string check_calls(const std::vector<PostedCall>& calls, const LocalGroup& 
   return {};
 }
 
+class LocalWork;
+
 }  // namespace
 
 class LocalCommunicator final : public Communicator {
@@ -235,6 +251,13 @@ class LocalCommunicator final : public Communicator {
 
   WorkPtr all_gather(const Tensor& input, const Tensor& output) override {
     check_buffers(CollectiveKind::kAllGather, *this, input, output);
+    // Other members read the input while this rank fills the output: only the documented
+    // in-place form may overlap.
+    if (overlaps(input, output) && !is_slice(output, input, rank()))
+      throw InvalidArgument(fmt::format(
+          "all_gather on group '{}': the input overlaps the output but is not this rank's slice "
+          "(elements [{}, {}) of the output)",
+          name(), rank() * input.numel(), (rank() + 1) * input.numel()));
     PostedCall c = make(CollectiveKind::kAllGather, input, output);
     return post(std::move(c));
   }
@@ -292,8 +315,21 @@ class LocalCommunicator final : public Communicator {
   }
   WorkPtr scatter(const Tensor& input, const Tensor& output, int root) override {
     check_root(CollectiveKind::kScatter, root);
-    if (rank() == root) check_buffers(CollectiveKind::kScatter, *this, input, output);
-    else check_tensor(CollectiveKind::kScatter, *this, output, "output");
+    if (rank() == root) {
+      check_buffers(CollectiveKind::kScatter, *this, input, output);
+      if (input.numel() != size() * output.numel())
+        throw InvalidArgument(fmt::format(
+            "scatter on group '{}' of {} ranks: the root's input has {} elements and output {} "
+            "(expected input = size x output)",
+            name(), size(), input.numel(), output.numel()));
+      if (overlaps(input, output) && !is_slice(input, output, root))
+        throw InvalidArgument(fmt::format(
+            "scatter on group '{}': the root's output overlaps its input but is not its slice "
+            "(elements [{}, {}) of the input)",
+            name(), root * output.numel(), (root + 1) * output.numel()));
+    } else {
+      check_tensor(CollectiveKind::kScatter, *this, output, "output");
+    }
     PostedCall c = make(CollectiveKind::kScatter, rank() == root ? input : Tensor(), output);
     c.root = root;
     return post(std::move(c));
@@ -309,6 +345,15 @@ class LocalCommunicator final : public Communicator {
                                           name(), op.peer, size() - 1));
       c.ops.push_back({op.kind, flat(op.buffer), op.peer});
     }
+    // Peers read the send buffers while this rank fills its receive buffers.
+    for (size_t i = 0; i < c.ops.size(); ++i)
+      for (size_t j = 0; j < c.ops.size(); ++j)
+        if (c.ops[i].kind == P2POp::Kind::kRecv && c.ops[j].kind == P2POp::Kind::kSend &&
+            overlaps(c.ops[i].buffer, c.ops[j].buffer))
+          throw InvalidArgument(fmt::format(
+              "send_recv on group '{}': receive buffer #{} (from peer {}) overlaps send buffer "
+              "#{} (to peer {})",
+              name(), i, c.ops[i].peer, j, c.ops[j].peer));
     return post(std::move(c));
   }
 
@@ -339,21 +384,22 @@ class LocalCommunicator final : public Communicator {
   std::shared_ptr<LocalGroup> group_;
   uint64_t next_seq_ = 0;
   bool batching_ = false;
-  std::vector<WorkPtr> batch_;
+  std::vector<std::shared_ptr<LocalWork>> batch_;
 };
 
 namespace {
 
 class LocalWork final : public Work {
  public:
-  LocalWork(std::shared_ptr<LocalGroup> group, uint64_t seq, int rank)
-      : group_(std::move(group)), seq_(seq), rank_(rank) {}
+  LocalWork(std::shared_ptr<LocalGroup> group, uint64_t seq, int rank, Milliseconds default_timeout)
+      : group_(std::move(group)), seq_(seq), rank_(rank), default_timeout_(default_timeout) {}
   ~LocalWork() override {
     // Complete this rank's part even if nobody waited (the call must not stall the others),
-    // unless the rank is unwinding from an exception: then run_ranks aborts the world.
+    // unless the rank is unwinding from an exception: then run_ranks aborts the world. Bounded
+    // by the communicator's timeout at the time of the call.
     if (state_ == State::kPending && std::uncaught_exceptions() == 0) {
       try {
-        wait(group_->world->timeout);
+        wait(default_timeout_);
       } catch (...) {  // NOLINT: destructors never throw
       }
     }
@@ -362,21 +408,28 @@ class LocalWork final : public Work {
   void wait(Milliseconds timeout) override {
     if (state_ == State::kDone) return;
     if (state_ == State::kFailed) throw CommError(error_);
-    try {
-      run(timeout);
-      state_ = State::kDone;
-    } catch (const std::exception& e) {
-      state_ = State::kFailed;
-      error_ = e.what();
-      throw;
-    }
+    timeout_ = timeout;
+    deadline_ = Clock::now() + timeout;
+    advance(/*blocking=*/true);
   }
 
+  // Progress happens in the members' own threads (NOTE [local rendezvous]), so completed() does
+  // this rank's part as far as it can without blocking: a rank that only polls still completes.
   bool completed() override {
-    if (state_ != State::kPending) return true;
-    std::lock_guard lk(group_->world->mu);
-    return group_->slots.at(seq_).arrived == static_cast<int>(group_->ranks.size()) &&
-           group_->slots.at(seq_).phase_done == static_cast<int>(group_->ranks.size());
+    if (state_ == State::kPending) {
+      try {
+        advance(/*blocking=*/false);
+      } catch (const std::exception&) {  // recorded; wait() throws it
+      }
+    }
+    return state_ != State::kPending;
+  }
+
+  // Gives up on a call this rank will not wait for (the rest of a failed batch).
+  void abandon(const std::string& why) {
+    if (state_ != State::kPending) return;
+    state_ = State::kFailed;
+    error_ = why;
   }
 
   std::shared_ptr<LocalGroup> split_result() const { return split_result_; }
@@ -389,59 +442,86 @@ class LocalWork final : public Work {
     const PostedCall& mine = slot.calls[rank_];
     if (w.aborted)
       throw CommError(fmt::format("{} on group '{}' abandoned: rank {} failed: {}",
-                                  to_string(mine.kind), group_->name, w.aborted_rank,
+                                  mine.name(), group_->name, w.aborted_rank,
                                   w.abort_reason));
     const bool joining = std::string_view(waiting_for) == "join";
     std::vector<int> missing;
     for (size_t i = 0; i < slot.calls.size(); ++i)
       if (joining ? !slot.calls[i].posted : !slot.read_done[i]) missing.push_back(group_->ranks[i]);
     throw CommError(fmt::format("{} on group '{}' [{}] (call #{}) timed out after {} ms: ranks [{}] {}",
-                                to_string(mine.kind), group_->name, fmt::join(group_->ranks, ","),
+                                mine.name(), group_->name, fmt::join(group_->ranks, ","),
                                 seq_, timeout_.count(), fmt::join(missing, ","),
                                 joining ? "never joined" : "joined but never waited for it"));
   }
 
-  // Blocks until pred() or the deadline / an abort; throws on the latter two.
+  // Whether pred() holds. Blocking: waits for it until the deadline or an abort and throws on
+  // those; non-blocking: throws only on an abort.
   template <class Pred>
-  void block(std::unique_lock<std::mutex>& lk, Slot& slot, Pred pred, const char* waiting_for) {
+  bool reach(std::unique_lock<std::mutex>& lk, Slot& slot, Pred pred, const char* waiting_for,
+             bool blocking) {
     LocalWorldState& w = *group_->world;
+    if (!blocking) {
+      if (pred()) return true;
+      if (w.aborted) fail_locked(slot, waiting_for);
+      return false;
+    }
     if (!w.cv.wait_until(lk, deadline_, [&] { return pred() || w.aborted; }) || (w.aborted && !pred()))
       fail_locked(slot, waiting_for);
+    return true;
   }
 
-  void run(Milliseconds timeout) {
+  // Runs this rank's part as far as it goes; true (and kDone) once complete. Failures set
+  // kFailed and rethrow.
+  bool advance(bool blocking) {
+    try {
+      if (!run(blocking)) return false;
+      state_ = State::kDone;
+      return true;
+    } catch (const std::exception& e) {
+      state_ = State::kFailed;
+      error_ = e.what();
+      throw;
+    }
+  }
+
+  // The two phases of NOTE [local rendezvous]; resumable: a non-blocking call stops (returning
+  // false) where it would have to wait, and the next call continues from there.
+  bool run(bool blocking) {
     LocalWorldState& w = *group_->world;
     const int n = static_cast<int>(group_->ranks.size());
-    timeout_ = timeout;
-    deadline_ = Clock::now() + timeout;
     std::unique_lock lk(w.mu);
     Slot& slot = group_->slots.at(seq_);
-    block(lk, slot, [&] { return slot.arrived == n; }, "join");
-    if (!slot.checked) {
-      slot.mismatch = check_calls(slot.calls, *group_);
-      slot.checked = true;
+    if (!read_done_) {
+      if (!reach(lk, slot, [&] { return slot.arrived == n; }, "join", blocking)) return false;
+      if (!slot.checked) {
+        slot.mismatch = check_calls(slot.calls, *group_);
+        slot.checked = true;
+      }
+      if (!slot.mismatch.empty()) throw CommError(slot.mismatch);
+      const PostedCall& call = slot.calls[rank_];
+      if (!call.split_name.empty()) {
+        make_split_group(slot);
+        split_result_ = slot.split_groups[rank_];
+      }
+      lk.unlock();
+
+      staged_ = read_phase(slot);  // reads other members' buffers
+
+      lk.lock();
+      ++slot.phase_done;
+      slot.read_done[rank_] = 1;
+      read_done_ = true;
+      w.cv.notify_all();
     }
-    if (!slot.mismatch.empty()) throw CommError(slot.mismatch);
-    const PostedCall& call = slot.calls[rank_];
-    if (!call.split_name.empty()) {
-      make_split_group(slot);
-      split_result_ = slot.split_groups[rank_];
-    }
+    if (!reach(lk, slot, [&] { return slot.phase_done == n; }, "complete", blocking)) return false;
     lk.unlock();
 
-    Tensor staged = read_phase(slot);  // reads other members' buffers
-
-    lk.lock();
-    ++slot.phase_done;
-    slot.read_done[rank_] = 1;
-    w.cv.notify_all();
-    block(lk, slot, [&] { return slot.phase_done == n; }, "complete");
-    lk.unlock();
-
-    write_phase(slot, staged);  // only touches this rank's output and slot-owned partials
+    write_phase(slot, staged_);  // only touches this rank's output and slot-owned partials
+    staged_ = Tensor();
 
     lk.lock();
     if (++slot.left == n) group_->slots.erase(seq_);
+    return true;
   }
 
   // Builds (once per group) the sub-group objects of a split.
@@ -510,7 +590,9 @@ class LocalWork final : public Work {
         return {};
       case CollectiveKind::kScatter: {
         const int64_t cnt = me.output.numel();
-        copy_elems(me.output, 0, slot.calls[me.root].input, r * cnt, cnt);
+        // In place at the root (output = its slice of the input): nothing to move.
+        if (r != me.root || !overlaps(me.output, me.input))
+          copy_elems(me.output, 0, slot.calls[me.root].input, r * cnt, cnt);
         return {};
       }
       case CollectiveKind::kSendRecv: {
@@ -559,28 +641,42 @@ class LocalWork final : public Work {
   std::shared_ptr<LocalGroup> group_;
   uint64_t seq_;
   int rank_;
+  Milliseconds default_timeout_;
   State state_ = State::kPending;
+  bool read_done_ = false;  // this rank's read phase is over
+  Tensor staged_;           // what read_phase() left for write_phase()
   std::string error_;
   Milliseconds timeout_{0};
   Clock::time_point deadline_;
   std::shared_ptr<LocalGroup> split_result_;
 };
 
-// Completes when every member Work does.
+// Completes when every member Work does. The batch is one operation: when one call fails, the
+// rest are abandoned too (so dropping the batch does not wait for each of them again).
 class BatchWork final : public Work {
  public:
-  explicit BatchWork(std::vector<WorkPtr> works) : works_(std::move(works)) {}
+  explicit BatchWork(std::vector<std::shared_ptr<LocalWork>> works) : works_(std::move(works)) {}
   void wait(Milliseconds timeout) override {
     const auto deadline = Clock::now() + timeout;
-    for (auto& w : works_)
-      w->wait(std::max(Milliseconds{0}, std::chrono::duration_cast<Milliseconds>(deadline - Clock::now())));
+    for (size_t k = 0; k < works_.size(); ++k) {
+      try {
+        works_[k]->wait(std::max(Milliseconds{0},
+                                 std::chrono::duration_cast<Milliseconds>(deadline - Clock::now())));
+      } catch (const std::exception& e) {
+        for (size_t j = k + 1; j < works_.size(); ++j)
+          works_[j]->abandon(fmt::format("abandoned: an earlier call of the same batch failed: {}", e.what()));
+        throw;
+      }
+    }
   }
   bool completed() override {
-    return std::all_of(works_.begin(), works_.end(), [](auto& w) { return w->completed(); });
+    bool done = true;
+    for (auto& w : works_) done = w->completed() && done;  // each call makes progress
+    return done;
   }
 
  private:
-  std::vector<WorkPtr> works_;
+  std::vector<std::shared_ptr<LocalWork>> works_;
 };
 
 }  // namespace
@@ -599,7 +695,7 @@ WorkPtr LocalCommunicator::post(PostedCall call) {
     slot.calls[rank()] = std::move(call);
     if (++slot.arrived == static_cast<int>(group_->ranks.size())) w.cv.notify_all();
   }
-  auto work = std::make_shared<LocalWork>(group_, seq, rank());
+  auto work = std::make_shared<LocalWork>(group_, seq, rank(), timeout());
   if (batching_) batch_.push_back(work);
   return work;
 }
@@ -613,6 +709,19 @@ WorkPtr LocalCommunicator::end_batch() {
 std::unique_ptr<Communicator> LocalCommunicator::split(std::span<const int> group,
                                                        std::string new_name) {
   if (batching_) throw InvalidArgument(fmt::format("split on group '{}': not allowed inside a batch", name()));
+  std::vector<int> sorted(group.begin(), group.end());
+  std::sort(sorted.begin(), sorted.end());
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    const int m = sorted[i];
+    if (m < 0 || m >= size() || (i > 0 && sorted[i - 1] == m))
+      throw InvalidArgument(fmt::format(
+          "split on group '{}': group [{}] {} member {} (expected distinct group ranks 0..{})",
+          name(), fmt::join(group, ","), m < 0 || m >= size() ? "has out-of-range" : "repeats", m,
+          size() - 1));
+  }
+  if (!std::binary_search(sorted.begin(), sorted.end(), rank()))
+    throw InvalidArgument(fmt::format("split on group '{}': group [{}] does not contain this rank ({})",
+                                      name(), fmt::join(group, ","), rank()));
   PostedCall c;
   c.kind = CollectiveKind::kBarrier;
   c.split_group.assign(group.begin(), group.end());

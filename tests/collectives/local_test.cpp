@@ -1,0 +1,1382 @@
+// The local backend (collectives/local.h): every collective x dtype x op on 1, 2, 3, 4 and 8
+// ranks with uneven and zero counts, in and out of place, async, batched and on split groups;
+// then timeouts, mismatches between ranks, exceptions in run_ranks and invalid arguments.
+//
+// NOTE [rank-side checks] Catch2 v2 assertions are not thread-safe, so rank threads never assert:
+// each records what it saw in its own RankLog (failures, expected error messages, timings), and
+// the main thread checks every log once run_ranks has joined. Element values are small integers
+// (a function of rank and index), exact in every dtype, so each output element of each rank is
+// compared for equality with its formula (averages of floats within one rounding).
+#include "collectives/local.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <atomic>
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/error.h"
+
+namespace {
+
+using namespace collectives;
+using namespace std::chrono_literals;
+using kernels::CommError;
+using kernels::DType;
+using kernels::InvalidArgument;
+using Clock = std::chrono::steady_clock;
+using Catch::Contains;
+
+constexpr DType kDTypes[] = {DType::kF32, DType::kF64, DType::kBF16, DType::kF16,
+                             DType::kI32, DType::kI64, DType::kU8};
+constexpr int64_t kCounts[] = {0, 1, 7, 1000};
+
+std::string name_of(DType d) { return std::string(kernels::to_string(d)); }
+bool is_int(DType d) { return !kernels::is_floating_point(d); }
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+// ---- per-rank logs (NOTE [rank-side checks]) ----
+
+struct RankLog {
+  int64_t elements = 0;               // output elements compared with their formula
+  std::vector<std::string> failures;  // the first few
+  std::vector<std::string> errors;    // messages of the expected exceptions, in order
+  std::vector<double> millis;         // measured durations, in order
+  void fail(std::string what) {
+    if (failures.size() < 12) failures.push_back(std::move(what));
+  }
+  void expect(bool ok, std::string_view what) {
+    if (!ok) fail(std::string(what));
+  }
+};
+
+using RankFn = std::function<void(Communicator&, RankLog&)>;
+
+std::vector<RankLog> run_logged(int n, const RankFn& fn, Milliseconds timeout = 60s) {
+  std::vector<RankLog> logs(n);
+  run_ranks(
+      n, [&](Communicator& world) { fn(world, logs[world.rank()]); }, timeout);
+  return logs;
+}
+
+// Main thread only: no rank recorded a failure. Returns the elements verified on all ranks.
+int64_t check_logs(const std::vector<RankLog>& logs) {
+  int64_t elements = 0;
+  for (size_t r = 0; r < logs.size(); ++r) {
+    INFO("rank " << r << ":\n" << fmt::format("{}", fmt::join(logs[r].failures, "\n")));
+    CHECK(logs[r].failures.empty());
+    elements += logs[r].elements;
+  }
+  return elements;
+}
+
+Tensor filled(int64_t n, DType d, const std::function<double(int64_t)>& f) {
+  Tensor t = Tensor::empty({n}, d);
+  t.fill_index_([&](std::span<const int64_t> i) { return f(i[0]); });
+  return t;
+}
+
+// Every element of t against want(i): exactly, or within rtol * max(1, |want|) when rtol > 0.
+void expect_elements(RankLog& log, const Tensor& t, int64_t numel, const std::function<double(int64_t)>& want,
+                     const std::string& what, double rtol = 0) {
+  if (t.numel() != numel) {
+    log.fail(fmt::format("{}: {} elements, expected {}", what, t.numel(), numel));
+    return;
+  }
+  const std::vector<double> got = t.to_vector();
+  int bad = 0;
+  for (int64_t i = 0; i < numel; ++i) {
+    const double w = want(i);
+    const bool ok = rtol == 0 ? got[i] == w : std::abs(got[i] - w) <= rtol * std::max(1.0, std::abs(w));
+    if (!ok && bad++ < 3) log.fail(fmt::format("{}: element {} is {}, expected {}", what, i, got[i], w));
+  }
+  log.elements += numel;
+}
+
+// Runs fn, which must throw E; records and returns the message.
+template <class E, class F>
+std::string expect_throw(RankLog& log, F&& fn, std::string_view what) {
+  try {
+    fn();
+  } catch (const E& e) {
+    log.errors.emplace_back(e.what());
+    return e.what();
+  } catch (const std::exception& e) {
+    log.fail(fmt::format("{}: threw the wrong exception type: {}", what, e.what()));
+    return {};
+  }
+  log.fail(fmt::format("{}: did not throw", what));
+  return {};
+}
+
+// Spins (bounded) until pred() holds; false on the deadline.
+template <class Pred>
+bool eventually(Pred pred, Milliseconds limit = 5s) {
+  const auto deadline = Clock::now() + limit;
+  while (!pred()) {
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(1ms);
+  }
+  return true;
+}
+
+// ---- element formulas ----
+
+// Element i of rank r: small integers, exact in every dtype; negative only for signed dtypes.
+double value(DType d, int r, int64_t i) {
+  const int v = static_cast<int>((r * 7 + i * 3) % 11);
+  return d == DType::kU8 ? v : v - 5;
+}
+// Factors for prod: 1 mostly, 2 on at most 3 of 8 ranks per element, -1 for signed dtypes.
+double factor(DType d, int r, int64_t i) {
+  if ((r + i) % 3 == 0) return 2;
+  if (d != DType::kU8 && (r + 2 * i) % 5 == 0) return -1;
+  return 1;
+}
+
+struct OpCase {
+  std::string name;
+  Reduction red;
+};
+const std::vector<OpCase>& op_cases() {
+  static const std::vector<OpCase> cases = {{"sum", ReduceOp::kSum},
+                                            {"avg", ReduceOp::kAvg},
+                                            {"min", ReduceOp::kMin},
+                                            {"max", ReduceOp::kMax},
+                                            {"prod", ReduceOp::kProd},
+                                            {"premul_sum(0.5)", Reduction::premul_sum(0.5)},
+                                            {"premul_sum(3)", Reduction::premul_sum(3)}};
+  return cases;
+}
+
+double input_value(DType d, const Reduction& red, int r, int64_t i) {
+  return red.op == ReduceOp::kProd ? factor(d, r, i) : value(d, r, i);
+}
+
+// Relative tolerance of one rounding of an average in dtype d.
+double avg_rtol(DType d) {
+  switch (d) {
+    case DType::kBF16: return 1.0 / 128;
+    case DType::kF16: return 1.0 / 1024;
+    case DType::kF32: return 1.0 / (1 << 22);
+    default: return 1e-15;
+  }
+}
+
+// The reduction over n ranks of input_value(., i). Integers: the pre-multiplied value of each
+// input is truncated toward zero, and avg truncates the sum's quotient toward zero (what
+// kernels::scale_ documents). Averages of floats are exact only within reduced_rtol().
+double reduced(DType d, const Reduction& red, int n, int64_t i) {
+  double acc = red.op == ReduceOp::kProd  ? 1
+               : red.op == ReduceOp::kMin ? std::numeric_limits<double>::infinity()
+               : red.op == ReduceOp::kMax ? -std::numeric_limits<double>::infinity()
+                                          : 0;
+  for (int r = 0; r < n; ++r) {
+    const double x = input_value(d, red, r, i);
+    switch (red.op) {
+      case ReduceOp::kSum:
+      case ReduceOp::kAvg: {
+        const double scaled = x * red.pre_multiplier;
+        acc += is_int(d) ? std::trunc(scaled) : scaled;
+        break;
+      }
+      case ReduceOp::kMin: acc = std::min(acc, x); break;
+      case ReduceOp::kMax: acc = std::max(acc, x); break;
+      case ReduceOp::kProd: acc *= x; break;
+    }
+  }
+  if (red.op != ReduceOp::kAvg) return acc;
+  return is_int(d) ? static_cast<double>(static_cast<int64_t>(acc) / n) : acc / n;
+}
+double reduced_rtol(DType d, const Reduction& red) {
+  return red.op == ReduceOp::kAvg && !is_int(d) ? avg_rtol(d) : 0;
+}
+
+// ---- all_reduce / reduce_scatter ----
+
+TEST_CASE("all_reduce: every dtype x op x count, in and out of place", "[collectives][local]") {
+  const int n = GENERATE(1, 2, 3, 4, 8);
+  auto logs = run_logged(n, [](Communicator& world, RankLog& log) {
+    const int n = world.size(), r = world.rank();
+    for (DType d : kDTypes)
+      for (const OpCase& oc : op_cases())
+        for (int64_t count : kCounts)
+          for (bool in_place : {true, false}) {
+            const std::string what = fmt::format("all_reduce {} {} count {} {} on {} ranks", name_of(d),
+                                                 oc.name, count, in_place ? "in place" : "out of place", n);
+            auto in_fn = [&](int64_t i) { return input_value(d, oc.red, r, i); };
+            Tensor in = filled(count, d, in_fn);
+            Tensor out = in_place ? in : Tensor::full({count}, 99, d);
+            world.wait(world.all_reduce(in, out, oc.red));
+            const double rtol = reduced_rtol(d, oc.red);
+            expect_elements(
+                log, out, count, [&](int64_t i) { return reduced(d, oc.red, n, i); }, what, rtol);
+            if (!in_place) expect_elements(log, in, count, in_fn, what + " (input untouched)");
+          }
+  });
+  CHECK(check_logs(logs) > 0);
+}
+
+TEST_CASE("reduce_scatter: every dtype x op x count, in and out of place", "[collectives][local]") {
+  const int n = GENERATE(1, 2, 3, 4, 8);
+  auto logs = run_logged(n, [](Communicator& world, RankLog& log) {
+    const int n = world.size(), r = world.rank();
+    for (DType d : kDTypes)
+      for (const OpCase& oc : op_cases())
+        for (int64_t count : kCounts)  // per rank
+          for (bool in_place : {true, false}) {
+            const std::string what = fmt::format("reduce_scatter {} {} count {} {} on {} ranks", name_of(d),
+                                                 oc.name, count, in_place ? "in place" : "out of place", n);
+            auto in_fn = [&](int64_t i) { return input_value(d, oc.red, r, i); };
+            Tensor in = filled(n * count, d, in_fn);
+            // In place: the output is this rank's slice of the input.
+            Tensor out = in_place ? in.narrow(0, r * count, count) : Tensor::full({count}, 99, d);
+            world.wait(world.reduce_scatter(in, out, oc.red));
+            const double rtol = reduced_rtol(d, oc.red);
+            expect_elements(
+                log, out, count, [&](int64_t j) { return reduced(d, oc.red, n, r * count + j); }, what, rtol);
+            if (!in_place) expect_elements(log, in, n * count, in_fn, what + " (input untouched)");
+          }
+  });
+  CHECK(check_logs(logs) > 0);
+}
+
+TEST_CASE("avg on integers truncates toward zero; i64 stays exact; sums wrap", "[collectives][local]") {
+  auto logs = run_logged(3, [](Communicator& world, RankLog& log) {
+    const int r = world.rank();
+    // -1 + -1 + 0 = -2: -2/3 -> 0 (toward zero, not -1); 2 + 2 + 0 = 4: 4/3 -> 1; -5-5-4 = -14 -> -4.
+    const std::vector<double> mine = {r < 2 ? -1.0 : 0.0, r < 2 ? 2.0 : 0.0, r < 2 ? -5.0 : -4.0};
+    for (DType d : {DType::kI32, DType::kI64}) {
+      Tensor x = Tensor::from_vector(mine, {3}, d);
+      world.wait(world.all_reduce(x, x, ReduceOp::kAvg));
+      expect_elements(
+          log, x, 3,
+          [](int64_t i) {
+            return std::vector<double>{0, 1, -4}[i];
+          },
+          "avg " + name_of(d));
+    }
+    // i64 values far beyond 2^53 (double's exact range): sum, min, max and avg must stay exact.
+    const int64_t big = int64_t{1} << 60;
+    Tensor s = Tensor::empty({4}, DType::kI64);
+    for (int i = 0; i < 4; ++i) s.data<int64_t>()[i] = big + 2 * r + 1 + i;
+    for (ReduceOp op : {ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax}) {
+      Tensor x = s.clone();
+      world.wait(world.all_reduce(x, x, op));
+      for (int i = 0; i < 4; ++i) {
+        // ranks add 1, 3, 5 (+ i): avg 3 + i, min 1 + i, max 5 + i
+        const int64_t want = big + i + (op == ReduceOp::kAvg ? 3 : op == ReduceOp::kMin ? 1 : 5);
+        const int64_t got = x.data<int64_t>()[i];
+        if (got != want)
+          log.fail(fmt::format("i64 {} element {}: {} (2^60 + {}), expected 2^60 + {}",
+                               kernels::to_string(op), i, got, got - big, want - big));
+      }
+    }
+    // Integer sums wrap (two's complement), as documented in kernels/reduce.h.
+    Tensor w = Tensor::from_vector({r == 0 ? 2147483647.0 : 1.0}, {1}, DType::kI32);
+    world.wait(world.all_reduce(w, w, ReduceOp::kSum));
+    log.expect(w.data<int32_t>()[0] == -2147483647 - 1 + 1,
+               fmt::format("i32 wrap: {}", w.data<int32_t>()[0]));
+    Tensor u = Tensor::from_vector({200}, {1}, DType::kU8);
+    world.wait(world.all_reduce(u, u, ReduceOp::kSum));  // 600 mod 256 = 88
+    log.expect(u.data<uint8_t>()[0] == 88, fmt::format("u8 wrap: {}", u.data<uint8_t>()[0]));
+  });
+  check_logs(logs);
+}
+
+// ---- all_gather / all_to_all / all_to_all_v ----
+
+TEST_CASE("all_gather: every dtype x count, in and out of place", "[collectives][local]") {
+  const int n = GENERATE(1, 2, 3, 4, 8);
+  auto logs = run_logged(n, [](Communicator& world, RankLog& log) {
+    const int n = world.size(), r = world.rank();
+    for (DType d : kDTypes)
+      for (int64_t count : kCounts)
+        for (bool in_place : {true, false}) {
+          const std::string what = fmt::format("all_gather {} count {} {} on {} ranks", name_of(d), count,
+                                               in_place ? "in place" : "out of place", n);
+          Tensor out = Tensor::full({n * count}, 99, d);
+          Tensor in = in_place ? out.narrow(0, r * count, count) : Tensor::empty({count}, d);
+          in.fill_index_([&](std::span<const int64_t> i) { return value(d, r, i[0]); });
+          world.wait(world.all_gather(in, out));
+          expect_elements(
+              log, out, n * count,
+              [&](int64_t k) { return value(d, static_cast<int>(k / count), k % count); }, what);
+        }
+    // Multi-dimensional buffers gather along their flat order.
+    Tensor in2 = Tensor::full({2, 3}, r, DType::kF32);
+    Tensor out2 = Tensor::empty({n * 2, 3}, DType::kF32);
+    world.wait(world.all_gather(in2, out2));
+    expect_elements(
+        log, out2, n * 6, [](int64_t k) { return static_cast<double>(k / 6); }, "all_gather 2-d");
+  });
+  CHECK(check_logs(logs) > 0);
+}
+
+TEST_CASE("all_to_all: every dtype x count, in and out of place", "[collectives][local]") {
+  const int n = GENERATE(1, 2, 3, 4, 8);
+  auto logs = run_logged(n, [](Communicator& world, RankLog& log) {
+    const int n = world.size(), r = world.rank();
+    for (DType d : kDTypes)
+      for (int64_t count : kCounts)  // per pair
+        for (bool in_place : {true, false}) {
+          const std::string what = fmt::format("all_to_all {} count {} {} on {} ranks", name_of(d), count,
+                                               in_place ? "in place" : "out of place", n);
+          Tensor in = filled(n * count, d, [&](int64_t i) { return value(d, r, i); });
+          Tensor out = in_place ? in : Tensor::full({n * count}, 99, d);
+          world.wait(world.all_to_all(in, out));
+          // Slice i of the output is slice r of member i's input.
+          expect_elements(
+              log, out, n * count,
+              [&](int64_t k) { return value(d, static_cast<int>(k / count), r * count + k % count); }, what);
+        }
+  });
+  CHECK(check_logs(logs) > 0);
+}
+
+// Elements member `src` sends to member `dst` under pattern p (zeros included).
+int64_t a2av_count(int p, int n, int src, int dst) {
+  switch (p) {
+    case 0: return (src * 3 + dst * 5 + 1) % 4;         // uneven, with zeros
+    case 1: return src == 0 ? 0 : (src + dst) % 3 + 1;  // rank 0 sends nothing
+    case 2: return dst == n - 1 ? 0 : 2;                // rank n-1 receives nothing
+    case 3: return 0;                                   // nothing at all
+    case 4: return src == dst ? 1000 : 1;               // one large block per rank
+    case 5: return src == n - 1 ? 7 : 0;                // one sender (gather-like)
+    default: return (src + dst) % 3;                    // symmetric: in place works
+  }
+}
+constexpr int kA2avPatterns = 7;
+
+TEST_CASE("all_to_all_v: uneven and zero counts, every dtype", "[collectives][local]") {
+  const int n = GENERATE(1, 2, 3, 4, 8);
+  auto logs = run_logged(n, [](Communicator& world, RankLog& log) {
+    const int n = world.size(), r = world.rank();
+    for (int p = 0; p < kA2avPatterns; ++p)
+      for (DType d : kDTypes) {
+        std::vector<int64_t> send(n), recv(n);
+        for (int j = 0; j < n; ++j) {
+          send[j] = a2av_count(p, n, r, j);
+          recv[j] = a2av_count(p, n, j, r);
+        }
+        int64_t send_total = 0, recv_total = 0;
+        for (int j = 0; j < n; ++j) send_total += send[j], recv_total += recv[j];
+        // In place needs equal totals on every rank (decided collectively: symmetric patterns).
+        bool symmetric = true;
+        for (int i = 0; i < n; ++i)
+          for (int j = 0; j < n; ++j)
+            symmetric = symmetric && a2av_count(p, n, i, j) == a2av_count(p, n, j, i);
+        for (bool in_place : {false, true}) {
+          if (in_place && !symmetric) continue;
+          const std::string what = fmt::format(
+              "all_to_all_v pattern {} {} {} on {} ranks (send [{}] recv [{}])", p, name_of(d),
+              in_place ? "in place" : "out of place", n, fmt::join(send, ","), fmt::join(recv, ","));
+          Tensor in = filled(send_total, d, [&](int64_t i) { return value(d, r, i); });
+          Tensor out = in_place ? in : Tensor::full({recv_total}, 99, d);
+          world.wait(world.all_to_all_v(in, send, out, recv));
+          // Expected: member i's block for r, i.e. its input at offset sum_{j<r} count(i, j).
+          std::vector<double> want;
+          for (int i = 0; i < n; ++i) {
+            int64_t off = 0;
+            for (int j = 0; j < r; ++j) off += a2av_count(p, n, i, j);
+            for (int64_t e = 0; e < recv[i]; ++e) want.push_back(value(d, i, off + e));
+          }
+          expect_elements(
+              log, out, recv_total, [&](int64_t k) { return want[k]; }, what);
+        }
+      }
+  });
+  CHECK(check_logs(logs) > 0);
+}
+
+// ---- broadcast / scatter / barrier ----
+
+TEST_CASE("broadcast and scatter: every root x dtype x count", "[collectives][local]") {
+  const int n = GENERATE(1, 2, 3, 4, 8);
+  auto logs = run_logged(n, [](Communicator& world, RankLog& log) {
+    const int n = world.size(), r = world.rank();
+    for (int root = 0; root < n; ++root)
+      for (DType d : kDTypes)
+        for (int64_t count : kCounts) {
+          const std::string tag = fmt::format("root {} {} count {} on {} ranks", root, name_of(d), count, n);
+          Tensor b = filled(count, d, [&](int64_t i) { return value(d, r, i); });
+          world.wait(world.broadcast(b, root));
+          expect_elements(
+              log, b, count, [&](int64_t i) { return value(d, root, i); }, "broadcast " + tag);
+
+          // Scatter: the input matters only on the root; elsewhere it is undefined or ignored.
+          Tensor in = r == root ? filled(n * count, d, [&](int64_t i) { return value(d, root, i); })
+                      : r % 2   ? Tensor()
+                                : Tensor::full({3}, 42, DType::kF64);
+          Tensor out = Tensor::full({count}, 99, d);
+          world.wait(world.scatter(in, out, root));
+          expect_elements(
+              log, out, count, [&](int64_t e) { return value(d, root, r * count + e); }, "scatter " + tag);
+          if (r == root)
+            expect_elements(
+                log, in, n * count, [&](int64_t i) { return value(d, root, i); },
+                "scatter input untouched " + tag);
+        }
+    // Scatter in place at the root: its output is its own slice of the input.
+    for (int root = 0; root < n; ++root) {
+      const int64_t count = 5;
+      Tensor in = filled(n * count, DType::kF32, [&](int64_t i) { return value(DType::kF32, root, i); });
+      Tensor out = r == root ? in.narrow(0, root * count, count) : Tensor::zeros({count}, DType::kF32);
+      world.wait(world.scatter(r == root ? in : Tensor(), out, root));
+      expect_elements(
+          log, out, count, [&](int64_t e) { return value(DType::kF32, root, r * count + e); },
+          fmt::format("scatter in place, root {}", root));
+    }
+  });
+  CHECK(check_logs(logs) > 0);
+}
+
+TEST_CASE("barrier: nobody leaves before everybody arrived", "[collectives][local]") {
+  const int n = GENERATE(1, 2, 3, 4, 8);
+  std::atomic<int> arrived{0};
+  auto logs = run_logged(n, [&](Communicator& world, RankLog& log) {
+    for (int round = 1; round <= 20; ++round) {
+      if ((world.rank() + round) % 3 == 0) std::this_thread::sleep_for(200us);  // stragglers
+      arrived.fetch_add(1);
+      world.wait(world.barrier());
+      const int seen = arrived.load();
+      log.expect(seen >= round * world.size(),
+                 fmt::format("round {}: left the barrier after {} arrivals", round, seen));
+      world.wait(world.barrier());  // nobody starts round + 1 before everybody checked round
+    }
+  });
+  check_logs(logs);
+  CHECK(arrived.load() == 20 * n);
+}
+
+// ---- send_recv ----
+
+double msg_value(int src, int dst, int m, int64_t e) {
+  return static_cast<double>((src * 5 + dst * 3 + m * 7 + e) % 11);
+}
+DType msg_dtype(int src, int dst, int m) { return kDTypes[(src + 2 * dst + m) % 7]; }
+
+// Lengths of the messages src sends dst, in order, under pattern p.
+std::vector<int64_t> p2p_plan(int p, int n, int src, int dst) {
+  switch (p) {
+    case 0: return dst == (src + 1) % n ? std::vector<int64_t>{7} : std::vector<int64_t>{};  // ring shift
+    case 1: return dst == (src ^ 1) ? std::vector<int64_t>{5} : std::vector<int64_t>{};      // pairwise swap
+    case 2:  // several messages to the same peer, in order
+      return dst == (src + 1) % n ? std::vector<int64_t>{3, 0, 1000, 1} : std::vector<int64_t>{};
+    case 3: return dst == (src + n - 1) % n ? std::vector<int64_t>{0, 0} : std::vector<int64_t>{};  // empty
+    case 4: return src == 0 && dst != 0 ? std::vector<int64_t>{dst} : std::vector<int64_t>{};  // one sender
+    case 5: return {(src + dst) % 3};                                                          // all pairs
+    case 6: return dst == n - 1 - src ? std::vector<int64_t>{4} : std::vector<int64_t>{};      // reversal
+    default: return {};                                                                        // no ops
+  }
+}
+constexpr int kP2PPatterns = 8;
+
+TEST_CASE("send_recv: permutations, several messages per peer, empty messages, idle ranks",
+          "[collectives][local]") {
+  const int n = GENERATE(1, 2, 3, 4, 8);
+  auto logs = run_logged(n, [](Communicator& world, RankLog& log) {
+    const int n = world.size(), r = world.rank();
+    for (int p = 0; p < kP2PPatterns; ++p) {
+      std::vector<P2POp> sends, recvs;
+      struct Expect {
+        Tensor buf;
+        int src, m;
+      };
+      std::vector<Expect> expects;
+      for (int peer = 0; peer < n; ++peer) {
+        const auto out = p2p_plan(p, n, r, peer);
+        for (int m = 0; m < static_cast<int>(out.size()); ++m)
+          sends.push_back(P2POp::send(
+              filled(out[m], msg_dtype(r, peer, m), [&](int64_t e) { return msg_value(r, peer, m, e); }),
+              peer));
+        const auto in = p2p_plan(p, n, peer, r);
+        for (int m = 0; m < static_cast<int>(in.size()); ++m) {
+          Tensor buf = Tensor::full({in[m]}, 99, msg_dtype(peer, r, m));
+          recvs.push_back(P2POp::recv(buf, peer));
+          expects.push_back({buf, peer, m});
+        }
+      }
+      // Op order within the call does not matter: odd ranks list receives first.
+      std::vector<P2POp> ops = r % 2 ? recvs : sends;
+      for (const P2POp& op : r % 2 ? sends : recvs) ops.push_back(op);
+      world.wait(world.send_recv(ops));
+      for (const Expect& x : expects)
+        expect_elements(
+            log, x.buf, x.buf.numel(), [&](int64_t e) { return msg_value(x.src, r, x.m, e); },
+            fmt::format("send_recv pattern {} on {} ranks: message {} from {}", p, n, x.m, x.src));
+    }
+  });
+  CHECK(check_logs(logs) > 0);
+}
+
+TEST_CASE("send_recv: send and receive through disjoint halves of one buffer", "[collectives][local]") {
+  const int n = GENERATE(1, 2, 3, 8);
+  auto logs = run_logged(n, [](Communicator& world, RankLog& log) {
+    const int n = world.size(), r = world.rank();
+    Tensor buf = filled(2 * 9, DType::kBF16, [&](int64_t i) { return i < 9 ? msg_value(r, 0, 0, i) : 99; });
+    const P2POp ops[] = {P2POp::send(buf.narrow(0, 0, 9), (r + 1) % n),
+                         P2POp::recv(buf.narrow(0, 9, 9), (r + n - 1) % n)};
+    world.wait(world.send_recv(ops));
+    expect_elements(
+        log, buf, 18,
+        [&](int64_t i) { return i < 9 ? msg_value(r, 0, 0, i) : msg_value((r + n - 1) % n, 0, 0, i - 9); },
+        "ring shift between halves");
+  });
+  CHECK(check_logs(logs) > 0);
+}
+
+// ---- async use, completed(), batches ----
+
+TEST_CASE("async: several calls in flight, waited in reverse order; wait() twice", "[collectives][local]") {
+  const int n = GENERATE(1, 2, 3, 4, 8);
+  auto logs = run_logged(n, [](Communicator& world, RankLog& log) {
+    const int n = world.size(), r = world.rank();
+    Tensor a = filled(7, DType::kF32, [&](int64_t i) { return value(DType::kF32, r, i); });
+    Tensor g_in = filled(5, DType::kI64, [&](int64_t i) { return value(DType::kI64, r, i); });
+    Tensor g_out = Tensor::empty({5 * n}, DType::kI64);
+    Tensor b = filled(9, DType::kBF16, [&](int64_t i) { return value(DType::kBF16, r, i); });
+    Tensor rs_in = filled(3 * n, DType::kI32, [&](int64_t i) { return value(DType::kI32, r, i); });
+    Tensor rs_out = Tensor::empty({3}, DType::kI32);
+    Tensor t = filled(2 * n, DType::kU8, [&](int64_t i) { return value(DType::kU8, r, i); });
+    std::vector<WorkPtr> works = {world.all_reduce(a, a, ReduceOp::kSum),
+                                  world.all_gather(g_in, g_out),
+                                  world.broadcast(b, n - 1),
+                                  world.reduce_scatter(rs_in, rs_out, ReduceOp::kMax),
+                                  world.all_to_all(t, t),
+                                  world.barrier()};
+    for (auto it = works.rbegin(); it != works.rend(); ++it) world.wait(*it);
+    for (size_t k = 0; k < works.size(); ++k) {
+      log.expect(works[k]->completed(), fmt::format("work {} not completed after wait", k));
+      works[k]->wait(0ms);  // a second wait returns at once
+    }
+    const Reduction sum{ReduceOp::kSum}, max{ReduceOp::kMax};
+    expect_elements(
+        log, a, 7, [&](int64_t i) { return reduced(DType::kF32, sum, n, i); }, "async all_reduce");
+    expect_elements(
+        log, g_out, 5 * n, [&](int64_t k) { return value(DType::kI64, static_cast<int>(k / 5), k % 5); },
+        "async all_gather");
+    expect_elements(
+        log, b, 9, [&](int64_t i) { return value(DType::kBF16, n - 1, i); }, "async broadcast");
+    expect_elements(
+        log, rs_out, 3, [&](int64_t j) { return reduced(DType::kI32, max, n, 3 * r + j); },
+        "async reduce_scatter");
+    expect_elements(
+        log, t, 2 * n, [&](int64_t k) { return value(DType::kU8, static_cast<int>(k / 2), 2 * r + k % 2); },
+        "async all_to_all");
+    // A Work dropped without wait() completes in its destructor (every rank drops it).
+    Tensor z = Tensor::full({3}, r, DType::kI64);
+    world.all_reduce(z, z, ReduceOp::kMax).reset();
+    expect_elements(
+        log, z, 3, [&](int64_t) { return n - 1; }, "all_reduce of a dropped Work");
+  });
+  check_logs(logs);
+}
+
+TEST_CASE("completed() makes progress without wait() and never blocks", "[collectives][local]") {
+  const int n = GENERATE(1, 2, 3, 4);
+  std::atomic<int> posted{0};
+  auto logs = run_logged(n, [&](Communicator& world, RankLog& log) {
+    const int r = world.rank();
+    Tensor x = Tensor::full({6}, r + 1, DType::kF64);
+    WorkPtr w;
+    if (r == 0) {
+      w = world.all_reduce(x, x, ReduceOp::kSum);
+      if (world.size() > 1) log.expect(!w->completed(), "completed() before the others joined");
+      posted.store(1);
+    } else {
+      log.expect(eventually([&] { return posted.load() == 1; }), "rank 0 never posted");
+      w = world.all_reduce(x, x, ReduceOp::kSum);
+    }
+    // Every rank only polls: the call must still complete, with the result in place.
+    const auto t0 = Clock::now();
+    log.expect(eventually([&] { return w->completed(); }), "completed() never became true");
+    log.millis.push_back(ms_since(t0));
+    const int n = world.size();
+    expect_elements(
+        log, x, 6, [&](int64_t) { return n * (n + 1) / 2.0; }, "all_reduce completed by polling");
+    const auto t1 = Clock::now();
+    w->wait(10ms);
+    log.expect(ms_since(t1) < 100, "wait() after completed() blocked");
+  });
+  check_logs(logs);
+}
+
+TEST_CASE("batches: several calls issued as one operation, one wait", "[collectives][local]") {
+  const int n = GENERATE(1, 2, 3, 4, 8);
+  auto logs = run_logged(n, [](Communicator& world, RankLog& log) {
+    const int n = world.size(), r = world.rank();
+    for (int round = 0; round < 2; ++round) {
+      Tensor a = filled(11, DType::kF16, [&](int64_t i) { return value(DType::kF16, r, i); });
+      Tensor g = Tensor::empty({3 * n}, DType::kI32);
+      Tensor g_in = Tensor::full({3}, r, DType::kI32);
+      Tensor s = Tensor::full({4}, r, DType::kF64);
+      Tensor s_out = Tensor::empty({4}, DType::kF64);
+      std::vector<int64_t> send(n), recv(n);
+      for (int j = 0; j < n; ++j) send[j] = a2av_count(0, n, r, j), recv[j] = a2av_count(0, n, j, r);
+      int64_t st = 0, rt = 0;
+      for (int j = 0; j < n; ++j) st += send[j], rt += recv[j];
+      Tensor v_in = filled(st, DType::kU8, [&](int64_t i) { return value(DType::kU8, r, i); });
+      Tensor v_out = Tensor::empty({rt}, DType::kU8);
+      Tensor b = Tensor::full({2}, r, DType::kBF16);
+      const P2POp ops[] = {P2POp::send(s, (r + 1) % n), P2POp::recv(s_out, (r + n - 1) % n)};
+
+      world.begin_batch();
+      std::vector<WorkPtr> works = {
+          world.all_reduce(a, a, ReduceOp::kMax),      world.all_gather(g_in, g),     world.send_recv(ops),
+          world.all_to_all_v(v_in, send, v_out, recv), world.broadcast(b, round % n), world.barrier()};
+      WorkPtr batch = world.end_batch();
+      world.wait(batch);
+      log.expect(batch->completed(), "batch not completed after wait");
+      for (size_t k = 0; k < works.size(); ++k)
+        log.expect(works[k]->completed(), fmt::format("batched work {} not completed", k));
+      batch->wait(0ms);
+
+      expect_elements(
+          log, a, 11, [&](int64_t i) { return reduced(DType::kF16, ReduceOp::kMax, n, i); },
+          "batched all_reduce");
+      expect_elements(
+          log, g, 3 * n, [](int64_t k) { return static_cast<double>(k / 3); }, "batched all_gather");
+      expect_elements(
+          log, s_out, 4, [&](int64_t) { return (r + n - 1) % n; }, "batched send_recv");
+      std::vector<double> want;
+      for (int i = 0; i < n; ++i) {
+        int64_t off = 0;
+        for (int j = 0; j < r; ++j) off += a2av_count(0, n, i, j);
+        for (int64_t e = 0; e < recv[i]; ++e) want.push_back(value(DType::kU8, i, off + e));
+      }
+      expect_elements(
+          log, v_out, rt, [&](int64_t k) { return want[k]; }, "batched all_to_all_v");
+      expect_elements(
+          log, b, 2, [&](int64_t) { return round % n; }, "batched broadcast");
+    }
+    // An empty batch completes at once.
+    world.begin_batch();
+    WorkPtr empty = world.end_batch();
+    log.expect(empty->completed(), "empty batch not completed");
+    empty->wait(0ms);
+  });
+  check_logs(logs);
+}
+
+// ---- split ----
+
+TEST_CASE("split: rows and columns of a 2x4 grid, nested splits, non-sorted groups", "[collectives][local]") {
+  auto logs = run_logged(8, [](Communicator& world, RankLog& log) {
+    const int g = world.rank(), row = g / 4, col = g % 4;
+    // Mesh-dim style groups, ordered by coordinate: dim 0 = columns [c, c+4], dim 1 = rows.
+    const std::vector<int> col_group = {col, col + 4},
+                           row_group = {4 * row, 4 * row + 1, 4 * row + 2, 4 * row + 3};
+    auto cols = world.split(col_group, fmt::format("mesh dim 0 [{}]", fmt::join(col_group, ",")));
+    auto rows = world.split(row_group, fmt::format("mesh dim 1 [{}]", fmt::join(row_group, ",")));
+    log.expect(cols->size() == 2 && cols->rank() == row && cols->ranks() == col_group, "column communicator");
+    log.expect(rows->size() == 4 && rows->rank() == col && rows->ranks() == row_group, "row communicator");
+    log.expect(rows->name() == fmt::format("mesh dim 1 [{}]", fmt::join(row_group, ",")),
+               "row name: " + rows->name());
+    log.expect(rows->backend() == "local", "backend name");
+
+    // Collectives on both, interleaved, waited in reverse.
+    Tensor rsum = Tensor::full({3}, g, DType::kI64);
+    Tensor cgather = Tensor::empty({2 * 2}, DType::kF32);
+    Tensor wsum = Tensor::full({2}, 1, DType::kI32);
+    auto w1 = rows->all_reduce(rsum, rsum, ReduceOp::kSum);
+    auto w2 = cols->all_gather(Tensor::full({2}, g, DType::kF32), cgather);
+    auto w3 = world.all_reduce(wsum, wsum, ReduceOp::kSum);
+    w3->wait(10s);
+    w2->wait(10s);
+    w1->wait(10s);
+    expect_elements(
+        log, rsum, 3, [&](int64_t) { return 16 * row + 6; }, "row all_reduce");
+    expect_elements(
+        log, cgather, 4, [&](int64_t k) { return col + 4 * (k / 2); }, "column all_gather");
+    expect_elements(
+        log, wsum, 2, [](int64_t) { return 8; }, "world all_reduce");
+
+    // Non-sorted groups: the new group's order is the order given.
+    const std::vector<int> odd_even = g % 2 ? std::vector<int>{7, 5, 3, 1} : std::vector<int>{6, 0, 4, 2};
+    auto parity = world.split(odd_even, g % 2 ? "odd" : "even");
+    const int prank = static_cast<int>(std::find(odd_even.begin(), odd_even.end(), g) - odd_even.begin());
+    log.expect(parity->rank() == prank && parity->ranks() == odd_even, "parity communicator");
+    Tensor pg = Tensor::empty({4}, DType::kI32);
+    parity->wait(parity->all_gather(Tensor::full({1}, g, DType::kI32), pg));
+    expect_elements(
+        log, pg, 4, [&](int64_t k) { return odd_even[k]; }, "all_gather on a non-sorted group");
+    Tensor pb = Tensor::full({1}, g, DType::kI32);
+    parity->wait(parity->broadcast(pb, 0));
+    expect_elements(
+        log, pb, 1, [&](int64_t) { return odd_even[0]; }, "broadcast from member 0 of a non-sorted group");
+
+    // Nested: each row (group ranks 0..3) splits into pairs, listed in reverse order.
+    const int rr = rows->rank();
+    const std::vector<int> pair = rr < 2 ? std::vector<int>{1, 0} : std::vector<int>{3, 2};
+    auto pairs = rows->split(pair, "pair");
+    const std::vector<int> pair_global = {row_group[pair[0]], row_group[pair[1]]};
+    log.expect(pairs->ranks() == pair_global && pairs->size() == 2, "nested split ranks");
+    Tensor pp = Tensor::empty({2}, DType::kI64);
+    pairs->wait(pairs->all_gather(Tensor::full({1}, g, DType::kI64), pp));
+    expect_elements(
+        log, pp, 2, [&](int64_t k) { return pair_global[k]; }, "all_gather on a nested split");
+    // Splitting a split again, into singletons.
+    auto single = pairs->split(std::vector<int>{pairs->rank()}, "single");
+    Tensor one = Tensor::full({3}, g, DType::kF32);
+    single->wait(single->all_reduce(one, one, ReduceOp::kProd));
+    expect_elements(
+        log, one, 3, [&](int64_t) { return g; }, "all_reduce on a singleton");
+    log.expect(single->ranks() == std::vector<int>{g}, "singleton ranks");
+  });
+  check_logs(logs);
+}
+
+TEST_CASE("split: sub-groups on every world size; two communicators of the same members interleaved",
+          "[collectives][local]") {
+  const int n = GENERATE(1, 2, 3, 4, 8);
+  auto logs = run_logged(n, [](Communicator& world, RankLog& log) {
+    const int n = world.size(), r = world.rank();
+    // Halves, the upper half listed first in reverse: [n-1, ..., h], [h-1, ..., 0].
+    const int h = (n + 1) / 2;
+    std::vector<int> group;
+    if (r >= h)
+      for (int q = n - 1; q >= h; --q) group.push_back(q);
+    else
+      for (int q = h - 1; q >= 0; --q) group.push_back(q);
+    world.set_timeout(12345ms);
+    auto half = world.split(group, "half");
+    log.expect(half->timeout() == 12345ms, "split inherits the timeout");
+    Tensor x = Tensor::full({5}, r, DType::kF64);
+    half->wait(half->all_reduce(x, x, ReduceOp::kMax));
+    expect_elements(
+        log, x, 5, [&](int64_t) { return group[0]; }, "half max");
+
+    // Two communicators with the same members: calls on each are matched separately.
+    std::vector<int> all(n);
+    for (int q = 0; q < n; ++q) all[q] = q;
+    auto a = world.split(all, "dup a");
+    auto b = world.split(all, "dup b");
+    Tensor xa = Tensor::full({4}, r, DType::kI32), xb = Tensor::full({4}, 2 * r, DType::kI32);
+    Tensor ga = Tensor::empty({n}, DType::kI32), ya = Tensor::full({3}, 1, DType::kF32);
+    auto wa1 = a->all_reduce(xa, xa, ReduceOp::kSum);
+    auto wb1 = b->all_reduce(xb, xb, ReduceOp::kSum);
+    auto wa2 = a->all_gather(Tensor::full({1}, r, DType::kI32), ga);
+    auto wb2 = b->all_reduce(ya, ya, ReduceOp::kSum);
+    b->wait(wb2);
+    a->wait(wa2);
+    b->wait(wb1);
+    a->wait(wa1);
+    const double tri = n * (n - 1) / 2.0;
+    expect_elements(
+        log, xa, 4, [&](int64_t) { return tri; }, "dup a all_reduce");
+    expect_elements(
+        log, xb, 4, [&](int64_t) { return 2 * tri; }, "dup b all_reduce");
+    expect_elements(
+        log, ga, n, [](int64_t k) { return static_cast<double>(k); }, "dup a all_gather");
+    expect_elements(
+        log, ya, 3, [&](int64_t) { return n; }, "dup b all_reduce 2");
+  });
+  check_logs(logs);
+}
+
+TEST_CASE("large buffers", "[collectives][local]") {
+  auto logs = run_logged(4, [](Communicator& world, RankLog& log) {
+    const int n = world.size(), r = world.rank();
+    const int64_t count = int64_t{1} << 16;
+    Tensor x = filled(count, DType::kF32, [&](int64_t i) { return value(DType::kF32, r, i); });
+    world.wait(world.all_reduce(x, x, ReduceOp::kSum));
+    expect_elements(
+        log, x, count, [&](int64_t i) { return reduced(DType::kF32, ReduceOp::kSum, n, i); },
+        "large all_reduce");
+    Tensor g = Tensor::empty({n * count}, DType::kBF16);
+    world.wait(world.all_gather(Tensor::full({count}, r, DType::kBF16), g));
+    expect_elements(
+        log, g, n * count, [&](int64_t k) { return static_cast<double>(k / count); }, "large all_gather");
+  });
+  check_logs(logs);
+}
+
+// ---- failures: timeouts ----
+
+// Issues `kind` on world (buffers sized for it) and returns the Work.
+WorkPtr issue(Communicator& c, CollectiveKind kind) {
+  const int n = c.size();
+  Tensor x = Tensor::zeros({2 * n}, DType::kF32);
+  switch (kind) {
+    case CollectiveKind::kAllGather: return c.all_gather(x.narrow(0, 2 * c.rank(), 2), x);
+    case CollectiveKind::kReduceScatter:
+      return c.reduce_scatter(x, Tensor::zeros({2}, DType::kF32), ReduceOp::kSum);
+    case CollectiveKind::kAllReduce: return c.all_reduce(x, x, ReduceOp::kSum);
+    case CollectiveKind::kAllToAll: return c.all_to_all(x, Tensor::zeros({2 * n}, DType::kF32));
+    case CollectiveKind::kAllToAllV: {
+      std::vector<int64_t> counts(n, 2);
+      return c.all_to_all_v(x, counts, Tensor::zeros({2 * n}, DType::kF32), counts);
+    }
+    case CollectiveKind::kBroadcast: return c.broadcast(x, 0);
+    case CollectiveKind::kScatter: return c.scatter(x, Tensor::zeros({2}, DType::kF32), 0);
+    case CollectiveKind::kBarrier: return c.barrier();
+    case CollectiveKind::kSendRecv: {
+      const P2POp ops[] = {P2POp::send(x, (c.rank() + 1) % n),
+                           P2POp::recv(Tensor::zeros({2 * n}, DType::kF32), (c.rank() + n - 1) % n)};
+      return c.send_recv(ops);
+    }
+  }
+  return nullptr;
+}
+
+constexpr CollectiveKind kKinds[] = {
+    CollectiveKind::kAllGather, CollectiveKind::kReduceScatter, CollectiveKind::kAllReduce,
+    CollectiveKind::kAllToAll,  CollectiveKind::kAllToAllV,     CollectiveKind::kBroadcast,
+    CollectiveKind::kScatter,   CollectiveKind::kBarrier,       CollectiveKind::kSendRecv};
+
+// Waits on w with `timeout`, expecting a CommError; records its message and the time taken.
+void expect_comm_error(RankLog& log, const WorkPtr& w, Milliseconds timeout, std::string_view what) {
+  const auto t0 = Clock::now();
+  expect_throw<CommError>(
+      log, [&] { w->wait(timeout); }, what);
+  log.millis.push_back(ms_since(t0));
+}
+
+// Main thread: rank r's error k contains every fragment, and took between lo and hi ms.
+void check_error(const std::vector<RankLog>& logs, int r, size_t k, const std::vector<std::string>& fragments,
+                 double lo_ms = 0, double hi_ms = 2000) {
+  INFO("rank " << r << ", error " << k);
+  REQUIRE(logs[r].errors.size() > k);
+  const std::string& msg = logs[r].errors[k];
+  for (const auto& f : fragments) CHECK_THAT(msg, Contains(f));
+  if (logs[r].millis.size() > k) {
+    CHECK(logs[r].millis[k] >= lo_ms);
+    CHECK(logs[r].millis[k] < hi_ms);
+  }
+}
+
+TEST_CASE("timeout: a rank that never joins fails the others in time, naming collective, group and ranks",
+          "[collectives][local]") {
+  SECTION("world of 3, rank 2 never joins an all_reduce") {
+    auto logs = run_logged(3, [](Communicator& world, RankLog& log) {
+      if (world.rank() == 2) return;
+      Tensor x = Tensor::zeros({4}, DType::kF32);
+      expect_comm_error(log, world.all_reduce(x, x, ReduceOp::kSum), 200ms, "all_reduce");
+    });
+    check_logs(logs);
+    for (int r : {0, 1})
+      check_error(logs, r, 0, {"all_reduce", "group 'world'", "ranks [2] never joined", "200 ms"}, 190);
+  }
+  SECTION("world of 8, ranks 3 and 6 never join; every collective kind") {
+    auto logs = run_logged(8, [](Communicator& world, RankLog& log) {
+      if (world.rank() == 3 || world.rank() == 6) return;
+      for (CollectiveKind kind : kKinds) expect_comm_error(log, issue(world, kind), 100ms, to_string(kind));
+    });
+    check_logs(logs);
+    for (int r : {0, 1, 2, 4, 5, 7})
+      for (size_t k = 0; k < std::size(kKinds); ++k)
+        check_error(logs, r, k,
+                    {std::string(to_string(kKinds[k])) + " on group 'world'", "ranks [3,6] never joined"},
+                    90);
+  }
+  SECTION("a column of a 2x4 grid: the error names the group and the missing global rank") {
+    auto logs = run_logged(8, [](Communicator& world, RankLog& log) {
+      const int g = world.rank();
+      const std::vector<int> col = {g % 4, g % 4 + 4};
+      auto cols = world.split(col, fmt::format("col {}", g % 4));
+      if (g == 5) return;
+      cols->set_timeout(150ms);
+      Tensor x = Tensor::full({1}, g, DType::kI32);
+      if (g != 1) {  // the other columns are complete
+        cols->wait(cols->all_reduce(x, x, ReduceOp::kSum));
+        expect_elements(
+            log, x, 1, [&](int64_t) { return 2 * (g % 4) + 4; }, "col all_reduce");
+        return;
+      }
+      const auto t0 = Clock::now();
+      expect_throw<CommError>(
+          log, [&] { cols->wait(cols->all_reduce(x, x, ReduceOp::kSum)); }, "col all_reduce");
+      log.millis.push_back(ms_since(t0));
+    });
+    check_logs(logs);
+    check_error(logs, 1, 0, {"all_reduce on group 'col 1' [1,5]", "ranks [5] never joined", "150 ms"}, 140);
+    for (int r : {0, 2, 3, 4, 6, 7}) CHECK(logs[r].errors.empty());
+  }
+  SECTION("a rank that joins but never waits is named too") {
+    auto logs = run_logged(3, [](Communicator& world, RankLog& log) {
+      Tensor x = Tensor::full({4}, 1, DType::kF32);
+      WorkPtr w = world.all_reduce(x, x, ReduceOp::kSum);
+      if (world.rank() == 2) {
+        std::this_thread::sleep_for(600ms);
+        try {
+          w->wait(200ms);  // late: may complete (the others read its buffer) or fail, never hang
+        } catch (const CommError&) {
+        }
+        return;
+      }
+      expect_comm_error(log, w, 200ms, "all_reduce");
+    });
+    check_logs(logs);
+    for (int r : {0, 1}) check_error(logs, r, 0, {"all_reduce", "ranks [2] joined but never waited"}, 190);
+  }
+}
+
+TEST_CASE("timeout: dropped Works and batches stay bounded by the communicator's timeout",
+          "[collectives][local]") {
+  SECTION("a Work destroyed without wait()") {
+    const auto t0 = Clock::now();
+    auto logs = run_logged(
+        3,
+        [](Communicator& world, RankLog& log) {
+          if (world.rank() == 2) return;
+          world.set_timeout(200ms);
+          Tensor x = Tensor::zeros({4}, DType::kF32);
+          const auto t1 = Clock::now();
+          world.all_reduce(x, x, ReduceOp::kSum).reset();  // completes (or fails) in the destructor
+          log.millis.push_back(ms_since(t1));
+        },
+        20s);
+    check_logs(logs);
+    for (int r : {0, 1}) {
+      REQUIRE(logs[r].millis.size() == 1);
+      CHECK(logs[r].millis[0] < 2000);
+    }
+    CHECK(ms_since(t0) < 3000);
+  }
+  SECTION("a batch with a missing rank fails in time, and dropping it afterwards does not block") {
+    const auto t0 = Clock::now();
+    auto logs = run_logged(
+        3,
+        [](Communicator& world, RankLog& log) {
+          if (world.rank() == 1) return;
+          Tensor x = Tensor::zeros({4}, DType::kF32), y = Tensor::zeros({12}, DType::kF32);
+          world.begin_batch();
+          world.all_reduce(x, x, ReduceOp::kSum);
+          world.all_gather(x, y);
+          world.barrier();
+          WorkPtr batch = world.end_batch();
+          expect_comm_error(log, batch, 200ms, "batch");
+          log.expect(batch->completed(), "a failed batch reports completed()");
+          expect_throw<CommError>(
+              log, [&] { batch->wait(10ms); }, "second wait of a failed batch");
+          const auto t1 = Clock::now();
+          batch.reset();
+          log.millis.push_back(ms_since(t1));
+        },
+        20s);
+    check_logs(logs);
+    for (int r : {0, 2}) {
+      check_error(logs, r, 0, {"all_reduce on group 'world'", "ranks [1] never joined"}, 190);
+      CHECK(logs[r].errors.at(1) == logs[r].errors.at(0));
+      CHECK(logs[r].millis.at(1) < 1000);
+    }
+    CHECK(ms_since(t0) < 3000);
+  }
+  SECTION("wait() twice after a timeout throws the same error at once; completed() is true") {
+    auto logs = run_logged(2, [](Communicator& world, RankLog& log) {
+      if (world.rank() == 1) return;
+      WorkPtr w = world.barrier();
+      expect_comm_error(log, w, 100ms, "barrier");
+      log.expect(w->completed(), "completed() after a failure");
+      expect_comm_error(log, w, 5000ms, "barrier again");
+    });
+    check_logs(logs);
+    check_error(logs, 0, 0, {"barrier on group 'world'", "ranks [1] never joined"}, 90);
+    CHECK(logs[0].errors.at(1) == logs[0].errors.at(0));
+    CHECK(logs[0].millis.at(1) < 100);
+  }
+  SECTION("a split that some ranks never join") {
+    auto logs = run_logged(3, [](Communicator& world, RankLog& log) {
+      if (world.rank() == 0) return;
+      world.set_timeout(150ms);
+      const std::vector<int> group = {world.rank()};
+      const auto t0 = Clock::now();
+      expect_throw<CommError>(
+          log, [&] { world.split(group, "lonely"); }, "split");
+      log.millis.push_back(ms_since(t0));
+    });
+    check_logs(logs);
+    for (int r : {1, 2}) check_error(logs, r, 0, {"split", "group 'world'", "ranks [0] never joined"}, 140);
+  }
+}
+
+// ---- failures: mismatches between ranks ----
+
+// Runs `call` on 3 ranks (each issues its own variant), expects the same CommError on every rank
+// containing every fragment, promptly; then checks the communicator still works.
+void check_mismatch(const std::function<WorkPtr(Communicator&)>& call,
+                    const std::vector<std::string>& fragments) {
+  auto logs = run_logged(3, [&](Communicator& world, RankLog& log) {
+    expect_comm_error(log, call(world), 5000ms, "mismatched call");
+    Tensor x = Tensor::full({2}, 1, DType::kF32);
+    world.wait(world.all_reduce(x, x, ReduceOp::kSum));  // later calls still match
+    expect_elements(
+        log, x, 2, [](int64_t) { return 3; }, "all_reduce after a mismatch");
+  });
+  check_logs(logs);
+  for (int r = 0; r < 3; ++r) {
+    check_error(logs, r, 0, fragments, 0, 2000);
+    CHECK(logs[r].errors.at(0) == logs[0].errors.at(0));
+  }
+}
+
+TEST_CASE("mismatch: count, dtype, collective, root, op, counts and send/recv disagreements",
+          "[collectives][local]") {
+  SECTION("count") {
+    check_mismatch(
+        [](Communicator& c) {
+          Tensor x = Tensor::zeros({c.rank() == 2 ? 5 : 4}, DType::kF32);
+          return c.all_reduce(x, x, ReduceOp::kSum);
+        },
+        {"collective mismatch on group 'world' (different counts)",
+         "rank 0 called all_reduce(f32, 4 -> 4 elements, sum)",
+         "rank 2 called all_reduce(f32, 5 -> 5 elements, sum)"});
+  }
+  SECTION("count of an all_gather") {
+    check_mismatch(
+        [](Communicator& c) {
+          const int64_t k = c.rank() == 1 ? 2 : 3;
+          return c.all_gather(Tensor::zeros({k}, DType::kI64), Tensor::zeros({3 * k}, DType::kI64));
+        },
+        {"different counts", "all_gather(i64, 3 -> 9 elements)",
+         "rank 1 called all_gather(i64, 2 -> 6 elements)"});
+  }
+  SECTION("dtype") {
+    check_mismatch(
+        [](Communicator& c) {
+          Tensor x = Tensor::zeros({4}, c.rank() == 2 ? DType::kBF16 : DType::kF32);
+          return c.all_reduce(x, x, ReduceOp::kSum);
+        },
+        {"different dtypes", "all_reduce(f32, 4 -> 4 elements, sum)",
+         "all_reduce(bf16, 4 -> 4 elements, sum)"});
+  }
+  SECTION("different collectives") {
+    check_mismatch(
+        [](Communicator& c) {
+          Tensor x = Tensor::zeros({3}, DType::kF32);
+          return c.rank() == 2 ? c.all_gather(x.narrow(0, 2, 1), x) : c.all_reduce(x, x, ReduceOp::kSum);
+        },
+        {"different collectives", "all_reduce(f32, 3 -> 3 elements, sum)",
+         "rank 2 called all_gather(f32, 1 -> 3 elements)"});
+  }
+  SECTION("roots") {
+    check_mismatch(
+        [](Communicator& c) { return c.broadcast(Tensor::zeros({2}, DType::kU8), c.rank() == 2 ? 1 : 0); },
+        {"different roots", "broadcast(u8, 2 -> 2 elements, root 0)",
+         "broadcast(u8, 2 -> 2 elements, root 1)"});
+  }
+  SECTION("scatter roots") {
+    check_mismatch(
+        [](Communicator& c) {
+          return c.scatter(Tensor::zeros({6}, DType::kF32), Tensor::zeros({2}, DType::kF32),
+                           c.rank() == 1 ? 1 : 0);
+        },
+        {"different roots", "root 0", "root 1"});
+  }
+  SECTION("ops") {
+    check_mismatch(
+        [](Communicator& c) {
+          Tensor x = Tensor::zeros({2}, DType::kI32);
+          return c.reduce_scatter(Tensor::zeros({6}, DType::kI32), x,
+                                  c.rank() == 2 ? ReduceOp::kMax : ReduceOp::kSum);
+        },
+        {"different reductions", "reduce_scatter(i32, 6 -> 2 elements, sum)",
+         "reduce_scatter(i32, 6 -> 2 elements, max)"});
+  }
+  SECTION("pre-multipliers") {
+    check_mismatch(
+        [](Communicator& c) {
+          Tensor x = Tensor::zeros({2}, DType::kF32);
+          return c.all_reduce(x, x, c.rank() == 2 ? Reduction::premul_sum(0.5) : Reduction(ReduceOp::kSum));
+        },
+        {"different reductions", "all_reduce(f32, 2 -> 2 elements, sum)",
+         "all_reduce(f32, 2 -> 2 elements, sum x 0.5)"});
+  }
+  SECTION("all_to_all_v counts that disagree") {
+    check_mismatch(
+        [](Communicator& c) {
+          // Everybody sends 1 to everybody, but rank 1 expects 2 from rank 0 (and 0 from rank 2).
+          std::vector<int64_t> send = {1, 1, 1}, recv = c.rank() == 1 ? std::vector<int64_t>{2, 1, 0}
+                                                                      : std::vector<int64_t>{1, 1, 1};
+          return c.all_to_all_v(Tensor::zeros({3}, DType::kF32), send, Tensor::zeros({3}, DType::kF32), recv);
+        },
+        {"all_to_all_v count mismatch on group 'world'",
+         "rank 0 sends 1 elements to rank 1, which expects 2"});
+  }
+  SECTION("send without a matching receive") {
+    check_mismatch(
+        [](Communicator& c) {
+          std::vector<P2POp> ops;
+          if (c.rank() == 0) ops.push_back(P2POp::send(Tensor::zeros({4}, DType::kF32), 1));
+          return c.send_recv(ops);
+        },
+        {"send_recv mismatch on group 'world'", "rank 0 posts 1 sends to rank 1, which posts 0 receives"});
+  }
+  SECTION("send and receive of different sizes and dtypes") {
+    check_mismatch(
+        [](Communicator& c) {
+          std::vector<P2POp> ops;
+          if (c.rank() == 0) ops.push_back(P2POp::send(Tensor::zeros({4}, DType::kF32), 2));
+          if (c.rank() == 2) ops.push_back(P2POp::recv(Tensor::zeros({5}, DType::kF32), 0));
+          return c.send_recv(ops);
+        },
+        {"send_recv mismatch", "send #0 from rank 0 to rank 2 has 4 f32 elements, the receive has 5 f32"});
+    check_mismatch(
+        [](Communicator& c) {
+          std::vector<P2POp> ops;
+          if (c.rank() == 1) ops.push_back(P2POp::send(Tensor::zeros({4}, DType::kF32), 2));
+          if (c.rank() == 2) ops.push_back(P2POp::recv(Tensor::zeros({4}, DType::kI32), 1));
+          return c.send_recv(ops);
+        },
+        {"send #0 from rank 1 to rank 2 has 4 f32 elements, the receive has 4 i32"});
+  }
+  SECTION("a split on some ranks, a barrier on the others") {
+    for (int odd : {0, 2}) {
+      INFO("the barrier is on rank " << odd);
+      auto logs = run_logged(3, [&](Communicator& world, RankLog& log) {
+        world.set_timeout(5s);
+        if (world.rank() == odd) {
+          expect_comm_error(log, world.barrier(), 5000ms, "barrier");
+        } else {
+          const std::vector<int> group = odd == 0 ? std::vector<int>{1, 2} : std::vector<int>{0, 1};
+          const auto t0 = Clock::now();
+          expect_throw<CommError>(
+              log, [&] { world.split(group, "pair"); }, "split");
+          log.millis.push_back(ms_since(t0));
+        }
+      });
+      check_logs(logs);
+      for (int r = 0; r < 3; ++r)
+        check_error(logs, r, 0, {"different collectives", "barrier()", "split("}, 0, 2000);
+    }
+  }
+  SECTION("split groups that disagree") {
+    auto logs = run_logged(3, [](Communicator& world, RankLog& log) {
+      const std::vector<int> group = world.rank() == 2 ? std::vector<int>{2} : std::vector<int>{0, 1, 2};
+      expect_throw<CommError>(
+          log, [&] { world.split(group, "g"); }, "split");
+    });
+    check_logs(logs);
+    for (int r = 0; r < 3; ++r) check_error(logs, r, 0, {"split of group 'world'", "passed group [0,1,2]"});
+  }
+}
+
+// ---- failures: a rank throwing inside run_ranks ----
+
+struct RankFailure : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+TEST_CASE("run_ranks: one rank's exception is re-raised promptly, the others never deadlock",
+          "[collectives][local]") {
+  SECTION("others blocked in wait() with a long timeout are woken") {
+    std::vector<std::string> seen(4);
+    const auto t0 = Clock::now();
+    REQUIRE_THROWS_MATCHES(run_ranks(
+                               4,
+                               [&](Communicator& world) {
+                                 Tensor x = Tensor::zeros({8}, DType::kF32);
+                                 if (world.rank() == 1) {
+                                   std::this_thread::sleep_for(50ms);
+                                   throw RankFailure("rank 1 gave up");
+                                 }
+                                 try {
+                                   world.wait(world.all_reduce(x, x, ReduceOp::kSum));
+                                 } catch (const CommError& e) {
+                                   seen[world.rank()] = e.what();
+                                   throw;
+                                 }
+                               },
+                               60s),
+                           RankFailure, Catch::Matchers::Message("rank 1 gave up"));
+    CHECK(ms_since(t0) < 2000);
+    for (int r : {0, 2, 3})
+      CHECK_THAT(seen[r], Contains("all_reduce on group 'world' abandoned: rank 1 failed: rank 1 gave up"));
+  }
+  SECTION("a rank that throws first thing; the others run several calls, a split and a batch") {
+    const auto t0 = Clock::now();
+    REQUIRE_THROWS_MATCHES(run_ranks(
+                               8,
+                               [](Communicator& world) {
+                                 if (world.rank() == 5) throw std::logic_error("bad config on rank 5");
+                                 const std::vector<int> g = {world.rank()};
+                                 Tensor x = Tensor::zeros({2}, DType::kF32);
+                                 auto w1 = world.all_reduce(x, x, ReduceOp::kSum);
+                                 world.begin_batch();
+                                 world.barrier();
+                                 world.broadcast(x, 0);
+                                 auto batch = world.end_batch();
+                                 world.wait(batch);
+                                 world.split(g, "x");
+                               },
+                               60s),
+                           std::logic_error, Catch::Matchers::Message("bad config on rank 5"));
+    CHECK(ms_since(t0) < 2000);
+  }
+  SECTION("others blocked in a sub-group, and in a dropped Work's destructor") {
+    const auto t0 = Clock::now();
+    REQUIRE_THROWS_MATCHES(
+        run_ranks(
+            4,
+            [](Communicator& world) {
+              const int r = world.rank();
+              const std::vector<int> g = r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3};
+              auto sub = world.split(g, "pair");
+              Tensor x = Tensor::zeros({2}, DType::kF32);
+              if (r == 3) {
+                std::this_thread::sleep_for(30ms);
+                throw std::runtime_error("rank 3 out of memory");
+              }
+              if (r == 2) sub->wait(sub->all_reduce(x, x, ReduceOp::kSum));  // partner 3 never comes
+              world.all_reduce(x, x, ReduceOp::kSum).reset();                // the destructor waits for 2, 3
+              world.wait(world.barrier());
+            },
+            60s),
+        std::runtime_error, Catch::Matchers::Message("rank 3 out of memory"));
+    CHECK(ms_since(t0) < 2000);
+  }
+  SECTION("exceptions of any type, thrown from several ranks") {
+    REQUIRE_THROWS_AS(run_ranks(
+                          3,
+                          [](Communicator& world) {
+                            if (world.rank() == 2) throw 42;
+                            world.wait(world.barrier());
+                          },
+                          60s),
+                      int);
+    // Every rank throws the same type: one of them is re-raised.
+    REQUIRE_THROWS_WITH(run_ranks(3,
+                                  [](Communicator& world) {
+                                    throw InvalidArgument(fmt::format("rank {} failed", world.rank()));
+                                  }),
+                        Catch::Matchers::Matches("rank [012] failed"));
+  }
+  SECTION("no exception: run_ranks returns normally, even when ranks finish at different times") {
+    std::atomic<int> done{0};
+    REQUIRE_NOTHROW(run_ranks(3, [&](Communicator& world) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5 * world.rank()));
+      world.wait(world.barrier());
+      done.fetch_add(1);
+    }));
+    CHECK(done.load() == 3);
+  }
+}
+
+// Matches an exception whose message contains `text`.
+class MessageContains : public Catch::MatcherBase<std::exception> {
+ public:
+  explicit MessageContains(std::string text) : text_(std::move(text)) {}
+  bool match(const std::exception& e) const override {
+    return std::string(e.what()).find(text_) != std::string::npos;
+  }
+  std::string describe() const override { return "message contains \"" + text_ + "\""; }
+
+ private:
+  std::string text_;
+};
+#define CHECK_INVALID(expr, matcher) CHECK_THROWS_MATCHES(expr, InvalidArgument, matcher)
+
+// ---- invalid arguments (thrown by the caller's thread before anything is posted) ----
+
+TEST_CASE("invalid arguments throw InvalidArgument naming the value, before anything is posted",
+          "[collectives][local]") {
+  LocalWorld world(3, 5s);
+  std::vector<std::unique_ptr<Communicator>> comms;
+  for (int r = 0; r < 3; ++r) comms.push_back(world.communicator(r));
+  Communicator& c = *comms[0];
+  const Tensor f4 = Tensor::zeros({4}, DType::kF32), f12 = Tensor::zeros({12}, DType::kF32);
+
+  CHECK_INVALID(
+      c.all_gather(f4, Tensor::zeros({11}, DType::kF32)),
+      MessageContains("all_gather on group 'world' of 3 ranks: input has 4 elements and output 11"));
+  CHECK_INVALID(c.reduce_scatter(Tensor::zeros({10}, DType::kF32), f4, ReduceOp::kSum),
+                MessageContains("input has 10 elements and output 4 (expected input = size x output)"));
+  CHECK_INVALID(c.all_reduce(f4, Tensor::zeros({5}, DType::kF32), ReduceOp::kSum),
+                MessageContains("input has 4 elements and output 5"));
+  CHECK_INVALID(c.all_to_all(f4, f4), MessageContains("equal counts divisible by the group size"));
+  const Tensor strided = Tensor::zeros({4, 3}, DType::kF32).transpose(0, 1);
+  CHECK_INVALID(c.all_reduce(strided, strided, ReduceOp::kSum),
+                MessageContains("input tensor must be contiguous"));
+  CHECK_INVALID(c.broadcast(strided, 0),
+                MessageContains("broadcast on group 'world': buffer tensor must be contiguous"));
+  CHECK_INVALID(c.all_gather(Tensor(), f12), MessageContains("input tensor is undefined"));
+  CHECK_INVALID(c.all_reduce(f4, Tensor::zeros({4}, DType::kF64), ReduceOp::kSum),
+                MessageContains("input dtype f32 != output dtype f64"));
+  for (int root : {-1, 3}) {
+    CHECK_INVALID(c.broadcast(f4, root), MessageContains(fmt::format(
+                                             "broadcast on group 'world': root {} out of range 0..2", root)));
+    CHECK_INVALID(c.scatter(f12, f4, root),
+                  MessageContains(fmt::format("scatter on group 'world': root {} out of range", root)));
+  }
+  CHECK_INVALID(c.scatter(Tensor::zeros({10}, DType::kF32), f4, 0), MessageContains("10"));
+  for (int peer : {-1, 3}) {
+    const P2POp ops[] = {P2POp::send(f4, peer)};
+    CHECK_INVALID(c.send_recv(ops), MessageContains(fmt::format(
+                                        "send_recv on group 'world': peer {} out of range 0..2", peer)));
+  }
+  // Buffers that other ranks read while this rank writes may overlap only in the documented
+  // in-place forms.
+  CHECK_INVALID(c.all_gather(f12.narrow(0, 4, 4), f12),
+                MessageContains("is not this rank's slice (elements [0, 4)"));
+  CHECK_INVALID(c.all_gather(f12.narrow(0, 2, 4), f12), MessageContains("the input overlaps the output"));
+  CHECK_INVALID(c.scatter(f12, f12.narrow(0, 8, 4), 0), MessageContains("is not its slice (elements [0, 4)"));
+  const Tensor f8 = Tensor::zeros({8}, DType::kF32);
+  const P2POp same[] = {P2POp::send(f4, 1), P2POp::recv(f4, 2)};
+  CHECK_INVALID(c.send_recv(same),
+                MessageContains("receive buffer #1 (from peer 2) overlaps send buffer #0 (to peer 1)"));
+  const P2POp partly[] = {P2POp::recv(f8.narrow(0, 3, 4), 1), P2POp::send(f8.narrow(0, 0, 4), 2)};
+  CHECK_INVALID(c.send_recv(partly), MessageContains("overlaps send buffer"));
+  const P2POp undefined_recv[] = {P2POp::send(f4, 1), P2POp::recv(Tensor(), 2)};
+  CHECK_INVALID(c.send_recv(undefined_recv), MessageContains("send/recv tensor is undefined"));
+  for (DType fp8 : {DType::kF8E4M3, DType::kF8E5M2}) {
+    Tensor x = Tensor::zeros({3}, fp8);
+    CHECK_INVALID(c.all_reduce(x, x, ReduceOp::kSum),
+                  MessageContains(fmt::format("dtype {} is not supported", name_of(fp8))));
+    CHECK_THROWS_AS(c.broadcast(x, 0), InvalidArgument);
+  }
+  const std::vector<int64_t> two = {2, 2}, bad_sum = {1, 1, 1}, negative = {5, -1, 0}, ok = {2, 1, 1};
+  CHECK_INVALID(c.all_to_all_v(f4, two, f4, ok), MessageContains("2 send counts for 3 ranks"));
+  CHECK_INVALID(c.all_to_all_v(f4, ok, f4, bad_sum),
+                MessageContains("receive counts [1,1,1] sum to 3 but the buffer has 4 elements"));
+  CHECK_INVALID(c.all_to_all_v(f4, negative, f4, ok), MessageContains("negative send count -1"));
+  Reduction max_premul{ReduceOp::kMax};
+  max_premul.pre_multiplier = 2;
+  CHECK_INVALID(c.all_reduce(f4, f4, max_premul),
+                MessageContains("a pre-multiplier (2) needs ReduceOp sum, got max"));
+  Reduction avg_premul{ReduceOp::kAvg};
+  avg_premul.pre_multiplier = 0.5;
+  CHECK_INVALID(c.reduce_scatter(f12, f4, avg_premul), MessageContains("got avg"));
+  CHECK_INVALID(c.end_batch(), MessageContains("end_batch on group 'world': no batch begun"));
+  c.begin_batch();
+  CHECK_INVALID(c.begin_batch(), MessageContains("already in a batch"));
+  CHECK_INVALID(c.split(std::vector<int>{0}, "x"), MessageContains("not allowed inside a batch"));
+  c.end_batch()->wait(0ms);                                                       // an empty batch
+  CHECK_INVALID(c.split(std::vector<int>{1, 2}, "x"), MessageContains("[1,2]"));  // does not contain rank 0
+  CHECK_INVALID(c.split(std::vector<int>{0, 3}, "x"), MessageContains("3"));      // out of range
+  CHECK_INVALID(c.split(std::vector<int>{0, 1, 0}, "x"), MessageContains("[0,1,0]"));  // duplicate
+  CHECK_INVALID(LocalWorld(0), MessageContains("size 0"));
+  CHECK_INVALID(world.communicator(3), MessageContains("rank 3 out of range"));
+
+  // Nothing was posted: the first call of every rank still matches.
+  std::vector<RankLog> logs(3);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        Tensor x = Tensor::full({3}, r, DType::kI32);
+        comms[r]->wait(comms[r]->all_reduce(x, x, ReduceOp::kSum));
+        expect_elements(
+            logs[r], x, 3, [](int64_t) { return 3; }, "all_reduce after the invalid calls");
+      } catch (const std::exception& e) {
+        logs[r].fail(e.what());
+      }
+    });
+  for (auto& t : threads) t.join();
+  check_logs(logs);
+}
+
+}  // namespace
