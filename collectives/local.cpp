@@ -31,12 +31,13 @@ class LocalGroup;
 // rendezvous is coarse (one lock per phase per call), and an abort must wake every waiter.
 class LocalWorldState {
  public:
-  LocalWorldState(int size, Milliseconds timeout) : size(size), timeout(timeout) {}
+  LocalWorldState(int size, Milliseconds timeout) : size(size), timeout(timeout), exited(size, 0) {}
   const int size;
   const Milliseconds timeout;
   std::mutex mu;
   std::condition_variable cv;
   bool aborted = false;
+  std::vector<char> exited;  // by world rank: its run_ranks function returned
   int aborted_rank = -1;
   std::string abort_reason;
   // Groups made by split(), by (parent group id, parent call number, member list).
@@ -445,6 +446,14 @@ class LocalWork final : public Work {
                                   mine.name(), group_->name, w.aborted_rank,
                                   w.abort_reason));
     const bool joining = std::string_view(waiting_for) == "join";
+    std::vector<int> gone;
+    if (joining)
+      for (size_t i = 0; i < slot.calls.size(); ++i)
+        if (!slot.calls[i].posted && w.exited[group_->ranks[i]]) gone.push_back(group_->ranks[i]);
+    if (!gone.empty())
+      throw CommError(fmt::format("{} on group '{}' [{}] (call #{}): ranks [{}] returned without joining it",
+                                  mine.name(), group_->name, fmt::join(group_->ranks, ","), seq_,
+                                  fmt::join(gone, ",")));
     std::vector<int> missing;
     for (size_t i = 0; i < slot.calls.size(); ++i)
       if (joining ? !slot.calls[i].posted : !slot.read_done[i]) missing.push_back(group_->ranks[i]);
@@ -460,12 +469,20 @@ class LocalWork final : public Work {
   bool reach(std::unique_lock<std::mutex>& lk, Slot& slot, Pred pred, const char* waiting_for,
              bool blocking) {
     LocalWorldState& w = *group_->world;
+    // A member that will never post: its rank function already returned.
+    auto member_gone = [&] {
+      if (std::string_view(waiting_for) != "join") return false;
+      for (size_t i = 0; i < slot.calls.size(); ++i)
+        if (!slot.calls[i].posted && w.exited[group_->ranks[i]]) return true;
+      return false;
+    };
     if (!blocking) {
       if (pred()) return true;
-      if (w.aborted) fail_locked(slot, waiting_for);
+      if (w.aborted || member_gone()) fail_locked(slot, waiting_for);
       return false;
     }
-    if (!w.cv.wait_until(lk, deadline_, [&] { return pred() || w.aborted; }) || (w.aborted && !pred()))
+    if (!w.cv.wait_until(lk, deadline_, [&] { return pred() || w.aborted || member_gone(); }) ||
+        ((w.aborted || member_gone()) && !pred()))
       fail_locked(slot, waiting_for);
     return true;
   }
@@ -761,6 +778,12 @@ std::unique_ptr<Communicator> LocalWorld::communicator(int rank) {
   return std::make_unique<detail::LocalCommunicator>(world, rank, state_->timeout);
 }
 
+void LocalWorld::mark_returned(int rank) {
+  std::lock_guard lk(state_->mu);
+  state_->exited.at(rank) = 1;
+  state_->cv.notify_all();
+}
+
 void LocalWorld::abort(int rank, const std::string& reason) {
   std::lock_guard lk(state_->mu);
   if (!state_->aborted) {
@@ -782,6 +805,7 @@ void run_ranks(int size, const std::function<void(Communicator& world)>& fn, Mil
       try {
         std::unique_ptr<Communicator> comm = world.communicator(r);
         fn(*comm);
+        world.mark_returned(r);
       } catch (...) {
         std::string what = "unknown exception";
         try {

@@ -42,6 +42,9 @@ class LocalWorld {
   // Marks the world failed: every member blocked in (or later entering) wait() throws a
   // CommError naming `rank` and `reason` instead of waiting for it.
   void abort(int rank, const std::string& reason);
+  // Records that `rank` will post nothing more: members waiting for it to join a call fail at
+  // once with a CommError naming it instead of waiting out the timeout.
+  void mark_returned(int rank);
 
  private:
   std::shared_ptr<detail::LocalWorldState> state_;

@@ -807,6 +807,10 @@ TEST_CASE("large buffers", "[collectives][local]") {
 
 // ---- failures: timeouts ----
 
+// A rank that is alive but never joins: it outlives the others' timeouts (a rank that returns
+// instead is reported at once, see "a rank that returns without joining").
+void stay_away() { std::this_thread::sleep_for(std::chrono::milliseconds(1500)); }
+
 // Issues `kind` on world (buffers sized for it) and returns the Work.
 WorkPtr issue(Communicator& c, CollectiveKind kind) {
   const int n = c.size();
@@ -863,7 +867,7 @@ TEST_CASE("timeout: a rank that never joins fails the others in time, naming col
           "[collectives][local]") {
   SECTION("world of 3, rank 2 never joins an all_reduce") {
     auto logs = run_logged(3, [](Communicator& world, RankLog& log) {
-      if (world.rank() == 2) return;
+      if (world.rank() == 2) return stay_away();
       Tensor x = Tensor::zeros({4}, DType::kF32);
       expect_comm_error(log, world.all_reduce(x, x, ReduceOp::kSum), 200ms, "all_reduce");
     });
@@ -873,7 +877,7 @@ TEST_CASE("timeout: a rank that never joins fails the others in time, naming col
   }
   SECTION("world of 8, ranks 3 and 6 never join; every collective kind") {
     auto logs = run_logged(8, [](Communicator& world, RankLog& log) {
-      if (world.rank() == 3 || world.rank() == 6) return;
+      if (world.rank() == 3 || world.rank() == 6) return stay_away();
       for (CollectiveKind kind : kKinds) expect_comm_error(log, issue(world, kind), 100ms, to_string(kind));
     });
     check_logs(logs);
@@ -888,7 +892,7 @@ TEST_CASE("timeout: a rank that never joins fails the others in time, naming col
       const int g = world.rank();
       const std::vector<int> col = {g % 4, g % 4 + 4};
       auto cols = world.split(col, fmt::format("col {}", g % 4));
-      if (g == 5) return;
+      if (g == 5) return stay_away();
       cols->set_timeout(150ms);
       Tensor x = Tensor::full({1}, g, DType::kI32);
       if (g != 1) {  // the other columns are complete
@@ -932,7 +936,7 @@ TEST_CASE("timeout: dropped Works and batches stay bounded by the communicator's
     auto logs = run_logged(
         3,
         [](Communicator& world, RankLog& log) {
-          if (world.rank() == 2) return;
+          if (world.rank() == 2) return stay_away();
           world.set_timeout(200ms);
           Tensor x = Tensor::zeros({4}, DType::kF32);
           const auto t1 = Clock::now();
@@ -952,7 +956,7 @@ TEST_CASE("timeout: dropped Works and batches stay bounded by the communicator's
     auto logs = run_logged(
         3,
         [](Communicator& world, RankLog& log) {
-          if (world.rank() == 1) return;
+          if (world.rank() == 1) return stay_away();
           Tensor x = Tensor::zeros({4}, DType::kF32), y = Tensor::zeros({12}, DType::kF32);
           world.begin_batch();
           world.all_reduce(x, x, ReduceOp::kSum);
@@ -978,7 +982,7 @@ TEST_CASE("timeout: dropped Works and batches stay bounded by the communicator's
   }
   SECTION("wait() twice after a timeout throws the same error at once; completed() is true") {
     auto logs = run_logged(2, [](Communicator& world, RankLog& log) {
-      if (world.rank() == 1) return;
+      if (world.rank() == 1) return stay_away();
       WorkPtr w = world.barrier();
       expect_comm_error(log, w, 100ms, "barrier");
       log.expect(w->completed(), "completed() after a failure");
@@ -991,7 +995,7 @@ TEST_CASE("timeout: dropped Works and batches stay bounded by the communicator's
   }
   SECTION("a split that some ranks never join") {
     auto logs = run_logged(3, [](Communicator& world, RankLog& log) {
-      if (world.rank() == 0) return;
+      if (world.rank() == 0) return stay_away();
       world.set_timeout(150ms);
       const std::vector<int> group = {world.rank()};
       const auto t0 = Clock::now();
@@ -1380,3 +1384,17 @@ TEST_CASE("invalid arguments throw InvalidArgument naming the value, before anyt
 }
 
 }  // namespace
+
+TEST_CASE("a rank that returns without joining fails the others at once", "[collectives][local]") {
+  const auto start = std::chrono::steady_clock::now();
+  REQUIRE_THROWS_WITH(collectives::run_ranks(
+                          3,
+                          [](Communicator& world) {
+                            if (world.rank() == 1) return;  // never joins
+                            Tensor x = Tensor::zeros({4}, kernels::DType::kF32);
+                            world.wait(world.all_reduce(x, x, ReduceOp::kSum));
+                          },
+                          Milliseconds{60'000}),
+                      Catch::Contains("ranks [1] returned without joining it"));
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));
+}
