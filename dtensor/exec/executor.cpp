@@ -375,7 +375,7 @@ std::vector<Tensor> execute_batch(const Plan& plan, std::span<const DTensorSpec>
   }
   for (size_t i = 0; i < plan.steps.size(); ++i) {
     const Placements& before = plan.states[i];
-    if (!is_valid_step(plan.steps[i], before))
+    if (!is_valid_step(plan.steps[i], before, comms.mesh().shape()))
       throw InternalError(fmt::format("execute: step {} is not valid from [{}]",
                                       to_string(plan.steps[i]), to_string(before)));
     std::vector<Tensor> next = StepRunner(comms, before, plan.steps[i]).run(items);

@@ -115,7 +115,7 @@ class Builder {
   const Placements& current() const { return plan_.states.back(); }
 
   void add(const Step& step) {
-    if (!is_valid_step(step, current()))
+    if (!is_valid_step(step, current(), spec_.mesh->shape()))
       throw kernels::InternalError(fmt::format("planner produced an invalid step {} from [{}]",
                                                to_string(step), to_string(current())));
     plan_.steps.push_back(step);
@@ -256,7 +256,7 @@ Plan search(const DTensorSpec& spec, const Placements& dst, const CostModel& cos
         if (c == state[m]) continue;
         if (is_partial(c) && !(c == dst[m] && (c == src[m] || allow_partial_target))) continue;
         std::optional<Step> step = step_between(m, state[m], c, /*direct=*/true);
-        if (!step || !is_valid_step(*step, state)) continue;
+        if (!step || !is_valid_step(*step, state, spec.mesh->shape())) continue;
         Placements next = apply_step(*step, state);
         const double total = e.cost + step_cost(*step, spec, state, cost, layouts);
         const std::string key = to_string(next);
@@ -396,7 +396,9 @@ Plan plan_redistribute(const DTensorSpec& src, const Placements& dst_in, Planner
 const Plan& PlanCache::get(const DTensorSpec& src, const Placements& dst, PlannerKind kind,
                            const CostModel& cost, bool allow_partial_target) {
   Key key{src.mesh->shape().vec(), src.shape.vec(), static_cast<int>(src.dtype),
-          to_string(src.placements), to_string(dst), static_cast<int>(kind), allow_partial_target};
+          to_string(src.placements),
+          to_string(normalize_placements(dst, src.mesh->ndim(), src.tensor_ndim())),
+          static_cast<int>(kind), allow_partial_target, cost.latency_us, cost.bandwidth_gb_per_s};
   std::lock_guard lk(mu_);
   auto it = plans_.find(key);
   if (it != plans_.end()) return it->second;

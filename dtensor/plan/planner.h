@@ -83,7 +83,7 @@ class PlanCache {
 
  private:
   using Key = std::tuple<std::vector<int64_t>, std::vector<int64_t>, int, std::string, std::string,
-                         int, bool>;
+                         int, bool, double, double>;
   mutable std::mutex mu_;
   std::map<Key, Plan> plans_;
 };

@@ -112,12 +112,13 @@ std::optional<Step> step_between(int m, const Placement& from, const Placement& 
   return std::nullopt;
 }
 
-bool is_valid_step(const Step& step, const Placements& before) {
+bool is_valid_step(const Step& step, const Placements& before, const Dims& mesh_shape) {
   const int m = mesh_dim_of(step);
-  if (m < 0 || m >= static_cast<int>(before.size())) return false;
+  if (m < 0 || m >= static_cast<int>(before.size()) || mesh_shape.size() != static_cast<int>(before.size()))
+    return false;
   for (int d : touched_dims(step))
-    for (size_t later = m + 1; later < before.size(); ++later)
-      if (shard_dim(before[later]) == d) return false;
+    for (int later = m + 1; later < mesh_shape.size(); ++later)
+      if (mesh_shape[later] > 1 && shard_dim(before[later]) == d) return false;
   // The step must start from what it converts.
   return std::visit(
       Overloaded{

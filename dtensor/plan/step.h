@@ -18,8 +18,11 @@
 #include <vector>
 
 #include "dtensor/placement.h"
+#include "kernels/dims.h"
 
 namespace dtensor {
+
+using kernels::Dims;
 
 struct AllGather {         // S(d) -> R: pad, all-gather along d, narrow
   int mesh_dim, tensor_dim;
@@ -72,7 +75,8 @@ std::string to_string(const Step& step);
 // Regroup step is allowed (the search planner); without it only PyTorch's primitives.
 std::optional<Step> step_between(int mesh_dim, const Placement& from, const Placement& to, bool direct);
 
-// NOTE [step validity], for placements before the step.
-bool is_valid_step(const Step& step, const Placements& before);
+// NOTE [step validity], for placements before the step on a mesh of `mesh_shape` (a later mesh
+// dim of size 1 splits nothing, so it never invalidates a step).
+bool is_valid_step(const Step& step, const Placements& before, const Dims& mesh_shape);
 
 }  // namespace dtensor

@@ -118,7 +118,7 @@ TEST_CASE("every plan reaches its target symbolically; search never costs more t
           for (const Plan* p : {&g, &q}) {
             Placements state = src;
             for (const Step& step : p->steps) {
-              REQUIRE(is_valid_step(step, state));
+              REQUIRE(is_valid_step(step, state, mesh));
               state = apply_step(step, state);
             }
             REQUIRE(state == dst);
@@ -143,7 +143,7 @@ TEST_CASE("single-mesh-dim transitions move exactly the lower bound", "[dtensor]
         for (int m = 0; m < mesh.size(); ++m)
           for (const Placement& to : kTargets) {
             std::optional<Step> step = step_between(m, src[m], to, /*direct=*/true);
-            if (!step || !is_valid_step(*step, src)) continue;
+            if (!step || !is_valid_step(*step, src, mesh)) continue;
             Placements dst = apply_step(*step, src);
             DTensorSpec s = spec_of(mesh, shape, to_string(src).c_str());
             Plan g = plan_redistribute(s, dst, PlannerKind::kGreedy);
