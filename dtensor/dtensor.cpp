@@ -449,6 +449,14 @@ DTensor from_local(const Tensor& local, std::shared_ptr<const MeshComms> comms,
   return DTensor(comms, std::move(spec), local);
 }
 
+std::future<DTensor> redistribute_async(const DTensor& tensor, const Placements& placements,
+                                        const RedistributeOptions& options) {
+  // Plan (and validate) on the caller's thread so bad input throws here, not from get().
+  (void)tensor.plan_to(placements, options);
+  return std::async(std::launch::async,
+                    [tensor, placements, options] { return tensor.redistribute(placements, options); });
+}
+
 std::vector<DTensor> redistribute_batch(std::span<const DTensor> tensors, const Placements& placements,
                                         const RedistributeOptions& options) {
   if (tensors.empty()) return {};

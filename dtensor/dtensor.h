@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <optional>
 #include <span>
@@ -83,6 +84,12 @@ DTensor from_local(const Tensor& local, std::shared_ptr<const MeshComms> comms,
 
 // Batched redistribute: every tensor on the same mesh, with the same placements and dtype,
 // moves to `placements` with one collective per step (flat buffers). Collective over the mesh.
+// Asynchronous redistribute (PyTorch's async_op=True): the plan runs on a helper thread and the
+// future yields the result. The caller must not issue other collectives on this mesh's
+// communicators until the future is ready (calls are matched by order on each communicator).
+std::future<DTensor> redistribute_async(const DTensor& tensor, const Placements& placements,
+                                        const RedistributeOptions& options = {});
+
 std::vector<DTensor> redistribute_batch(std::span<const DTensor> tensors, const Placements& placements,
                                         const RedistributeOptions& options = {});
 
