@@ -108,6 +108,9 @@ class LocalGroup {
   const std::string name;
   const uint64_t id;
   std::map<uint64_t, Slot> slots;  // guarded by world->mu
+  // all_reduce scratch per member, reused across calls (each member touches only its own entry;
+  // a previous call's readers still hold a reference, so reuse waits until they let go).
+  std::vector<Tensor> scratch = std::vector<Tensor>(ranks.size());
 };
 
 namespace {
@@ -481,6 +484,13 @@ class LocalWork final : public Work {
       if (w.aborted || member_gone()) fail_locked(slot, waiting_for);
       return false;
     }
+    // Yield a few times before sleeping: with more ranks than cores the member being waited for
+    // usually needs this core, and a condition-variable sleep costs far more than a yield.
+    for (int spin = 0; spin < 64 && !(pred() || w.aborted); ++spin) {
+      lk.unlock();
+      std::this_thread::yield();
+      lk.lock();
+    }
     if (!w.cv.wait_until(lk, deadline_, [&] { return pred() || w.aborted || member_gone(); }) ||
         ((w.aborted || member_gone()) && !pred()))
       fail_locked(slot, waiting_for);
@@ -525,10 +535,9 @@ class LocalWork final : public Work {
       staged_ = read_phase(slot);  // reads other members' buffers
 
       lk.lock();
-      ++slot.phase_done;
       slot.read_done[rank_] = 1;
       read_done_ = true;
-      w.cv.notify_all();
+      if (++slot.phase_done == n) w.cv.notify_all();  // only the last one can satisfy a waiter
     }
     if (!reach(lk, slot, [&] { return slot.phase_done == n; }, "complete", blocking)) return false;
     lk.unlock();
@@ -576,7 +585,11 @@ class LocalWork final : public Work {
       }
       case CollectiveKind::kAllReduce: {
         auto [begin, len] = chunk_of(me.input.numel(), n, r);
-        Tensor acc = Tensor::empty({len}, me.dtype, me.output.device());
+        Tensor& cache = group_->scratch[r];
+        if (!cache.defined() || cache.storage().use_count() > 1 || cache.numel() < len ||
+            cache.dtype() != me.dtype || !(cache.device() == me.output.device()))
+          cache = Tensor::empty({std::max<int64_t>(len, 1)}, me.dtype, me.output.device());
+        Tensor acc = cache.narrow(0, 0, len);
         reduce_chunk(slot, acc, begin, len);
         std::lock_guard lk(group_->world->mu);
         if (slot.partial.empty()) slot.partial.resize(n);
