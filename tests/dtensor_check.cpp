@@ -4,22 +4,59 @@
 //     {"rank":0,"coord":[0,0],"local_shape":[2,2],"global_offset":[0,0],"indices":[[0,1],[0,1]]}
 //   dtensor-check demo
 //     a tour of the layout rules on a few meshes (the README's main job for now).
-// Exit status: 0 success, 2 invalid input (one line on stderr naming the bad value).
+//   dtensor-check redistribute --mesh 2x2 --shape 7,5 --from 'S(0),R' --to 'R,S(1)'
+//                [--dtype f32] [--backend local|mpi|nccl] [--planner greedy|search] [--names ..]
+//     distributes a tensor whose values are a function of the global index (Partial sources:
+//     per-rank integer contributions whose reduction is that value), redistributes it and checks
+//     every rank's local tensor against the expected slice (a Partial kept from the source is
+//     reduced over its mesh dims first). First line, the plan (route, communicating steps, bytes
+//     sent by the busiest rank):
+//     {"plan":"[S(0),R] -AG(0)-> [R,R] -chunk(1->S(1))-> [R,S(1)]","collectives":1,"bytes_per_rank":60}
+//     then one line per rank, in rank order: {"rank":0,"local_shape":[7,3],"ok":true}
+//     --backend local: one thread per mesh rank (an explicit mesh must use ranks 0..n-1);
+//     mpi: one process per rank under mpirun, each prints its own line (rank 0 the plan line;
+//     world ranks outside the mesh print nothing); nccl: one GPU and one thread per mesh rank.
+//   dtensor-check fuzz --cases N --seed S [--max-ranks 8] [--backend local|mpi]
+//                [--planner greedy|search|both]
+//     random meshes, shapes, dtypes and placement pairs (invalid ones included: they must raise
+//     the right error); last line "fuzz: N cases, N passed, N failed", the first failures
+//     before it, each with a `dtensor-check redistribute ...` command line that reproduces it.
+// Exit status: 0 success, 1 a wrong result (redistribute) or a failed case (fuzz), 2 invalid
+// input or an unsupported transition (one line on stderr naming the bad value).
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <charconv>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
+#include <numeric>
+#include <optional>
+#include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "collectives/local.h"
+#include "collectives/mpi.h"
+#include "collectives/nccl.h"
+#include "dtensor/exec/executor.h"
 #include "dtensor/layout.h"
 #include "dtensor/mesh.h"
+#include "dtensor/mesh_comms.h"
 #include "dtensor/placement.h"
+#include "dtensor/plan/planner.h"
 #include "dtensor/spec.h"
+#include "kernels/device.h"
 #include "kernels/error.h"
+#include "support/dtensor_data.h"
+#include "support/redistribute_check.h"
 
 namespace {
 
@@ -155,6 +192,685 @@ void demo() {
   fmt::print("\nTry: build/tests/dtensor-check layout --mesh 4x2 --shape 13,2 --placements 'S(0),S(0)'\n");
 }
 
+// ---------------------------------------------------------------------------------------------
+// redistribute
+
+using collectives::Communicator;
+using dtensor::DTensorSpec;
+using dtensor::MeshComms;
+using dtensor::Plan;
+using dtensor::PlannerKind;
+using kernels::DType;
+using kernels::Tensor;
+using dtensor::Placement;
+using kernels::ReduceOp;
+using Millis = collectives::Milliseconds;
+
+// A result the runtime got wrong or could not produce (exit 1), unlike invalid input (exit 2).
+struct RunFailure : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+enum class Backend { kLocal, kMpi, kNccl };
+
+Backend parse_backend(const std::string& text, bool allow_nccl) {
+  if (text == "local") return Backend::kLocal;
+  if (text == "mpi") return Backend::kMpi;
+  if (text == "nccl" && allow_nccl) return Backend::kNccl;
+  throw kernels::InvalidArgument(fmt::format("unknown backend '{}': expected {}", text,
+                                             allow_nccl ? "local, mpi or nccl" : "local or mpi"));
+}
+
+constexpr DType kCliDTypes[] = {DType::kF32, DType::kF64, DType::kBF16, DType::kF16,
+                                DType::kI32, DType::kI64, DType::kU8};
+
+DType parse_cli_dtype(const std::string& text) {
+  for (DType d : kCliDTypes)
+    if (kernels::to_string(d) == text) return d;
+  throw kernels::InvalidArgument(
+      fmt::format("unknown dtype '{}': expected f32, f64, bf16, f16, i32, i64 or u8", text));
+}
+
+// The --mesh text that rebuilds `mesh`: "2x2" for a row-major arange, else the rank array.
+std::string mesh_arg(const DeviceMesh& mesh) {
+  const std::vector<int>& ranks = mesh.ranks();
+  bool arange = true;
+  for (size_t i = 0; i < ranks.size(); ++i) arange = arange && ranks[i] == static_cast<int>(i);
+  if (arange) return fmt::format("{}", fmt::join(mesh.shape(), "x"));
+  size_t pos = 0;
+  std::function<std::string(int)> nest = [&](int d) -> std::string {
+    std::vector<std::string> parts;
+    for (int64_t i = 0; i < mesh.shape()[d]; ++i)
+      parts.push_back(d + 1 == mesh.ndim() ? std::to_string(ranks[pos++]) : nest(d + 1));
+    return fmt::format("[{}]", fmt::join(parts, ","));
+  };
+  return nest(0);
+}
+
+// With one thread per mesh rank the world is the mesh: its ranks must be 0..n-1.
+void require_dense_ranks(const DeviceMesh& mesh, const std::string& text, std::string_view backend) {
+  const int n = static_cast<int>(mesh.size());
+  for (int r : mesh.ranks())
+    if (r >= n)
+      throw kernels::InvalidArgument(fmt::format(
+          "mesh '{}' holds rank {}: with --backend {} (one thread per mesh rank) an explicit "
+          "mesh must use ranks 0..{}",
+          text, r, backend, n - 1));
+}
+
+std::string plan_line(const Plan& plan) {
+  nlohmann::ordered_json j;
+  j["plan"] = dtensor::to_string(plan);
+  j["collectives"] = plan.collectives();
+  j["bytes_per_rank"] = plan.bytes_per_rank();
+  return j.dump();
+}
+
+struct RankResult {
+  int rank = -1;
+  Dims local_shape;
+  std::string error;  // empty: matches
+};
+
+std::string rank_line(const RankResult& r) {
+  nlohmann::ordered_json j;
+  j["rank"] = r.rank;
+  j["local_shape"] = r.local_shape.vec();
+  j["ok"] = r.error.empty();
+  return j.dump();
+}
+
+struct RedistributeArgs {
+  std::string mesh, shape, from, to, dtype = "f32", backend = "local", planner = "search", names;
+};
+
+// Everything a rank needs: rank-independent, built once.
+struct Prepared {
+  std::shared_ptr<const DeviceMesh> mesh;
+  DTensorSpec src, dst;
+  Plan plan;
+  int64_t modulus = testing_support::kDefaultModulus;
+};
+
+Prepared prepare(const RedistributeArgs& a) {
+  Prepared p;
+  p.mesh = std::make_shared<const DeviceMesh>(DeviceMesh::parse(a.mesh, parse_names(a.names)));
+  const Dims shape = parse_shape(a.shape);
+  const Placements from = dtensor::parse_placements(a.from);
+  const Placements to = dtensor::parse_placements(a.to);
+  const DType dtype = parse_cli_dtype(a.dtype);
+  const PlannerKind planner = dtensor::parse_planner(a.planner);
+  p.src = dtensor::make_spec(p.mesh, from, shape, dtype);
+  p.plan = dtensor::plan_redistribute(p.src, to, planner);
+  p.dst = dtensor::make_spec(p.mesh, p.plan.dst, shape, dtype);
+  p.modulus = testing_support::exact_modulus(dtype, p.mesh->size());
+  return p;
+}
+
+// This rank's part: distribute, redistribute, check (collective over the mesh).
+RankResult run_rank(const Prepared& p, const MeshComms& comms, kernels::Device device) {
+  const int rank = comms.rank();
+  Tensor local = testing_support::make_local(p.src, rank, p.modulus);
+  if (!device.is_cpu()) local = local.to(device);
+  Tensor out = dtensor::execute(p.plan, p.src, local, comms);
+  return {rank, out.shape(),
+          testing_support::check_redistributed(p.dst, out, comms, p.modulus,
+                                               testing_support::avg_tolerance(p.src))};
+}
+
+// Rank lines on stdout, mismatch details on stderr; 0 when every rank matches.
+int report(const std::vector<RankResult>& results) {
+  int status = 0;
+  for (const RankResult& r : results) {
+    fmt::print("{}\n", rank_line(r));
+    if (!r.error.empty()) {
+      fmt::print(stderr, "dtensor-check: rank {}: {}\n", r.rank, r.error);
+      status = 1;
+    }
+  }
+  return status;
+}
+
+// One thread per mesh rank; with `nccl`, each drives the GPU of its rank.
+std::vector<RankResult> run_threads(const Prepared& p, bool nccl) {
+  const int n = static_cast<int>(p.mesh->size());
+  std::vector<RankResult> results(n);
+  try {
+    collectives::run_ranks(n, [&](Communicator& world) {
+      std::unique_ptr<Communicator> gpu;
+      if (nccl) gpu = collectives::nccl_communicator(world, world.rank());
+      MeshComms comms(*p.mesh, nccl ? *gpu : world);
+      results[world.rank()] =
+          run_rank(p, comms, nccl ? kernels::Device::cuda(world.rank()) : kernels::Device{});
+    });
+  } catch (const std::exception& e) {
+    throw RunFailure(fmt::format("redistribute failed: {}", e.what()));
+  }
+  return results;
+}
+
+int print_error(const std::exception& e, bool speaker, int status) {
+  if (speaker) {
+    std::string text = e.what();
+    std::replace(text.begin(), text.end(), '\n', ' ');
+    fmt::print(stderr, "dtensor-check: {}\n", text);
+  }
+  return status;
+}
+
+constexpr Millis kRunTimeout{60'000};
+
+int run_mpi(collectives::MpiWorld& mpi, const Prepared& p, const std::string& mesh_text) {
+  for (int r : p.mesh->ranks())
+    if (r >= mpi.size())
+      throw kernels::InvalidArgument(fmt::format(
+          "mesh '{}' holds rank {}, outside the mpi world (size {})", mesh_text, r, mpi.size()));
+  const std::unique_ptr<Communicator> world = mpi.communicator(kRunTimeout);
+  std::optional<MeshComms> comms;
+  comms.emplace(*p.mesh, *world);
+  if (mpi.rank() == 0) {
+    fmt::print("{}\n", plan_line(p.plan));
+    std::fflush(stdout);
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  }
+  std::optional<RankResult> mine;
+  std::string fatal;
+  if (comms->in_mesh()) {
+    try {
+      mine = run_rank(p, *comms, kernels::Device{});
+    } catch (const std::exception& e) {
+      fatal = e.what();
+      std::replace(fatal.begin(), fatal.end(), '\n', ' ');
+    }
+  }
+  bool bad = !fatal.empty() || (mine && !mine->error.empty());
+  // Lines in rank order: each process prints its own in turn.
+  for (int r = 0; r < mpi.size(); ++r) {
+    if (r == mpi.rank()) {
+      if (mine) fmt::print("{}\n", rank_line(*mine));
+      std::fflush(stdout);
+      if (mine && !mine->error.empty())
+        fmt::print(stderr, "dtensor-check: rank {}: {}\n", mine->rank, mine->error);
+      if (!fatal.empty()) fmt::print(stderr, "dtensor-check: rank {}: redistribute failed: {}\n", r, fatal);
+      std::fflush(stderr);
+      // mpirun forwards each process's output on its own: give it a moment to keep rank order.
+      std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    }
+    world->wait(world->barrier());
+  }
+  Tensor flag = Tensor::full({1}, bad ? 1 : 0, DType::kI32);
+  world->wait(world->all_reduce(flag, flag, kernels::ReduceOp::kMax));
+  return flag.item({0}) != 0 ? 1 : 0;
+}
+
+int cmd_redistribute(const RedistributeArgs& a) {
+  Backend backend;
+  try {
+    backend = parse_backend(a.backend, /*allow_nccl=*/true);
+  } catch (const kernels::Error& e) {
+    return print_error(e, true, 2);
+  }
+  std::unique_ptr<collectives::MpiWorld> mpi;
+  if (backend == Backend::kMpi) {
+    try {
+      mpi = std::make_unique<collectives::MpiWorld>(nullptr, nullptr, kRunTimeout);
+    } catch (const kernels::Unsupported& e) {
+      return print_error(kernels::Unsupported(fmt::format("--backend mpi: {}", e.what())), true, 2);
+    }
+  }
+  const bool speaker = !mpi || mpi->rank() == 0;  // under mpirun only rank 0 reports input errors
+  try {
+    Prepared p = prepare(a);
+    switch (backend) {
+      case Backend::kLocal: {
+        require_dense_ranks(*p.mesh, a.mesh, "local");
+        fmt::print("{}\n", plan_line(p.plan));
+        std::fflush(stdout);
+        return report(run_threads(p, false));
+      }
+      case Backend::kNccl: {
+        require_dense_ranks(*p.mesh, a.mesh, "nccl");
+        const int gpus = kernels::cuda_device_count();
+        if (gpus < p.mesh->size())
+          throw kernels::Unsupported(fmt::format("the nccl backend needs {} GPUs, found {} (one GPU per mesh rank)",
+                                                 p.mesh->size(), gpus));
+        if (!collectives::nccl_built())
+          throw kernels::Unsupported("the nccl backend is not built into this dtensor-check (needs CUDA and NCCL)");
+        fmt::print("{}\n", plan_line(p.plan));
+        std::fflush(stdout);
+        return report(run_threads(p, true));
+      }
+      case Backend::kMpi: return run_mpi(*mpi, p, a.mesh);
+    }
+  } catch (const RunFailure& e) {
+    return print_error(e, true, 1);
+  } catch (const kernels::InvalidArgument& e) {
+    return print_error(e, speaker, 2);
+  } catch (const kernels::Unsupported& e) {
+    return print_error(e, speaker, 2);
+  } catch (const std::exception& e) {
+    return print_error(RunFailure(fmt::format("redistribute failed: {}", e.what())), true, 1);
+  }
+  return 1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// fuzz
+
+// Deterministic across platforms (std distributions are not): every MPI process draws the same.
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : g_(seed) {}
+  int uniform(int lo, int hi) { return lo + static_cast<int>(g_() % static_cast<uint64_t>(hi - lo + 1)); }
+  bool percent(int p) { return uniform(0, 99) < p; }
+  template <class T>
+  void shuffle(std::vector<T>& v) {
+    for (int i = static_cast<int>(v.size()) - 1; i > 0; --i) std::swap(v[i], v[uniform(0, i)]);
+  }
+
+ private:
+  std::mt19937_64 g_;
+};
+
+enum class Outcome { kOk, kInvalidArgument, kUnsupported, kOtherError };
+
+std::string_view outcome_name(Outcome o) {
+  switch (o) {
+    case Outcome::kOk: return "success";
+    case Outcome::kInvalidArgument: return "InvalidArgument";
+    case Outcome::kUnsupported: return "Unsupported";
+    case Outcome::kOtherError: return "another error";
+  }
+  return "?";
+}
+
+struct FuzzArgs {
+  int64_t cases = 100;
+  uint64_t seed = 1;
+  int max_ranks = 8;
+  std::string backend = "local", planner = "both";
+  int show = 10;  // failures printed in full
+};
+
+struct FuzzCase {
+  size_t mesh = 0;  // index into the mesh pool
+  Dims shape;
+  Placements src, dst;
+  DType dtype = DType::kF32;
+  Outcome expect = Outcome::kOk;
+  // Planning pass:
+  std::optional<DTensorSpec> src_spec, dst_spec;
+  std::vector<const Plan*> plans;  // distinct routes to execute
+  std::vector<PlannerKind> plan_kinds;
+  // The first failure, if any:
+  std::string failure;
+  PlannerKind failure_planner = PlannerKind::kSearch;
+};
+
+constexpr ReduceOp kOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax,
+                             ReduceOp::kProd};
+
+ReduceOp random_op(Rng& g) {
+  const int c = g.uniform(0, 99);
+  return c < 40 ? ReduceOp::kSum : c < 55 ? ReduceOp::kAvg : kOps[g.uniform(2, 4)];
+}
+
+// A tensor dim for S/_S: mostly valid (some negative), sometimes out of range.
+int random_shard_dim(Rng& g, int nd, int out_of_range_percent) {
+  if (g.percent(out_of_range_percent)) return g.percent(50) ? nd + g.uniform(0, 1) : -nd - 1;
+  const int d = g.uniform(0, nd - 1);
+  return g.percent(12) ? d - nd : d;
+}
+
+Placement random_non_partial(Rng& g, int nd, int bad_percent) {
+  const int c = g.uniform(0, 99);
+  if (c < 30) return dtensor::Replicate{};
+  if (c < 75) return dtensor::Shard{random_shard_dim(g, nd, bad_percent)};
+  return dtensor::StridedShard{random_shard_dim(g, nd, bad_percent), g.percent(bad_percent) ? 0 : g.uniform(1, 4)};
+}
+
+// The error PyTorch raises for (src, dst), computed independently of the runtime.
+Outcome expected_outcome(const Placements& src, const Placements& dst, int nd) {
+  auto linear = [](ReduceOp op) { return op == ReduceOp::kSum || op == ReduceOp::kAvg; };
+  auto invalid = [&](const Placements& ps) {
+    std::optional<ReduceOp> op;
+    for (const Placement& p : ps) {
+      if (const auto* s = std::get_if<dtensor::Shard>(&p))
+        if (s->dim < -nd || s->dim >= nd) return true;
+      if (const auto* s = std::get_if<dtensor::StridedShard>(&p))
+        if (s->dim < -nd || s->dim >= nd || s->split_factor < 1) return true;
+      if (const auto* s = std::get_if<dtensor::Partial>(&p)) {
+        if (op && *op != s->op && !(linear(*op) && linear(s->op))) return true;
+        op = s->op;
+      }
+    }
+    return false;
+  };
+  if (invalid(src) || invalid(dst)) return Outcome::kInvalidArgument;
+  auto norm = [&](Placement p) {
+    if (auto* s = std::get_if<dtensor::Shard>(&p); s && s->dim < 0) s->dim += nd;
+    if (auto* s = std::get_if<dtensor::StridedShard>(&p); s && s->dim < 0) s->dim += nd;
+    return p;
+  };
+  for (size_t m = 0; m < dst.size(); ++m)
+    if (dtensor::is_partial(dst[m]) && norm(src[m]) != dst[m]) return Outcome::kUnsupported;
+  return Outcome::kOk;
+}
+
+FuzzCase random_case(Rng& g, size_t mesh_index, const DeviceMesh& mesh) {
+  FuzzCase c;
+  c.mesh = mesh_index;
+  const int nd = g.uniform(1, 3);
+  for (int t = 0; t < nd; ++t) {
+    const int r = g.uniform(0, 99);
+    c.shape.push_back(r < 7 ? 0 : r < 22 ? 1 : r < 88 ? g.uniform(2, 9) : g.uniform(10, 37));
+  }
+  c.dtype = kCliDTypes[g.uniform(0, 6)];
+  const ReduceOp op = random_op(g);
+  for (int m = 0; m < mesh.ndim(); ++m) {
+    if (g.percent(25)) c.src.push_back(dtensor::Partial{g.percent(8) ? random_op(g) : op});
+    else c.src.push_back(random_non_partial(g, nd, 3));
+  }
+  for (int m = 0; m < mesh.ndim(); ++m) {
+    const int r = g.uniform(0, 99);
+    if (const auto* p = std::get_if<dtensor::Partial>(&c.src[m])) {
+      if (r < 45) c.dst.push_back(*p);  // a kept Partial
+      else if (r < 52) c.dst.push_back(dtensor::Partial{kOps[(static_cast<int>(p->op) + g.uniform(1, 4)) % 5]});
+      else c.dst.push_back(random_non_partial(g, nd, 2));
+    } else {
+      c.dst.push_back(r < 5 ? Placement{dtensor::Partial{random_op(g)}} : random_non_partial(g, nd, 2));
+    }
+  }
+  c.expect = expected_outcome(c.src, c.dst, nd);
+  return c;
+}
+
+std::shared_ptr<const DeviceMesh> random_mesh(Rng& g, int max_ranks, int world, bool subset) {
+  Dims shape;
+  for (;;) {
+    shape = Dims{};
+    const int ndim = g.uniform(1, 3);
+    for (int m = 0; m < ndim; ++m) shape.push_back(ndim == 1 ? g.uniform(1, max_ranks) : g.uniform(1, 4));
+    if (shape.product() <= max_ranks) break;
+  }
+  const int n = static_cast<int>(shape.product());
+  std::vector<int> ranks(subset ? world : n);
+  std::iota(ranks.begin(), ranks.end(), 0);
+  if (g.percent(subset ? 50 : 35)) g.shuffle(ranks);  // an explicit rank array
+  ranks.resize(n);
+  return std::make_shared<const DeviceMesh>(shape, ranks);
+}
+
+std::string repro_line(const std::string& prog, const FuzzCase& c, const DeviceMesh& mesh,
+                       Backend backend, int world) {
+  const std::string cmd = fmt::format(
+      "{} redistribute --mesh '{}' --shape {} --from '{}' --to '{}' --dtype {} --planner {} --backend {}",
+      prog, mesh_arg(mesh), fmt::join(c.shape, ","), dtensor::to_string(c.src), dtensor::to_string(c.dst),
+      kernels::to_string(c.dtype), dtensor::to_string(c.failure_planner),
+      backend == Backend::kMpi ? "mpi" : "local");
+  if (backend != Backend::kMpi) return cmd;
+  return fmt::format("mpirun --allow-run-as-root --oversubscribe -np {} {}", world, cmd);
+}
+
+// Validates and plans a case with every requested planner: the error must be the expected one;
+// a valid case gets its distinct routes (from the shared cache: plans are rank-independent).
+void plan_case(FuzzCase& c, const std::shared_ptr<const DeviceMesh>& mesh,
+               const std::vector<PlannerKind>& planners, dtensor::PlanCache& cache) {
+  Outcome got = Outcome::kOk;
+  std::string message;
+  PlannerKind at = planners.front();
+  std::vector<const Plan*> plans;
+  try {
+    c.src_spec = dtensor::make_spec(mesh, c.src, c.shape, c.dtype);
+    for (PlannerKind kind : planners) {
+      at = kind;
+      plans.push_back(&cache.get(*c.src_spec, c.dst, kind));
+    }
+    c.dst_spec = dtensor::make_spec(mesh, plans.front()->dst, c.shape, c.dtype);
+  } catch (const kernels::InvalidArgument& e) {
+    got = Outcome::kInvalidArgument;
+    message = e.what();
+  } catch (const kernels::Unsupported& e) {
+    got = Outcome::kUnsupported;
+    message = e.what();
+  } catch (const std::exception& e) {
+    got = Outcome::kOtherError;
+    message = e.what();
+  }
+  c.failure_planner = at;
+  if (got != c.expect) {
+    c.failure = fmt::format("expected {}, got {}{}{}", outcome_name(c.expect), outcome_name(got),
+                            message.empty() ? "" : ": ", message);
+    return;
+  }
+  if (got != Outcome::kOk) {
+    if (message.empty() || message.find('\n') != std::string::npos)
+      c.failure = fmt::format("{} with a message that is not one line: '{}'", outcome_name(got), message);
+    return;
+  }
+  // Plan invariants.
+  for (size_t i = 0; i < plans.size(); ++i) {
+    const Plan& p = *plans[i];
+    c.failure_planner = planners[i];
+    if (p.states.empty() || p.states.front() != c.src_spec->placements || p.states.back() != c.dst_spec->placements ||
+        p.states.size() != p.steps.size() + 1 || p.communicating.size() != p.steps.size()) {
+      c.failure = fmt::format("malformed plan {}", dtensor::to_string(p));
+      return;
+    }
+  }
+  // Traffic: no plan moves less than the lower bound. Checked where the bound is documented
+  // (one mesh dim changes) and model-free (no reduction: pure data movement among S/_S/R).
+  int changed = 0;
+  bool reduces = false;
+  for (int m = 0; m < mesh->ndim(); ++m)
+    if (mesh->size(m) > 1 && c.src_spec->placements[m] != c.dst_spec->placements[m]) {
+      ++changed;
+      reduces = reduces || dtensor::is_partial(c.src_spec->placements[m]);
+    }
+  const dtensor::Traffic bound = changed == 1 && !reduces
+                                     ? dtensor::lower_bound_traffic(*c.src_spec, c.dst_spec->placements)
+                                     : dtensor::Traffic{};
+  for (size_t i = 0; i < plans.size(); ++i)
+    if (plans[i]->traffic.max_received() < bound.max_received()) {
+      c.failure_planner = planners[i];
+      c.failure = fmt::format("plan {} receives {} bytes on its busiest rank, below the lower bound {}",
+                              dtensor::to_string(*plans[i]), plans[i]->traffic.max_received(),
+                              bound.max_received());
+      return;
+    }
+  if (plans.size() == 2 && plans[1]->cost_us > plans[0]->cost_us * (1 + 1e-9) + 1e-9) {
+    c.failure_planner = PlannerKind::kSearch;
+    c.failure = fmt::format("search plan costs {} us, more than greedy's {} us: {} vs {}", plans[1]->cost_us,
+                            plans[0]->cost_us, dtensor::to_string(*plans[1]), dtensor::to_string(*plans[0]));
+    return;
+  }
+  for (size_t i = 0; i < plans.size(); ++i) {
+    bool seen = false;
+    for (const Plan* q : c.plans) seen = seen || dtensor::to_string(*q) == dtensor::to_string(*plans[i]);
+    if (seen) continue;
+    c.plans.push_back(plans[i]);
+    c.plan_kinds.push_back(planners[i]);
+  }
+}
+
+// Runs one valid case on this rank with each of its routes; the first mismatch goes to `fail`.
+void run_case(FuzzCase& c, const MeshComms& comms, int64_t modulus,
+              const std::function<void(FuzzCase&, PlannerKind, std::string)>& fail) {
+  const int rank = comms.rank();
+  for (size_t i = 0; i < c.plans.size(); ++i) {
+    Tensor out = dtensor::execute(*c.plans[i], *c.src_spec,
+                                  testing_support::make_local(*c.src_spec, rank, modulus), comms);
+    std::string err = testing_support::check_redistributed(
+        *c.dst_spec, out, comms, modulus, testing_support::avg_tolerance(*c.src_spec));
+    if (!err.empty()) fail(c, c.plan_kinds[i], fmt::format("rank {}: {}", rank, err));
+  }
+}
+
+// Thrown out of a rank thread: the case it was running when something threw.
+struct CaseCrash : std::runtime_error {
+  CaseCrash(size_t index_, const std::string& what) : std::runtime_error(what), index(index_) {}
+  size_t index;
+};
+
+int cmd_fuzz(const FuzzArgs& a, const std::string& prog) {
+  const auto start = std::chrono::steady_clock::now();
+  Backend backend;
+  std::vector<PlannerKind> planners;
+  try {
+    backend = parse_backend(a.backend, /*allow_nccl=*/false);
+    if (a.planner == "both") planners = {PlannerKind::kGreedy, PlannerKind::kSearch};
+    else if (a.planner == "greedy" || a.planner == "search") planners = {dtensor::parse_planner(a.planner)};
+    else throw kernels::InvalidArgument(fmt::format("unknown planner '{}': expected greedy, search or both", a.planner));
+    if (a.cases < 0) throw kernels::InvalidArgument(fmt::format("--cases {} must be >= 0", a.cases));
+    if (a.max_ranks < 1 || a.max_ranks > 64)
+      throw kernels::InvalidArgument(fmt::format("--max-ranks {} must be in 1..64", a.max_ranks));
+  } catch (const kernels::Error& e) {
+    return print_error(e, true, 2);
+  }
+  std::unique_ptr<collectives::MpiWorld> mpi;
+  if (backend == Backend::kMpi) {
+    try {
+      mpi = std::make_unique<collectives::MpiWorld>(nullptr, nullptr, Millis{600'000});
+    } catch (const kernels::Unsupported& e) {
+      return print_error(kernels::Unsupported(fmt::format("--backend mpi: {}", e.what())), true, 2);
+    }
+  }
+  const int world_size = mpi ? mpi->size() : 0;
+  const int my_rank = mpi ? mpi->rank() : 0;
+  const int max_ranks = mpi ? std::min(a.max_ranks, world_size) : a.max_ranks;
+
+  // Generate: a pool of meshes, then cases drawing from it (cases on one mesh share its ranks).
+  Rng g(a.seed);
+  const size_t pool_size = static_cast<size_t>(std::clamp<int64_t>(a.cases / 40, 4, 48));
+  std::vector<std::shared_ptr<const DeviceMesh>> meshes;
+  for (size_t i = 0; i < pool_size; ++i) meshes.push_back(random_mesh(g, max_ranks, world_size, mpi != nullptr));
+  std::vector<FuzzCase> cases;
+  cases.reserve(a.cases);
+  for (int64_t i = 0; i < a.cases; ++i) {
+    const size_t m = static_cast<size_t>(g.uniform(0, static_cast<int>(pool_size) - 1));
+    cases.push_back(random_case(g, m, *meshes[m]));
+  }
+
+  // Plan every case once (rank-independent), checking the errors of invalid ones.
+  dtensor::PlanCache cache;
+  std::map<Outcome, int64_t> expected_errors;
+  for (FuzzCase& c : cases) {
+    plan_case(c, meshes[c.mesh], planners, cache);
+    if (c.expect != Outcome::kOk && c.failure.empty()) ++expected_errors[c.expect];
+  }
+  const auto planned = std::chrono::steady_clock::now();
+
+  // Execute the valid cases, grouped by mesh.
+  std::mutex mu;
+  auto fail = [&](FuzzCase& c, PlannerKind planner, std::string what) {
+    std::lock_guard lk(mu);
+    if (!c.failure.empty()) return;
+    c.failure = std::move(what);
+    c.failure_planner = planner;
+  };
+  std::vector<std::vector<size_t>> groups(pool_size);
+  int64_t executed = 0, routes = 0;
+  for (size_t i = 0; i < cases.size(); ++i)
+    if (cases[i].failure.empty() && cases[i].expect == Outcome::kOk) {
+      groups[cases[i].mesh].push_back(i);
+      ++executed;
+      routes += static_cast<int64_t>(cases[i].plans.size());
+    }
+  const Millis case_timeout{30'000};
+  std::unique_ptr<Communicator> world, control;
+  if (mpi) {
+    control = mpi->communicator(Millis{600'000});
+    world = mpi->communicator(case_timeout);
+  }
+  bool broken = false;  // mpi: a rank threw, the call sequences no longer line up
+  for (size_t gi = 0; gi < groups.size() && !broken; ++gi) {
+    const std::vector<size_t>& group = groups[gi];
+    if (group.empty()) continue;
+    const DeviceMesh& mesh = *meshes[gi];
+    if (mpi) {
+      size_t current = 0;
+      try {
+        MeshComms comms(mesh, *world);
+        if (!comms.in_mesh()) continue;
+        for (; current < group.size(); ++current) {
+          FuzzCase& c = cases[group[current]];
+          run_case(c, comms, testing_support::exact_modulus(c.dtype, mesh.size()), fail);
+        }
+      } catch (const std::exception& e) {
+        fail(cases[group[std::min(current, group.size() - 1)]], cases[group[std::min(current, group.size() - 1)]].plan_kinds.front(),
+             fmt::format("rank {} threw: {}", my_rank, e.what()));
+        broken = true;
+      }
+      continue;
+    }
+    size_t next = 0;
+    while (next < group.size()) {
+      try {
+        collectives::run_ranks(static_cast<int>(mesh.size()), [&](Communicator& w) {
+          size_t i = next;
+          try {
+            MeshComms comms(mesh, w);
+            for (; i < group.size(); ++i) {
+              FuzzCase& c = cases[group[i]];
+              run_case(c, comms, testing_support::exact_modulus(c.dtype, mesh.size()), fail);
+            }
+          } catch (const std::exception& e) {
+            throw CaseCrash(i, fmt::format("rank {} threw: {}", w.rank(), e.what()));
+          }
+        }, case_timeout);
+        next = group.size();
+      } catch (const CaseCrash& e) {
+        const size_t at = std::min(e.index, group.size() - 1);
+        fail(cases[group[at]], cases[group[at]].plan_kinds.front(), e.what());
+        next = at + 1;
+      } catch (const std::exception& e) {
+        fail(cases[group[next]], cases[group[next]].plan_kinds.front(), e.what());
+        ++next;
+      }
+    }
+  }
+
+  // Count (mpi: a case fails when it failed on any rank).
+  std::vector<char> failed(cases.size());
+  for (size_t i = 0; i < cases.size(); ++i) failed[i] = !cases[i].failure.empty();
+  if (mpi) {
+    for (size_t i = 0; i < cases.size(); ++i)
+      if (failed[i]) {  // each rank names its own first failure
+        fmt::print(stderr, "dtensor-check fuzz: rank {}: case {}: {}\n", my_rank, i, cases[i].failure);
+        break;
+      }
+    std::fflush(stderr);
+    Tensor flags = Tensor::zeros({static_cast<int64_t>(cases.size()) + 1}, DType::kI32);
+    for (size_t i = 0; i < cases.size(); ++i)
+      if (failed[i]) flags.set_item({static_cast<int64_t>(i)}, 1);
+    control->wait(control->all_reduce(flags, flags, kernels::ReduceOp::kMax));
+    for (size_t i = 0; i < cases.size(); ++i) failed[i] = flags.item({static_cast<int64_t>(i)}) != 0;
+  }
+  const int64_t n_failed = std::count(failed.begin(), failed.end(), 1);
+  if (my_rank == 0) {
+    const double plan_s = std::chrono::duration<double>(planned - start).count();
+    const double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    fmt::print("fuzz: seed {}, backend {}, planner {}, up to {} ranks, {} meshes: {} cases executed ({} routes), "
+               "{} expected errors raised (InvalidArgument {}, Unsupported {}); planned in {:.2f} s, total {:.2f} s\n",
+               a.seed, a.backend, a.planner, max_ranks, pool_size, executed, routes,
+               expected_errors[Outcome::kInvalidArgument] + expected_errors[Outcome::kUnsupported],
+               expected_errors[Outcome::kInvalidArgument], expected_errors[Outcome::kUnsupported], plan_s, total_s);
+    int shown = 0;
+    for (size_t i = 0; i < cases.size() && shown < a.show; ++i) {
+      if (!failed[i]) continue;
+      ++shown;
+      const FuzzCase& c = cases[i];
+      fmt::print("FAIL case {} ({} planner): {}\n  reproduce: {}\n", i, dtensor::to_string(c.failure_planner),
+                 c.failure.empty() ? "failed on another rank (see its stderr)" : c.failure,
+                 repro_line(prog, c, *meshes[c.mesh], backend, world_size));
+    }
+    fmt::print("fuzz: {} cases, {} passed, {} failed\n", cases.size(), static_cast<int64_t>(cases.size()) - n_failed,
+               n_failed);
+    std::fflush(stdout);
+  }
+  return n_failed == 0 ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -167,6 +883,27 @@ int main(int argc, char** argv) {
   layout->add_option("--placements", args.placements, "one placement per mesh dim: S(d), _S(d,sf), R, P, P(op)")->required();
   layout->add_option("--names", args.names, "mesh dim names, comma-separated (dp,tp)");
   app.add_subcommand("demo", "a tour of the layout rules on a few meshes");
+
+  RedistributeArgs rargs;
+  CLI::App* redistribute = app.add_subcommand(
+      "redistribute", "redistribute a tensor of known values and check every rank's result");
+  redistribute->add_option("--mesh", rargs.mesh, "mesh shape (2x2) or explicit rank array ([[0,2],[1,3]])")->required();
+  redistribute->add_option("--shape", rargs.shape, "global tensor shape, comma-separated (7,5)")->required();
+  redistribute->add_option("--from", rargs.from, "source placements, one per mesh dim (S(0),R)")->required();
+  redistribute->add_option("--to", rargs.to, "target placements, one per mesh dim (R,S(1))")->required();
+  redistribute->add_option("--dtype", rargs.dtype, "f32 (default), f64, bf16, f16, i32, i64 or u8");
+  redistribute->add_option("--backend", rargs.backend, "local (default: one thread per rank), mpi (under mpirun) or nccl (one GPU per rank)");
+  redistribute->add_option("--planner", rargs.planner, "search (default) or greedy (PyTorch's)");
+  redistribute->add_option("--names", rargs.names, "mesh dim names, comma-separated (dp,tp)");
+
+  FuzzArgs fargs;
+  CLI::App* fuzz = app.add_subcommand("fuzz", "random redistributes (invalid ones included), each checked on every rank");
+  fuzz->add_option("--cases", fargs.cases, "number of cases (default 100)");
+  fuzz->add_option("--seed", fargs.seed, "random seed (default 1)");
+  fuzz->add_option("--max-ranks", fargs.max_ranks, "largest mesh (default 8; with mpi at most the world size)");
+  fuzz->add_option("--backend", fargs.backend, "local (default) or mpi (under mpirun)");
+  fuzz->add_option("--planner", fargs.planner, "greedy, search or both (default)");
+  fuzz->add_option("--show", fargs.show, "failures printed with a reproducer (default 10)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
@@ -176,6 +913,8 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "dtensor-check: {}\n", e.what());
     return 2;
   }
+  if (redistribute->parsed()) return cmd_redistribute(rargs);
+  if (fuzz->parsed()) return cmd_fuzz(fargs, argv[0]);
   try {
     if (layout->parsed()) print_layout(make_problem(args));
     else demo();

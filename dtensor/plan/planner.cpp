@@ -367,11 +367,13 @@ Traffic lower_bound_traffic(const DTensorSpec& src, const Placements& dst) {
   const std::vector<ShardLayout> post = all_layouts(src, dst);
   for (int64_t p = 0; p < n; ++p) {
     if (partial_dims.size() == 1) {
-      // Reducing over one mesh dim of k: every rank must receive the k-1 other contributions to
-      // what it ends with (reduce-scatter), or 2(k-1)/k of the data for a full all-reduce.
+      // Reducing N elements over a group of k: (k-1)N contributions must cross the wire, so the
+      // busiest member receives at least (k-1)N/k (reduce-scatter); an all-reduce needs twice
+      // that (the bandwidth-optimal bound). Even splits meet it on every rank; an uneven
+      // reduce-scatter cannot (its largest chunk receives (k-1) x ceil(N/k)).
       const int64_t k = mesh.size(partial_dims[0]);
       const bool to_replicate = is_replicate(dst[partial_dims[0]]);
-      t.received[p] = (to_replicate ? 2 * (k - 1) * numel(pre[p]) / k : (k - 1) * numel(post[p])) * item;
+      t.received[p] = (to_replicate ? 2 : 1) * (k - 1) * numel(pre[p]) / k * item;
     } else {
       t.received[p] = (numel(post[p]) - common(pre[p], post[p])) * item;
     }

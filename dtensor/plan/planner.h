@@ -68,9 +68,10 @@ std::string to_string(const Plan& plan);
 Plan plan_redistribute(const DTensorSpec& src, const Placements& dst, PlannerKind kind,
                        const CostModel& cost = {}, bool allow_partial_target = false);
 
-// Traffic of one step from `before` (exact per rank, uneven shards included) and of the whole
-// transition's lower bound for a single mesh dim (what must move: elements a rank needs and does
-// not hold; 2(k-1)/k of the tensor for an all-reduce).
+// Traffic of one step from `before` (exact per rank, uneven shards included) and the
+// transition's lower bound (what must move: elements a rank needs and does not hold; for a
+// reduction over one mesh dim of k, (k-1)/k of the reduced data per rank, twice that for an
+// all-reduce).
 Traffic step_traffic(const Step& step, const DTensorSpec& spec, const Placements& before);
 Traffic lower_bound_traffic(const DTensorSpec& src, const Placements& dst);
 
