@@ -11,7 +11,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 case "${1:-}" in
   demo)
     tools/setup.sh build
-    exec build/tests/dtensor-check demo
+    exec tools/demo.sh
     ;;
   test)
     tools/setup.sh build
