@@ -16,22 +16,6 @@ using kernels::InvalidArgument;
 
 namespace {
 
-// Row-major unravel of flat index `flat` over shape.
-Dims unravel(int64_t flat, const Dims& shape) {
-  Dims coord = Dims::filled(shape.size(), 0);
-  for (int d = shape.size() - 1; d >= 0; --d) {
-    coord[d] = flat % shape[d];
-    flat /= shape[d];
-  }
-  return coord;
-}
-
-int64_t ravel(const Dims& coord, const Dims& shape) {
-  int64_t flat = 0;
-  for (int d = 0; d < shape.size(); ++d) flat = flat * shape[d] + coord[d];
-  return flat;
-}
-
 // Flattens a nested JSON array into (shape, values); throws on ragged or non-integer input.
 void flatten_json(const nlohmann::json& j, int depth, Dims& shape, std::vector<int>& out,
                   std::string_view text) {
@@ -160,13 +144,13 @@ int DeviceMesh::rank_at(const Dims& coord) const {
     if (coord[d] < 0 || coord[d] >= shape_[d])
       throw InvalidArgument(fmt::format("coordinate [{}] outside mesh shape [{}]",
                                         fmt::join(coord, ","), fmt::join(shape_, ",")));
-  return ranks_[ravel(coord, shape_)];
+  return ranks_[ravel_index(coord, shape_)];
 }
 
 std::optional<Dims> DeviceMesh::coord_of(int rank) const {
   int64_t flat = flat_index(rank);
   if (flat < 0) return std::nullopt;
-  return unravel(flat, shape_);
+  return unravel_index(flat, shape_);
 }
 
 std::vector<int> DeviceMesh::group(int mesh_dim, int rank) const {
@@ -176,7 +160,7 @@ std::vector<int> DeviceMesh::group(int mesh_dim, int rank) const {
   std::vector<int> out;
   for (int64_t i = 0; i < shape_[mesh_dim]; ++i) {
     (*coord)[mesh_dim] = i;
-    out.push_back(ranks_[ravel(*coord, shape_)]);
+    out.push_back(ranks_[ravel_index(*coord, shape_)]);
   }
   return out;
 }
@@ -187,7 +171,7 @@ std::vector<std::vector<int>> DeviceMesh::groups(int mesh_dim) const {
   rest[mesh_dim] = 1;
   std::vector<std::vector<int>> out;
   for (int64_t g = 0; g < rest.product(); ++g)
-    out.push_back(group(mesh_dim, ranks_[ravel(unravel(g, rest), shape_)]));
+    out.push_back(group(mesh_dim, ranks_[ravel_index(unravel_index(g, rest), shape_)]));
   return out;
 }
 
@@ -222,9 +206,9 @@ DeviceMesh DeviceMesh::slice_dims(std::span<const int> mesh_dims, int rank) cons
   }
   std::vector<int> sub_ranks;
   for (int64_t i = 0; i < sub_shape.product(); ++i) {
-    Dims sub = unravel(i, sub_shape);
+    Dims sub = unravel_index(i, sub_shape);
     for (size_t j = 0; j < mesh_dims.size(); ++j) (*coord)[mesh_dims[j]] = sub[j];
-    sub_ranks.push_back(ranks_[ravel(*coord, shape_)]);
+    sub_ranks.push_back(ranks_[ravel_index(*coord, shape_)]);
   }
   return DeviceMesh(sub_shape, std::move(sub_ranks), std::move(sub_names));
 }
@@ -273,18 +257,18 @@ DeviceMesh DeviceMesh::flatten(std::span<const int> mesh_dims, std::string name)
   std::vector<int> new_ranks;
   Dims old = Dims::filled(ndim(), 0);
   for (int64_t i = 0; i < new_shape.product(); ++i) {
-    Dims c = unravel(i, new_shape);
+    Dims c = unravel_index(i, new_shape);
     int j = 0;
     for (int d = 0; d < ndim(); ++d) {
       if (merged(d)) {
         if (d != mesh_dims[0]) continue;
-        Dims m = unravel(c[j++], merged_shape);
+        Dims m = unravel_index(c[j++], merged_shape);
         for (size_t t = 0; t < mesh_dims.size(); ++t) old[mesh_dims[t]] = m[t];
       } else {
         old[d] = c[j++];
       }
     }
-    new_ranks.push_back(ranks_[ravel(old, shape_)]);
+    new_ranks.push_back(ranks_[ravel_index(old, shape_)]);
   }
   return DeviceMesh(new_shape, std::move(new_ranks), std::move(new_names));
 }
@@ -293,6 +277,21 @@ DeviceMesh DeviceMesh::flatten(std::string name) const {
   std::vector<int> all(ndim());
   for (int d = 0; d < ndim(); ++d) all[d] = d;
   return flatten(all, std::move(name));
+}
+
+Dims unravel_index(int64_t flat, const Dims& shape) {
+  Dims coord = Dims::filled(shape.size(), 0);
+  for (int d = shape.size() - 1; d >= 0; --d) {
+    coord[d] = flat % shape[d];
+    flat /= shape[d];
+  }
+  return coord;
+}
+
+int64_t ravel_index(const Dims& coord, const Dims& shape) {
+  int64_t flat = 0;
+  for (int d = 0; d < shape.size(); ++d) flat = flat * shape[d] + coord[d];
+  return flat;
 }
 
 std::string to_string(const DeviceMesh& mesh) {

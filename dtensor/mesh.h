@@ -83,6 +83,11 @@ class DeviceMesh {
   std::vector<std::pair<int, int64_t>> position_;  // (rank, flat index), sorted by rank
 };
 
+// Row-major index <-> coordinate over a shape (the mesh's and the flatten's linearisation).
+//   unravel_index(6, {2,4}) == {1,2};  ravel_index({1,2}, {2,4}) == 6
+Dims unravel_index(int64_t flat, const Dims& shape);
+int64_t ravel_index(const Dims& coord, const Dims& shape);
+
 // "[[0,1],[2,3]]" followed by " (dp,tp)" when named.
 std::string to_string(const DeviceMesh& mesh);
 

@@ -16,21 +16,6 @@ using kernels::Unsupported;
 
 namespace {
 
-Dims unravel(int64_t flat, const Dims& shape) {
-  Dims c = Dims::filled(shape.size(), 0);
-  for (int d = shape.size() - 1; d >= 0; --d) {
-    c[d] = flat % shape[d];
-    flat /= shape[d];
-  }
-  return c;
-}
-
-int64_t ravel(const Dims& coord, const Dims& shape) {
-  int64_t flat = 0;
-  for (int d = 0; d < shape.size(); ++d) flat = flat * shape[d] + coord[d];
-  return flat;
-}
-
 // |a ∩ b| for two strictly increasing index lists given as runs.
 int64_t intersect_count(const IndexRuns& a, const IndexRuns& b) {
   int64_t count = 0;
@@ -59,7 +44,7 @@ std::vector<ShardLayout> all_layouts(const DTensorSpec& spec, const Placements& 
   std::vector<ShardLayout> out;
   out.reserve(spec.mesh->size());
   for (int64_t p = 0; p < spec.mesh->size(); ++p)
-    out.push_back(compute_layout(spec.shape, mesh_shape, placements, unravel(p, mesh_shape)));
+    out.push_back(compute_layout(spec.shape, mesh_shape, placements, unravel_index(p, mesh_shape)));
   return out;
 }
 
@@ -327,7 +312,7 @@ Traffic traffic_of(const Step& step, const DTensorSpec& spec, const Placements& 
   const std::vector<ShardLayout>& pre = layouts.get(before);
   const std::vector<ShardLayout>& post = layouts.get(apply_step(step, before));
   for (int64_t p = 0; p < n; ++p) {
-    Dims coord = unravel(p, mesh.shape());
+    Dims coord = unravel_index(p, mesh.shape());
     const int64_t r = coord[m];
     if (std::holds_alternative<AllReduce>(step)) {
       // Bandwidth-optimal all-reduce (ring / reduce-scatter + all-gather).
@@ -342,7 +327,7 @@ Traffic traffic_of(const Step& step, const DTensorSpec& spec, const Placements& 
     for (int64_t g = 0; g < k; ++g) {
       if (g == r) continue;
       coord[m] = g;
-      const int64_t q = ravel(coord, mesh.shape());
+      const int64_t q = ravel_index(coord, mesh.shape());
       t.sent[p] += common(pre[p], post[q]) * item;
       t.received[p] += common(pre[q], post[p]) * item;
     }

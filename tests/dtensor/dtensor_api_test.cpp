@@ -6,6 +6,8 @@
 // Catch2 assertions are not thread-safe, so rank threads record failures in a Checks object and
 // the test thread reports them.
 #include <catch2/catch.hpp>
+
+#include "support/placement_lists.h"
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -81,17 +83,7 @@ Tensor global_tensor(const Dims& shape, DType dtype = DType::kF32) {
 }
 
 std::vector<Placements> lists(int mesh_ndim, const std::vector<Placement>& options) {
-  std::vector<Placements> out = {{}};
-  for (int m = 0; m < mesh_ndim; ++m) {
-    std::vector<Placements> next;
-    for (const auto& l : out)
-      for (const auto& o : options) {
-        next.push_back(l);
-        next.back().push_back(o);
-      }
-    out = std::move(next);
-  }
-  return out;
+  return testing_support::placement_lists(mesh_ndim, options);
 }
 
 // Mixed Partial ops are rejected by make_spec, except sum with avg.

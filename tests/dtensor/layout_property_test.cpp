@@ -51,15 +51,6 @@ std::vector<Indices> model_layout(const Dims& shape, const Dims& mesh, const Pla
   return idx;
 }
 
-Dims unravel(int64_t flat, const Dims& shape) {
-  Dims c = Dims::filled(shape.size(), 0);
-  for (int d = shape.size() - 1; d >= 0; --d) {
-    c[d] = flat % shape[d];
-    flat /= shape[d];
-  }
-  return c;
-}
-
 // Every placement list over `mesh_ndim` mesh dims for a tensor of `tensor_ndim` dims.
 std::vector<Placements> all_placement_lists(int mesh_ndim, int tensor_ndim) {
   std::vector<Placement> options = {Replicate{}, Partial{}};
@@ -102,7 +93,7 @@ TEST_CASE("exhaustive layout properties", "[dtensor][layout][exhaustive]") {
           // Element -> number of holders, for the coverage property.
           std::map<std::pair<int64_t, int64_t>, int> holders;
           for (int64_t r = 0; r < nranks; ++r) {
-            Dims coord = unravel(r, mesh);
+            Dims coord = unravel_index(r, mesh);
             ShardLayout l = compute_layout(shape, mesh, ps, coord);
             std::vector<Indices> model = model_layout(shape, mesh, ps, coord);
             for (int t = 0; t < tensor_ndim; ++t) {
@@ -164,7 +155,7 @@ TEST_CASE("group partition: each mesh dim splits exactly what its group jointly 
           Dims sub_mesh(std::span<const int64_t>(mesh.data(), m + 1));
           before.push_back(Replicate{});
           for (int64_t flat = 0; flat < sub_mesh.product(); ++flat) {
-            Dims coord = unravel(flat, sub_mesh);
+            Dims coord = unravel_index(flat, sub_mesh);
             if (coord[m] != 0) continue;  // one representative per group
             Indices whole = compute_layout({n}, sub_mesh, before, coord).indices(0);
             Indices parts;

@@ -2,6 +2,8 @@
 // apply == dst for every pair, search never worse than greedy, traffic vs the lower bound.
 #include <catch2/catch.hpp>
 
+#include "support/placement_lists.h"
+
 #include "dtensor/plan/planner.h"
 #include "kernels/error.h"
 
@@ -87,17 +89,7 @@ TEST_CASE("Partial rules", "[dtensor][planner]") {
 namespace {
 
 std::vector<Placements> all_lists(int mesh_ndim, const std::vector<Placement>& options) {
-  std::vector<Placements> out = {{}};
-  for (int m = 0; m < mesh_ndim; ++m) {
-    std::vector<Placements> next;
-    for (const auto& l : out)
-      for (const auto& o : options) {
-        next.push_back(l);
-        next.back().push_back(o);
-      }
-    out = std::move(next);
-  }
-  return out;
+  return testing_support::placement_lists(mesh_ndim, options);
 }
 
 const std::vector<Placement> kSources = {Replicate{}, Shard{0}, Shard{1}, StridedShard{0, 2}, Partial{}};

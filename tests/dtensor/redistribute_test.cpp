@@ -2,6 +2,8 @@
 // {2,2}, {2,3}, {3,2}, {2,2,2} with uneven shapes, both planners, every rank's data checked on the
 // local backend; StridedShard pairs incl. the uneven first-mesh-dim-3 case; batched redistribute.
 #include <catch2/catch.hpp>
+
+#include "support/placement_lists.h"
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -18,17 +20,7 @@ using testing_support::make_local;
 namespace {
 
 std::vector<Placements> lists(int mesh_ndim, const std::vector<Placement>& options) {
-  std::vector<Placements> out = {{}};
-  for (int m = 0; m < mesh_ndim; ++m) {
-    std::vector<Placements> next;
-    for (const auto& l : out)
-      for (const auto& o : options) {
-        next.push_back(l);
-        next.back().push_back(o);
-      }
-    out = std::move(next);
-  }
-  return out;
+  return testing_support::placement_lists(mesh_ndim, options);
 }
 
 struct Outcome {
