@@ -30,6 +30,10 @@ using kernels::ReduceOp;
 using kernels::Tensor;
 using Milliseconds = std::chrono::milliseconds;
 
+// Default timeout of a communicator's wait(): long enough for any healthy collective, short
+// enough that a missing rank is reported rather than hanging a job.
+inline constexpr Milliseconds kDefaultTimeout{300'000};
+
 // The reduction of a reducing collective. pre_multiplier scales every input before a sum
 // (NCCL's ncclRedOpCreatePreMulSum; FSDP's gradient divide factor): result = sum_i(x_i * m).
 // REQUIRES: pre_multiplier != 1 only with ReduceOp::kSum.

@@ -26,8 +26,6 @@ namespace detail {
 class LocalWorldState;
 }
 
-inline constexpr Milliseconds kDefaultTimeout{300'000};
-
 class LocalWorld {
  public:
   explicit LocalWorld(int size, Milliseconds timeout = kDefaultTimeout);

@@ -50,7 +50,6 @@
 #include <vector>
 
 #include "collectives/communicator.h"
-#include "collectives/local.h"  // kDefaultTimeout
 
 namespace collectives {
 
