@@ -1,6 +1,7 @@
 #include "collectives/communicator.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "kernels/error.h"
 
@@ -83,6 +84,32 @@ void check_reduction(CollectiveKind kind, const Tensor& t, Reduction r) {
     throw InvalidArgument(fmt::format("{}: a pre-multiplier ({}) needs ReduceOp sum, got {}",
                                       to_string(kind), r.pre_multiplier, kernels::to_string(r.op)));
   (void)t;
+}
+
+void check_counts(const Communicator& comm, std::span<const int64_t> counts, const Tensor& t,
+                  const char* what) {
+  if (static_cast<int>(counts.size()) != comm.size())
+    throw InvalidArgument(fmt::format("all_to_all_v on group '{}': {} {} counts for {} ranks",
+                                      comm.name(), counts.size(), what, comm.size()));
+  int64_t total = 0;
+  for (int64_t c : counts) {
+    if (c < 0)
+      throw InvalidArgument(
+          fmt::format("all_to_all_v on group '{}': negative {} count {}", comm.name(), what, c));
+    total += c;
+  }
+  if (total != t.numel())
+    throw InvalidArgument(fmt::format(
+        "all_to_all_v on group '{}': {} counts [{}] sum to {} but the buffer has {} elements",
+        comm.name(), what, fmt::join(counts, ","), total, t.numel()));
+}
+
+bool overlaps(const Tensor& a, const Tensor& b) {
+  if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0) return false;
+  if (!a.shares_storage_with(b)) return false;
+  const char* pa = static_cast<const char*>(a.data_ptr());
+  const char* pb = static_cast<const char*>(b.data_ptr());
+  return pa < pb + b.nbytes() && pb < pa + a.nbytes();
 }
 
 }  // namespace detail

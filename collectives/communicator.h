@@ -146,6 +146,11 @@ void check_tensor(CollectiveKind kind, const Communicator& comm, const Tensor& t
 void check_buffers(CollectiveKind kind, const Communicator& comm, const Tensor& input,
                    const Tensor& output);
 void check_reduction(CollectiveKind kind, const Tensor& t, Reduction r);
+// all_to_all_v counts: one per member, >= 0, summing to the buffer's numel.
+void check_counts(const Communicator& comm, std::span<const int64_t> counts, const Tensor& t,
+                  const char* what);
+// True when the byte ranges of two tensors (on the same device) overlap.
+bool overlaps(const Tensor& a, const Tensor& b);
 }  // namespace detail
 
 }  // namespace collectives

@@ -133,14 +133,6 @@ void copy_elems(const Tensor& dst, int64_t dst_off, const Tensor& src, int64_t s
   dst.narrow(0, dst_off, n).copy_(src.narrow(0, src_off, n));
 }
 
-// True when the byte ranges of a and b overlap.
-bool overlaps(const Tensor& a, const Tensor& b) {
-  if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0) return false;
-  if (!a.shares_storage_with(b)) return false;
-  const char* pa = static_cast<const char*>(a.data_ptr());
-  const char* pb = static_cast<const char*>(b.data_ptr());
-  return pa < pb + b.nbytes() && pb < pa + a.nbytes();
-}
 
 // True when `part` is exactly elements [k * part.numel(), (k + 1) * part.numel()) of `whole`
 // (the in-place forms of all_gather and scatter). REQUIRES: same dtype, both contiguous.
@@ -287,24 +279,8 @@ class LocalCommunicator final : public Communicator {
                        const Tensor& output, std::span<const int64_t> recv_counts) override {
     constexpr auto kind = CollectiveKind::kAllToAllV;
     check_buffers(kind, *this, input, output);
-    auto check_counts = [&](std::span<const int64_t> counts, const Tensor& t, const char* what) {
-      if (static_cast<int>(counts.size()) != size())
-        throw InvalidArgument(fmt::format("all_to_all_v on group '{}': {} {} counts for {} ranks",
-                                          name(), counts.size(), what, size()));
-      int64_t total = 0;
-      for (int64_t c : counts) {
-        if (c < 0)
-          throw InvalidArgument(fmt::format("all_to_all_v on group '{}': negative {} count {}",
-                                            name(), what, c));
-        total += c;
-      }
-      if (total != t.numel())
-        throw InvalidArgument(fmt::format(
-            "all_to_all_v on group '{}': {} counts [{}] sum to {} but the buffer has {} elements",
-            name(), what, fmt::join(counts, ","), total, t.numel()));
-    };
-    check_counts(send_counts, input, "send");
-    check_counts(recv_counts, output, "receive");
+    check_counts(*this, send_counts, input, "send");
+    check_counts(*this, recv_counts, output, "receive");
     PostedCall c = make(kind, input, output);
     c.send_counts.assign(send_counts.begin(), send_counts.end());
     c.recv_counts.assign(recv_counts.begin(), recv_counts.end());

@@ -86,14 +86,6 @@ void user_reduce(void* in, void* inout, int* len, MPI_Datatype* /*type*/) {
   kernels::detail::cpu_reduce_into(inout, in, D, *len, R);
 }
 
-// True when the byte ranges of a and b overlap.
-bool overlaps(const Tensor& a, const Tensor& b) {
-  if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0) return false;
-  if (!a.shares_storage_with(b)) return false;
-  const char* pa = static_cast<const char*>(a.data_ptr());
-  const char* pb = static_cast<const char*>(b.data_ptr());
-  return pa < pb + b.nbytes() && pb < pa + a.nbytes();
-}
 
 // Paces a polling loop. Nonblocking collectives advance only inside MPI calls, so each member
 // must keep polling for the others to progress: for the first 2 ms of a wait it polls after
@@ -806,15 +798,9 @@ class MpiCommunicator final : public Communicator {
     check_buffers(kind, *this, input, output);
     check_cpu(kind, {input, output});
     auto layout = [&](std::span<const int64_t> counts, const Tensor& t, const char* what) {
-      if (static_cast<int>(counts.size()) != size())
-        throw InvalidArgument(fmt::format("all_to_all_v on group '{}': {} {} counts for {} ranks",
-                                          name(), counts.size(), what, size()));
       std::vector<int> c(counts.size()), displs(counts.size());
       int64_t total = 0;
       for (size_t j = 0; j < counts.size(); ++j) {
-        if (counts[j] < 0)
-          throw InvalidArgument(fmt::format("all_to_all_v on group '{}': negative {} count {}",
-                                            name(), what, counts[j]));
         // MPI-3 counts and displacements are int.
         if (counts[j] > INT_MAX || total > INT_MAX)
           throw Unsupported(fmt::format(
@@ -826,10 +812,7 @@ class MpiCommunicator final : public Communicator {
         displs[j] = static_cast<int>(total);
         total += counts[j];
       }
-      if (total != t.numel())
-        throw InvalidArgument(fmt::format(
-            "all_to_all_v on group '{}': {} counts [{}] sum to {} but the buffer has {} elements",
-            name(), what, fmt::join(counts, ","), total, t.numel()));
+      check_counts(*this, counts, t, what);  // after the int limits, which are the mpi-specific part
       return std::pair{std::move(c), std::move(displs)};
     };
     auto send_layout = std::make_shared<std::pair<std::vector<int>, std::vector<int>>>(

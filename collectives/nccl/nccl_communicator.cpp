@@ -221,12 +221,6 @@ std::uintptr_t address_of(const Tensor& t) {
   return reinterpret_cast<std::uintptr_t>(t.data_ptr());
 }
 
-// True when the byte ranges of a and b (on the same device) overlap.
-bool overlaps(const Tensor& a, const Tensor& b) {
-  if (a.numel() == 0 || b.numel() == 0) return false;
-  const std::uintptr_t pa = address_of(a), pb = address_of(b);
-  return pa < pb + b.nbytes() && pb < pa + a.nbytes();
-}
 
 // One call, or one batch of calls, as the Works see it. Guarded by CommState::mu.
 struct Completion {
@@ -737,8 +731,8 @@ class NcclCommunicator final : public Communicator {
     check_buffers(kind, *this, input, output);
     check_device(kind, input, "input");
     check_device(kind, output, "output");
-    check_counts(send_counts, input, "send");
-    check_counts(recv_counts, output, "receive");
+    check_counts(*this, send_counts, input, "send");
+    check_counts(*this, recv_counts, output, "receive");
     return exchange(kind, input, std::vector<int64_t>(send_counts.begin(), send_counts.end()),
                     output, std::vector<int64_t>(recv_counts.begin(), recv_counts.end()));
   }
@@ -952,23 +946,6 @@ class NcclCommunicator final : public Communicator {
     if (root < 0 || root >= size())
       throw InvalidArgument(fmt::format("{} on group '{}': root {} out of range 0..{}",
                                         to_string(kind), name(), root, size() - 1));
-  }
-
-  void check_counts(std::span<const int64_t> counts, const Tensor& t, const char* what) const {
-    if (static_cast<int>(counts.size()) != size())
-      throw InvalidArgument(fmt::format("all_to_all_v on group '{}': {} {} counts for {} ranks",
-                                        name(), counts.size(), what, size()));
-    int64_t total = 0;
-    for (int64_t c : counts) {
-      if (c < 0)
-        throw InvalidArgument(
-            fmt::format("all_to_all_v on group '{}': negative {} count {}", name(), what, c));
-      total += c;
-    }
-    if (total != t.numel())
-      throw InvalidArgument(fmt::format(
-          "all_to_all_v on group '{}': {} counts [{}] sum to {} but the buffer has {} elements",
-          name(), what, fmt::join(counts, ","), total, t.numel()));
   }
 
   // REQUIRES: input and output checked (or the barrier buffer).
