@@ -762,15 +762,18 @@ class MpiCommunicator final : public Communicator {
     CallDesc d = desc(kind, output.dtype(), input.numel(), output.numel(), r);
     const MPI_Op op = st_->world->op_for(output.dtype(), r.op);
     const int n = size();
-    // Always MPI_IN_PLACE on the output (every member must pass it or none): the input is copied
-    // there first unless it is the same tensor, and pre-multiplied there.
-    return launch(d, {input, output}, [=, this](std::vector<MPI_Request>& reqs, Keep&) {
-      if (count > 0 && input.data_ptr() != output.data_ptr())
-        std::memmove(output.data_ptr(), input.data_ptr(), output.nbytes());
-      if (r.pre_multiplier != 1.0) kernels::scale_(output, r.pre_multiplier);
+    // Out of place on every member (MPI_IN_PLACE must be passed by all or none, and OpenMPI's
+    // nonblocking in-place all-reduce measured 1.1-1.5x slower): an input that is (or overlaps)
+    // the output, or needs a pre-multiplier, goes through a copy first.
+    return launch(d, {input, output}, [=, this](std::vector<MPI_Request>& reqs, Keep& keep) {
+      Tensor send = input;
+      if (count > 0 && (r.pre_multiplier != 1.0 || overlaps(input, output))) send = input.clone();
+      if (r.pre_multiplier != 1.0) kernels::scale_(send, r.pre_multiplier);
+      keep.tensors.push_back(send);
       post_request(reqs, "MPI_Iallreduce", [&](MPI_Request* r) {
-        return MPI_Iallreduce(MPI_IN_PLACE, output.data_ptr(), count, mpi_type(output.dtype()), op,
-                              st_->comm, r);
+        // An empty call is empty on every member, so all of them pass MPI_IN_PLACE then.
+        return MPI_Iallreduce(count > 0 ? send.data_ptr() : MPI_IN_PLACE, output.data_ptr(), count,
+                              mpi_type(output.dtype()), op, st_->comm, r);
       });
       return finish_reduce(output, output, r.op, n);
     });
