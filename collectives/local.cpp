@@ -40,8 +40,6 @@ class LocalWorldState {
   std::vector<char> exited;  // by world rank: its run_ranks function returned
   int aborted_rank = -1;
   std::string abort_reason;
-  // Groups made by split(), by (parent group id, parent call number, member list).
-  std::map<std::tuple<uint64_t, uint64_t, std::vector<int>>, std::weak_ptr<LocalGroup>> splits;
   uint64_t next_group_id = 0;
   std::weak_ptr<LocalGroup> world_group;
 };
