@@ -47,6 +47,7 @@
 #include "collectives/mpi.h"
 #include "collectives/nccl.h"
 #include "dtensor/exec/executor.h"
+#include "dtensor/dtensor.h"
 #include "dtensor/layout.h"
 #include "dtensor/mesh.h"
 #include "dtensor/mesh_comms.h"
@@ -130,53 +131,17 @@ void print_layout(const Problem& p) {
   }
 }
 
-// Compact index list: "0-3,8-11".
-std::string runs_text(const dtensor::IndexRuns& runs) {
-  if (runs.empty()) return "-";
-  std::string out;
-  for (const auto& r : runs) {
-    if (!out.empty()) out += ',';
-    out += r.length == 1 ? fmt::format("{}", r.start)
-                         : fmt::format("{}-{}", r.start, r.start + r.length - 1);
-  }
-  return out;
-}
-
 void demo_case(const char* mesh, const char* names, const char* shape, const char* placements,
                const char* note) {
   Problem p = make_problem({mesh, shape, placements, names});
   fmt::print("\nmesh {}  shape [{}]  placements [{}]\n  {}\n", dtensor::to_string(*p.mesh),
              fmt::join(p.spec.shape, ","), dtensor::to_string(p.spec.placements), note);
-  fmt::print("  {:>4}  {:<9} {:<11} {:<13} {}\n", "rank", "coord", "local", "offset",
-             "held indices per tensor dim");
-  for (int rank : p.mesh->ranks()) {
-    dtensor::ShardLayout l = *p.spec.layout(rank);
-    std::vector<std::string> held;
-    for (int t = 0; t < p.spec.tensor_ndim(); ++t) held.push_back(runs_text(l.runs[t]));
-    fmt::print("  {:>4}  {:<9} {:<11} {:<13} {}\n", rank,
-               fmt::format("({})", fmt::join(*p.mesh->coord_of(rank), ",")),
-               fmt::format("[{}]", fmt::join(l.local_shape, ",")),
-               fmt::format("[{}]", fmt::join(l.global_offset, ",")),
-               fmt::format("{}", fmt::join(held, " x ")));
-  }
-  // Ownership grid for 2-D tensors: which rank holds each element (like visualize_sharding).
-  if (p.spec.tensor_ndim() == 2 && p.spec.shape[0] <= 16 && p.spec.shape[1] <= 16) {
-    std::vector<std::vector<std::string>> owner(p.spec.shape[0],
-                                                std::vector<std::string>(p.spec.shape[1]));
-    for (int rank : p.mesh->ranks()) {
-      dtensor::ShardLayout l = *p.spec.layout(rank);
-      for (int64_t i : l.indices(0))
-        for (int64_t j : l.indices(1)) {
-          auto& cell = owner[i][j];
-          cell += cell.empty() ? fmt::format("{}", rank) : fmt::format("/{}", rank);
-        }
-    }
-    fmt::print("  owners of each element:\n");
-    for (const auto& row : owner) {
-      fmt::print("   ");
-      for (const auto& cell : row) fmt::print(" {:>5}", cell);
-      fmt::print("\n");
-    }
+  // The same table and owner grid as DTensor::ownership(), indented under the heading.
+  const std::string text = dtensor::ownership_text(p.spec);
+  for (size_t begin = 0; begin < text.size();) {
+    const size_t end = text.find('\n', begin);
+    fmt::print("  {}\n", std::string_view(text).substr(begin, end - begin));
+    begin = end + 1;
   }
 }
 

@@ -82,9 +82,6 @@ Tensor global_tensor(const Dims& shape, DType dtype = DType::kF32) {
   return t;
 }
 
-std::vector<Placements> lists(int mesh_ndim, const std::vector<Placement>& options) {
-  return testing_support::placement_lists(mesh_ndim, options);
-}
 
 // Mixed Partial ops are rejected by make_spec, except sum with avg.
 bool valid_partials(const Placements& ps) {
@@ -122,7 +119,7 @@ int64_t distribute_cases(const Dims& mesh_shape, const std::vector<Dims>& shapes
     for (const Dims& shape : shapes) {
       const Tensor truth = global_tensor(shape);
       const Tensor garbage = Tensor::full(shape, -100.0 - rank, DType::kF32);
-      for (const Placements& ps : lists(mesh.ndim(), options)) {
+      for (const Placements& ps : testing_support::placement_lists(mesh.ndim(), options)) {
         if (!valid_partials(ps)) continue;
         for (std::optional<int> src : srcs) {
           const std::string what = fmt::format("mesh {} shape [{}] [{}] src {} rank {}", to_string(mesh),
@@ -313,9 +310,9 @@ TEST_CASE("redistribute round trips x -> y -> x with both planners", "[dtensor][
       const Dims shape{7, 5};
       const Tensor truth = global_tensor(shape);
       for (PlannerKind planner : {PlannerKind::kGreedy, PlannerKind::kSearch})
-        for (const Placements& a : lists(2, options)) {
+        for (const Placements& a : testing_support::placement_lists(2, options)) {
           const DTensor x = distribute_tensor(truth, comms, a);
-          for (const Placements& b : lists(2, options)) {
+          for (const Placements& b : testing_support::placement_lists(2, options)) {
             const std::string what =
                 fmt::format("mesh {} [{}] -> [{}] ({}) rank {}", to_string(mesh), to_string(a), to_string(b),
                             to_string(planner), world.rank());

@@ -88,10 +88,6 @@ TEST_CASE("Partial rules", "[dtensor][planner]") {
 
 namespace {
 
-std::vector<Placements> all_lists(int mesh_ndim, const std::vector<Placement>& options) {
-  return testing_support::placement_lists(mesh_ndim, options);
-}
-
 const std::vector<Placement> kSources = {Replicate{}, Shard{0}, Shard{1}, StridedShard{0, 2}, Partial{}};
 const std::vector<Placement> kTargets = {Replicate{}, Shard{0}, Shard{1}, StridedShard{0, 2}};
 
@@ -102,8 +98,8 @@ TEST_CASE("every plan reaches its target symbolically; search never costs more t
   int64_t pairs = 0, strictly_better = 0;
   for (const Dims& mesh : std::vector<Dims>{{4}, {2, 2}, {2, 3}, {3, 2}, {2, 2, 2}})
     for (const Dims& shape : std::vector<Dims>{{7, 5}, {64, 48}})
-      for (const Placements& src : all_lists(mesh.size(), kSources))
-        for (const Placements& dst : all_lists(mesh.size(), kTargets)) {
+      for (const Placements& src : testing_support::placement_lists(mesh.size(), kSources))
+        for (const Placements& dst : testing_support::placement_lists(mesh.size(), kTargets)) {
           DTensorSpec s = spec_of(mesh, shape, to_string(src).c_str());
           Plan g = plan_redistribute(s, dst, PlannerKind::kGreedy);
           Plan q = plan_redistribute(s, dst, PlannerKind::kSearch);
@@ -131,7 +127,7 @@ TEST_CASE("single-mesh-dim transitions move exactly the lower bound", "[dtensor]
   int64_t checked = 0;
   for (const Dims& mesh : std::vector<Dims>{{4}, {3}, {2, 2}, {2, 3}, {3, 2}, {2, 2, 2}})
     for (const Dims& shape : std::vector<Dims>{{7, 5}, {8, 6}, {13, 2}, {0, 3}})
-      for (const Placements& src : all_lists(mesh.size(), kSources))
+      for (const Placements& src : testing_support::placement_lists(mesh.size(), kSources))
         for (int m = 0; m < mesh.size(); ++m)
           for (const Placement& to : kTargets) {
             std::optional<Step> step = step_between(m, src[m], to, /*direct=*/true);
@@ -165,8 +161,8 @@ TEST_CASE("single-mesh-dim transitions move exactly the lower bound", "[dtensor]
 TEST_CASE("search moves no more bytes than greedy on multi-dim pairs", "[dtensor][planner][traffic]") {
   // Bandwidth-dominated sizes (the cost model trades bytes for latency only on tiny tensors).
   for (const Dims& mesh : std::vector<Dims>{{2, 2}, {2, 3}, {2, 2, 2}})
-    for (const Placements& src : all_lists(mesh.size(), kSources))
-      for (const Placements& dst : all_lists(mesh.size(), kTargets)) {
+    for (const Placements& src : testing_support::placement_lists(mesh.size(), kSources))
+      for (const Placements& dst : testing_support::placement_lists(mesh.size(), kTargets)) {
         DTensorSpec s = spec_of(mesh, {1024, 768}, to_string(src).c_str());
         Plan g = plan_redistribute(s, dst, PlannerKind::kGreedy);
         Plan q = plan_redistribute(s, dst, PlannerKind::kSearch);

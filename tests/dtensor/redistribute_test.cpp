@@ -19,10 +19,6 @@ using testing_support::make_local;
 
 namespace {
 
-std::vector<Placements> lists(int mesh_ndim, const std::vector<Placement>& options) {
-  return testing_support::placement_lists(mesh_ndim, options);
-}
-
 struct Outcome {
   int64_t cases = 0;
   std::vector<std::string> failures;
@@ -66,7 +62,7 @@ TEST_CASE("exhaustive redistribute over R/S(0)/S(1)/P on small meshes", "[dtenso
   for (PlannerKind planner : {PlannerKind::kGreedy, PlannerKind::kSearch}) {
     Outcome outcome;
     for (const Dims& mesh : meshes)
-      run_pairs(mesh, shapes, lists(mesh.size(), src_options), lists(mesh.size(), dst_options),
+      run_pairs(mesh, shapes, testing_support::placement_lists(mesh.size(), src_options), testing_support::placement_lists(mesh.size(), dst_options),
                 planner, kernels::DType::kF32, outcome);
     INFO(outcome.cases << " cases with planner " << to_string(planner));
     for (const auto& f : outcome.failures) FAIL_CHECK(f);
@@ -79,7 +75,7 @@ TEST_CASE("StridedShard transitions, uneven and with a first mesh dim of 3", "[d
   for (PlannerKind planner : {PlannerKind::kGreedy, PlannerKind::kSearch}) {
     Outcome outcome;
     for (const Dims& mesh : std::vector<Dims>{{3, 2}, {2, 2}, {4}})
-      run_pairs(mesh, {{7, 2}, {8, 3}, {13, 1}}, lists(mesh.size(), options), lists(mesh.size(), options),
+      run_pairs(mesh, {{7, 2}, {8, 3}, {13, 1}}, testing_support::placement_lists(mesh.size(), options), testing_support::placement_lists(mesh.size(), options),
                 planner, kernels::DType::kF32, outcome);
     INFO(outcome.cases << " cases with planner " << to_string(planner));
     for (const auto& f : outcome.failures) FAIL_CHECK(f);
@@ -94,7 +90,7 @@ TEST_CASE("other dtypes and Partial ops", "[dtensor][redistribute]") {
       srcs.push_back({Partial{op}, other});
   for (kernels::DType dtype : {kernels::DType::kF64, kernels::DType::kBF16, kernels::DType::kI32,
                                kernels::DType::kI64, kernels::DType::kF16})
-    run_pairs({2, 3}, {{5, 3}}, srcs, lists(2, {Replicate{}, Shard{0}, Shard{1}}), PlannerKind::kGreedy,
+    run_pairs({2, 3}, {{5, 3}}, srcs, testing_support::placement_lists(2, {Replicate{}, Shard{0}, Shard{1}}), PlannerKind::kGreedy,
               dtype, outcome);
   for (const auto& f : outcome.failures) FAIL_CHECK(f);
 }
