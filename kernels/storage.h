@@ -13,10 +13,14 @@
 
 namespace kernels {
 
+class Allocator;
+
 class Storage {
  public:
-  // Zero bytes allocates nothing but still counts as allocated.
-  static std::shared_ptr<Storage> allocate(size_t nbytes, Device device);
+  // Zero bytes allocates nothing but still counts as allocated. With an allocator, every
+  // (re)allocation and free of this storage goes through it (kept alive by the storage).
+  static std::shared_ptr<Storage> allocate(size_t nbytes, Device device,
+                                           std::shared_ptr<Allocator> allocator = nullptr);
   ~Storage();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
@@ -35,11 +39,13 @@ class Storage {
   void resize(size_t nbytes);
 
  private:
-  Storage(size_t nbytes, Device device);
+  Storage(size_t nbytes, Device device, std::shared_ptr<Allocator> allocator);
+  void release() noexcept;
   void* data_ = nullptr;
   size_t nbytes_ = 0;
   Device device_;
   bool allocated_ = false;
+  std::shared_ptr<Allocator> allocator_;
 };
 
 }  // namespace kernels

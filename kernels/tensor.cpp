@@ -215,10 +215,12 @@ Dims Tensor::contiguous_strides(const Dims& shape) {
   return strides;
 }
 
-Tensor Tensor::empty(const Dims& shape, DType dtype, Device device) {
+Tensor Tensor::empty(const Dims& shape, DType dtype, Device device) { return empty(shape, dtype, device, nullptr); }
+
+Tensor Tensor::empty(const Dims& shape, DType dtype, Device device, std::shared_ptr<Allocator> allocator) {
   check_sizes("empty", shape);
   Tensor t;
-  t.storage_ = Storage::allocate(static_cast<size_t>(shape.product()) * itemsize(dtype), device);
+  t.storage_ = Storage::allocate(static_cast<size_t>(shape.product()) * itemsize(dtype), device, std::move(allocator));
   t.dtype_ = dtype;
   t.shape_ = shape;
   t.strides_ = contiguous_strides(shape);

@@ -28,6 +28,8 @@ class Tensor {
 
   // ---- factories (contiguous, row-major) ----
   static Tensor empty(const Dims& shape, DType dtype, Device device = {});
+  // The same, with the storage taken from (and given back to) `allocator` (kernels/allocator.h).
+  static Tensor empty(const Dims& shape, DType dtype, Device device, std::shared_ptr<Allocator> allocator);
   static Tensor zeros(const Dims& shape, DType dtype, Device device = {});
   static Tensor full(const Dims& shape, double value, DType dtype, Device device = {});
   // Values 0, 1, 2, ... in row-major order, cast to dtype.
