@@ -31,20 +31,34 @@ bool is_supported(kernels::DType dtype) {
   using kernels::DType;
   return dtype != DType::kF8E4M3 && dtype != DType::kF8E5M2;
 }
-}  // namespace
 
-void check_tensor(CollectiveKind kind, const Communicator& comm, const Tensor& t, const char* role) {
+// Defined, contiguous unless strided views are allowed (then non-negative strides), a moved dtype.
+void check_buffer(CollectiveKind kind, const Communicator& comm, const Tensor& t, const char* role,
+                  bool views) {
   if (!t.defined())
     throw InvalidArgument(fmt::format("{} on group '{}': {} tensor is undefined", to_string(kind),
                                       comm.name(), role));
-  if (!t.is_contiguous())
+  if (!views && !t.is_contiguous())
     throw InvalidArgument(fmt::format("{} on group '{}': {} tensor must be contiguous",
                                       to_string(kind), comm.name(), role));
+  for (int d = 0; views && d < t.ndim(); ++d)
+    if (t.stride(d) < 0)
+      throw InvalidArgument(fmt::format("{} on group '{}': {} tensor has negative stride {} in dim {}",
+                                        to_string(kind), comm.name(), role, t.stride(d), d));
   if (!is_supported(t.dtype()))
     throw InvalidArgument(fmt::format(
         "{} on group '{}': dtype {} is not supported by the collectives (expected f32, f64, "
         "bf16, f16, i32, i64 or u8)",
         to_string(kind), comm.name(), kernels::to_string(t.dtype())));
+}
+}  // namespace
+
+void check_tensor(CollectiveKind kind, const Communicator& comm, const Tensor& t, const char* role) {
+  check_buffer(kind, comm, t, role, false);
+}
+
+void check_p2p_tensor(const Communicator& comm, const Tensor& t) {
+  check_buffer(CollectiveKind::kSendRecv, comm, t, "send/recv", comm.p2p_views());
 }
 
 void check_buffers(CollectiveKind kind, const Communicator& comm, const Tensor& input,
@@ -104,12 +118,21 @@ void check_counts(const Communicator& comm, std::span<const int64_t> counts, con
         comm.name(), what, fmt::join(counts, ","), total, t.numel()));
 }
 
+namespace {
+// Bytes from a view's first element to one past its last (non-negative strides).
+int64_t span_bytes(const Tensor& t) {
+  int64_t last = 0;
+  for (int d = 0; d < t.ndim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return (last + 1) * static_cast<int64_t>(kernels::itemsize(t.dtype()));
+}
+}  // namespace
+
 bool overlaps(const Tensor& a, const Tensor& b) {
   if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0) return false;
   if (!a.shares_storage_with(b)) return false;
   const char* pa = static_cast<const char*>(a.data_ptr());
   const char* pb = static_cast<const char*>(b.data_ptr());
-  return pa < pb + b.nbytes() && pb < pa + a.nbytes();
+  return pa < pb + span_bytes(b) && pb < pa + span_bytes(a);
 }
 
 }  // namespace detail

@@ -115,8 +115,16 @@ class Communicator {
   virtual WorkPtr barrier() = 0;
   // A batch of sends and receives exchanged as one operation (any permutation of data between
   // members). Each send must be matched by the peer's receive of the same numel and dtype, in
-  // order per (sender, receiver) pair.
+  // order per (sender, receiver) pair; elements pair up in row-major order of each buffer.
+  // Where p2p_views() is true the buffers may be any strided views (non-negative strides; a
+  // send and its receive may differ in shape), so callers move sub-blocks of tensors without
+  // packing them; otherwise they must be contiguous.
   virtual WorkPtr send_recv(std::span<const P2POp> ops) = 0;
+  // Whether send_recv takes strided views (local: copied view to view; mpi: derived datatypes).
+  virtual bool p2p_views() const { return false; }
+  // The largest non-contiguous message the backend moves at full speed (0: no limit). Callers
+  // split bigger strided views into several messages (both sides split their equal shapes alike).
+  virtual int64_t p2p_view_max_bytes() const { return 0; }
 
   // Batching (NCCL group semantics): calls between begin_batch() and end_batch() are issued as
   // one operation; their Works complete together, and end_batch() returns a Work for all of them.
@@ -143,6 +151,8 @@ class Communicator {
 namespace detail {
 // Defined, contiguous, and of a dtype the collectives move (fp8 is storage-only).
 void check_tensor(CollectiveKind kind, const Communicator& comm, const Tensor& t, const char* role);
+// A send_recv buffer: as check_tensor, but a strided view is allowed when comm.p2p_views().
+void check_p2p_tensor(const Communicator& comm, const Tensor& t);
 void check_buffers(CollectiveKind kind, const Communicator& comm, const Tensor& input,
                    const Tensor& output);
 void check_reduction(CollectiveKind kind, const Tensor& t, Reduction r);

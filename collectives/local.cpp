@@ -131,6 +131,13 @@ void copy_elems(const Tensor& dst, int64_t dst_off, const Tensor& src, int64_t s
   dst.narrow(0, dst_off, n).copy_(src.narrow(0, src_off, n));
 }
 
+// A matched receive <- send (same numel; views of one shape, or contiguous on one side).
+void copy_p2p(Tensor dst, const Tensor& src) {
+  if (dst.is_contiguous() && src.is_contiguous()) return copy_elems(dst, 0, src, 0, dst.numel());
+  if (dst.shape() == src.shape()) return dst.copy_(src);
+  if (dst.is_contiguous()) return dst.view(src.shape()).copy_(src);
+  dst.copy_(src.reshape(dst.shape()));  // a view when src is contiguous
+}
 
 // True when `part` is exactly elements [k * part.numel(), (k + 1) * part.numel()) of `whole`
 // (the in-place forms of all_gather and scatter). REQUIRES: same dtype, both contiguous.
@@ -206,7 +213,8 @@ std::string check_calls(const std::vector<PostedCall>& calls, const LocalGroup& 
                              g.name, g.ranks[i], sends.size(), g.ranks[j], recvs.size());
         for (size_t k = 0; k < sends.size(); ++k)
           if (sends[k]->buffer.numel() != recvs[k]->buffer.numel() ||
-              sends[k]->buffer.dtype() != recvs[k]->buffer.dtype())
+              sends[k]->buffer.dtype() != recvs[k]->buffer.dtype() ||
+              sends[k]->buffer.device().type != recvs[k]->buffer.device().type)
             return fmt::format(
                 "send_recv mismatch on group '{}': send #{} from rank {} to rank {} has {} {} "
                 "elements, the receive has {} {}",
@@ -313,15 +321,17 @@ class LocalCommunicator final : public Communicator {
     return post(std::move(c));
   }
   WorkPtr barrier() override { return post(PostedCall{}); }
+  // The receiver copies straight from the sender's view: no packing on either side.
+  bool p2p_views() const override { return true; }
   WorkPtr send_recv(std::span<const P2POp> ops) override {
     PostedCall c;
     c.kind = CollectiveKind::kSendRecv;
     for (const P2POp& op : ops) {
-      check_tensor(CollectiveKind::kSendRecv, *this, op.buffer, "send/recv");
+      check_p2p_tensor(*this, op.buffer);
       if (op.peer < 0 || op.peer >= size())
         throw InvalidArgument(fmt::format("send_recv on group '{}': peer {} out of range 0..{}",
                                           name(), op.peer, size() - 1));
-      c.ops.push_back({op.kind, flat(op.buffer), op.peer});
+      c.ops.push_back({op.kind, op.buffer.is_contiguous() ? flat(op.buffer) : op.buffer, op.peer});
     }
     // Peers read the send buffers while this rank fills its receive buffers.
     for (size_t i = 0; i < c.ops.size(); ++i)
@@ -607,7 +617,7 @@ class LocalWork final : public Work {
           int k = taken[op.peer]++;
           for (const P2POp& s : slot.calls[op.peer].ops)
             if (s.kind == P2POp::Kind::kSend && s.peer == r && k-- == 0) {
-              copy_elems(op.buffer, 0, s.buffer, 0, op.buffer.numel());
+              copy_p2p(op.buffer, s.buffer);
               break;
             }
         }

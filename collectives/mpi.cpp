@@ -78,6 +78,46 @@ MPI_Datatype mpi_type(DType dtype) {
       fmt::format("mpi backend: no MPI datatype for {}", kernels::to_string(dtype)));
 }
 
+// How a send_recv buffer goes to MPI: `count` elements of `type`. A strided view becomes one
+// derived datatype (nested hvectors over its dims, innermost first, after dropping size-1 dims
+// and merging dims that are contiguous with each other), so MPI copies the elements straight
+// from / into the view, in row-major order, with no pack buffer. `owned` types are freed after
+// posting (MPI keeps them alive until the operation completes).
+struct ViewType {
+  MPI_Datatype type = MPI_DATATYPE_NULL;
+  int count = 0;
+  bool owned = false;
+};
+
+ViewType view_type(const Tensor& t) {
+  const MPI_Datatype base = mpi_type(t.dtype());
+  if (t.numel() == 0 || t.is_contiguous()) return {base, static_cast<int>(t.numel()), false};
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (size, stride in elements), outer to inner
+  for (int d = 0; d < t.ndim(); ++d) {
+    if (t.size(d) == 1) continue;
+    if (!dims.empty() && dims.back().second == t.stride(d) * t.size(d)) {
+      dims.back() = {dims.back().first * t.size(d), t.stride(d)};  // merge with the outer dim
+      continue;
+    }
+    dims.emplace_back(t.size(d), t.stride(d));
+  }
+  const auto item = static_cast<MPI_Aint>(kernels::itemsize(t.dtype()));
+  MPI_Datatype cur = MPI_DATATYPE_NULL;
+  for (auto it = dims.rbegin(); it != dims.rend(); ++it) {
+    const int n = static_cast<int>(it->first);
+    MPI_Datatype next = MPI_DATATYPE_NULL;
+    if (cur == MPI_DATATYPE_NULL && it->second == 1) mpi_check(MPI_Type_contiguous(n, base, &next), "MPI_Type_contiguous");
+    else
+      mpi_check(MPI_Type_create_hvector(n, 1, static_cast<MPI_Aint>(it->second) * item,
+                                        cur == MPI_DATATYPE_NULL ? base : cur, &next),
+                "MPI_Type_create_hvector");
+    if (cur != MPI_DATATYPE_NULL) MPI_Type_free(&cur);
+    cur = next;
+  }
+  mpi_check(MPI_Type_commit(&cur), "MPI_Type_commit");
+  return {cur, 1, true};
+}
+
 // A user-defined reduction: inout[i] = in[i] (op) inout[i], computed like the local backend
 // (narrow floats in float, rounded to nearest even; NaN propagates through min and max).
 // One function per (dtype, op), so the callback need not tell bf16 from f16 by the datatype.
@@ -898,6 +938,12 @@ class MpiCommunicator final : public Communicator {
     });
   }
 
+  // Strided send_recv buffers travel as derived datatypes (view_type). OpenMPI's shared-memory
+  // transport moves a strided message of a few MiB 3-4x slower than a contiguous one (measured,
+  // OpenMPI 4.1, 4 processes), while messages up to ~1 MiB go at the contiguous speed.
+  bool p2p_views() const override { return true; }
+  int64_t p2p_view_max_bytes() const override { return int64_t{1} << 20; }
+
   WorkPtr barrier() override {
     CallDesc d;
     d.kind = static_cast<int>(CollectiveKind::kBarrier);
@@ -910,7 +956,7 @@ class MpiCommunicator final : public Communicator {
   WorkPtr send_recv(std::span<const P2POp> ops) override {
     constexpr auto kind = CollectiveKind::kSendRecv;
     for (const P2POp& op : ops) {
-      check_tensor(kind, *this, op.buffer, "send/recv");
+      check_p2p_tensor(*this, op.buffer);
       check_cpu(kind, {op.buffer});
       if (op.peer < 0 || op.peer >= size())
         throw InvalidArgument(fmt::format("send_recv on group '{}': peer {} out of range 0..{}",
@@ -931,15 +977,17 @@ class MpiCommunicator final : public Communicator {
       const uint64_t seq = st_->next_seq - 1;  // start() numbered this call already
       const int tag = static_cast<int>(seq % (static_cast<uint64_t>(st_->world->tag_ub) + 1));
       for (const P2POp& op : mine) {
-        const int count = static_cast<int>(op.buffer.numel());
-        const MPI_Datatype t = mpi_type(op.buffer.dtype());
+        ViewType v = view_type(op.buffer);
+        const std::unique_ptr<ViewType, void (*)(ViewType*)> free_type(
+            &v, [](ViewType* p) { if (p->owned) MPI_Type_free(&p->type); });
+        void* data = op.buffer.numel() > 0 ? op.buffer.data_ptr() : nullptr;
         if (op.kind == P2POp::Kind::kSend)
           post_request(reqs, "MPI_Isend", [&](MPI_Request* r) {
-            return MPI_Isend(op.buffer.data_ptr(), count, t, op.peer, tag, st_->comm, r);
+            return MPI_Isend(data, v.count, v.type, op.peer, tag, st_->comm, r);
           });
         else
           post_request(reqs, "MPI_Irecv", [&](MPI_Request* r) {
-            return MPI_Irecv(op.buffer.data_ptr(), count, t, op.peer, tag, st_->comm, r);
+            return MPI_Irecv(data, v.count, v.type, op.peer, tag, st_->comm, r);
           });
       }
       // A receive longer than its send fails in MPI (truncation); a shorter one is caught here.
