@@ -19,8 +19,10 @@ std::string dim_label(const DeviceMesh& mesh, int mesh_dim) {
 }  // namespace
 
 MeshComms::MeshComms(const DeviceMesh& mesh, collectives::Communicator& world,
-                     const std::vector<std::vector<int>>& flatten)
-    : mesh_(mesh), rank_(world.ranks()[world.rank()]) {
+                     const std::vector<std::vector<int>>& flatten,
+                     std::shared_ptr<kernels::Allocator> allocator)
+    : mesh_(mesh), rank_(world.ranks()[world.rank()]),
+      allocator_(allocator ? std::move(allocator) : std::make_shared<kernels::CachingAllocator>()) {
   for (int r : mesh.ranks())
     if (r >= world.size())
       throw InvalidArgument(fmt::format("mesh {} names rank {} but the world has {} ranks",

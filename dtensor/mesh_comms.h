@@ -17,6 +17,7 @@
 #include "collectives/communicator.h"
 #include "dtensor/mesh.h"
 #include "dtensor/plan/planner.h"
+#include "kernels/allocator.h"
 
 namespace dtensor {
 
@@ -24,8 +25,12 @@ class MeshComms {
  public:
   // REQUIRES: world's group rank i is global rank i (a world communicator) and every mesh rank
   // is < world.size(). Every world rank must call this with the same mesh and flatten list.
+  // `allocator` serves the buffers and results of redistribute on this mesh; by default a new
+  // kernels::CachingAllocator, so repeated transitions reuse their blocks (pass one allocator
+  // to several MeshComms to share a cache).
   MeshComms(const DeviceMesh& mesh, collectives::Communicator& world,
-            const std::vector<std::vector<int>>& flatten = {});
+            const std::vector<std::vector<int>>& flatten = {},
+            std::shared_ptr<kernels::Allocator> allocator = nullptr);
 
   const DeviceMesh& mesh() const { return mesh_; }
   int rank() const { return rank_; }
@@ -37,6 +42,7 @@ class MeshComms {
   collectives::Communicator& flattened(std::span<const int> mesh_dims) const;
   // Redistribute plans of tensors on this mesh, memoised (plans are rank-independent data).
   PlanCache& plans() const { return plans_; }
+  const std::shared_ptr<kernels::Allocator>& allocator() const { return allocator_; }
 
  private:
   DeviceMesh mesh_;
@@ -45,6 +51,7 @@ class MeshComms {
   std::vector<std::unique_ptr<collectives::Communicator>> dims_;
   std::vector<std::pair<std::vector<int>, std::unique_ptr<collectives::Communicator>>> flat_;
   mutable PlanCache plans_;
+  std::shared_ptr<kernels::Allocator> allocator_;
 };
 
 }  // namespace dtensor

@@ -107,6 +107,62 @@ void unpack(const Tensor& flat, int64_t offset, const Tensor& local, const Block
   for_each_piece(local, b, packed, [](Tensor dst, const Tensor& src) { dst.copy_(src); });
 }
 
+// The block as one flat range of a contiguous tensor of `shape`: its start, or -1 when the block
+// is not one range (a block is one range when every dim has one run, the dims after the first
+// partial one are whole and the dims before it have length 1).
+int64_t flat_start(const Block& b, const Dims& shape) {
+  const int nd = static_cast<int>(b.pos.size());
+  int64_t start = 0, stride = 1;
+  bool inner_whole = true;  // every dim after the current one is whole
+  for (int t = nd - 1; t >= 0; --t) {
+    if (b.pos[t].size() != 1) return b.numel() == 0 ? 0 : -1;
+    const IndexRun& run = b.pos[t][0];
+    if (!inner_whole && run.length != 1) return -1;
+    start += run.start * stride;
+    inner_whole = inner_whole && run.start == 0 && run.length == shape[t];
+    stride *= shape[t];
+  }
+  return start;
+}
+
+// Local position of global index `g` in a held run list (g must be held).
+int64_t position_of(const IndexRuns& held, int64_t g) {
+  int64_t base = 0;
+  for (const IndexRun& r : held) {
+    if (g < r.start + r.length) return base + (g - r.start);
+    base += r.length;
+  }
+  throw InternalError(fmt::format("position_of: index {} is not held", g));
+}
+
+// Calls f(view_in_a, view_in_b) for every rectangular piece of the global set `set` (runs per
+// tensor dim), where the views narrow tensor a (laid out by `la`) and tensor b (by `lb`). The
+// pieces follow the global runs in row-major order, so two ranks enumerating the same set get
+// the same sequence of piece shapes whatever their own local orders.
+template <class F>
+void for_each_global_piece(const std::vector<IndexRuns>& set, const Tensor& a, const ShardLayout& la,
+                           const Tensor& b, const ShardLayout& lb, F f) {
+  const int nd = static_cast<int>(set.size());
+  for (const IndexRuns& runs : set)
+    if (runs.empty()) return;
+  std::vector<size_t> idx(nd, 0);
+  for (;;) {
+    Tensor va = a, vb = b;
+    for (int t = 0; t < nd; ++t) {
+      const IndexRun& run = set[t][idx[t]];
+      if (va.defined()) va = va.narrow(t, position_of(la.runs[t], run.start), run.length);
+      if (vb.defined()) vb = vb.narrow(t, position_of(lb.runs[t], run.start), run.length);
+    }
+    f(va, vb);
+    int t = nd - 1;
+    for (; t >= 0; --t) {
+      if (++idx[t] < set[t].size()) break;
+      idx[t] = 0;
+    }
+    if (t < 0) return;
+  }
+}
+
 Dims coord_with(Dims coord, int m, int64_t g) {
   coord[m] = g;
   return coord;
@@ -153,15 +209,15 @@ class StepRunner {
     std::vector<Tensor> out;
     if (items.size() == 1) {
       const ShardLayout full = layout(items[0], after_, r_);
-      out.push_back(Tensor::empty(full.local_shape, dtype(items), device(items)));
+      out.push_back(Tensor::empty(full.local_shape, dtype(items), device(items), comms_.allocator()));
       Tensor in = items[0].local.view({items[0].local.numel()});
       comm().wait(comm().all_gather(in, out[0].view({out[0].numel()})));
       return out;
     }
     int64_t total = 0;
     for (const Item& it : items) total += it.local.numel();
-    Tensor send = Tensor::empty({total}, dtype(items), device(items));
-    Tensor recv = Tensor::empty({k_ * total}, dtype(items), device(items));
+    Tensor send = Tensor::empty({total}, dtype(items), device(items), comms_.allocator());
+    Tensor recv = Tensor::empty({k_ * total}, dtype(items), device(items), comms_.allocator());
     int64_t off = 0;
     for (const Item& it : items) {  // copy-in
       send.narrow(0, off, it.local.numel()).copy_(it.local.view({it.local.numel()}));
@@ -171,7 +227,7 @@ class StepRunner {
     off = 0;
     for (const Item& it : items) {  // copy-out: member g's piece of tensor i
       const ShardLayout full = layout(it, after_, r_);
-      Tensor o = Tensor::empty(full.local_shape, dtype(items), device(items));
+      Tensor o = Tensor::empty(full.local_shape, dtype(items), device(items), comms_.allocator());
       Tensor flat = o.view({o.numel()});
       const int64_t n = it.local.numel();
       for (int64_t g = 0; g < k_; ++g) flat.narrow(0, g * n, n).copy_(recv.narrow(0, g * total + off, n));
@@ -189,7 +245,7 @@ class StepRunner {
     for (const Item& it : items) {
       const ShardLayout pre = layout(it, before_, r_), post = layout(it, after_, r_);
       Block b = block_in(pre, intersect_layouts(pre, post));
-      Tensor o = Tensor::empty(post.local_shape, it.spec->dtype, it.local.device());
+      Tensor o = Tensor::empty(post.local_shape, it.spec->dtype, it.local.device(), comms_.allocator());
       pack(it.local, b, o.view({o.numel()}), 0);
       out.push_back(o);
     }
@@ -215,14 +271,14 @@ class StepRunner {
     if (items.size() == 1 && items[0].local.is_contiguous()) {
       in = items[0].local.view({total});
     } else {
-      in = Tensor::empty({total}, dtype(items), device(items));
+      in = Tensor::empty({total}, dtype(items), device(items), comms_.allocator());
       int64_t off = 0;
       for (const Item& it : items) {
         in.narrow(0, off, it.local.numel()).copy_(it.local.contiguous().view({it.local.numel()}));
         off += it.local.numel();
       }
     }
-    out = Tensor::empty({total}, dtype(items), device(items));
+    out = Tensor::empty({total}, dtype(items), device(items), comms_.allocator());
     comm().wait(comm().all_reduce(in, out, s.op));
     std::vector<Tensor> result;
     int64_t off = 0;
@@ -244,18 +300,31 @@ class StepRunner {
         seg[g] += blocks[g].back().numel();
       }
     int64_t total = 0;
-    for (int64_t n : seg) total += n;
-    Tensor send = Tensor::empty({total}, dtype(items), device(items));
     std::vector<int64_t> seg_off(k_, 0);
-    for (int64_t g = 0, off = 0; g < k_; ++g) {
-      seg_off[g] = off;
-      for (size_t i = 0; i < items.size(); ++i) {
-        pack(items[i].local, blocks[g][i], send, off);
-        off += blocks[g][i].numel();
+    for (int64_t g = 0; g < k_; ++g) {
+      seg_off[g] = total;
+      total += seg[g];
+    }
+    const bool even = std::all_of(seg.begin(), seg.end(), [&](int64_t n) { return n == seg[0]; });
+    if (even && items.size() == 1 && items[0].local.is_contiguous()) {
+      // Member chunks that are consecutive flat ranges of the local tensor (a leading-dim split):
+      // reduce-scatter straight from it into the result, nothing packed.
+      bool in_order = true;
+      for (int64_t g = 0; g < k_ && in_order; ++g)
+        in_order = flat_start(blocks[g][0], items[0].local.shape()) == seg_off[g];
+      const ShardLayout post = layout(items[0], after_, r_);
+      if (in_order && post.local_shape.product() == seg[r_]) {
+        Tensor o = Tensor::empty(post.local_shape, dtype(items), device(items), comms_.allocator());
+        comm().wait(comm().reduce_scatter(items[0].local.view({items[0].local.numel()}), o.view({o.numel()}), s.op));
+        return {o};
       }
     }
-    Tensor mine = Tensor::empty({seg[r_]}, dtype(items), device(items));
-    if (std::all_of(seg.begin(), seg.end(), [&](int64_t n) { return n == seg[0]; })) {
+    Tensor send = Tensor::empty({total}, dtype(items), device(items), comms_.allocator());
+    for (int64_t g = 0; g < k_; ++g)
+      for (size_t i = 0, off = seg_off[g]; i < items.size(); off += blocks[g][i].numel(), ++i)
+        pack(items[i].local, blocks[g][i], send, static_cast<int64_t>(off));
+    Tensor mine = Tensor::empty({seg[r_]}, dtype(items), device(items), comms_.allocator());
+    if (even) {
       comm().wait(comm().reduce_scatter(send, mine, s.op));
     } else {
       // Uneven chunks: exchange exactly, then reduce in member order (no padding on the wire).
@@ -263,7 +332,7 @@ class StepRunner {
       std::vector<P2POp> ops;
       for (int64_t g = 0; g < k_; ++g) {
         if (g == r_) continue;
-        got[g] = Tensor::empty({seg[r_]}, dtype(items), device(items));
+        got[g] = Tensor::empty({seg[r_]}, dtype(items), device(items), comms_.allocator());
         ops.push_back(P2POp::send(send.narrow(0, seg_off[g], seg[g]), static_cast<int>(g)));
         ops.push_back(P2POp::recv(got[g], static_cast<int>(g)));
       }
@@ -277,7 +346,7 @@ class StepRunner {
     int64_t off = 0;
     for (size_t i = 0; i < items.size(); ++i) {
       const ShardLayout post = layout(items[i], after_, r_);
-      Tensor o = Tensor::empty(post.local_shape, dtype(items), device(items));
+      Tensor o = Tensor::empty(post.local_shape, dtype(items), device(items), comms_.allocator());
       Block whole = block_in(post, post.runs);
       unpack(mine, off, o, whole);
       off += whole.numel();
@@ -288,13 +357,65 @@ class StepRunner {
 
   // NOTE [exchange] in executor.h.
   std::vector<Tensor> exchange(const std::vector<Item>& items) {
+    return comm().p2p_views() ? exchange_views(items) : exchange_packed(items);
+  }
+
+  // The communicator moves strided views: every piece goes from this rank's local tensor
+  // straight into the peer's result (one copy per element, nothing packed).
+  std::vector<Tensor> exchange_views(const std::vector<Item>& items) {
+    std::vector<Tensor> out;
+    std::vector<P2POp> ops;
+    for (const Item& it : items) {
+      const ShardLayout pre_r = layout(it, before_, r_), post_r = layout(it, after_, r_);
+      Tensor o = Tensor::empty(post_r.local_shape, it.spec->dtype, it.local.device(), comms_.allocator());
+      out.push_back(o);
+      for (int64_t g = 0; g < k_; ++g) {
+        const int peer = static_cast<int>(g);
+        if (g == r_) {  // what this rank keeps
+          for_each_global_piece(intersect_layouts(pre_r, post_r), it.local, pre_r, o, post_r,
+                                [](const Tensor& src, Tensor dst) { dst.copy_(src); });
+          continue;
+        }
+        const ShardLayout pre_g = layout(it, before_, g), post_g = layout(it, after_, g);
+        for_each_global_piece(intersect_layouts(pre_r, post_g), it.local, pre_r, Tensor(), post_g,
+                              [&](const Tensor& src, const Tensor&) {
+                                for (Tensor& part : split_view(src)) ops.push_back(P2POp::send(part, peer));
+                              });
+        for_each_global_piece(intersect_layouts(pre_g, post_r), Tensor(), pre_g, o, post_r,
+                              [&](const Tensor&, const Tensor& dst) {
+                                for (Tensor& part : split_view(dst)) ops.push_back(P2POp::recv(part, peer));
+                              });
+      }
+    }
+    comm().wait(comm().send_recv(ops));
+    return out;
+  }
+
+  // A piece above the communicator's p2p_view_max_bytes as several messages, split along its
+  // first dim of size > 1. Sender and receiver hold pieces of equal shape (see
+  // for_each_global_piece), so both split alike; the rule must look at the shape only (one
+  // side's piece may be contiguous where the other's is strided).
+  std::vector<Tensor> split_view(const Tensor& piece) const {
+    const int64_t limit = comm().p2p_view_max_bytes();
+    if (limit <= 0 || static_cast<int64_t>(piece.nbytes()) <= limit) return {piece};
+    int d = 0;
+    while (d + 1 < piece.ndim() && piece.size(d) == 1) ++d;
+    const int64_t row_bytes = static_cast<int64_t>(piece.nbytes()) / piece.size(d);
+    const int64_t rows = std::max<int64_t>(1, limit / std::max<int64_t>(row_bytes, 1));
+    std::vector<Tensor> parts;
+    for (int64_t i = 0; i < piece.size(d); i += rows) parts.push_back(piece.narrow(d, i, std::min(rows, piece.size(d) - i)));
+    return parts;
+  }
+
+  // Packed: per peer one contiguous send and one receive buffer (backends without views).
+  std::vector<Tensor> exchange_packed(const std::vector<Item>& items) {
     const size_t n_items = items.size();
     std::vector<std::vector<Block>> send_blocks(k_), recv_blocks(k_);  // [g][i]
     std::vector<int64_t> send_n(k_, 0), recv_n(k_, 0);
     std::vector<Tensor> out;
     for (const Item& it : items) {
       const ShardLayout pre_r = layout(it, before_, r_), post_r = layout(it, after_, r_);
-      out.push_back(Tensor::empty(post_r.local_shape, it.spec->dtype, it.local.device()));
+      out.push_back(Tensor::empty(post_r.local_shape, it.spec->dtype, it.local.device(), comms_.allocator()));
       for (int64_t g = 0; g < k_; ++g) {
         const ShardLayout pre_g = g == r_ ? pre_r : layout(it, before_, g);
         const ShardLayout post_g = g == r_ ? post_r : layout(it, after_, g);
@@ -309,7 +430,7 @@ class StepRunner {
       const Block& keep_src = send_blocks[r_][i];
       const Block& keep_dst = recv_blocks[r_][i];
       if (keep_src.numel() == 0) continue;
-      Tensor tmp = Tensor::empty({keep_src.numel()}, items[i].spec->dtype, items[i].local.device());
+      Tensor tmp = Tensor::empty({keep_src.numel()}, items[i].spec->dtype, items[i].local.device(), comms_.allocator());
       pack(items[i].local, keep_src, tmp, 0);
       unpack(tmp, 0, out[i], keep_dst);
     }
@@ -317,8 +438,8 @@ class StepRunner {
     std::vector<P2POp> ops;
     for (int64_t g = 0; g < k_; ++g) {
       if (g == r_) continue;
-      send_buf[g] = Tensor::empty({send_n[g]}, dtype(items), device(items));
-      recv_buf[g] = Tensor::empty({recv_n[g]}, dtype(items), device(items));
+      send_buf[g] = Tensor::empty({send_n[g]}, dtype(items), device(items), comms_.allocator());
+      recv_buf[g] = Tensor::empty({recv_n[g]}, dtype(items), device(items), comms_.allocator());
       for (size_t i = 0, off = 0; i < n_items; off += send_blocks[g][i].numel(), ++i)
         pack(items[i].local, send_blocks[g][i], send_buf[g], static_cast<int64_t>(off));
       if (send_n[g] > 0) ops.push_back(P2POp::send(send_buf[g], static_cast<int>(g)));
