@@ -35,6 +35,7 @@
 #include <utility>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "collectives/communicator.h"
 #include "collectives/local.h"
 #include "collectives/mpi.h"
@@ -65,6 +66,15 @@ using kernels::DType;
 using kernels::ReduceOp;
 using kernels::Tensor;
 using json = nlohmann::ordered_json;
+using bench::human_bytes;
+using bench::load_average;
+using bench::median;
+using bench::now_us;
+using bench::parse_bytes;
+using bench::parse_sizes;
+using bench::reduce_over_ranks;
+using bench::Stats;
+using bench::stats_of;
 
 // ---------------------------------------------------------------------------------------------
 // Options
@@ -99,57 +109,6 @@ struct Options {
   int64_t target_min = int64_t{4} << 20;
   std::string command_line;
 };
-
-// "4096", "4K", "4KB", "4KiB", "256M", "1G" (binary multiples).
-int64_t parse_bytes(std::string_view text) {
-  std::string t(text);
-  if (t.empty()) throw kernels::InvalidArgument("empty size");
-  size_t end = 0;
-  while (end < t.size() && std::isdigit(static_cast<unsigned char>(t[end]))) ++end;
-  if (end == 0) throw kernels::InvalidArgument(fmt::format("size '{}' does not start with a number", t));
-  const int64_t value = std::stoll(t.substr(0, end));
-  std::string suffix = t.substr(end);
-  for (char& c : suffix) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  int shift = 0;
-  if (suffix.empty() || suffix == "B") shift = 0;
-  else if (suffix == "K" || suffix == "KB" || suffix == "KIB") shift = 10;
-  else if (suffix == "M" || suffix == "MB" || suffix == "MIB") shift = 20;
-  else if (suffix == "G" || suffix == "GB" || suffix == "GIB") shift = 30;
-  else
-    throw kernels::InvalidArgument(fmt::format("size '{}': unknown suffix '{}' (use K, M or G)", t, suffix));
-  return value << shift;
-}
-
-// Comma-separated items, each SIZE or MIN:MAX (doubling from MIN while <= MAX).
-std::vector<int64_t> parse_sizes(std::string_view text) {
-  std::vector<int64_t> out;
-  size_t pos = 0;
-  while (pos <= text.size()) {
-    size_t comma = text.find(',', pos);
-    if (comma == std::string_view::npos) comma = text.size();
-    std::string_view item = text.substr(pos, comma - pos);
-    pos = comma + 1;
-    if (item.empty()) continue;
-    const size_t colon = item.find(':');
-    if (colon == std::string_view::npos) {
-      out.push_back(parse_bytes(item));
-    } else {
-      const int64_t lo = parse_bytes(item.substr(0, colon)), hi = parse_bytes(item.substr(colon + 1));
-      if (lo <= 0 || hi < lo)
-        throw kernels::InvalidArgument(fmt::format("sizes '{}': need 0 < MIN <= MAX", item));
-      for (int64_t s = lo; s <= hi; s *= 2) out.push_back(s);
-    }
-  }
-  if (out.empty()) throw kernels::InvalidArgument(fmt::format("--sizes '{}' names no size", text));
-  return out;
-}
-
-std::string human_bytes(int64_t b) {
-  if (b >= (int64_t{1} << 30) && b % (int64_t{1} << 30) == 0) return fmt::format("{}G", b >> 30);
-  if (b >= (int64_t{1} << 20) && b % (int64_t{1} << 20) == 0) return fmt::format("{}M", b >> 20);
-  if (b >= 1024 && b % 1024 == 0) return fmt::format("{}K", b >> 10);
-  return fmt::format("{}", b);
-}
 
 // ---------------------------------------------------------------------------------------------
 // Collectives: geometry and bus factors (nccl-tests)
@@ -379,40 +338,6 @@ void fill_sentinel(const Tensor& t) {
   Tensor h = host_view(t);
   std::memset(h.data_ptr(), 0xFF, h.nbytes());
   upload(t, h);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Timing
-
-using Clock = std::chrono::steady_clock;
-double now_us() {
-  return std::chrono::duration<double, std::micro>(Clock::now().time_since_epoch()).count();
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t m = v.size() / 2;
-  return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
-}
-
-// Element-wise op over the ranks of `control` (a CPU communicator).
-std::vector<double> reduce_over_ranks(Communicator& control, const std::vector<double>& v, ReduceOp op) {
-  if (v.empty()) return v;
-  Tensor t = Tensor::empty({static_cast<int64_t>(v.size())}, DType::kF64);
-  std::memcpy(t.data_ptr(), v.data(), v.size() * sizeof(double));
-  control.wait(control.all_reduce(t, t, op));
-  std::vector<double> out(v.size());
-  std::memcpy(out.data(), t.data_ptr(), v.size() * sizeof(double));
-  return out;
-}
-
-struct Stats {
-  double median_us = 0, min_us = 0, max_us = 0;
-};
-Stats stats_of(const std::vector<double>& t) {
-  if (t.empty()) return {};
-  return {median(t), *std::min_element(t.begin(), t.end()), *std::max_element(t.begin(), t.end())};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -724,13 +649,6 @@ std::vector<Row> run_sweep(Env& env) {
 // ---------------------------------------------------------------------------------------------
 // Output
 
-std::string load_average() {
-  std::ifstream f("/proc/loadavg");
-  double a = 0, b = 0, c = 0;
-  if (!(f >> a >> b >> c)) return "unknown";
-  return fmt::format("{:.2f} {:.2f} {:.2f}", a, b, c);
-}
-
 struct Summary {
   Coll coll;
   int rows = 0;           // rows at >= target_min
@@ -948,18 +866,6 @@ int64_t finish(const Options& opt, const Printer& printer, const std::string& de
   return wrong;
 }
 
-bool under_mpirun() {
-  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE", "MPI_LOCALNRANKS"})
-    if (std::getenv(v)) return true;
-  return false;
-}
-
-int local_rank_from_env() {
-  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"})
-    if (const char* s = std::getenv(v)) return std::atoi(s);
-  return 0;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Backends
 
@@ -1025,14 +931,14 @@ int64_t run_nccl(const Options& opt, int* argc, char*** argv) {
   const int gpus = kernels::cuda_device_count();
   if (gpus == 0) throw kernels::Unsupported("--backend nccl: no GPU visible");
   const Milliseconds timeout{opt.timeout_ms};
-  const bool use_mpi = opt.bootstrap == "mpi" || (opt.bootstrap == "auto" && under_mpirun());
+  const bool use_mpi = opt.bootstrap == "mpi" || (opt.bootstrap == "auto" && bench::under_mpirun());
   std::vector<Row> rows;
   int64_t wrong = 0;
   if (use_mpi) {
     collectives::MpiWorld mpi(argc, argv);
     std::unique_ptr<Communicator> boot = mpi.communicator(timeout);
     const int n = boot->size();
-    const int device = local_rank_from_env() % gpus;
+    const int device = bench::local_rank_from_env() % gpus;
     std::unique_ptr<Communicator> comm = collectives::nccl_communicator(*boot, device, timeout);
     const Patterns pat = make_patterns(opt.dtype, opt.op, n, opt.seed);
     const std::string desc = fmt::format("nccl ({} processes, one GPU each, bootstrap mpi)", n);
@@ -1071,15 +977,6 @@ int64_t run_nccl(const Options& opt, int* argc, char*** argv) {
   (void)argc;
   (void)argv;
   return finish(opt, printer, desc, n, Baseline::kNone, rows);
-}
-
-std::string join_args(int argc, char** argv) {
-  std::string s;
-  for (int i = 0; i < argc; ++i) {
-    if (i) s += ' ';
-    s += argv[i];
-  }
-  return s;
 }
 
 }  // namespace
@@ -1128,7 +1025,7 @@ int main(int argc, char** argv) {
       ->group("");  // hidden
   CLI11_PARSE(app, argc, argv);
   opt.world_given = app.count("--world") > 0;
-  opt.command_line = join_args(argc, argv);
+  opt.command_line = bench::join_args(argc, argv);
 
   try {
     opt.dtype = kernels::parse_dtype(opt.dtype_name);

@@ -42,7 +42,7 @@ void system_deallocate(void* p, size_t nbytes, Device device) noexcept;
 class CachingAllocator final : public Allocator {
  public:
   struct Options {
-    size_t max_cached_bytes = size_t{2} << 30;  // free blocks kept; beyond it blocks go back
+    size_t max_cached_bytes = size_t{1} << 30;  // free blocks kept; beyond it blocks go back
     size_t min_block = size_t{256} << 10;       // smaller blocks bypass the cache (malloc is fine)
   };
   struct Stats {

@@ -1,0 +1,137 @@
+// Pieces shared by the benchmarks (collectives-bench, dtensor-bench): size parsing and printing,
+// timing statistics, a max/sum over ranks, and the process environment a benchmark reports.
+// Benchmarks are programs, not library code, so reading the environment here is allowed.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "collectives/communicator.h"
+#include "kernels/error.h"
+#include "kernels/reduce_op.h"
+#include "kernels/tensor.h"
+
+namespace bench {
+
+// "4096", "4K", "4KB", "4KiB", "256M", "1G" (binary multiples).
+inline int64_t parse_bytes(std::string_view text) {
+  std::string t(text);
+  if (t.empty()) throw kernels::InvalidArgument("empty size");
+  size_t end = 0;
+  while (end < t.size() && std::isdigit(static_cast<unsigned char>(t[end]))) ++end;
+  if (end == 0) throw kernels::InvalidArgument(fmt::format("size '{}' does not start with a number", t));
+  const int64_t value = std::stoll(t.substr(0, end));
+  std::string suffix = t.substr(end);
+  for (char& c : suffix) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  int shift = 0;
+  if (suffix.empty() || suffix == "B") shift = 0;
+  else if (suffix == "K" || suffix == "KB" || suffix == "KIB") shift = 10;
+  else if (suffix == "M" || suffix == "MB" || suffix == "MIB") shift = 20;
+  else if (suffix == "G" || suffix == "GB" || suffix == "GIB") shift = 30;
+  else
+    throw kernels::InvalidArgument(fmt::format("size '{}': unknown suffix '{}' (use K, M or G)", t, suffix));
+  return value << shift;
+}
+
+// Comma-separated items, each SIZE or MIN:MAX (doubling from MIN while <= MAX).
+inline std::vector<int64_t> parse_sizes(std::string_view text) {
+  std::vector<int64_t> out;
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    size_t comma = text.find(',', pos);
+    if (comma == std::string_view::npos) comma = text.size();
+    std::string_view item = text.substr(pos, comma - pos);
+    pos = comma + 1;
+    if (item.empty()) continue;
+    const size_t colon = item.find(':');
+    if (colon == std::string_view::npos) {
+      out.push_back(parse_bytes(item));
+    } else {
+      const int64_t lo = parse_bytes(item.substr(0, colon)), hi = parse_bytes(item.substr(colon + 1));
+      if (lo <= 0 || hi < lo)
+        throw kernels::InvalidArgument(fmt::format("sizes '{}': need 0 < MIN <= MAX", item));
+      for (int64_t s = lo; s <= hi; s *= 2) out.push_back(s);
+    }
+  }
+  if (out.empty()) throw kernels::InvalidArgument(fmt::format("--sizes '{}' names no size", text));
+  return out;
+}
+
+// 1048576 -> "1M", 1536 -> "1536".
+inline std::string human_bytes(int64_t b) {
+  if (b >= (int64_t{1} << 30) && b % (int64_t{1} << 30) == 0) return fmt::format("{}G", b >> 30);
+  if (b >= (int64_t{1} << 20) && b % (int64_t{1} << 20) == 0) return fmt::format("{}M", b >> 20);
+  if (b >= 1024 && b % 1024 == 0) return fmt::format("{}K", b >> 10);
+  return fmt::format("{}", b);
+}
+
+inline double now_us() {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+inline double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t m = v.size() / 2;
+  return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
+}
+
+struct Stats {
+  double median_us = 0, min_us = 0, max_us = 0;
+};
+inline Stats stats_of(const std::vector<double>& t) {
+  if (t.empty()) return {};
+  return {median(t), *std::min_element(t.begin(), t.end()), *std::max_element(t.begin(), t.end())};
+}
+
+// Element-wise op over the ranks of `control` (a CPU communicator); every rank gets the result.
+inline std::vector<double> reduce_over_ranks(collectives::Communicator& control, const std::vector<double>& v,
+                                             kernels::ReduceOp op) {
+  if (v.empty()) return v;
+  kernels::Tensor t = kernels::Tensor::empty({static_cast<int64_t>(v.size())}, kernels::DType::kF64);
+  std::memcpy(t.data_ptr(), v.data(), v.size() * sizeof(double));
+  control.wait(control.all_reduce(t, t, op));
+  std::vector<double> out(v.size());
+  std::memcpy(out.data(), t.data_ptr(), v.size() * sizeof(double));
+  return out;
+}
+
+inline std::string load_average() {
+  std::ifstream f("/proc/loadavg");
+  double a = 0, b = 0, c = 0;
+  if (!(f >> a >> b >> c)) return "unknown";
+  return fmt::format("{:.2f} {:.2f} {:.2f}", a, b, c);
+}
+
+inline bool under_mpirun() {
+  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE", "MPI_LOCALNRANKS"})
+    if (std::getenv(v)) return true;
+  return false;
+}
+
+inline int local_rank_from_env() {
+  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"})
+    if (const char* s = std::getenv(v)) return std::atoi(s);
+  return 0;
+}
+
+inline std::string join_args(int argc, char** argv) {
+  std::string s;
+  for (int i = 0; i < argc; ++i) {
+    if (i) s += ' ';
+    s += argv[i];
+  }
+  return s;
+}
+
+}  // namespace bench

@@ -1,0 +1,867 @@
+// dtensor-bench: nccl-tests-style sweep of placement transitions. For each transition and global
+// tensor size it times DTensor::redistribute (cached plan, the real API call) and, in the same
+// iterations, the raw collective: the engine's own collective(s) on preallocated buffers of the
+// same bytes, without the DTensor layer. overhead = ours / raw.
+//
+//   dtensor-bench --backend local --world 8                       # the default suite, 1K:256M
+//   dtensor-bench --backend local --world 4 --mesh 2x2 --from 'S(0),S(1)' --to 'S(1),S(0)'
+//   mpirun --allow-run-as-root --oversubscribe -np 4 dtensor-bench --backend mpi --sizes 1K:64M
+//   dtensor-bench --backend local --world 1 --host-cost            # host cost of a cached plan
+//
+// Definitions (bench/README.md has the full table):
+//   bytes       the global tensor (a Partial source: every rank holds a full-size partial)
+//   time        per iteration, the max over ranks of (barrier; redistribute); median, min, max
+//   algbw       bytes / time
+//   busbw       lower_bound_bytes / time: what the busiest rank must receive at least, per second
+//               (nccl-tests' bus bandwidth for the single-collective transitions)
+//   recv/rank   bytes the plan makes the busiest rank receive; lower_bnd: the least any plan can
+//   raw         per communicating step of the plan, the canonical collective on that mesh dim's
+//               group (all_gather, all_to_all, reduce_scatter, all_reduce) on buffers sized by
+//               the largest local shard before the step, run back to back
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bench/bench_util.h"
+#include "collectives/communicator.h"
+#include "collectives/local.h"
+#include "collectives/mpi.h"
+#include "collectives/nccl.h"
+#include "dtensor/dtensor.h"
+#include "dtensor/mesh_comms.h"
+#include "dtensor/plan/planner.h"
+#include "kernels/device.h"
+#include "kernels/dtype.h"
+#include "kernels/error.h"
+#include "kernels/reduce.h"
+#include "kernels/tensor.h"
+
+namespace {
+
+using bench::human_bytes;
+using bench::Stats;
+using bench::stats_of;
+using collectives::Communicator;
+using collectives::Milliseconds;
+using dtensor::DeviceMesh;
+using dtensor::DTensor;
+using dtensor::Placements;
+using kernels::Device;
+using kernels::Dims;
+using kernels::DType;
+using kernels::ReduceOp;
+using kernels::Tensor;
+using json = nlohmann::ordered_json;
+
+// ---------------------------------------------------------------------------------------------
+// Options
+
+struct Options {
+  std::string backend = "local";
+  int world = 8;
+  bool world_given = false;
+  std::string mesh_text;  // empty: per suite entry, derived from the world size
+  std::string from, to;   // one transition instead of a suite
+  std::string suite = "default";
+  std::string sizes = "1K:256M";
+  std::string dtype_name = "f32";
+  std::string planner_name = "search";
+  int iters = 20;
+  int warmup = 3;
+  bool check = true;
+  bool host_cost = false;
+  int host_calls = 2000;
+  double target = 1.10;
+  std::string target_min_text = "1M";
+  int64_t timeout_ms = 300'000;
+  std::string bootstrap = "auto";
+  std::string json_path;
+
+  DType dtype = DType::kF32;
+  dtensor::PlannerKind planner = dtensor::PlannerKind::kSearch;
+  std::vector<int64_t> size_list;
+  int64_t target_min = int64_t{1} << 20;
+  std::string command_line;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Transitions
+
+struct Case {
+  Dims mesh_shape;
+  Placements src, dst;
+  std::string src_text, dst_text;
+  std::string name() const { return src_text + "->" + dst_text; }
+};
+
+std::string mesh_text(const Dims& shape) { return fmt::format("{}", fmt::join(shape, "x")); }
+
+// The mesh a suite uses for placement lists of `ndim` mesh dims on `world` ranks, or nullopt
+// when the world does not factor that way (2-D: (2, n/2), n even >= 4; 3-D: (2, 2, n/4),
+// n % 4 == 0 and n >= 8).
+std::optional<Dims> suite_mesh(int ndim, int world) {
+  if (ndim == 1) return Dims{world};
+  if (ndim == 2 && world >= 4 && world % 2 == 0) return Dims{2, world / 2};
+  if (ndim == 3 && world >= 8 && world % 4 == 0) return Dims{2, 2, world / 4};
+  return std::nullopt;
+}
+
+Case make_case(const Dims& mesh_shape, std::string src, std::string dst) {
+  Case c{mesh_shape, dtensor::parse_placements(src), dtensor::parse_placements(dst), "", ""};
+  if (c.src.size() != static_cast<size_t>(mesh_shape.size()) || c.dst.size() != static_cast<size_t>(mesh_shape.size()))
+    throw kernels::InvalidArgument(fmt::format("transition {}->{}: {} and {} placements for a mesh of {} dims ({})",
+                                               src, dst, c.src.size(), c.dst.size(), mesh_shape.size(),
+                                               mesh_text(mesh_shape)));
+  c.src_text = dtensor::to_string(c.src);
+  c.dst_text = dtensor::to_string(c.dst);
+  return c;
+}
+
+// The representative set (dtensor-semantics.md sections 3 and 6.2): every single-mesh-dim
+// collective, the StridedShard pair, and 2-D / 3-D pairs of PyTorch's redistribute tests.
+// "single" keeps the 1-D entries only.
+std::vector<Case> suite_cases(const Options& opt, int world) {
+  std::optional<Dims> given;
+  if (!opt.mesh_text.empty()) given = DeviceMesh::parse(opt.mesh_text).shape();
+  auto mesh_for = [&](int ndim) -> std::optional<Dims> {
+    if (given) return given->size() == ndim ? given : std::nullopt;
+    return suite_mesh(ndim, world);
+  };
+  std::vector<Case> out;
+  if (!opt.from.empty() || !opt.to.empty()) {
+    if (opt.from.empty() || opt.to.empty()) throw kernels::InvalidArgument("--from and --to go together");
+    const int ndim = static_cast<int>(dtensor::parse_placements(opt.from).size());
+    const std::optional<Dims> m = mesh_for(ndim);
+    if (!m)
+      throw kernels::InvalidArgument(fmt::format(
+          "--from '{}' has {} placements: give --mesh with {} dims{}", opt.from, ndim, ndim,
+          given ? fmt::format(" (--mesh {} has {})", opt.mesh_text, given->size()) : ""));
+    out.push_back(make_case(*m, opt.from, opt.to));
+    return out;
+  }
+  if (opt.suite != "default" && opt.suite != "single")
+    throw kernels::InvalidArgument(fmt::format("--suite '{}': expected default or single", opt.suite));
+  if (auto m = mesh_for(1)) {
+    for (auto [s, d] : {std::pair{"S(0)", "R"}, {"R", "S(0)"}, {"P", "R"}, {"P", "S(0)"}, {"S(0)", "S(1)"}})
+      out.push_back(make_case(*m, s, d));
+  }
+  if (opt.suite == "single") return out;
+  if (auto m = mesh_for(2)) {
+    const std::string strided = fmt::format("_S(0,{}),S(0)", (*m)[1]);
+    out.push_back(make_case(*m, "S(0),S(0)", strided));
+    out.push_back(make_case(*m, strided, "S(0),S(0)"));
+    out.push_back(make_case(*m, "S(0),R", "R,R"));        // FSDP unshard on the dp dim (2-D)
+    out.push_back(make_case(*m, "P,S(0)", "R,S(0)"));     // HSDP: reduce across replicas
+    out.push_back(make_case(*m, "S(0),S(1)", "S(0),S(0)"));
+    out.push_back(make_case(*m, "S(0),S(1)", "S(1),S(0)"));
+    out.push_back(make_case(*m, "S(0),S(0)", "S(1),S(1)"));
+  }
+  if (auto m = mesh_for(3)) {
+    out.push_back(make_case(*m, "S(0),S(0),S(0)", "S(1),S(1),S(1)"));
+    out.push_back(make_case(*m, "S(0),S(1),S(0)", "S(1),S(0),S(0)"));
+    out.push_back(make_case(*m, "S(0),S(1),S(2)", "S(2),S(1),S(0)"));
+    out.push_back(make_case(*m, "S(1),S(0),S(0)", "R,S(0),S(0)"));
+  }
+  if (out.empty())
+    throw kernels::InvalidArgument(fmt::format("--suite {} has no transition for --mesh {}", opt.suite, opt.mesh_text));
+  return out;
+}
+
+int max_shard_dim(const Placements& ps) {
+  int d = -1;
+  for (const dtensor::Placement& p : ps) {
+    if (const auto* s = std::get_if<dtensor::Shard>(&p)) d = std::max(d, s->dim);
+    if (const auto* s = std::get_if<dtensor::StridedShard>(&p)) d = std::max(d, s->dim);
+  }
+  return d;
+}
+
+// A global shape of about `bytes` for a transition: as many dims as it shards (at least 2),
+// power-of-two trailing dims as equal as possible, the leading dim taking the rest.
+Dims shape_for(const Case& c, int64_t bytes, DType dtype) {
+  const int ndim = std::max({2, max_shard_dim(c.src) + 1, max_shard_dim(c.dst) + 1});
+  const int64_t numel = std::max<int64_t>(1, bytes / static_cast<int64_t>(kernels::itemsize(dtype)));
+  const int log2n = static_cast<int>(std::floor(std::log2(static_cast<double>(numel))));
+  const int64_t trailing = int64_t{1} << (log2n / ndim);
+  Dims shape;
+  int64_t rest = numel;
+  for (int d = 1; d < ndim; ++d) rest /= trailing;
+  shape.push_back(std::max<int64_t>(rest, 1));
+  for (int d = 1; d < ndim; ++d) shape.push_back(trailing);
+  return shape;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The raw collectives of a plan
+
+enum class RawKind { kAllGather, kAllToAll, kReduceScatter, kAllReduce };
+std::string_view raw_name(RawKind k) {
+  switch (k) {
+    case RawKind::kAllGather: return "all_gather";
+    case RawKind::kAllToAll: return "all_to_all";
+    case RawKind::kReduceScatter: return "reduce_scatter";
+    case RawKind::kAllReduce: return "all_reduce";
+  }
+  return "?";
+}
+
+struct RawOp {
+  RawKind kind;
+  int mesh_dim;
+  int64_t group = 1;
+  int64_t in = 0, out = 0;  // elements per rank
+};
+
+// The canonical collective of each communicating step, sized by the largest local shard of
+// any rank before the step (the padded buffers PyTorch and a hand-written trainer would use).
+std::vector<RawOp> raw_ops(const dtensor::Plan& plan, const dtensor::DTensorSpec& src) {
+  std::vector<RawOp> ops;
+  for (size_t i = 0; i < plan.steps.size(); ++i) {
+    if (!plan.communicating[i]) continue;
+    const dtensor::Step& step = plan.steps[i];
+    const int m = dtensor::mesh_dim_of(step);
+    const int64_t k = src.mesh->size(m);
+    int64_t largest = 0;
+    for (int rank : src.mesh->ranks())
+      largest = std::max(largest, dtensor::compute_layout(src.shape, src.mesh->shape(), plan.states[i],
+                                                          *src.mesh->coord_of(rank))
+                                      .local_shape.product());
+    const int64_t padded = (largest + k - 1) / k * k;
+    RawOp op{RawKind::kAllGather, m, k, largest, k * largest};
+    std::visit(
+        [&](const auto& s) {
+          using T = std::decay_t<decltype(s)>;
+          if constexpr (std::is_same_v<T, dtensor::AllToAll> || std::is_same_v<T, dtensor::Regroup>)
+            op = {RawKind::kAllToAll, m, k, padded, padded};
+          else if constexpr (std::is_same_v<T, dtensor::ReduceScatter>)
+            op = {RawKind::kReduceScatter, m, k, padded, padded / k};
+          else if constexpr (std::is_same_v<T, dtensor::AllReduce>)
+            op = {RawKind::kAllReduce, m, k, largest, largest};
+        },
+        step);
+    ops.push_back(op);
+  }
+  return ops;
+}
+
+struct RawBuffers {
+  std::vector<std::pair<Tensor, Tensor>> io;
+};
+
+RawBuffers allocate_raw(const std::vector<RawOp>& ops, DType dtype, Device device) {
+  RawBuffers b;
+  for (const RawOp& op : ops) {
+    Tensor in = Tensor::zeros({op.in}, dtype, device);
+    Tensor out = Tensor::zeros({op.out}, dtype, device);
+    b.io.emplace_back(in, out);
+  }
+  return b;
+}
+
+void run_raw(const std::vector<RawOp>& ops, RawBuffers& b, const dtensor::MeshComms& comms) {
+  for (size_t i = 0; i < ops.size(); ++i) {
+    Communicator& c = comms.dim(ops[i].mesh_dim);
+    const auto& [in, out] = b.io[i];
+    switch (ops[i].kind) {
+      case RawKind::kAllGather: c.wait(c.all_gather(in, out)); break;
+      case RawKind::kAllToAll: c.wait(c.all_to_all(in, out)); break;
+      case RawKind::kReduceScatter: c.wait(c.reduce_scatter(in, out, ReduceOp::kSum)); break;
+      case RawKind::kAllReduce: c.wait(c.all_reduce(in, out, ReduceOp::kSum)); break;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Source tensors and the check
+
+bool has_partial(const Case& c) { return std::any_of(c.src.begin(), c.src.end(), dtensor::is_partial); }
+
+// The product of the sizes of the P(sum) mesh dims: what a partial sum must be divided by.
+int64_t partial_group(const Case& c) {
+  int64_t k = 1;
+  for (size_t m = 0; m < c.src.size(); ++m)
+    if (const auto* p = std::get_if<dtensor::Partial>(&c.src[m]); p && p->op == ReduceOp::kSum)
+      k *= c.mesh_shape[m];
+  return k;
+}
+
+// Values are a function of (seed, global index) (dtensor::rand). A Partial source holds the
+// value on every rank, divided by the group size for P(sum) (avg, min and max of equal values
+// are the value), so the reduced tensor is the same values.
+DTensor make_source(const Case& c, const Dims& shape, DType dtype, Device device,
+                    const std::shared_ptr<const dtensor::MeshComms>& comms) {
+  constexpr uint64_t kSeed = 5;
+  Placements no_partial = c.src;
+  for (auto& p : no_partial)
+    if (dtensor::is_partial(p)) p = dtensor::Replicate{};
+  DTensor base = dtensor::rand(shape, kSeed, dtype, comms, no_partial);
+  Tensor local = base.to_local();
+  if (!device.is_cpu()) local = local.to(device);
+  if (partial_group(c) > 1) kernels::scale_(local, 1.0 / static_cast<double>(partial_group(c)));
+  if (!device.is_cpu() || has_partial(c)) return dtensor::from_local(local, comms, c.src, shape, base.stride());
+  return base;
+}
+
+// True when this rank's shard of `got` is the expected shard of the same global values.
+bool check_result(const Case& c, const DTensor& got, const std::shared_ptr<const dtensor::MeshComms>& comms) {
+  if (!comms->in_mesh()) return true;
+  const DTensor want = dtensor::rand(got.shape(), 5, got.dtype(), comms, c.dst);
+  Tensor mine = got.to_local();
+  if (!mine.device().is_cpu()) mine = mine.to(Device::cpu());
+  if (!has_partial(c)) return kernels::equal(mine, want.to_local());  // moved, never rounded
+  const bool low = got.dtype() == DType::kBF16 || got.dtype() == DType::kF16;
+  return kernels::allclose(mine, want.to_local(), low ? 2e-2 : 1e-5, low ? 1e-2 : 1e-6);
+}
+
+// ---------------------------------------------------------------------------------------------
+// One row
+
+struct Row {
+  std::string transition, src, dst, mesh, route, raw_text;
+  Dims mesh_shape, shape;
+  bool single_mesh_dim = false;
+  int64_t bytes = 0, local_bytes = 0;
+  int collectives = 0;
+  int iters = 0, warmup = 0;
+  Stats time, raw;
+  bool has_raw = false;
+  double overhead = 0, algbw = 0, busbw = 0;
+  int64_t bytes_per_rank = 0, lower_bound = 0;
+  std::vector<RawOp> raw_ops;
+  int64_t wrong = -1;  // ranks whose shard did not match; -1: not checked
+};
+
+bool single_mesh_dim(const Case& c) {
+  int changed = 0;
+  for (size_t m = 0; m < c.src.size(); ++m) changed += !(c.src[m] == c.dst[m]);
+  return changed == 1;
+}
+
+// What a rank needs to run the sweep: the world (barriers, statistics) and the communicators
+// of each mesh it meets, created in suite order on every rank.
+struct Env {
+  Communicator& world;
+  Device device;
+  const Options& opt;
+  std::map<std::string, std::shared_ptr<const dtensor::MeshComms>> meshes;
+  std::function<void(const Case&)> on_case;  // reporting rank only
+  std::function<void(const Row&)> on_row;
+
+  std::shared_ptr<const dtensor::MeshComms> comms_for(const Dims& shape) {
+    const std::string key = mesh_text(shape);
+    auto it = meshes.find(key);
+    if (it != meshes.end()) return it->second;
+    if (DeviceMesh::from_shape(shape).size() > world.size())
+      throw kernels::InvalidArgument(fmt::format("mesh {} needs {} ranks, the world has {}", key,
+                                                 DeviceMesh::from_shape(shape).size(), world.size()));
+    auto comms = std::make_shared<const dtensor::MeshComms>(DeviceMesh::from_shape(shape), world);
+    meshes.emplace(key, comms);
+    return comms;
+  }
+};
+
+Row run_one(Env& env, const Case& c, int64_t requested_bytes) {
+  const Options& opt = env.opt;
+  auto comms = env.comms_for(c.mesh_shape);
+  const Dims shape = shape_for(c, requested_bytes, opt.dtype);
+  const int64_t item = static_cast<int64_t>(kernels::itemsize(opt.dtype));
+  const dtensor::RedistributeOptions ropt{opt.planner};
+
+  DTensor x = make_source(c, shape, opt.dtype, env.device, comms);
+  const dtensor::Plan& plan = x.plan_to(c.dst, ropt);
+  const dtensor::DTensorSpec& spec = x.spec();
+
+  Row row;
+  row.transition = c.name();
+  row.src = c.src_text;
+  row.dst = c.dst_text;
+  row.mesh = mesh_text(c.mesh_shape);
+  row.mesh_shape = c.mesh_shape;
+  row.shape = shape;
+  row.bytes = shape.product() * item;
+  row.route = dtensor::to_string(plan);
+  row.collectives = plan.collectives();
+  row.single_mesh_dim = single_mesh_dim(c);
+  for (int rank : spec.mesh->ranks())
+    row.local_bytes = std::max(row.local_bytes, spec.layout(rank)->local_shape.product() * item);
+  row.bytes_per_rank = plan.traffic.max_received();
+  row.lower_bound = dtensor::lower_bound_traffic(spec, plan.dst).max_received();
+  row.raw_ops = raw_ops(plan, spec);
+  row.has_raw = !row.raw_ops.empty();
+  for (const RawOp& op : row.raw_ops)
+    row.raw_text += fmt::format("{}{}({})", row.raw_text.empty() ? "" : " + ", raw_name(op.kind), op.mesh_dim);
+  row.iters = opt.iters;
+  row.warmup = opt.warmup;
+
+  RawBuffers raw = allocate_raw(row.raw_ops, opt.dtype, env.device);
+  std::vector<double> ours, base;
+  Communicator& world = env.world;
+  for (int it = 0; it < opt.warmup + opt.iters; ++it) {
+    const bool timed = it >= opt.warmup;
+    world.wait(world.barrier());
+    double t0 = bench::now_us();
+    DTensor y = x.redistribute(c.dst, ropt);
+    double t1 = bench::now_us();
+    if (timed) ours.push_back(t1 - t0);
+    y = DTensor(x);  // release the result outside the timed region
+    if (row.has_raw && comms->in_mesh()) {
+      world.wait(world.barrier());
+      t0 = bench::now_us();
+      run_raw(row.raw_ops, raw, *comms);
+      t1 = bench::now_us();
+      if (timed) base.push_back(t1 - t0);
+    } else if (row.has_raw) {
+      world.wait(world.barrier());
+      if (timed) base.push_back(0);
+    }
+  }
+  raw = RawBuffers();
+
+  if (opt.check) {
+    const bool ok = check_result(c, x.redistribute(c.dst, ropt), comms);
+    row.wrong = static_cast<int64_t>(bench::reduce_over_ranks(world, {ok ? 0.0 : 1.0}, ReduceOp::kSum)[0]);
+  }
+
+  // One all_reduce(max) over the ranks of every iteration's times.
+  std::vector<double> v = ours;
+  v.insert(v.end(), base.begin(), base.end());
+  v = bench::reduce_over_ranks(world, v, ReduceOp::kMax);
+  row.time = stats_of({v.begin(), v.begin() + static_cast<long>(ours.size())});
+  if (row.has_raw) {
+    row.raw = stats_of({v.begin() + static_cast<long>(ours.size()), v.end()});
+    row.overhead = row.raw.median_us > 0 ? row.time.median_us / row.raw.median_us : 0;
+  }
+  const double t_s = row.time.median_us * 1e-6;
+  row.algbw = t_s > 0 ? static_cast<double>(row.bytes) / t_s / 1e9 : 0;
+  row.busbw = t_s > 0 ? static_cast<double>(row.lower_bound) / t_s / 1e9 : 0;
+  return row;
+}
+
+std::vector<Row> run_sweep(Env& env, const std::vector<Case>& cases) {
+  std::vector<Row> rows;
+  for (const Case& c : cases) {
+    if (env.on_case) env.on_case(c);
+    for (int64_t s : env.opt.size_list) {
+      rows.push_back(run_one(env, c, s));
+      if (env.on_row) env.on_row(rows.back());
+    }
+  }
+  return rows;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host cost: a cached plan on a tiny tensor, on one rank (every step is local), so the time is
+// the framework's own: validation, plan lookup, spec and result construction.
+
+struct HostRow {
+  std::string transition, mesh;
+  Dims shape;
+  int64_t bytes = 0;
+  int calls = 0, repeats = 0;
+  Stats per_call;  // microseconds per redistribute
+};
+
+std::vector<HostRow> run_host_cost(Env& env) {
+  const Options& opt = env.opt;
+  if (env.world.size() != 1)
+    throw kernels::InvalidArgument(fmt::format("--host-cost runs on one rank (--world 1), not {}", env.world.size()));
+  std::vector<Case> cases;
+  for (auto [s, d] : {std::pair{"S(0)", "R"}, {"R", "S(0)"}, {"P", "R"}, {"S(0)", "S(1)"}})
+    cases.push_back(make_case({1}, s, d));
+  cases.push_back(make_case({1, 1}, "S(0),S(1)", "S(1),S(0)"));
+  const dtensor::RedistributeOptions ropt{opt.planner};
+  std::vector<HostRow> rows;
+  for (const Case& c : cases) {
+    auto comms = env.comms_for(c.mesh_shape);
+    const Dims shape{4, 4};
+    DTensor x = make_source(c, shape, opt.dtype, env.device, comms);
+    (void)x.plan_to(c.dst, ropt);  // cached from here on
+    HostRow r{c.name(), mesh_text(c.mesh_shape), shape, shape.product() * static_cast<int64_t>(kernels::itemsize(opt.dtype)),
+              opt.host_calls, std::max(opt.iters, 1), {}};
+    std::vector<double> per_call;
+    for (int rep = 0; rep < opt.warmup + r.repeats; ++rep) {
+      const double t0 = bench::now_us();
+      for (int i = 0; i < r.calls; ++i) {
+        DTensor y = x.redistribute(c.dst, ropt);
+        if (y.to_local().numel() < 0) std::abort();  // keeps the call observable
+      }
+      const double t1 = bench::now_us();
+      if (rep >= opt.warmup) per_call.push_back((t1 - t0) / r.calls);
+    }
+    r.per_call = stats_of(per_call);
+    rows.push_back(r);
+  }
+  return rows;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Output
+
+class Printer {
+ public:
+  Printer(const Options& opt, std::string desc, int world) : opt_(opt), desc_(std::move(desc)), world_(world) {}
+
+  void header() const {
+    fmt::print("# dtensor-bench  backend: {}  world: {}  dtype: {}  planner: {}\n", desc_, world_,
+               kernels::to_string(opt_.dtype), dtensor::to_string(opt_.planner));
+    fmt::print("# iters: {}, warmup: {}, check: {}\n", opt_.iters, opt_.warmup, opt_.check ? "on" : "off");
+    fmt::print("# bytes: the global tensor; time: per iteration the max over ranks of (barrier; redistribute), "
+               "median/min/max over the iterations\n");
+    fmt::print("# algbw = bytes / time; busbw = lower_bnd / time; recv/rank: bytes the plan makes the busiest "
+               "rank receive; lower_bnd: the least any plan can\n");
+    fmt::print("# raw: the plan's collectives called directly on preallocated buffers (same iterations); "
+               "overhead = time / raw\n");
+    fmt::print("# command: {}\n", opt_.command_line);
+    fmt::print("# load average at start: {}\n", bench::load_average());
+    std::fflush(stdout);
+  }
+
+  void section(const Case& c) {
+    route_.clear();
+    fmt::print("#\n# {}  on mesh {}{}\n", c.name(), mesh_text(c.mesh_shape),
+               single_mesh_dim(c) ? "  (single mesh dim)" : "");
+    fmt::print("# {:>10}  {:>16}  {:>5}  {:>10}  {:>10}  {:>10}  {:>7}  {:>7}  {:>10}  {:>10}  {:>10}  {:>8}  {:>6}\n",
+               "bytes", "shape", "iters", "time_us", "min_us", "max_us", "algbw", "busbw", "recv/rank",
+               "lower_bnd", "raw_us", "overhead", "#wrong");
+    std::fflush(stdout);
+  }
+
+  void row(const Row& r) {
+    if (r.route != route_) {
+      route_ = r.route;
+      fmt::print("#   route: {}{}\n", r.route, r.raw_text.empty() ? "" : fmt::format("   raw: {}", r.raw_text));
+    }
+    fmt::print("  {:>10}  {:>16}  {:>5}  {:>10.1f}  {:>10.1f}  {:>10.1f}  {:>7.2f}  {:>7.2f}  {:>10}  {:>10}  {:>10}  "
+               "{:>8}  {:>6}\n",
+               r.bytes, fmt::format("{}", fmt::join(r.shape, "x")), r.iters, r.time.median_us, r.time.min_us,
+               r.time.max_us, r.algbw, r.busbw, r.bytes_per_rank, r.lower_bound,
+               r.has_raw ? fmt::format("{:.1f}", r.raw.median_us) : "-",
+               r.has_raw ? fmt::format("{:.2f}", r.overhead) : "-", r.wrong < 0 ? "N/A" : std::to_string(r.wrong));
+    std::fflush(stdout);
+  }
+
+  // Targets: overhead <= target for single-mesh-dim transitions with >= target_min per rank.
+  void footer(const std::vector<Row>& rows) const {
+    fmt::print("#\n# Summary: overhead (ours / raw) of single-mesh-dim transitions with a local shard >= {} "
+               "(target <= {:.2f}; reported, not enforced)\n",
+               human_bytes(opt_.target_min), opt_.target);
+    std::map<std::string, std::vector<double>> by;
+    std::vector<std::string> order;
+    for (const Row& r : rows) {
+      if (!r.single_mesh_dim || !r.has_raw || r.local_bytes < opt_.target_min) continue;
+      const std::string key = r.transition + " on " + r.mesh;
+      if (!by.count(key)) order.push_back(key);
+      by[key].push_back(r.overhead);
+    }
+    int met = 0, total = 0;
+    for (const std::string& k : order) {
+      const auto& v = by[k];
+      const int ok = static_cast<int>(std::count_if(v.begin(), v.end(), [&](double x) { return x <= opt_.target; }));
+      met += ok;
+      total += static_cast<int>(v.size());
+      fmt::print("#   {:<32} median {:.2f}  worst {:.2f}  met {}/{}\n", k, bench::median(v),
+                 *std::max_element(v.begin(), v.end()), ok, v.size());
+    }
+    if (total == 0) fmt::print("#   (no size in range)\n");
+    else fmt::print("#   overall: {} of {} sizes within {:.2f}\n", met, total, opt_.target);
+    int64_t wrong = 0;
+    for (const Row& r : rows) wrong += std::max<int64_t>(r.wrong, 0);
+    fmt::print("# load average at end: {}\n", bench::load_average());
+    fmt::print("# #wrong total: {}{}\n", wrong, opt_.check ? "" : " (check off)");
+    std::fflush(stdout);
+  }
+
+  void host_rows(const std::vector<HostRow>& rows) const {
+    fmt::print("#\n# host cost: redistribute with a cached plan on a {} tensor, one rank (no data moves "
+               "between ranks), {} calls per repeat\n",
+               rows.empty() ? "" : fmt::format("{}", fmt::join(rows[0].shape, "x")), opt_.host_calls);
+    fmt::print("# {:<28}  {:>6}  {:>8}  {:>12}  {:>10}  {:>10}\n", "transition", "mesh", "repeats", "us/call",
+               "min", "max");
+    for (const HostRow& r : rows)
+      fmt::print("  {:<28}  {:>6}  {:>8}  {:>12.3f}  {:>10.3f}  {:>10.3f}\n", r.transition, r.mesh, r.repeats,
+                 r.per_call.median_us, r.per_call.min_us, r.per_call.max_us);
+    double worst = 0;
+    for (const HostRow& r : rows) worst = std::max(worst, r.per_call.median_us);
+    fmt::print("# worst median {:.3f} us per call (target < 5 us; PyTorch's DTensor dispatch is ~25 us)\n", worst);
+    std::fflush(stdout);
+  }
+
+ private:
+  const Options& opt_;
+  std::string desc_;
+  int world_;
+  std::string route_;
+};
+
+json stats_fields(json o, const char* prefix, const Stats& s, bool present) {
+  const std::string p(prefix);
+  o[p + "time_us"] = present ? json(s.median_us) : json(nullptr);
+  o[p + "min_us"] = present ? json(s.min_us) : json(nullptr);
+  o[p + "max_us"] = present ? json(s.max_us) : json(nullptr);
+  return o;
+}
+
+void write_json(const Options& opt, const std::string& desc, int world, const std::vector<Row>& rows,
+                const std::vector<HostRow>& host) {
+  json arr = json::array();
+  auto common = [&](json& o) {
+    o["backend"] = opt.backend;
+    o["backend_detail"] = desc;
+    o["world"] = world;
+    o["dtype"] = kernels::to_string(opt.dtype);
+    o["planner"] = dtensor::to_string(opt.planner);
+    o["command"] = opt.command_line;
+  };
+  const int64_t item = static_cast<int64_t>(kernels::itemsize(opt.dtype));
+  for (const Row& r : rows) {
+    json o;
+    o["kind"] = "transition";
+    o["transition"] = r.transition;
+    o["src"] = r.src;
+    o["dst"] = r.dst;
+    o["mesh"] = r.mesh;
+    o["mesh_shape"] = r.mesh_shape.vec();
+    common(o);
+    o["bytes"] = r.bytes;
+    o["shape"] = r.shape.vec();
+    o["local_bytes"] = r.local_bytes;
+    o["route"] = r.route;
+    o["collectives"] = r.collectives;
+    o["single_mesh_dim"] = r.single_mesh_dim;
+    o["iters"] = r.iters;
+    o["warmup"] = r.warmup;
+    o = stats_fields(o, "", r.time, true);
+    o["time_min_us"] = o["min_us"];
+    o["time_max_us"] = o["max_us"];
+    o.erase("min_us");
+    o.erase("max_us");
+    o["raw_time_us"] = r.has_raw ? json(r.raw.median_us) : json(nullptr);
+    o["raw_min_us"] = r.has_raw ? json(r.raw.min_us) : json(nullptr);
+    o["raw_max_us"] = r.has_raw ? json(r.raw.max_us) : json(nullptr);
+    json ops = json::array();
+    for (const RawOp& op : r.raw_ops)
+      ops.push_back({{"op", raw_name(op.kind)}, {"mesh_dim", op.mesh_dim}, {"group_size", op.group},
+                     {"bytes_in", op.in * item}, {"bytes_out", op.out * item}});
+    o["raw_ops"] = ops;
+    o["overhead"] = r.has_raw ? json(r.overhead) : json(nullptr);
+    o["algbw_gbps"] = r.algbw;
+    o["busbw_gbps"] = r.busbw;
+    o["bytes_per_rank"] = r.bytes_per_rank;
+    o["lower_bound_bytes"] = r.lower_bound;
+    o["wrong"] = r.wrong < 0 ? json(nullptr) : json(r.wrong);
+    arr.push_back(o);
+  }
+  for (const HostRow& r : host) {
+    json o;
+    o["kind"] = "host";
+    o["transition"] = r.transition;
+    o["mesh"] = r.mesh;
+    common(o);
+    o["bytes"] = r.bytes;
+    o["shape"] = r.shape.vec();
+    o["calls"] = r.calls;
+    o["iters"] = r.repeats;
+    o["time_us"] = r.per_call.median_us;
+    o["time_min_us"] = r.per_call.min_us;
+    o["time_max_us"] = r.per_call.max_us;
+    o["raw_time_us"] = nullptr;
+    o["overhead"] = nullptr;
+    o["bytes_per_rank"] = 0;
+    o["lower_bound_bytes"] = 0;
+    arr.push_back(o);
+  }
+  std::ofstream f(opt.json_path);
+  if (!f) throw kernels::InvalidArgument(fmt::format("--json: cannot write '{}'", opt.json_path));
+  f << arr.dump(1) << "\n";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backends: every rank runs the same sweep; the reporting rank prints and writes the JSON.
+
+struct Result {
+  std::vector<Row> rows;
+  std::vector<HostRow> host;
+};
+
+Result run_rank(Env& env, Printer* printer, const std::vector<Case>& cases) {
+  if (printer) {
+    env.on_case = [printer](const Case& c) { printer->section(c); };
+    env.on_row = [printer](const Row& r) { printer->row(r); };
+  }
+  Result res;
+  if (env.opt.host_cost) res.host = run_host_cost(env);
+  else res.rows = run_sweep(env, cases);
+  return res;
+}
+
+int64_t finish(const Options& opt, const Printer& printer, const std::string& desc, int world, const Result& res) {
+  if (opt.host_cost) printer.host_rows(res.host);
+  else printer.footer(res.rows);
+  if (!opt.json_path.empty()) write_json(opt, desc, world, res.rows, res.host);
+  int64_t wrong = 0;
+  for (const Row& r : res.rows) wrong += std::max<int64_t>(r.wrong, 0);
+  return wrong;
+}
+
+int64_t run_local(const Options& opt) {
+  const int n = opt.host_cost && !opt.world_given ? 1 : opt.world;
+  const std::vector<Case> cases = opt.host_cost ? std::vector<Case>{} : suite_cases(opt, n);
+  const std::string desc = fmt::format("local ({} ranks as threads, {} hardware threads)", n,
+                                       std::thread::hardware_concurrency());
+  Printer printer(opt, desc, n);
+  printer.header();
+  Result res;
+  collectives::run_ranks(
+      n,
+      [&](Communicator& world) {
+        Env env{world, Device::cpu(), opt, {}, {}, {}};
+        Result mine = run_rank(env, world.rank() == 0 ? &printer : nullptr, cases);
+        if (world.rank() == 0) res = std::move(mine);
+      },
+      Milliseconds{opt.timeout_ms});
+  return finish(opt, printer, desc, n, res);
+}
+
+int64_t run_mpi(const Options& opt, int* argc, char*** argv) {
+  collectives::MpiWorld mpi(argc, argv);
+  std::unique_ptr<Communicator> world = mpi.communicator(Milliseconds{opt.timeout_ms});
+  const int n = world->size();
+  const std::vector<Case> cases = opt.host_cost ? std::vector<Case>{} : suite_cases(opt, n);
+  const std::string desc = fmt::format("mpi ({} processes)", n);
+  Printer printer(opt, desc, n);
+  if (world->rank() == 0) printer.header();
+  Env env{*world, Device::cpu(), opt, {}, {}, {}};
+  Result res = run_rank(env, world->rank() == 0 ? &printer : nullptr, cases);
+  int64_t wrong = 0;
+  if (world->rank() == 0) wrong = finish(opt, printer, desc, n, res);
+  else
+    for (const Row& r : res.rows) wrong += std::max<int64_t>(r.wrong, 0);  // every rank holds the sums
+  return wrong;
+}
+
+int64_t run_nccl(const Options& opt, int* argc, char*** argv) {
+  if (!collectives::nccl_built())
+    throw kernels::Unsupported("--backend nccl: this build has no NCCL (configure with CUDA and NCCL found)");
+  const int gpus = kernels::cuda_device_count();
+  if (gpus == 0) throw kernels::Unsupported("--backend nccl: no GPU visible");
+  const Milliseconds timeout{opt.timeout_ms};
+  const bool use_mpi = opt.bootstrap == "mpi" || (opt.bootstrap == "auto" && bench::under_mpirun());
+  if (use_mpi) {
+    collectives::MpiWorld mpi(argc, argv);
+    std::unique_ptr<Communicator> boot = mpi.communicator(timeout);
+    const int n = boot->size();
+    const int device = bench::local_rank_from_env() % gpus;
+    std::unique_ptr<Communicator> world = collectives::nccl_communicator(*boot, device, timeout);
+    const std::vector<Case> cases = suite_cases(opt, n);
+    const std::string desc = fmt::format("nccl ({} processes, one GPU each, bootstrap mpi)", n);
+    Printer printer(opt, desc, n);
+    if (boot->rank() == 0) printer.header();
+    Env env{*world, Device::cuda(device), opt, {}, {}, {}};
+    Result res = run_rank(env, boot->rank() == 0 ? &printer : nullptr, cases);
+    if (boot->rank() == 0) return finish(opt, printer, desc, n, res);
+    int64_t wrong = 0;
+    for (const Row& r : res.rows) wrong += std::max<int64_t>(r.wrong, 0);
+    return wrong;
+  }
+  const int n = opt.world_given ? opt.world : gpus;
+  if (n > gpus) throw kernels::InvalidArgument(fmt::format("--backend nccl --world {}: only {} GPUs visible", n, gpus));
+  const std::vector<Case> cases = suite_cases(opt, n);
+  const std::string desc = fmt::format("nccl ({} GPUs, one thread each, bootstrap local)", n);
+  Printer printer(opt, desc, n);
+  printer.header();
+  Result res;
+  collectives::run_ranks(
+      n,
+      [&](Communicator& boot) {
+        std::unique_ptr<Communicator> world = collectives::nccl_communicator(boot, boot.rank(), timeout);
+        Env env{*world, Device::cuda(boot.rank()), opt, {}, {}, {}};
+        Result mine = run_rank(env, boot.rank() == 0 ? &printer : nullptr, cases);
+        if (boot.rank() == 0) res = std::move(mine);
+      },
+      timeout);
+  return finish(opt, printer, desc, n, res);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options opt;
+  CLI::App app{"dtensor-bench: time every placement transition against the raw collective (see bench/README.md)"};
+  app.add_option("--backend", opt.backend, "local (threads), mpi (run under mpirun) or nccl (one GPU per rank)")
+      ->check(CLI::IsMember({"local", "mpi", "nccl"}))
+      ->capture_default_str();
+  app.add_option("--world", opt.world, "ranks (threads) of the local backend; nccl without mpirun: GPUs")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  app.add_option("--mesh", opt.mesh_text, "mesh shape (8, 2x4); default: [world], (2, world/2), (2, 2, world/4) "
+                                          "for 1-, 2- and 3-D placement lists");
+  app.add_option("--from", opt.from, "source placements, one per mesh dim (S(0),R); with --to, instead of a suite");
+  app.add_option("--to", opt.to, "target placements");
+  app.add_option("--suite", opt.suite, "default (1-D, strided, 2-D and 3-D pairs) or single (1-D only)")
+      ->capture_default_str();
+  app.add_option("--sizes", opt.sizes, "global tensor bytes: SIZE or MIN:MAX (x2 steps), comma-separated; K, M, G")
+      ->capture_default_str();
+  app.add_option("--dtype", opt.dtype_name, "f32, f64, bf16, f16, i32, i64, u8")->capture_default_str();
+  app.add_option("--planner", opt.planner_name, "search or greedy (PyTorch's route)")->capture_default_str();
+  app.add_option("--iters", opt.iters, "timed iterations per size (the median is reported)")
+      ->check(CLI::Range(1, 1000000))
+      ->capture_default_str();
+  app.add_option("--warmup", opt.warmup, "untimed iterations before them")->check(CLI::Range(0, 1000000))
+      ->capture_default_str();
+  app.add_flag("--check,!--no-check", opt.check, "check every rank's result once per size; exit 1 on a mismatch")
+      ->capture_default_str();
+  app.add_flag("--host-cost", opt.host_cost, "time redistribute with a cached plan on a 4x4 tensor, one rank "
+                                             "(local backend, --world 1)");
+  app.add_option("--host-calls", opt.host_calls, "calls per timed repeat of --host-cost")
+      ->check(CLI::Range(1, 100000000))
+      ->capture_default_str();
+  app.add_option("--target", opt.target, "overhead target of the summary")->capture_default_str();
+  app.add_option("--target-min-size", opt.target_min_text, "smallest local shard counted in the summary")
+      ->capture_default_str();
+  app.add_option("--timeout-ms", opt.timeout_ms, "collective timeout")->capture_default_str();
+  app.add_option("--bootstrap", opt.bootstrap, "nccl: auto (mpi under mpirun, else local threads), mpi, local")
+      ->check(CLI::IsMember({"auto", "mpi", "local"}))
+      ->capture_default_str();
+  app.add_option("--json", opt.json_path, "also write every figure as a JSON list of records");
+  CLI11_PARSE(app, argc, argv);
+  opt.world_given = app.count("--world") > 0;
+  opt.command_line = bench::join_args(argc, argv);
+
+  try {
+    opt.dtype = kernels::parse_dtype(opt.dtype_name);
+    if (opt.dtype == DType::kF8E4M3 || opt.dtype == DType::kF8E5M2)
+      throw kernels::InvalidArgument(fmt::format("--dtype {}: fp8 is storage-only, collectives do not move it",
+                                                 opt.dtype_name));
+    opt.planner = dtensor::parse_planner(opt.planner_name);
+    opt.size_list = bench::parse_sizes(opt.sizes);
+    opt.target_min = bench::parse_bytes(opt.target_min_text);
+    if (opt.host_cost && opt.backend != "local")
+      throw kernels::InvalidArgument(fmt::format("--host-cost runs on the local backend, not {}", opt.backend));
+
+    int64_t wrong = 0;
+    if (opt.backend == "local") wrong = run_local(opt);
+    else if (opt.backend == "mpi") wrong = run_mpi(opt, &argc, &argv);
+    else wrong = run_nccl(opt, &argc, &argv);
+    if (wrong > 0) {
+      fmt::print(stderr, "dtensor-bench: {} rank results did not match the expected shard\n", wrong);
+      return 1;
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "dtensor-bench: error: {}\n", e.what());
+    return 2;
+  }
+}
