@@ -65,7 +65,8 @@ class CachingAllocator final : public Allocator {
   Stats stats() const;
 
   // The size a request is served with: nbytes rounded up to an eighth of its power of two
-  // (at most 12.5% more), so nearby sizes share blocks. Requests below min_block are unchanged.
+  // (at most 12.5% more from 512 bytes up; the step is at least 64 bytes), so nearby sizes
+  // share blocks. Requests below min_block are unchanged.
   size_t block_size(size_t nbytes) const;
 
  private:

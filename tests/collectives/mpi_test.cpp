@@ -5,8 +5,9 @@
 // (kernels::reduce_into / scale_), so results must match element for element.
 //
 // Covered: every collective x dtypes x ops, zero and uneven counts, in place and out of place,
-// batches, concurrent send_recv exchanges, split into sub-groups (2x2 on 4 ranks) in a chosen
-// order, argument errors, check_calls mismatches, a receive shorter than its buffer, a
+// batches, concurrent send_recv exchanges, strided send_recv views as derived datatypes
+// (p2p_views_cases.h, shared with the local test), split into sub-groups (2x2 on 4 ranks) in a
+// chosen order, argument errors, check_calls mismatches, a receive shorter than its buffer, a
 // straggler that never joins (the timeout names it, the group is poisoned, and the straggler
 // still completes later), and a split that a rank never joins.
 #include "collectives/mpi.h"
@@ -27,6 +28,7 @@
 #include "kernels/device.h"
 #include "kernels/error.h"
 #include "kernels/reduce.h"
+#include "p2p_views_cases.h"
 
 namespace mpi_test {
 extern collectives::MpiWorld* mpi;
@@ -353,6 +355,65 @@ TEST_CASE("mpi: send_recv", "[mpi]") {
       W().wait(w);
     W().wait(W().barrier());  // the group is still in step
   }
+}
+
+TEST_CASE("mpi: send_recv with strided views (derived datatypes)", "[mpi]") {
+  const int n = W().size(), me = W().rank();
+  REQUIRE(W().p2p_views());
+  std::vector<std::string> failures = p2p_views_cases::run_p2p_view_cases(W());
+  for (const std::string& f : failures) FAIL_CHECK(f);
+  CHECK(failures.empty());
+
+  // On a split communicator (group ranks != world ranks): parity groups in descending order.
+  std::vector<int> group;
+  for (int r = n - 1; r >= 0; --r)
+    if (r % 2 == me % 2) group.push_back(r);
+  auto sub = W().split(group, "parity");
+  REQUIRE(sub->p2p_views());
+  failures = p2p_views_cases::run_p2p_view_cases(*sub);
+  for (const std::string& f : failures) FAIL_CHECK("parity group: " + f);
+  CHECK(failures.empty());
+
+  // Large column blocks (an all-to-all of a [256, n x 512] f64 matrix by columns): each message
+  // is 256 rows of 4 KiB, far above MPI's eager limit.
+  const int64_t rows = 256, w = 512;
+  Tensor t = Tensor::empty({rows, n * w}, DType::kF64);
+  t.fill_index_([&](std::span<const int64_t> i) { return me * 1e7 + static_cast<double>(i[0] * n * w + i[1]); });
+  Tensor out = Tensor::full({rows, n * w}, -1, DType::kF64);
+  std::vector<P2POp> ops;
+  for (int g = 0; g < n; ++g) {
+    ops.push_back(P2POp::recv(out.narrow(1, g * w, w), g));
+    ops.push_back(P2POp::send(t.narrow(1, g * w, w), g));
+  }
+  W().wait(W().send_recv(ops));
+  int64_t bad = 0;
+  const std::vector<double> got = out.to_vector();
+  for (int64_t i = 0; i < rows; ++i)
+    for (int g = 0; g < n; ++g)
+      for (int64_t j = 0; j < w; ++j)
+        if (got[static_cast<size_t>(i * n * w + g * w + j)] != g * 1e7 + static_cast<double>(i * n * w + me * w + j)) ++bad;
+  CHECK(bad == 0);
+
+  // A strided receive longer than the strided send is reported, counted in elements.
+  if (n >= 2) {
+    std::vector<P2POp> short_ops;
+    const Tensor base = Tensor::zeros({4, 6}, DType::kI32);
+    if (me == 0) short_ops.push_back(P2POp::send(base.narrow(1, 1, 2).narrow(0, 0, 2), 1));  // 4 elements
+    if (me == 1) short_ops.push_back(P2POp::recv(base.narrow(1, 2, 3).narrow(0, 1, 2), 0));  // 6
+    WorkPtr sw = W().send_recv(short_ops);
+    if (me == 1)
+      REQUIRE_THROWS_WITH(W().wait(sw), Contains("send_recv mismatch on group 'world': receive #0 of rank 1 from "
+                                                  "rank 0 got 4 elements but its buffer has 6"));
+    else
+      W().wait(sw);
+    W().wait(W().barrier());
+  }
+
+  // Refused before anything is posted: fp8 in a view. (Negative strides cannot be built.)
+  std::vector<P2POp> fp8 = {P2POp::send(Tensor::zeros({4, 4}, DType::kF8E4M3).narrow(1, 1, 2), 0)};
+  REQUIRE_THROWS_WITH(W().send_recv(fp8), Contains("send_recv on group 'world': dtype f8e4m3 is not supported"));
+  REQUIRE_THROWS_AS(t.as_strided({4}, {-1}, 3), InvalidArgument);
+  W().wait(W().barrier());
 }
 
 TEST_CASE("mpi: batch", "[mpi]") {

@@ -283,6 +283,13 @@ void check_dtype(Communicator& comm, int device, DType dtype) {
     comm.wait(comm.send_recv(ops));
     expect_values(recv, values(c, [&](int64_t i) { return moved(prev, i); }), false,
                   "send_recv " + tag);
+    // NCCL moves contiguous buffers only (the executor packs for it): a view is refused before
+    // anything is posted.
+    expect(!comm.p2p_views(), "nccl claims strided send_recv views " + tag);
+    Tensor wide = Tensor::zeros({c, 2}, dtype, Device::cuda(device));
+    const std::vector<P2POp> strided = {P2POp::send(wide.narrow(1, 0, 1), next), P2POp::recv(recv, prev)};
+    expect_throws<kernels::InvalidArgument>([&] { comm.send_recv(strided); }, "must be contiguous",
+                                            "strided send_recv " + tag);
   }
 
   // A batch: the calls' Works complete together with end_batch()'s.

@@ -20,7 +20,10 @@ namespace testing_support {
 
 inline std::string dims_text(const Dims& d) {
   std::string out;
-  for (int64_t x : d) out += (out.empty() ? "" : ",") + std::to_string(x);
+  for (int64_t x : d) {
+    if (!out.empty()) out += ',';
+    out += std::to_string(x);
+  }
   return out;
 }
 
