@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <tuple>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -199,29 +200,38 @@ std::string check_calls(const std::vector<PostedCall>& calls, const LocalGroup& 
               g.name, g.ranks[i], calls[i].send_counts[j], g.ranks[j], calls[j].recv_counts[i]);
   }
   if (c0.kind == CollectiveKind::kSendRecv) {
-    // Per ordered pair (i -> j): the i-th send matches the i-th receive, same numel and dtype.
+    // Per ordered pair (i -> j): the k-th send matches the k-th receive, same numel, dtype and
+    // device kind. One pass over the ops (this runs under the world lock on every exchange).
+    struct End {
+      int from, to, k;
+      const Tensor* buffer;
+      bool operator<(const End& o) const { return std::tie(from, to, k) < std::tie(o.from, o.to, o.k); }
+    };
+    std::vector<End> sends, recvs;
+    std::vector<int> n_send(static_cast<size_t>(n) * n, 0), n_recv(static_cast<size_t>(n) * n, 0);
     for (int i = 0; i < n; ++i)
-      for (int j = 0; j < n; ++j) {
-        std::vector<const P2POp*> sends, recvs;
-        for (const P2POp& op : calls[i].ops)
-          if (op.kind == P2POp::Kind::kSend && op.peer == j) sends.push_back(&op);
-        for (const P2POp& op : calls[j].ops)
-          if (op.kind == P2POp::Kind::kRecv && op.peer == i) recvs.push_back(&op);
-        if (sends.size() != recvs.size())
+      for (const P2POp& op : calls[i].ops) {
+        if (op.kind == P2POp::Kind::kSend) sends.push_back({i, op.peer, n_send[i * n + op.peer]++, &op.buffer});
+        else recvs.push_back({op.peer, i, n_recv[op.peer * n + i]++, &op.buffer});
+      }
+    for (int i = 0; i < n; ++i)
+      for (int j = 0; j < n; ++j)
+        if (n_send[i * n + j] != n_recv[i * n + j])
           return fmt::format("send_recv mismatch on group '{}': rank {} posts {} sends to rank {}, "
                              "which posts {} receives from it",
-                             g.name, g.ranks[i], sends.size(), g.ranks[j], recvs.size());
-        for (size_t k = 0; k < sends.size(); ++k)
-          if (sends[k]->buffer.numel() != recvs[k]->buffer.numel() ||
-              sends[k]->buffer.dtype() != recvs[k]->buffer.dtype() ||
-              sends[k]->buffer.device().type != recvs[k]->buffer.device().type)
-            return fmt::format(
-                "send_recv mismatch on group '{}': send #{} from rank {} to rank {} has {} {} "
-                "elements, the receive has {} {}",
-                g.name, k, g.ranks[i], g.ranks[j], sends[k]->buffer.numel(),
-                kernels::to_string(sends[k]->buffer.dtype()), recvs[k]->buffer.numel(),
-                kernels::to_string(recvs[k]->buffer.dtype()));
-      }
+                             g.name, g.ranks[i], n_send[i * n + j], g.ranks[j], n_recv[i * n + j]);
+    std::sort(sends.begin(), sends.end());
+    std::sort(recvs.begin(), recvs.end());
+    for (size_t e = 0; e < sends.size(); ++e) {
+      const Tensor& a = *sends[e].buffer;
+      const Tensor& b = *recvs[e].buffer;
+      if (a.numel() != b.numel() || a.dtype() != b.dtype() || a.device().type != b.device().type)
+        return fmt::format(
+            "send_recv mismatch on group '{}': send #{} from rank {} to rank {} has {} {} "
+            "elements, the receive has {} {}",
+            g.name, sends[e].k, g.ranks[sends[e].from], g.ranks[sends[e].to], a.numel(),
+            kernels::to_string(a.dtype()), b.numel(), kernels::to_string(b.dtype()));
+    }
   }
   if (!c0.split_name.empty()) {
     for (int i = 0; i < n; ++i) {
