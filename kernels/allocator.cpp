@@ -43,7 +43,8 @@ void* CachingAllocator::allocate(size_t nbytes, Device device) {
     std::lock_guard lk(mu_);
     auto it = free_.find(Key{static_cast<int>(device.type), device.index, size});
     if (it != free_.end()) {
-      void* p = it->second;
+      void* p = it->second.second;
+      age_.erase(it->second.first);
       free_.erase(it);
       stats_.cached_bytes -= size;
       ++stats_.hits;
@@ -59,29 +60,50 @@ void* CachingAllocator::allocate(size_t nbytes, Device device) {
   }
 }
 
+void CachingAllocator::evict_oldest_locked(std::vector<std::pair<Key, void*>>& out) {
+  const auto oldest = age_.begin();
+  auto [lo, hi] = free_.equal_range(oldest->second);
+  for (auto it = lo; it != hi; ++it)
+    if (it->second.first == oldest->first) {
+      out.emplace_back(it->first, it->second.second);
+      stats_.cached_bytes -= std::get<2>(it->first);
+      free_.erase(it);
+      break;
+    }
+  age_.erase(oldest);
+}
+
 void CachingAllocator::deallocate(void* p, size_t nbytes, Device device) noexcept {
   if (p == nullptr) return;
   const size_t size = block_size(nbytes);
-  if (size >= options_.min_block) {
+  std::vector<std::pair<Key, void*>> evicted;
+  bool cached = false;
+  if (size >= options_.min_block && size <= options_.max_cached_bytes) {
     std::lock_guard lk(mu_);
-    if (stats_.cached_bytes + size <= options_.max_cached_bytes) {
-      free_.emplace(Key{static_cast<int>(device.type), device.index, size}, p);
-      stats_.cached_bytes += size;
-      return;
-    }
+    // Recently freed sizes are the likeliest to come back: make room by giving back the oldest.
+    while (stats_.cached_bytes + size > options_.max_cached_bytes && !age_.empty()) evict_oldest_locked(evicted);
+    const Key key{static_cast<int>(device.type), device.index, size};
+    free_.emplace(key, std::pair{clock_, p});
+    age_.emplace(clock_++, key);
+    stats_.cached_bytes += size;
+    cached = true;
   }
-  system_deallocate(p, size, device);
+  for (const auto& [key, q] : evicted)
+    system_deallocate(q, std::get<2>(key), Device{static_cast<DeviceType>(std::get<0>(key)), std::get<1>(key)});
+  if (!cached) system_deallocate(p, size, device);
 }
 
 void CachingAllocator::release_cached() {
-  std::multimap<Key, void*> blocks;
+  std::multimap<Key, std::pair<uint64_t, void*>> blocks;
   {
     std::lock_guard lk(mu_);
     blocks.swap(free_);
+    age_.clear();
     stats_.cached_bytes = 0;
   }
-  for (const auto& [key, p] : blocks)
-    system_deallocate(p, std::get<2>(key), Device{static_cast<DeviceType>(std::get<0>(key)), std::get<1>(key)});
+  for (const auto& [key, entry] : blocks)
+    system_deallocate(entry.second, std::get<2>(key),
+                      Device{static_cast<DeviceType>(std::get<0>(key)), std::get<1>(key)});
 }
 
 CachingAllocator::Stats CachingAllocator::stats() const {

@@ -20,6 +20,8 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "kernels/device.h"
 
@@ -42,7 +44,7 @@ void system_deallocate(void* p, size_t nbytes, Device device) noexcept;
 class CachingAllocator final : public Allocator {
  public:
   struct Options {
-    size_t max_cached_bytes = size_t{1} << 30;  // free blocks kept; beyond it blocks go back
+    size_t max_cached_bytes = size_t{1} << 30;  // free blocks kept; beyond it the oldest go back
     size_t min_block = size_t{256} << 10;       // smaller blocks bypass the cache (malloc is fine)
   };
   struct Stats {
@@ -71,9 +73,13 @@ class CachingAllocator final : public Allocator {
 
  private:
   using Key = std::tuple<int, int, size_t>;  // device type, device index, block size
+  void evict_oldest_locked(std::vector<std::pair<Key, void*>>& out);
+
   Options options_;
   mutable std::mutex mu_;
-  std::multimap<Key, void*> free_;
+  std::multimap<Key, std::pair<uint64_t, void*>> free_;  // block -> (when it was freed, pointer)
+  std::map<uint64_t, Key> age_;                           // oldest free block first
+  uint64_t clock_ = 0;
   Stats stats_;
 };
 

@@ -147,7 +147,9 @@ TEST_CASE("caching allocator: max_cached_bytes caps the cache; release_cached em
   CHECK(cache.stats().misses == 7);
   CHECK(cache.stats().cached_bytes == 256 * KiB);
   for (void* p : blocks) cache.deallocate(p, MiB, cpu);
-  CHECK(cache.stats().cached_bytes == 2 * MiB + 256 * KiB);
+  // Over the cap the oldest free blocks go back first (the 256 KiB one, then the first 1 MiB),
+  // so the two most recently freed 1 MiB blocks stay.
+  CHECK(cache.stats().cached_bytes == 2 * MiB);
 
   cache.release_cached();
   CHECK(cache.stats().cached_bytes == 0);
@@ -309,4 +311,34 @@ TEST_CASE("caching allocator: concurrent allocate / free from several threads", 
   // Every block is free again: allocating each cached class back hits until the cache is empty.
   cache.release_cached();
   CHECK(cache.stats().cached_bytes == 0);
+}
+
+TEST_CASE("caching allocator: a freed block that does not fit evicts the oldest free blocks",
+          "[kernels][allocator]") {
+  constexpr size_t MiB = size_t{1} << 20;
+  CachingAllocator cache({.max_cached_bytes = 3 * MiB, .min_block = 256 * 1024});
+  const kernels::Device cpu = kernels::Device::cpu();
+  void* a = cache.allocate(MiB, cpu);
+  void* b = cache.allocate(MiB, cpu);
+  void* c = cache.allocate(2 * MiB, cpu);
+  cache.deallocate(a, MiB, cpu);      // oldest
+  cache.deallocate(b, MiB, cpu);
+  cache.deallocate(c, 2 * MiB, cpu);  // 4 MiB > 3 MiB: a goes back to the system
+  CHECK(cache.stats().cached_bytes == 3 * MiB);
+  const int64_t hits = cache.stats().hits;
+  void* c2 = cache.allocate(2 * MiB, cpu);
+  void* b2 = cache.allocate(MiB, cpu);
+  CHECK(c2 == c);  // the newest sizes are served from the cache
+  CHECK(b2 == b);
+  CHECK(cache.stats().hits == hits + 2);
+  void* a2 = cache.allocate(MiB, cpu);  // a was evicted: a miss
+  CHECK(cache.stats().hits == hits + 2);
+  CHECK(cache.stats().cached_bytes == 0);
+  for (auto [p, n] : {std::pair{c2, 2 * MiB}, {b2, MiB}, {a2, MiB}}) system_deallocate(p, n, cpu);
+  // A block larger than the cap is never cached and evicts nothing.
+  void* d = cache.allocate(MiB, cpu);
+  cache.deallocate(d, MiB, cpu);
+  void* huge = cache.allocate(4 * MiB, cpu);
+  cache.deallocate(huge, 4 * MiB, cpu);
+  CHECK(cache.stats().cached_bytes == MiB);
 }
