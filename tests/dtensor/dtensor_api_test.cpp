@@ -17,47 +17,20 @@
 #include "collectives/local.h"
 #include "dtensor/dtensor.h"
 #include "kernels/error.h"
+#include "support/checks.h"
 #include "support/dtensor_data.h"
 
 using namespace dtensor;
 using collectives::Communicator;
 using kernels::DType;
 using testing_support::check_local;
+using testing_support::Checks;
 using testing_support::make_local;
 
 namespace {
 
 constexpr collectives::Milliseconds kTimeout{20'000};
 
-class Checks {
- public:
-  void check(bool ok, const std::string& what) {
-    if (!ok) add(what);
-  }
-  // f() must throw E whose message contains `contains`.
-  template <class E, class F>
-  void throws(F f, const std::string& contains, const std::string& what) {
-    try {
-      f();
-      add(what + ": no exception");
-    } catch (const E& e) {
-      if (std::string(e.what()).find(contains) == std::string::npos)
-        add(fmt::format("{}: message '{}' lacks '{}'", what, e.what(), contains));
-    }
-  }
-  void report() {
-    for (const std::string& f : failures_) FAIL_CHECK(f);
-    CHECK(failures_.empty());
-  }
-
- private:
-  void add(std::string what) {
-    std::lock_guard lk(mu_);
-    if (failures_.size() < 30) failures_.push_back(std::move(what));
-  }
-  std::mutex mu_;
-  std::vector<std::string> failures_;
-};
 
 using CommsPtr = std::shared_ptr<const MeshComms>;
 using Body = std::function<void(Communicator& world, const CommsPtr& comms)>;

@@ -6,7 +6,7 @@
 // checked on every rank against the global-index values; the paths are compared with each other
 // DTensor by DTensor; and MeshComms' caching allocator is shown to serve repeated redistributes.
 //
-// Catch2 assertions are not thread-safe: rank threads record failures in a Failures object and
+// Catch2 assertions are not thread-safe: rank threads record failures in a Checks object and
 // the test thread reports them.
 #include <catch2/catch.hpp>
 
@@ -27,6 +27,7 @@
 #include "support/dtensor_data.h"
 #include "support/no_views_communicator.h"
 #include "support/placement_lists.h"
+#include "support/checks.h"
 #include "support/redistribute_check.h"
 
 using namespace dtensor;
@@ -34,6 +35,7 @@ using collectives::CollectiveKind;
 using collectives::Communicator;
 using kernels::DType;
 using testing_support::check_redistributed;
+using testing_support::Checks;
 using testing_support::make_local;
 using testing_support::NoViewsCommunicator;
 
@@ -41,24 +43,6 @@ namespace {
 
 constexpr collectives::Milliseconds kTimeout{30'000};
 
-class Failures {
- public:
-  void check(bool ok, const std::string& what) {
-    if (!ok) add(what);
-  }
-  void add(std::string what) {
-    std::lock_guard lk(mu_);
-    if (list_.size() < 20) list_.push_back(std::move(what));
-  }
-  void report() {
-    for (const std::string& f : list_) FAIL_CHECK(f);
-    CHECK(list_.empty());
-  }
-
- private:
-  std::mutex mu_;
-  std::vector<std::string> list_;
-};
 
 std::string describe(const DTensorSpec& src, const Placements& dst, PlannerKind planner) {
   return fmt::format("mesh {} shape [{}] {} [{}] -> [{}] ({})", to_string(*src.mesh), fmt::join(src.shape, ","),
@@ -69,7 +53,7 @@ std::string describe(const DTensorSpec& src, const Placements& dst, PlannerKind 
 // planners, through MeshComms over a NoViewsCommunicator-wrapped local world: every rank's
 // result is checked against the global-index values. Returns the cases run (counted once).
 int64_t run_packed_pairs(const Dims& mesh_shape, const std::vector<Dims>& shapes, const std::vector<Placements>& srcs,
-                         const std::vector<Placements>& dsts, int stride, Failures& failures) {
+                         const std::vector<Placements>& dsts, int stride, Checks& failures) {
   auto mesh = std::make_shared<const DeviceMesh>(DeviceMesh::from_shape(mesh_shape));
   std::mutex mu;
   int64_t cases = 0, exchanges = 0;
@@ -136,7 +120,7 @@ void on_two_paths(const Dims& mesh_shape, const std::function<void(Communicator&
 }  // namespace
 
 TEST_CASE("NoViewsCommunicator forwards every call, refuses views and wraps its splits", "[dtensor][packed]") {
-  Failures failures;
+  Checks failures;
   collectives::run_ranks(4, [&](Communicator& world) {
     std::vector<CollectiveKind> seen;
     NoViewsCommunicator c(world, [&](CollectiveKind kind, std::span<const Tensor>) { seen.push_back(kind); });
@@ -206,7 +190,7 @@ TEST_CASE("packed exchange path: S/R/P pairs through a communicator without stri
   const std::vector<Placement> src_options = {Replicate{}, Shard{0}, Shard{1}, Partial{}};
   const std::vector<Placement> dst_options = {Replicate{}, Shard{0}, Shard{1}};
   const std::vector<Dims> shapes = {{5, 7}, {8, 3}, {1, 9}, {0, 4}};
-  Failures failures;
+  Checks failures;
   int64_t cases = 0;
   for (const Dims& mesh : std::vector<Dims>{{4}, {2, 2}, {3, 2}})
     cases += run_packed_pairs(mesh, shapes, testing_support::placement_lists(mesh.size(), src_options),
@@ -222,7 +206,7 @@ TEST_CASE("packed exchange path: S/R/P pairs through a communicator without stri
 TEST_CASE("packed exchange path: StridedShard pairs, uneven, with a first mesh dim of 3",
           "[dtensor][redistribute][packed][strided]") {
   const std::vector<Placement> options = {Replicate{}, Shard{0}, StridedShard{0, 2}, StridedShard{0, 3}, Shard{1}};
-  Failures failures;
+  Checks failures;
   int64_t cases = 0;
   for (const Dims& mesh : std::vector<Dims>{{3, 2}, {2, 2}, {4}})
     cases += run_packed_pairs(mesh, {{7, 2}, {8, 3}, {13, 1}}, testing_support::placement_lists(mesh.size(), options),
@@ -238,7 +222,7 @@ TEST_CASE("packed exchange path: batched redistribute (several tensors per buffe
     const std::string text(pair);
     const Placements src = parse_placements(text.substr(0, text.find('|')));
     const Placements dst = parse_placements(text.substr(text.find('|') + 1));
-    Failures failures;
+    Checks failures;
     collectives::run_ranks(4, [&](Communicator& world) {
       NoViewsCommunicator packed(world);
       MeshComms comms(*mesh, packed);
@@ -286,7 +270,7 @@ TEST_CASE("views path and packed path give identical DTensors", "[dtensor][redis
   };
   for (PlannerKind planner : {PlannerKind::kGreedy, PlannerKind::kSearch})
     for (const Case& c : cases) {
-      Failures failures;
+      Checks failures;
       const Placements src = parse_placements(c.src), dst = parse_placements(c.dst);
       on_two_paths(c.mesh, [&](Communicator& world, const TwoPaths& p) {
         for (int d = 0; d < p.views->mesh().ndim(); ++d) failures.check(p.views->dim(d).p2p_views(), "views group without views");
@@ -333,7 +317,7 @@ TEST_CASE("reduce-scatter fast path: no packing, same result as other routes", "
       {{3, 2}, {6, 4}, DType::kI32, "P,R", "_S(0,2),R", false},
   };
   for (const Case& c : cases) {
-    Failures failures;
+    Checks failures;
     const Placements src = parse_placements(c.src), dst = parse_placements(c.dst);
     Placements via_r = src;  // the same target through Replicate first: all_reduce, then a local chunk
     for (Placement& pl : via_r)
@@ -373,7 +357,7 @@ TEST_CASE("MeshComms' caching allocator serves repeated redistributes", "[dtenso
   const DeviceMesh mesh = DeviceMesh::from_shape({4});
   const Dims shape{1024, 1024};  // 4 MiB of f32: 1 MiB per rank
   auto shared = std::make_shared<kernels::CachingAllocator>();
-  Failures failures;
+  Checks failures;
   collectives::run_ranks(4, [&](Communicator& world) {
     NoViewsCommunicator wrapped(world);
     for (bool packed : {false, true}) {
