@@ -547,7 +547,7 @@ def plot_torch_host(hosts, out_dir, written):
     ax.set_ylim(-0.7, n - 0.3)
     ax.set_xlabel("host time per redistribute call (us, median)" + (", log scale" if log else ""))
     ax.grid(True, axis="x", alpha=0.35)
-    ax.legend(loc="lower right", fontsize=8.5)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8.5)
     ax.set_title("Host cost, ours vs torch DTensor: redistribute on a tiny tensor, one rank", fontsize=10.5, loc="left")
     savefig(fig, out_dir, "torch_compare_host.png", written)
     return True
