@@ -365,15 +365,16 @@ class StepRunner {
   std::vector<Tensor> exchange_views(const std::vector<Item>& items) {
     std::vector<Tensor> out;
     std::vector<P2POp> ops;
+    std::vector<std::pair<Tensor, Tensor>> keep;  // (from, to): what this rank keeps
     for (const Item& it : items) {
       const ShardLayout pre_r = layout(it, before_, r_), post_r = layout(it, after_, r_);
       Tensor o = Tensor::empty(post_r.local_shape, it.spec->dtype, it.local.device(), comms_.allocator());
       out.push_back(o);
       for (int64_t g = 0; g < k_; ++g) {
         const int peer = static_cast<int>(g);
-        if (g == r_) {  // what this rank keeps
+        if (g == r_) {
           for_each_global_piece(intersect_layouts(pre_r, post_r), it.local, pre_r, o, post_r,
-                                [](const Tensor& src, Tensor dst) { dst.copy_(src); });
+                                [&](const Tensor& src, const Tensor& dst) { keep.emplace_back(src, dst); });
           continue;
         }
         const ShardLayout pre_g = layout(it, before_, g), post_g = layout(it, after_, g);
@@ -387,7 +388,12 @@ class StepRunner {
                               });
       }
     }
-    comm().wait(comm().send_recv(ops));
+    // Copy what stays here while the peers move the rest (the pieces are disjoint from every
+    // send and receive buffer: the sends read other parts of the source, receives fill other
+    // parts of the result).
+    collectives::WorkPtr work = comm().send_recv(ops);
+    for (auto& [src, dst] : keep) dst.copy_(src);
+    comm().wait(work);
     return out;
   }
 
