@@ -12,11 +12,16 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "collectives/communicator.h"
+#include "collectives/local.h"
+#include "collectives/mpi.h"
+#include "collectives/nccl.h"
+#include "kernels/device.h"
 #include "kernels/error.h"
 #include "kernels/reduce_op.h"
 #include "kernels/tensor.h"
@@ -123,6 +128,60 @@ inline int local_rank_from_env() {
   for (const char* v : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"})
     if (const char* s = std::getenv(v)) return std::atoi(s);
   return 0;
+}
+
+// What run_nccl_ranks returns on each process.
+template <class R>
+struct NcclRun {
+  bool reporting = false;  // this process holds rank 0 (it printed the header and reports)
+  int world = 0;
+  std::string desc;        // "nccl (4 processes, one GPU each, bootstrap mpi)"
+  R result;                // rank 0's result on the reporting process, this rank's elsewhere
+};
+
+// The ranks of a benchmark on the nccl backend. Under mpirun (bootstrap "auto") or with "mpi":
+// one process per rank, GPU = local rank mod the visible GPUs, bootstrapped over mpi. Otherwise
+// one thread per GPU of this process (`world` of them when world_given, else all) bootstrapped
+// over the local backend. header(n, desc) runs once on the reporting process before the ranks;
+// rank(nccl, boot, device, threads) runs on every rank (threads: the ranks are threads sharing
+// one clock) and returns its result R.
+template <class R, class Header, class Rank>
+NcclRun<R> run_nccl_ranks(int world, bool world_given, const std::string& bootstrap,
+                          collectives::Milliseconds timeout, int* argc, char*** argv, Header header,
+                          Rank rank) {
+  using collectives::Communicator;
+  if (!collectives::nccl_built())
+    throw kernels::Unsupported("--backend nccl: this build has no NCCL (configure with CUDA and NCCL found)");
+  const int gpus = kernels::cuda_device_count();
+  if (gpus == 0) throw kernels::Unsupported("--backend nccl: no GPU visible");
+  NcclRun<R> run;
+  if (bootstrap == "mpi" || (bootstrap == "auto" && under_mpirun())) {
+    collectives::MpiWorld mpi(argc, argv);
+    std::unique_ptr<Communicator> boot = mpi.communicator(timeout);
+    const int device = local_rank_from_env() % gpus;
+    std::unique_ptr<Communicator> comm = collectives::nccl_communicator(*boot, device, timeout);
+    run.reporting = boot->rank() == 0;
+    run.world = boot->size();
+    run.desc = fmt::format("nccl ({} processes, one GPU each, bootstrap mpi)", run.world);
+    if (run.reporting) header(run.world, run.desc);
+    run.result = rank(*comm, *boot, kernels::Device::cuda(device), false);
+    return run;
+  }
+  run.reporting = true;
+  run.world = world_given ? world : gpus;
+  if (run.world > gpus)
+    throw kernels::InvalidArgument(fmt::format("--backend nccl --world {}: only {} GPUs visible", run.world, gpus));
+  run.desc = fmt::format("nccl ({} GPUs, one thread each, bootstrap local)", run.world);
+  header(run.world, run.desc);
+  collectives::run_ranks(
+      run.world,
+      [&](Communicator& boot) {
+        std::unique_ptr<Communicator> comm = collectives::nccl_communicator(boot, boot.rank(), timeout);
+        R mine = rank(*comm, boot, kernels::Device::cuda(boot.rank()), true);
+        if (boot.rank() == 0) run.result = std::move(mine);
+      },
+      timeout);
+  return run;
 }
 
 inline std::string join_args(int argc, char** argv) {

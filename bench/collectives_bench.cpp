@@ -926,57 +926,26 @@ int64_t run_mpi(const Options& opt, int* argc, char*** argv) {
 }
 
 int64_t run_nccl(const Options& opt, int* argc, char*** argv) {
-  if (!collectives::nccl_built())
-    throw kernels::Unsupported("--backend nccl: this build has no NCCL (configure with CUDA and NCCL found)");
-  const int gpus = kernels::cuda_device_count();
-  if (gpus == 0) throw kernels::Unsupported("--backend nccl: no GPU visible");
-  const Milliseconds timeout{opt.timeout_ms};
-  const bool use_mpi = opt.bootstrap == "mpi" || (opt.bootstrap == "auto" && bench::under_mpirun());
-  std::vector<Row> rows;
-  int64_t wrong = 0;
-  if (use_mpi) {
-    collectives::MpiWorld mpi(argc, argv);
-    std::unique_ptr<Communicator> boot = mpi.communicator(timeout);
-    const int n = boot->size();
-    const int device = bench::local_rank_from_env() % gpus;
-    std::unique_ptr<Communicator> comm = collectives::nccl_communicator(*boot, device, timeout);
-    const Patterns pat = make_patterns(opt.dtype, opt.op, n, opt.seed);
-    const std::string desc = fmt::format("nccl ({} processes, one GPU each, bootstrap mpi)", n);
-    Printer printer(opt, desc, n, Baseline::kNone);
-    if (boot->rank() == 0) printer.header();
-    Env env{*comm, *boot, Device::cuda(device), Baseline::kNone, false, pat, opt, {}, {}};
-    if (boot->rank() == 0) {
-      env.on_row = [&](const Row& r) { printer.row(r); };
-      env.on_section = [&](Coll c) { printer.section(c); };
-    }
-    rows = run_sweep(env);
-    if (boot->rank() == 0) return finish(opt, printer, desc, n, Baseline::kNone, rows);
-    for (const Row& r : rows) wrong += std::max<int64_t>(r.wrong, 0);
-    return wrong;
-  }
-  const int n = opt.world_given ? opt.world : gpus;
-  if (n > gpus)
-    throw kernels::InvalidArgument(fmt::format("--backend nccl --world {}: only {} GPUs visible", n, gpus));
-  const Patterns pat = make_patterns(opt.dtype, opt.op, n, opt.seed);
-  const std::string desc = fmt::format("nccl ({} GPUs, one thread each, bootstrap local)", n);
-  Printer printer(opt, desc, n, Baseline::kNone);
-  printer.header();
-  collectives::run_ranks(
-      n,
-      [&](Communicator& boot) {
-        std::unique_ptr<Communicator> comm = collectives::nccl_communicator(boot, boot.rank(), timeout);
-        Env env{*comm, boot, Device::cuda(boot.rank()), Baseline::kNone, true, pat, opt, {}, {}};
-        if (boot.rank() == 0) {
-          env.on_row = [&](const Row& r) { printer.row(r); };
-          env.on_section = [&](Coll c) { printer.section(c); };
-        }
-        std::vector<Row> mine = run_sweep(env);
-        if (boot.rank() == 0) rows = std::move(mine);
+  std::optional<Printer> printer;
+  auto run = bench::run_nccl_ranks<std::vector<Row>>(
+      opt.world, opt.world_given, opt.bootstrap, Milliseconds{opt.timeout_ms}, argc, argv,
+      [&](int n, const std::string& desc) {
+        printer.emplace(opt, desc, n, Baseline::kNone);
+        printer->header();
       },
-      timeout);
-  (void)argc;
-  (void)argv;
-  return finish(opt, printer, desc, n, Baseline::kNone, rows);
+      [&](Communicator& comm, Communicator& boot, Device device, bool threads) {
+        const Patterns pat = make_patterns(opt.dtype, opt.op, boot.size(), opt.seed);
+        Env env{comm, boot, device, Baseline::kNone, threads, pat, opt, {}, {}};
+        if (boot.rank() == 0) {
+          env.on_row = [&](const Row& r) { printer->row(r); };
+          env.on_section = [&](Coll c) { printer->section(c); };
+        }
+        return run_sweep(env);
+      });
+  if (run.reporting) return finish(opt, *printer, run.desc, run.world, Baseline::kNone, run.result);
+  int64_t wrong = 0;
+  for (const Row& r : run.result) wrong += std::max<int64_t>(r.wrong, 0);  // every rank holds the sums
+  return wrong;
 }
 
 }  // namespace

@@ -364,10 +364,11 @@ struct Env {
     const std::string key = mesh_text(shape);
     auto it = meshes.find(key);
     if (it != meshes.end()) return it->second;
-    if (DeviceMesh::from_shape(shape).size() > world.size())
+    const DeviceMesh mesh = DeviceMesh::from_shape(shape);
+    if (mesh.size() > world.size())
       throw kernels::InvalidArgument(fmt::format("mesh {} needs {} ranks, the world has {}", key,
-                                                 DeviceMesh::from_shape(shape).size(), world.size()));
-    auto comms = std::make_shared<const dtensor::MeshComms>(DeviceMesh::from_shape(shape), world);
+                                                 mesh.size(), world.size()));
+    auto comms = std::make_shared<const dtensor::MeshComms>(mesh, world);
     meshes.emplace(key, comms);
     return comms;
   }
@@ -412,11 +413,12 @@ Row run_one(Env& env, const Case& c, int64_t requested_bytes) {
   for (int it = 0; it < opt.warmup + opt.iters; ++it) {
     const bool timed = it >= opt.warmup;
     world.wait(world.barrier());
-    double t0 = bench::now_us();
-    DTensor y = x.redistribute(c.dst, ropt);
-    double t1 = bench::now_us();
+    double t0 = bench::now_us(), t1 = 0;
+    {
+      const DTensor y = x.redistribute(c.dst, ropt);
+      t1 = bench::now_us();
+    }  // the result is released outside the timed region
     if (timed) ours.push_back(t1 - t0);
-    y = DTensor(x);  // release the result outside the timed region
     if (row.has_raw && comms->in_mesh()) {
       world.wait(world.barrier());
       t0 = bench::now_us();
@@ -606,14 +608,6 @@ class Printer {
   std::string route_;
 };
 
-json stats_fields(json o, const char* prefix, const Stats& s, bool present) {
-  const std::string p(prefix);
-  o[p + "time_us"] = present ? json(s.median_us) : json(nullptr);
-  o[p + "min_us"] = present ? json(s.min_us) : json(nullptr);
-  o[p + "max_us"] = present ? json(s.max_us) : json(nullptr);
-  return o;
-}
-
 void write_json(const Options& opt, const std::string& desc, int world, const std::vector<Row>& rows,
                 const std::vector<HostRow>& host) {
   json arr = json::array();
@@ -643,11 +637,9 @@ void write_json(const Options& opt, const std::string& desc, int world, const st
     o["single_mesh_dim"] = r.single_mesh_dim;
     o["iters"] = r.iters;
     o["warmup"] = r.warmup;
-    o = stats_fields(o, "", r.time, true);
-    o["time_min_us"] = o["min_us"];
-    o["time_max_us"] = o["max_us"];
-    o.erase("min_us");
-    o.erase("max_us");
+    o["time_us"] = r.time.median_us;
+    o["time_min_us"] = r.time.min_us;
+    o["time_max_us"] = r.time.max_us;
     o["raw_time_us"] = r.has_raw ? json(r.raw.median_us) : json(nullptr);
     o["raw_min_us"] = r.has_raw ? json(r.raw.min_us) : json(nullptr);
     o["raw_max_us"] = r.has_raw ? json(r.raw.max_us) : json(nullptr);
@@ -753,46 +745,22 @@ int64_t run_mpi(const Options& opt, int* argc, char*** argv) {
 }
 
 int64_t run_nccl(const Options& opt, int* argc, char*** argv) {
-  if (!collectives::nccl_built())
-    throw kernels::Unsupported("--backend nccl: this build has no NCCL (configure with CUDA and NCCL found)");
-  const int gpus = kernels::cuda_device_count();
-  if (gpus == 0) throw kernels::Unsupported("--backend nccl: no GPU visible");
-  const Milliseconds timeout{opt.timeout_ms};
-  const bool use_mpi = opt.bootstrap == "mpi" || (opt.bootstrap == "auto" && bench::under_mpirun());
-  if (use_mpi) {
-    collectives::MpiWorld mpi(argc, argv);
-    std::unique_ptr<Communicator> boot = mpi.communicator(timeout);
-    const int n = boot->size();
-    const int device = bench::local_rank_from_env() % gpus;
-    std::unique_ptr<Communicator> world = collectives::nccl_communicator(*boot, device, timeout);
-    const std::vector<Case> cases = suite_cases(opt, n);
-    const std::string desc = fmt::format("nccl ({} processes, one GPU each, bootstrap mpi)", n);
-    Printer printer(opt, desc, n);
-    if (boot->rank() == 0) printer.header();
-    Env env{*world, Device::cuda(device), opt, {}, {}, {}};
-    Result res = run_rank(env, boot->rank() == 0 ? &printer : nullptr, cases);
-    if (boot->rank() == 0) return finish(opt, printer, desc, n, res);
-    int64_t wrong = 0;
-    for (const Row& r : res.rows) wrong += std::max<int64_t>(r.wrong, 0);
-    return wrong;
-  }
-  const int n = opt.world_given ? opt.world : gpus;
-  if (n > gpus) throw kernels::InvalidArgument(fmt::format("--backend nccl --world {}: only {} GPUs visible", n, gpus));
-  const std::vector<Case> cases = suite_cases(opt, n);
-  const std::string desc = fmt::format("nccl ({} GPUs, one thread each, bootstrap local)", n);
-  Printer printer(opt, desc, n);
-  printer.header();
-  Result res;
-  collectives::run_ranks(
-      n,
-      [&](Communicator& boot) {
-        std::unique_ptr<Communicator> world = collectives::nccl_communicator(boot, boot.rank(), timeout);
-        Env env{*world, Device::cuda(boot.rank()), opt, {}, {}, {}};
-        Result mine = run_rank(env, boot.rank() == 0 ? &printer : nullptr, cases);
-        if (boot.rank() == 0) res = std::move(mine);
+  std::optional<Printer> printer;
+  auto run = bench::run_nccl_ranks<Result>(
+      opt.world, opt.world_given, opt.bootstrap, Milliseconds{opt.timeout_ms}, argc, argv,
+      [&](int n, const std::string& desc) {
+        printer.emplace(opt, desc, n);
+        printer->header();
       },
-      timeout);
-  return finish(opt, printer, desc, n, res);
+      [&](Communicator& world, Communicator& boot, Device device, bool) {
+        const std::vector<Case> mine = suite_cases(opt, boot.size());
+        Env env{world, device, opt, {}, {}, {}};
+        return run_rank(env, boot.rank() == 0 ? &*printer : nullptr, mine);
+      });
+  if (run.reporting) return finish(opt, *printer, run.desc, run.world, run.result);
+  int64_t wrong = 0;
+  for (const Row& r : run.result.rows) wrong += std::max<int64_t>(r.wrong, 0);  // every rank holds the sums
+  return wrong;
 }
 
 }  // namespace
