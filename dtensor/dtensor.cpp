@@ -487,8 +487,11 @@ std::vector<DTensor> redistribute_batch(std::span<const DTensor> tensors, const 
   }
   const Placements& dst = dsts[0];
   if (dst == first.placements()) return {tensors.begin(), tensors.end()};
-  // One plan for the batch, chosen for its largest tensor (plans are valid for any shape).
-  const Plan& plan = tensors[largest].plan_to(dst, options);
+  // One plan for the batch, costed for its largest tensor and valid for every shape in it
+  // (NOTE [step validity]: validity can depend on the shape when sizes are uneven).
+  std::vector<Dims> shapes;
+  for (const DTensor& t : tensors) shapes.push_back(t.spec().shape);
+  const Plan& plan = first.comms()->plans().get(tensors[largest].spec(), dst, options.planner, {}, false, shapes);
   std::vector<DTensorSpec> specs;
   std::vector<Tensor> locals;
   for (const DTensor& t : tensors) {

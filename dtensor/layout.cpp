@@ -126,6 +126,26 @@ ShardLayout compute_layout(const Dims& global_shape, const Dims& mesh_shape,
   return layout;
 }
 
+int64_t common_elements(const ShardLayout& a, const ShardLayout& b) {
+  // Held indices are increasing in local order (every split keeps an ordered sub-list), so the
+  // runs of each dim are sorted and disjoint: a merge walk counts the overlap.
+  int64_t n = 1;
+  for (size_t t = 0; t < a.runs.size() && n > 0; ++t) {
+    const IndexRuns &x = a.runs[t], &y = b.runs[t];
+    int64_t count = 0;
+    size_t i = 0, j = 0;
+    while (i < x.size() && j < y.size()) {
+      const int64_t lo = std::max(x[i].start, y[j].start);
+      const int64_t hi = std::min(x[i].start + x[i].length, y[j].start + y[j].length);
+      if (lo < hi) count += hi - lo;
+      if (x[i].start + x[i].length < y[j].start + y[j].length) ++i;
+      else ++j;
+    }
+    n *= count;
+  }
+  return n;
+}
+
 std::optional<ShardLayout> layout_of_rank(const Dims& global_shape, const DeviceMesh& mesh,
                                           const Placements& placements, int rank) {
   std::optional<Dims> coord = mesh.coord_of(rank);

@@ -60,6 +60,10 @@ ShardLayout compute_layout(const Dims& global_shape, const Dims& mesh_shape,
 std::optional<ShardLayout> layout_of_rank(const Dims& global_shape, const DeviceMesh& mesh,
                                           const Placements& placements, int rank);
 
+// Elements two layouts of the same tensor have in common (per tensor dim, the intersection of
+// the held index sets; the product over dims).
+int64_t common_elements(const ShardLayout& a, const ShardLayout& b);
+
 // The index-list form of one split, for tests and tools: the positions (0..n-1 of the current
 // extent) that piece `index` keeps under Shard (split_factor == 0) or StridedShard.
 IndexRuns split_positions(int64_t n, int64_t k, int64_t index, int split_factor);

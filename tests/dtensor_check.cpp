@@ -517,8 +517,11 @@ Outcome expected_outcome(const Placements& src, const Placements& dst, int nd) {
     if (auto* s = std::get_if<dtensor::StridedShard>(&p); s && s->dim < 0) s->dim += nd;
     return p;
   };
+  // A Partial target must be the source's own, or (PyTorch 2.15) a plain Shard turning P(sum).
   for (size_t m = 0; m < dst.size(); ++m)
-    if (dtensor::is_partial(dst[m]) && norm(src[m]) != dst[m]) return Outcome::kUnsupported;
+    if (dtensor::is_partial(dst[m]) && norm(src[m]) != dst[m] &&
+        !(dtensor::is_shard(src[m]) && dst[m] == Placement{dtensor::Partial{ReduceOp::kSum}}))
+      return Outcome::kUnsupported;
   return Outcome::kOk;
 }
 

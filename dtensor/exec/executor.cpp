@@ -1,6 +1,7 @@
 #include "dtensor/exec/executor.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "kernels/error.h"
 #include "kernels/reduce.h"
@@ -205,6 +206,9 @@ class StepRunner {
       const ShardLayout full = layout(it, after_, r_);
       direct = direct && s.tensor_dim == 0 && full.local_shape[0] % k_ == 0 && it.local.is_contiguous();
     }
+    // A valid step that is not plain (a later mesh dim shards the dim too) gathers pieces that
+    // are not the result's chunks in coordinate order: only the exchange places them.
+    direct = direct && is_plain_step(step_, before_, comms_.mesh().shape());
     if (!direct) return exchange(items);
     std::vector<Tensor> out;
     if (items.size() == 1) {
@@ -259,6 +263,25 @@ class StepRunner {
     for (const Item& it : items) {
       Tensor o = it.local.clone();
       if (s.op == ReduceOp::kSum) kernels::scale_(o, 1.0 / static_cast<double>(k_));
+      out.push_back(o);
+    }
+    return out;
+  }
+
+  // S(d) -> P(sum): zeros of the group's extent, this rank's shard at its place (what it holds of
+  // the new layout; NOTE [step validity] makes every element of it held by one member).
+  std::vector<Tensor> run_step(const LocalEmbed&, const std::vector<Item>& items) {
+    std::vector<Tensor> out;
+    for (const Item& it : items) {
+      const ShardLayout pre = layout(it, before_, r_), post = layout(it, after_, r_);
+      const std::vector<IndexRuns> mine = intersect_layouts(pre, post);
+      Tensor o = Tensor::zeros(post.local_shape, it.spec->dtype, it.local.device());
+      Block from = block_in(pre, mine), to = block_in(post, mine);
+      if (from.numel() > 0) {
+        Tensor tmp = Tensor::empty({from.numel()}, it.spec->dtype, it.local.device(), comms_.allocator());
+        pack(it.local, from, tmp, 0);
+        unpack(tmp, 0, o, to);
+      }
       out.push_back(o);
     }
     return out;
@@ -500,11 +523,14 @@ std::vector<Tensor> execute_batch(const Plan& plan, std::span<const DTensorSpec>
           fmt::join(it.local.shape(), ","), comms.rank(), fmt::join(l.local_shape, ","),
           to_string(*it.spec)));
   }
+  // NOTE [step validity]: a step valid for one global shape may not be for another.
+  for (size_t i = 0; i < items.size(); ++i)
+    if (!plan.valid_for(items[i].spec->shape))
+      throw InvalidArgument(fmt::format("execute: tensor {} has global shape [{}], which the plan {} was not "
+                                        "made for (plan it for this shape)",
+                                        i, fmt::join(items[i].spec->shape, ","), to_string(plan)));
   for (size_t i = 0; i < plan.steps.size(); ++i) {
     const Placements& before = plan.states[i];
-    if (!is_valid_step(plan.steps[i], before, comms.mesh().shape()))
-      throw InternalError(fmt::format("execute: step {} is not valid from [{}]",
-                                      to_string(plan.steps[i]), to_string(before)));
     std::vector<Tensor> next = StepRunner(comms, before, plan.steps[i]).run(items);
     for (size_t j = 0; j < items.size(); ++j) items[j].local = next[j];
   }

@@ -1,6 +1,7 @@
 #include "dtensor/plan/planner.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <functional>
@@ -16,56 +17,67 @@ using kernels::Unsupported;
 
 namespace {
 
-// |a ∩ b| for two strictly increasing index lists given as runs.
-int64_t intersect_count(const IndexRuns& a, const IndexRuns& b) {
-  int64_t count = 0;
-  size_t i = 0, j = 0;
-  while (i < a.size() && j < b.size()) {
-    const int64_t lo = std::max(a[i].start, b[j].start);
-    const int64_t hi = std::min(a[i].start + a[i].length, b[j].start + b[j].length);
-    if (lo < hi) count += hi - lo;
-    if (a[i].start + a[i].length < b[j].start + b[j].length) ++i;
-    else ++j;
-  }
-  return count;
-}
-
-// Elements in common between two layouts (Cartesian products of per-dim index sets).
-int64_t common(const ShardLayout& a, const ShardLayout& b) {
-  int64_t n = 1;
-  for (size_t t = 0; t < a.runs.size(); ++t) n *= intersect_count(a.runs[t], b.runs[t]);
-  return n;
-}
-
 int64_t numel(const ShardLayout& l) { return l.local_shape.product(); }
 
 std::vector<ShardLayout> all_layouts(const DTensorSpec& spec, const Placements& placements) {
-  const Dims& mesh_shape = spec.mesh->shape();
-  std::vector<ShardLayout> out;
-  out.reserve(spec.mesh->size());
-  for (int64_t p = 0; p < spec.mesh->size(); ++p)
-    out.push_back(compute_layout(spec.shape, mesh_shape, placements, unravel_index(p, mesh_shape)));
-  return out;
+  return mesh_layouts(spec.shape, spec.mesh->shape(), placements);
 }
 
-// Every rank's layout per placement state, computed once per planning call.
+// Every rank's layout per placement state for one global shape, computed once per planning call.
 class LayoutCache {
  public:
-  explicit LayoutCache(const DTensorSpec& spec) : spec_(spec) {}
+  LayoutCache(Dims shape, Dims mesh_shape) : shape_(std::move(shape)), mesh_shape_(std::move(mesh_shape)) {}
   const std::vector<ShardLayout>& get(const Placements& placements) {
     auto [it, inserted] = by_state_.try_emplace(to_string(placements));
-    if (inserted) it->second = all_layouts(spec_, placements);
+    if (inserted) it->second = mesh_layouts(shape_, mesh_shape_, placements);
     return it->second;
   }
 
  private:
-  const DTensorSpec& spec_;
+  Dims shape_, mesh_shape_;
   std::unordered_map<std::string, std::vector<ShardLayout>> by_state_;
+};
+
+// NOTE [step validity] for every shape a plan must serve; the first is the spec's own (its
+// layouts also serve the traffic and cost computations).
+class Validity {
+ public:
+  Validity(const DTensorSpec& spec, const std::vector<Dims>& also_valid_for) : mesh_shape_(spec.mesh->shape()) {
+    shapes_.push_back(spec.shape);
+    for (const Dims& s : also_valid_for) {
+      if (s.size() != spec.shape.size())
+        throw InvalidArgument(fmt::format("plan_redistribute: shape [{}] has {} dims, the tensor [{}] has {}",
+                                          fmt::join(s, ","), s.size(), fmt::join(spec.shape, ","),
+                                          spec.shape.size()));
+      if (std::find(shapes_.begin(), shapes_.end(), s) == shapes_.end()) shapes_.push_back(s);
+    }
+    for (const Dims& s : shapes_) caches_.emplace_back(s, mesh_shape_);
+  }
+
+  bool valid(const Step& step, const Placements& before) {
+    if (is_plain_step(step, before, mesh_shape_)) return true;
+    const Placements after = apply_step(step, before);
+    for (LayoutCache& c : caches_)
+      if (!is_valid_step(step, before, c.get(before), c.get(after), mesh_shape_)) return false;
+    return true;
+  }
+  LayoutCache& layouts() { return caches_.front(); }
+  const std::vector<Dims>& shapes() const { return shapes_; }
+
+ private:
+  Dims mesh_shape_;
+  std::vector<Dims> shapes_;
+  std::vector<LayoutCache> caches_;
 };
 
 Traffic traffic_of(const Step& step, const DTensorSpec& spec, const Placements& before, LayoutCache& layouts);
 
 bool is_shard_like(const Placement& p) { return shard_dim(p).has_value(); }
+
+// PyTorch 2.15's one way into a new Partial: a plain Shard becoming P(sum) (a local zero-fill).
+bool shard_to_partial_sum(const Placement& from, const Placement& to) {
+  return is_shard(from) && to == Placement{Partial{ReduceOp::kSum}};
+}
 
 void check_transition(const DTensorSpec& src, const Placements& dst, bool allow_partial_target) {
   for (size_t m = 0; m < dst.size(); ++m) {
@@ -76,9 +88,12 @@ void check_transition(const DTensorSpec& src, const Placements& dst, bool allow_
     if (is_partial(src.placements[m]))
       throw Unsupported(fmt::format("{}: {} -> {} changes the reduce op (a Partial keeps its op)",
                                     what, to_string(src.placements[m]), to_string(dst[m])));
+    if (shard_to_partial_sum(src.placements[m], dst[m])) continue;
     if (is_shard_like(src.placements[m]))
-      throw Unsupported(fmt::format("{}: {} -> {} is not supported (a shard cannot become Partial)",
-                                    what, to_string(src.placements[m]), to_string(dst[m])));
+      throw Unsupported(fmt::format(
+          "{}: {} -> {} is not supported (only a Shard becomes Partial, and only P(sum), as in "
+          "PyTorch 2.15)",
+          what, to_string(src.placements[m]), to_string(dst[m])));
     if (!allow_partial_target)
       throw Unsupported(fmt::format(
           "{}: Replicate -> {} would create a new Partial (only a source's own Partial may stay "
@@ -89,8 +104,9 @@ void check_transition(const DTensorSpec& src, const Placements& dst, bool allow_
 
 class Builder {
  public:
-  Builder(const DTensorSpec& spec, const Placements& dst, PlannerKind kind, const CostModel& cost)
-      : spec_(spec), cost_(cost) {
+  Builder(const DTensorSpec& spec, const Placements& dst, PlannerKind kind, const CostModel& cost,
+          Validity& validity)
+      : spec_(spec), cost_(cost), validity_(validity) {
     plan_.src = spec.placements;
     plan_.dst = dst;
     plan_.planner = kind;
@@ -100,7 +116,7 @@ class Builder {
   const Placements& current() const { return plan_.states.back(); }
 
   void add(const Step& step) {
-    if (!is_valid_step(step, current(), spec_.mesh->shape()))
+    if (!validity_.valid(step, current()))
       throw kernels::InternalError(fmt::format("planner produced an invalid step {} from [{}]",
                                                to_string(step), to_string(current())));
     plan_.steps.push_back(step);
@@ -126,6 +142,7 @@ class Builder {
  private:
   const DTensorSpec& spec_;
   const CostModel& cost_;
+  Validity& validity_;
   Plan plan_;
 };
 
@@ -141,11 +158,13 @@ Plan Builder::finish(const Placements& dst) {
     throw kernels::InternalError(fmt::format("plan ends at [{}], not at [{}]",
                                              to_string(current()), to_string(dst)));
   const int64_t n = spec_.mesh->size();
-  LayoutCache layouts(spec_);
+  LayoutCache& layouts = validity_.layouts();
   plan_.traffic.sent.assign(n, 0);
   plan_.traffic.received.assign(n, 0);
+  plan_.shapes = validity_.shapes();
   for (size_t i = 0; i < plan_.steps.size(); ++i) {
     const Step& step = plan_.steps[i];
+    plan_.plain = plan_.plain && is_plain_step(step, plan_.states[i], spec_.mesh->shape());
     const bool moves = communicates(step) && spec_.mesh->size(mesh_dim_of(step)) > 1;
     plan_.communicating.push_back(moves);
     if (!moves) continue;
@@ -160,8 +179,8 @@ Plan Builder::finish(const Placements& dst) {
 }
 
 // PyTorch's greedy planner (dtensor-semantics.md 4.2).
-Plan greedy(const DTensorSpec& spec, const Placements& dst, const CostModel& cost) {
-  Builder b(spec, dst, PlannerKind::kGreedy, cost);
+Plan greedy(const DTensorSpec& spec, const Placements& dst, const CostModel& cost, Validity& validity) {
+  Builder b(spec, dst, PlannerKind::kGreedy, cost, validity);
   const int ndim = spec.mesh->ndim();
   const Placements& src = spec.placements;
   if (ndim == 1) {
@@ -190,9 +209,10 @@ Plan greedy(const DTensorSpec& spec, const Placements& dst, const CostModel& cos
   return b.finish(dst);
 }
 
-// Dijkstra over placement states; edges are single valid steps, Regroup included.
+// Dijkstra over placement states; edges are the single steps valid by layouts (NOTE [step
+// validity]), the ones PyTorch lacks included (Regroup, P -> _S).
 Plan search(const DTensorSpec& spec, const Placements& dst, const CostModel& cost,
-            bool allow_partial_target) {
+            bool allow_partial_target, Validity& validity) {
   const int ndim = spec.mesh->ndim();
   const Placements& src = spec.placements;
   std::vector<std::vector<Placement>> candidates(ndim);
@@ -209,6 +229,11 @@ Plan search(const DTensorSpec& spec, const Placements& dst, const CostModel& cos
       for (const Placement& p : {src[i], dst[i]})
         if (is_strided_shard(p)) add(p);
   }
+  // A Partial state on mesh dim m: the target's, when the source had it, when new Partials are
+  // allowed, or when a Shard source becomes P(sum).
+  auto partial_allowed = [&](int m, const Placement& c) {
+    return c == dst[m] && (c == src[m] || allow_partial_target || shard_to_partial_sum(src[m], c));
+  };
   struct Entry {
     double cost;
     uint64_t order;
@@ -228,7 +253,6 @@ Plan search(const DTensorSpec& spec, const Placements& dst, const CostModel& cos
   nodes[start] = {src, 0.0, "", std::nullopt};
   queue.push({0.0, order++, start});
   std::unordered_map<std::string, bool> done;
-  LayoutCache layouts(spec);
   while (!queue.empty()) {
     Entry e = queue.top();
     queue.pop();
@@ -239,11 +263,11 @@ Plan search(const DTensorSpec& spec, const Placements& dst, const CostModel& cos
     for (int m = 0; m < ndim; ++m)
       for (const Placement& c : candidates[m]) {
         if (c == state[m]) continue;
-        if (is_partial(c) && !(c == dst[m] && (c == src[m] || allow_partial_target))) continue;
+        if (is_partial(c) && !partial_allowed(m, c)) continue;
         std::optional<Step> step = step_between(m, state[m], c, /*direct=*/true);
-        if (!step || !is_valid_step(*step, state, spec.mesh->shape())) continue;
+        if (!step || !validity.valid(*step, state)) continue;
         Placements next = apply_step(*step, state);
-        const double total = e.cost + step_cost(*step, spec, state, cost, layouts);
+        const double total = e.cost + step_cost(*step, spec, state, cost, validity.layouts());
         const std::string key = to_string(next);
         auto it = nodes.find(key);
         if (it == nodes.end() || total < it->second.cost) {
@@ -257,7 +281,7 @@ Plan search(const DTensorSpec& spec, const Placements& dst, const CostModel& cos
   std::vector<Step> steps;
   for (std::string key = goal; key != start; key = nodes[key].parent) steps.push_back(*nodes[key].via);
   std::reverse(steps.begin(), steps.end());
-  Builder b(spec, dst, PlannerKind::kSearch, cost);
+  Builder b(spec, dst, PlannerKind::kSearch, cost, validity);
   for (const Step& s : steps) b.add(s);
   return b.finish(dst);
 }
@@ -285,6 +309,10 @@ int Plan::collectives() const {
   return static_cast<int>(std::count(communicating.begin(), communicating.end(), 1));
 }
 
+bool Plan::valid_for(const Dims& global_shape) const {
+  return plain || std::find(shapes.begin(), shapes.end(), global_shape) != shapes.end();
+}
+
 std::string to_string(const Plan& plan) {
   std::string out = fmt::format("[{}]", to_string(plan.states.front()));
   for (size_t i = 0; i < plan.steps.size(); ++i)
@@ -293,7 +321,7 @@ std::string to_string(const Plan& plan) {
 }
 
 Traffic step_traffic(const Step& step, const DTensorSpec& spec, const Placements& before) {
-  LayoutCache layouts(spec);
+  LayoutCache layouts(spec.shape, spec.mesh->shape());
   return traffic_of(step, spec, before, layouts);
 }
 
@@ -315,8 +343,11 @@ Traffic traffic_of(const Step& step, const DTensorSpec& spec, const Placements& 
     Dims coord = unravel_index(p, mesh.shape());
     const int64_t r = coord[m];
     if (std::holds_alternative<AllReduce>(step)) {
-      // Bandwidth-optimal all-reduce (ring / reduce-scatter + all-gather).
-      t.sent[p] = t.received[p] = 2 * (k - 1) * numel(pre[p]) / k * item;
+      // The busiest member of a bandwidth-optimal all-reduce: 2(k-1)N/k, rounded up (a ring
+      // reduce-scatter + all-gather over a balanced split of the N elements whose larger and
+      // smaller pieces alternate around the ring reaches it exactly).
+      const int64_t N = numel(pre[p]);
+      t.sent[p] = t.received[p] = (2 * (k - 1) * N + k - 1) / k * item;
       continue;
     }
     if (std::holds_alternative<ReduceScatter>(step)) {
@@ -328,8 +359,8 @@ Traffic traffic_of(const Step& step, const DTensorSpec& spec, const Placements& 
       if (g == r) continue;
       coord[m] = g;
       const int64_t q = ravel_index(coord, mesh.shape());
-      t.sent[p] += common(pre[p], post[q]) * item;
-      t.received[p] += common(pre[q], post[p]) * item;
+      t.sent[p] += common_elements(pre[p], post[q]) * item;
+      t.received[p] += common_elements(pre[q], post[p]) * item;
     }
   }
   return t;
@@ -337,42 +368,46 @@ Traffic traffic_of(const Step& step, const DTensorSpec& spec, const Placements& 
 
 }  // namespace
 
-Traffic lower_bound_traffic(const DTensorSpec& src, const Placements& dst) {
+Traffic lower_bound_traffic(const DTensorSpec& src, const Placements& dst_in) {
   const DeviceMesh& mesh = *src.mesh;
   const int64_t n = mesh.size();
   const int64_t item = static_cast<int64_t>(kernels::itemsize(src.dtype));
+  const Placements& from = src.placements;
+  // What must be held after: a new Partial (a zero-fill) needs nothing beyond its source.
+  Placements dst = normalize_placements(dst_in, mesh.ndim(), src.tensor_ndim());
+  int64_t contributions = 1, classes = 1;
+  for (int m = 0; m < mesh.ndim(); ++m) {
+    if (is_partial(dst[m]) && !is_partial(from[m])) dst[m] = from[m];
+    if (!is_partial(from[m]) || mesh.size(m) == 1) continue;
+    if (from[m] == dst[m]) classes *= mesh.size(m);  // a kept Partial: separate values
+    else contributions *= mesh.size(m);              // reduced
+  }
   Traffic t;
   t.sent.assign(n, 0);
   t.received.assign(n, 0);
-  std::vector<int> partial_dims;
-  for (int m = 0; m < mesh.ndim(); ++m)
-    if (is_partial(src.placements[m]) && src.placements[m] != dst[m] && mesh.size(m) > 1)
-      partial_dims.push_back(m);
-  const std::vector<ShardLayout> pre = all_layouts(src, src.placements);
+  const std::vector<ShardLayout> pre = all_layouts(src, from);
   const std::vector<ShardLayout> post = all_layouts(src, dst);
-  for (int64_t p = 0; p < n; ++p) {
-    if (partial_dims.size() == 1) {
-      // Reducing N elements over a group of k: (k-1)N contributions must cross the wire, so the
-      // busiest member receives at least (k-1)N/k (reduce-scatter); an all-reduce needs twice
-      // that (the bandwidth-optimal bound). Even splits meet it on every rank; an uneven
-      // reduce-scatter cannot (its largest chunk receives (k-1) x ceil(N/k)).
-      const int64_t k = mesh.size(partial_dims[0]);
-      const bool to_replicate = is_replicate(dst[partial_dims[0]]);
-      t.received[p] = (to_replicate ? 2 : 1) * (k - 1) * numel(pre[p]) / k * item;
-    } else {
-      t.received[p] = (numel(post[p]) - common(pre[p], post[p])) * item;
-    }
+  if (contributions == 1) {
+    for (int64_t p = 0; p < n; ++p) t.received[p] = (numel(post[p]) - common_elements(pre[p], post[p])) * item;
+    return t;
   }
+  int64_t held_after = 0;
+  for (int64_t p = 0; p < n; ++p) held_after += numel(post[p]);
+  const int64_t total = src.shape.product() * (contributions - 2) * classes + held_after;
+  const int64_t busiest = (total + n - 1) / n;
+  for (int64_t p = 0; p < n; ++p) t.received[p] = std::max(busiest, numel(post[p])) * item;
   return t;
 }
 
 Plan plan_redistribute(const DTensorSpec& src, const Placements& dst_in, PlannerKind kind,
-                       const CostModel& cost, bool allow_partial_target) {
+                       const CostModel& cost, bool allow_partial_target,
+                       const std::vector<Dims>& also_valid_for) {
   const Placements dst = normalize_placements(dst_in, src.mesh->ndim(), src.tensor_ndim());
   check_transition(src, dst, allow_partial_target);
-  Plan g = greedy(src, dst, cost);
+  Validity validity(src, also_valid_for);
+  Plan g = greedy(src, dst, cost, validity);
   if (kind == PlannerKind::kGreedy) return g;
-  Plan s = search(src, dst, cost, allow_partial_target);
+  Plan s = search(src, dst, cost, allow_partial_target, validity);
   if (s.cost_us > g.cost_us) {  // cannot happen (greedy's path is in the graph); be safe
     g.planner = PlannerKind::kSearch;
     return g;
@@ -381,15 +416,22 @@ Plan plan_redistribute(const DTensorSpec& src, const Placements& dst_in, Planner
 }
 
 const Plan& PlanCache::get(const DTensorSpec& src, const Placements& dst, PlannerKind kind,
-                           const CostModel& cost, bool allow_partial_target) {
+                           const CostModel& cost, bool allow_partial_target,
+                           const std::vector<Dims>& also_valid_for) {
+  std::vector<std::vector<int64_t>> more;
+  for (const Dims& d : also_valid_for) more.push_back(d.vec());
+  std::sort(more.begin(), more.end());
+  more.erase(std::unique(more.begin(), more.end()), more.end());
   Key key{src.mesh->shape().vec(), src.shape.vec(), static_cast<int>(src.dtype),
           to_string(src.placements),
           to_string(normalize_placements(dst, src.mesh->ndim(), src.tensor_ndim())),
-          static_cast<int>(kind), allow_partial_target, cost.latency_us, cost.bandwidth_gb_per_s};
+          static_cast<int>(kind), allow_partial_target, cost.latency_us, cost.bandwidth_gb_per_s,
+          std::move(more)};
   std::lock_guard lk(mu_);
   auto it = plans_.find(key);
   if (it != plans_.end()) return it->second;
-  return plans_.emplace(key, plan_redistribute(src, dst, kind, cost, allow_partial_target)).first->second;
+  return plans_.emplace(key, plan_redistribute(src, dst, kind, cost, allow_partial_target, also_valid_for))
+      .first->second;
 }
 
 size_t PlanCache::size() const {

@@ -8,11 +8,16 @@
 // Two planners behind one signature:
 //  - kGreedy: PyTorch's default algorithm (dtensor-semantics.md 4.2), step for step, for
 //    default-order specs; StridedShard is treated like Shard by its consistency checks, and a
-//    transition no single primitive performs goes through Replicate (as PyTorch does).
+//    transition no single primitive performs goes through Replicate (as PyTorch does). PyTorch
+//    itself never runs this algorithm on StridedShard (its graph planner takes those), so with
+//    _S greedy is "PyTorch's greedy rules applied to _S", not PyTorch's route.
 //  - kSearch: Dijkstra over placement states with the CostModel below (bytes the busiest rank
-//    receives over a bandwidth, plus a latency per communicating step), with direct
-//    StridedShard <-> Shard moves (Regroup). Never worse than greedy under that cost: the
-//    greedy plan is a path of the same graph, and the cheaper of the two is returned.
+//    receives over a bandwidth, plus a latency per communicating step). Its edges are every
+//    single-mesh-dim step that is valid by layouts (NOTE [step validity] in step.h), including
+//    the ones PyTorch lacks: StridedShard <-> Shard moves (Regroup) and P -> _S reduce-scatters.
+//    Never worse than greedy under that cost: the greedy plan is a path of the same graph.
+// Plans depend on the global shape (validity does, for uneven sizes): Plan::shapes lists the
+// shapes a plan was checked for, and plans made of plain steps hold for any shape.
 #pragma once
 
 #include <cstdint>
@@ -52,9 +57,13 @@ struct Plan {
   PlannerKind planner = PlannerKind::kGreedy;
   Traffic traffic;                 // summed over the steps
   double cost_us = 0;
+  std::vector<Dims> shapes;        // global shapes every step was checked valid for
+  bool plain = true;               // every step is plain (is_plain_step): valid for any shape
 
   int collectives() const;         // communicating steps
   int64_t bytes_per_rank() const { return traffic.max_sent(); }
+  // True when the plan may run on a tensor of this global shape (the executor's contract).
+  bool valid_for(const Dims& global_shape) const;
 };
 
 // "[S(0),S(1)] -AG(1)-> [S(0),R] -A2A(0:0->1)-> [S(1),R] -chunk(1->S(0))-> [S(1),S(0)]";
@@ -62,29 +71,43 @@ struct Plan {
 std::string to_string(const Plan& plan);
 
 // Validates the transition and plans it. Throws Unsupported for what PyTorch also rejects (a
-// Shard/StridedShard source turning Partial, P(a) -> P(b), a new Partial target unless
-// allow_partial_target) and InvalidArgument for malformed placements (mesh ndim, shard dims).
-// allow_partial_target: R -> P(op) local partition is allowed (distribute_tensor uses it).
+// StridedShard source turning Partial, a Shard turning P(avg/min/max/prod), P(a) -> P(b), a
+// new Partial target from Replicate unless allow_partial_target) and InvalidArgument for
+// malformed placements (mesh ndim, shard dims). S(d) -> P(sum) is allowed (PyTorch 2.15: a
+// local zero-fill). allow_partial_target: R -> P(op) local partition is allowed
+// (distribute_tensor uses it). also_valid_for: more global shapes (same tensor ndim) the plan
+// must be valid for (a batch moving tensors of several shapes with one plan); the cost is
+// that of src.shape.
 Plan plan_redistribute(const DTensorSpec& src, const Placements& dst, PlannerKind kind,
-                       const CostModel& cost = {}, bool allow_partial_target = false);
+                       const CostModel& cost = {}, bool allow_partial_target = false,
+                       const std::vector<Dims>& also_valid_for = {});
 
-// Traffic of one step from `before` (exact per rank, uneven shards included) and the
-// transition's lower bound (what must move: elements a rank needs and does not hold; for a
-// reduction over one mesh dim of k, (k-1)/k of the reduced data per rank, twice that for an
-// all-reduce).
+// Traffic of one step from `before` (exact per rank, uneven shards included).
 Traffic step_traffic(const Step& step, const DTensorSpec& spec, const Placements& before);
+// The transition's lower bound, per rank: what no plan can go below.
+//  - No Partial reduced: the elements a rank holds after and not before (exact per rank). A
+//    new P(sum) target needs nothing (a zero-fill); it is counted as keeping its source.
+//  - Partial mesh dims reduced (product of sizes C): each element's C contributions merge with
+//    C-1 transfers and reach its D holders with D-1 more, so the mesh receives at least
+//    numel x (C-2) + sum of the ranks' new local sizes per kept-Partial class; the busiest
+//    rank at least that over the ranks, and at least its own new local size. Even splits meet
+//    it on every rank (a reduce-scatter: (k-1)/k N; an all-reduce 2(k-1)/k N; HSDP's
+//    reduce-scatter + all-reduce). An uneven reduce-scatter cannot: the rank owning the
+//    largest chunk receives (k-1) x ceil(N/k) > (k-1) N / k.
 Traffic lower_bound_traffic(const DTensorSpec& src, const Placements& dst);
 
-// Memoises plans by (mesh shape, global shape, dtype, src, dst, planner). Thread-safe.
+// Memoises plans by (mesh shape, global shape, dtype, src, dst, planner, extra shapes).
+// Thread-safe.
 class PlanCache {
  public:
   const Plan& get(const DTensorSpec& src, const Placements& dst, PlannerKind kind,
-                  const CostModel& cost = {}, bool allow_partial_target = false);
+                  const CostModel& cost = {}, bool allow_partial_target = false,
+                  const std::vector<Dims>& also_valid_for = {});
   size_t size() const;
 
  private:
   using Key = std::tuple<std::vector<int64_t>, std::vector<int64_t>, int, std::string, std::string,
-                         int, bool, double, double>;
+                         int, bool, double, double, std::vector<std::vector<int64_t>>>;
   mutable std::mutex mu_;
   std::map<Key, Plan> plans_;
 };

@@ -24,7 +24,53 @@ std::vector<int> touched_dims(const Step& step) {
           [](const ReduceScatter& s) { return std::vector<int>{s.tensor_dim}; },
           [](const LocalChunk& s) { return std::vector<int>{*shard_dim(s.to)}; },
           [](const LocalPartial&) { return std::vector<int>{}; },
-          [](const Regroup& s) { return std::vector<int>{*shard_dim(s.from)}; },
+          [](const Regroup& s) {
+            std::vector<int> dims{*shard_dim(s.from)};
+            if (*shard_dim(s.to) != dims[0]) dims.push_back(*shard_dim(s.to));
+            return dims;
+          },
+          [](const LocalEmbed& s) { return std::vector<int>{s.tensor_dim}; },
+      },
+      step);
+}
+
+// The step starts from the placement it converts.
+bool starts_right(const Step& step, const Placements& before) {
+  const int m = mesh_dim_of(step);
+  return std::visit(
+      Overloaded{
+          [&](const AllGather& s) { return before[m] == Placement{Shard{s.tensor_dim}}; },
+          [&](const StridedAllGather& s) {
+            return before[m] == Placement{StridedShard{s.tensor_dim, s.split_factor}};
+          },
+          [&](const AllToAll& s) { return before[m] == Placement{Shard{s.from_dim}}; },
+          [&](const AllReduce& s) { return before[m] == Placement{Partial{s.op}}; },
+          [&](const ReduceScatter& s) { return before[m] == Placement{Partial{s.op}}; },
+          [&](const LocalChunk& s) { return is_replicate(before[m]) && shard_dim(s.to).has_value(); },
+          [&](const LocalPartial&) { return is_replicate(before[m]); },
+          [&](const Regroup& s) {
+            return before[m] == s.from && shard_dim(s.from) && shard_dim(s.to) && s.from != s.to;
+          },
+          [&](const LocalEmbed& s) { return before[m] == Placement{Shard{s.tensor_dim}}; },
+      },
+      step);
+}
+
+bool in_range(const Step& step, const Placements& before, const Dims& mesh_shape) {
+  const int m = mesh_dim_of(step);
+  return m >= 0 && m < static_cast<int>(before.size()) && mesh_shape.size() == static_cast<int>(before.size());
+}
+
+enum class Movement { kExchange, kReduction, kLocal };
+
+Movement movement_of(const Step& step) {
+  return std::visit(
+      Overloaded{
+          [](const AllReduce&) { return Movement::kReduction; },
+          [](const ReduceScatter&) { return Movement::kReduction; },
+          [](const LocalChunk&) { return Movement::kLocal; },
+          [](const LocalPartial&) { return Movement::kLocal; },
+          [](const auto&) { return Movement::kExchange; },  // AG, _AG, A2A, Regroup, LocalEmbed
       },
       step);
 }
@@ -50,10 +96,14 @@ Placements apply_step(const Step& step, const Placements& placements) {
           [](const StridedAllGather&) -> Placement { return Replicate{}; },
           [](const AllToAll& s) -> Placement { return Shard{s.to_dim}; },
           [](const AllReduce&) -> Placement { return Replicate{}; },
-          [](const ReduceScatter& s) -> Placement { return Shard{s.tensor_dim}; },
+          [](const ReduceScatter& s) -> Placement {
+            if (s.split_factor > 0) return StridedShard{s.tensor_dim, s.split_factor};
+            return Shard{s.tensor_dim};
+          },
           [](const LocalChunk& s) -> Placement { return s.to; },
           [](const LocalPartial& s) -> Placement { return Partial{s.op}; },
           [](const Regroup& s) -> Placement { return s.to; },
+          [](const LocalEmbed&) -> Placement { return Partial{ReduceOp::kSum}; },
       },
       step);
   return out;
@@ -73,6 +123,10 @@ std::string to_string(const Step& step) {
             return fmt::format("AR({},{})", s.mesh_dim, kernels::to_string(s.op));
           },
           [](const ReduceScatter& s) {
+            if (s.split_factor > 0)
+              return fmt::format("RS({}:{},{})", s.mesh_dim,
+                                 to_string(Placement{StridedShard{s.tensor_dim, s.split_factor}}),
+                                 kernels::to_string(s.op));
             return fmt::format("RS({}:{},{})", s.mesh_dim, s.tensor_dim, kernels::to_string(s.op));
           },
           [](const LocalChunk& s) { return fmt::format("chunk({}->{})", s.mesh_dim, to_string(s.to)); },
@@ -82,6 +136,7 @@ std::string to_string(const Step& step) {
           [](const Regroup& s) {
             return fmt::format("regroup({}:{}->{})", s.mesh_dim, to_string(s.from), to_string(s.to));
           },
+          [](const LocalEmbed& s) { return fmt::format("embed({}:S({})->P(sum))", s.mesh_dim, s.tensor_dim); },
       },
       step);
 }
@@ -102,38 +157,74 @@ std::optional<Step> step_between(int m, const Placement& from, const Placement& 
   }
   if (const auto* p = std::get_if<Partial>(&from)) {
     if (const auto* s = std::get_if<Shard>(&to)) return ReduceScatter{m, s->dim, p->op};
-    return std::nullopt;  // P -> _S goes through R; P(a) -> P(b) is an error
+    if (const auto* s = std::get_if<StridedShard>(&to); s && direct)
+      return ReduceScatter{m, s->dim, p->op, s->split_factor};
+    return std::nullopt;  // P(a) -> P(b) is an error; PyTorch sends P -> _S through R
+  }
+  if (const auto* p = std::get_if<Partial>(&to)) {
+    // PyTorch 2.15: only a plain Shard turns Partial, and only into a sum (a local zero-fill).
+    const auto* s = std::get_if<Shard>(&from);
+    if (s && p->op == ReduceOp::kSum) return LocalEmbed{m, s->dim};
+    return std::nullopt;
   }
   // Both shard-like.
-  if (fd && td) {
-    if (is_shard(from) && is_shard(to) && *fd != *td) return AllToAll{m, *fd, *td};
-    if (direct && *fd == *td) return Regroup{m, from, to};
-  }
+  if (is_shard(from) && is_shard(to)) return AllToAll{m, *fd, *td};
+  if (direct) return Regroup{m, from, to};
   return std::nullopt;
 }
 
-bool is_valid_step(const Step& step, const Placements& before, const Dims& mesh_shape) {
+std::vector<ShardLayout> mesh_layouts(const Dims& global_shape, const Dims& mesh_shape,
+                                      const Placements& placements) {
+  std::vector<ShardLayout> out;
+  out.reserve(mesh_shape.product());
+  for (int64_t p = 0; p < mesh_shape.product(); ++p)
+    out.push_back(compute_layout(global_shape, mesh_shape, placements, unravel_index(p, mesh_shape)));
+  return out;
+}
+
+bool is_plain_step(const Step& step, const Placements& before, const Dims& mesh_shape) {
+  if (!in_range(step, before, mesh_shape) || !starts_right(step, before)) return false;
   const int m = mesh_dim_of(step);
-  if (m < 0 || m >= static_cast<int>(before.size()) || mesh_shape.size() != static_cast<int>(before.size()))
-    return false;
   for (int d : touched_dims(step))
     for (int later = m + 1; later < mesh_shape.size(); ++later)
       if (mesh_shape[later] > 1 && shard_dim(before[later]) == d) return false;
-  // The step must start from what it converts.
-  return std::visit(
-      Overloaded{
-          [&](const AllGather& s) { return before[m] == Placement{Shard{s.tensor_dim}}; },
-          [&](const StridedAllGather& s) {
-            return before[m] == Placement{StridedShard{s.tensor_dim, s.split_factor}};
-          },
-          [&](const AllToAll& s) { return before[m] == Placement{Shard{s.from_dim}}; },
-          [&](const AllReduce& s) { return before[m] == Placement{Partial{s.op}}; },
-          [&](const ReduceScatter& s) { return before[m] == Placement{Partial{s.op}}; },
-          [&](const LocalChunk&) { return is_replicate(before[m]); },
-          [&](const LocalPartial&) { return is_replicate(before[m]); },
-          [&](const Regroup& s) { return before[m] == s.from; },
-      },
-      step);
+  return true;
+}
+
+bool is_valid_step(const Step& step, const Placements& before, const std::vector<ShardLayout>& pre,
+                   const std::vector<ShardLayout>& post, const Dims& mesh_shape) {
+  if (!in_range(step, before, mesh_shape) || !starts_right(step, before)) return false;
+  const int64_t n = mesh_shape.product();
+  if (static_cast<int64_t>(pre.size()) != n || static_cast<int64_t>(post.size()) != n) return false;
+  const int m = mesh_dim_of(step);
+  const int64_t k = mesh_shape[m];
+  const Movement movement = movement_of(step);
+  for (int64_t p = 0; p < n; ++p) {
+    const int64_t need = post[p].local_shape.product();
+    if (need == 0) continue;
+    if (movement != Movement::kExchange || k == 1) {
+      // Local: the rank keeps a subset of what it holds. Reduction: the same, because every
+      // member of a Partial mesh dim holds the same index set (the group's extent).
+      if (common_elements(pre[p], post[p]) != need) return false;
+      continue;
+    }
+    Dims coord = unravel_index(p, mesh_shape);
+    int64_t covered = 0;  // the members' sets are disjoint, so the sum counts each element once
+    for (int64_t g = 0; g < k; ++g) {
+      coord[m] = g;
+      covered += common_elements(pre[ravel_index(coord, mesh_shape)], post[p]);
+    }
+    if (covered != need) return false;
+  }
+  return true;
+}
+
+bool is_valid_step(const Step& step, const Placements& before, const Dims& global_shape,
+                   const Dims& mesh_shape) {
+  if (!in_range(step, before, mesh_shape) || !starts_right(step, before)) return false;
+  if (is_plain_step(step, before, mesh_shape)) return true;
+  return is_valid_step(step, before, mesh_layouts(global_shape, mesh_shape, before),
+                       mesh_layouts(global_shape, mesh_shape, apply_step(step, before)), mesh_shape);
 }
 
 }  // namespace dtensor

@@ -7,16 +7,31 @@
 //   AllToAll{0, 0, 1}      [S(0),R]    -A2A(0:0->1)-> [S(1),R]
 //   LocalChunk{1, S(0)}    [S(1),R]    -chunk(1)->    [S(1),S(0)]
 //
-// NOTE [step validity] A step on mesh dim m is one group collective (or a local op) only when
-// no later mesh dim m' > m shards a tensor dim the step splits or joins: the later dims split
-// what mesh dim m leaves, so changing m under them moves data between every rank of the mesh.
-// Planners only emit valid steps (is_valid_step); execute() checks it again.
+// NOTE [step validity] A step on mesh dim m runs on each group of ranks that differ only in
+// coordinate m, so it is valid exactly when every element a rank holds after the step is held
+// by its own group before it:
+//  - exchange (S/_S -> R, S, _S; S -> P(sum)): every element of the rank's new layout is held by
+//    exactly one member of its group (the members' sets are disjoint: mesh dim m splits them);
+//  - reduction (P -> R, S, _S): the new layout lies inside the group's common extent (every
+//    member of a Partial mesh dim holds the same index set, so the group reduces it);
+//  - local (R -> S, _S, P): the new layout is a subset of the old one.
+// A later mesh dim m' > m that shards a tensor dim the step touches splits what m leaves, so
+// the condition depends on the layouts (and so on the global shape when sizes are uneven):
+//   2x4 (dp,tp), 16 rows: [_S(0,4),S(0)] -_AG(0)-> [R,S(0)] is valid (tp rank t holds quarter
+//   t; its dp group holds the two eighths of it), [S(0),S(0)] -AG(0)-> [R,S(0)] is not (the dp
+//   group of tp rank 1 holds eighths 1 and 5, it needs 2 and 3). 7 rows on a 3x2 mesh:
+//   [_S(0,2),S(0)] -_AG(0)-> [R,S(0)] is not valid (row 6 sits on tp rank 0, tp rank 1 needs it).
+// When no later mesh dim of size > 1 shards a touched tensor dim, the step is valid for every
+// shape and is the plain collective (pieces are contiguous chunks in coordinate order):
+// is_plain_step. Planners only emit valid steps; a Plan records the shapes it was checked for.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <variant>
 #include <vector>
 
+#include "dtensor/layout.h"
 #include "dtensor/placement.h"
 #include "kernels/dims.h"
 
@@ -37,9 +52,10 @@ struct AllReduce {         // P(op) -> R
   int mesh_dim;
   ReduceOp op;
 };
-struct ReduceScatter {     // P(op) -> S(d): pad d, reduce-scatter, narrow
+struct ReduceScatter {     // P(op) -> S(d) (split_factor 0) or _S(d,split_factor): reduce-scatter
   int mesh_dim, tensor_dim;
   ReduceOp op;
+  int split_factor = 0;
 };
 struct LocalChunk {        // R -> S(d) or _S(d,sf): keep this rank's piece, no communication
   int mesh_dim;
@@ -49,16 +65,21 @@ struct LocalPartial {      // R -> P(op): sum divides by the group size, avg/min
   int mesh_dim;
   ReduceOp op;
 };
-// S/_S(d) -> S/_S(d) on the same tensor dim (e.g. _S(0,2) -> S(0)): each element goes straight
-// from the rank that holds it to the rank that needs it (one all_to_all_v); what PyTorch does
-// through a full Replicate.
+// S/_S(i) -> S/_S(j) other than a plain S(i) -> S(j), i != j (e.g. _S(0,2) -> S(0), or
+// _S(0,2) -> S(1)): each element goes straight from the rank that holds it to the rank that
+// needs it (one exchange); what PyTorch does through a full Replicate.
 struct Regroup {
   int mesh_dim;
   Placement from, to;
 };
+// S(d) -> P(sum) (PyTorch 2.15): no communication; the rank's shard is placed at its position in
+// a zero tensor of the group's extent, so the group's sum is the tensor.
+struct LocalEmbed {
+  int mesh_dim, tensor_dim;
+};
 
 using Step = std::variant<AllGather, StridedAllGather, AllToAll, AllReduce, ReduceScatter,
-                          LocalChunk, LocalPartial, Regroup>;
+                          LocalChunk, LocalPartial, Regroup, LocalEmbed>;
 
 int mesh_dim_of(const Step& step);
 bool communicates(const Step& step);
@@ -66,17 +87,30 @@ bool communicates(const Step& step);
 Placements apply_step(const Step& step, const Placements& placements);
 // Placement the step expects on its mesh dim before it runs.
 Placement source_of(const Step& step, const Placements& before);
-// "AG(1)", "_AG(0,sf=2)", "A2A(0:0->1)", "AR(1,sum)", "RS(0:0,sum)", "chunk(1->S(0))",
-// "partial(1,sum)", "regroup(0:_S(0,2)->S(0))".
+// "AG(1)", "_AG(0,sf=2)", "A2A(0:0->1)", "AR(1,sum)", "RS(0:0,sum)", "RS(0:_S(0,4),sum)",
+// "chunk(1->S(0))", "partial(1,sum)", "regroup(0:_S(0,2)->S(0))", "embed(0:S(0)->P(sum))".
 std::string to_string(const Step& step);
 
 // The single step that moves mesh dim m from `from` to `to` with everything else fixed, or
-// nullopt when no primitive does (e.g. S(0) -> P, or _S(0,2) -> S(1)). With `direct` the
-// Regroup step is allowed (the search planner); without it only PyTorch's primitives.
+// nullopt when no primitive does (e.g. S(0) -> P(avg), _S -> P, P(a) -> P(b)). With `direct`
+// the steps PyTorch lacks are allowed (Regroup, P -> _S reduce-scatter: the search planner);
+// without it only PyTorch's primitives (S(d) -> P(sum) included).
 std::optional<Step> step_between(int mesh_dim, const Placement& from, const Placement& to, bool direct);
 
-// NOTE [step validity], for placements before the step on a mesh of `mesh_shape` (a later mesh
-// dim of size 1 splits nothing, so it never invalidates a step).
-bool is_valid_step(const Step& step, const Placements& before, const Dims& mesh_shape);
+// Every rank's layout under `placements`, indexed by row-major mesh position.
+std::vector<ShardLayout> mesh_layouts(const Dims& global_shape, const Dims& mesh_shape,
+                                      const Placements& placements);
+
+// NOTE [step validity]: the step starts from what it converts and moves data only within groups
+// along its mesh dim, for a tensor of `global_shape`.
+bool is_valid_step(const Step& step, const Placements& before, const Dims& global_shape,
+                   const Dims& mesh_shape);
+// The same with every rank's layout before (pre) and after (post) the step precomputed.
+bool is_valid_step(const Step& step, const Placements& before, const std::vector<ShardLayout>& pre,
+                   const std::vector<ShardLayout>& post, const Dims& mesh_shape);
+// True when the step starts from what it converts and no later mesh dim of size > 1 shards a
+// tensor dim it touches: valid for every global shape, and its pieces are contiguous chunks in
+// coordinate order (the classic all_gather / reduce_scatter / all_to_all buffers).
+bool is_plain_step(const Step& step, const Placements& before, const Dims& mesh_shape);
 
 }  // namespace dtensor

@@ -22,8 +22,8 @@ TEST_CASE("redistribute_async yields the same data; fmt prints dtensor types", "
     if (fmt::format("{}", y).find("placements=[S(1),R]") == std::string::npos)
       errors[world.rank()] = "dtensor format: " + fmt::format("{}", y);
     try {
-      (void)redistribute_async(x, parse_placements("S(0),P"));
-      errors[world.rank()] = "a new Partial target must throw on the caller";
+      (void)redistribute_async(x, parse_placements("S(0),P(avg)"));
+      errors[world.rank()] = "S -> P(avg) must throw on the caller";
     } catch (const kernels::Unsupported&) {
     }
   });

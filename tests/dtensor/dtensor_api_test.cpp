@@ -340,8 +340,12 @@ TEST_CASE("redistribute: unsupported and invalid targets", "[dtensor][api]") {
     const DTensor x = distribute_tensor(global_tensor({4, 4}), comms, P("S(0),R"));
     checks.throws<kernels::Unsupported>([&] { x.redistribute(P("S(0),P")); },
                                         "would create a new Partial", "R -> P");
-    checks.throws<kernels::Unsupported>([&] { x.redistribute(P("P,R")); },
-                                        "a shard cannot become Partial", "S -> P");
+    checks.throws<kernels::Unsupported>([&] { x.redistribute(P("P(avg),R")); },
+                                        "only a Shard becomes Partial, and only P(sum)", "S -> P(avg)");
+    // PyTorch 2.15: S(d) -> P(sum) is a local zero-fill whose sum over the group is the tensor.
+    const DTensor z = x.redistribute(P("P,R"));
+    checks.check(z.to_local().shape() == Dims{4, 4}, "S -> P(sum) holds the group's extent");
+    checks.check(kernels::equal(z.full_tensor(), global_tensor({4, 4})), "S -> P(sum) reduces to the tensor");
     checks.throws<kernels::InvalidArgument>([&] { x.redistribute(P("R")); }, "1 placements",
                                             "placements count");
     checks.throws<kernels::InvalidArgument>([&] { x.redistribute(P("S(2),R")); }, "shard dim 2",
