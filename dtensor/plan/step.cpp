@@ -82,7 +82,8 @@ int mesh_dim_of(const Step& step) {
 }
 
 bool communicates(const Step& step) {
-  return !std::holds_alternative<LocalChunk>(step) && !std::holds_alternative<LocalPartial>(step);
+  return !std::holds_alternative<LocalChunk>(step) && !std::holds_alternative<LocalPartial>(step) &&
+         !std::holds_alternative<LocalEmbed>(step);
 }
 
 Placement source_of(const Step& step, const Placements& before) { return before[mesh_dim_of(step)]; }

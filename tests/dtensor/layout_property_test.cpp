@@ -5,6 +5,8 @@
 #include <map>
 #include <numeric>
 
+#include "support/layout_model.h"
+
 #include "dtensor/layout.h"
 #include "dtensor/spec.h"
 
@@ -12,44 +14,8 @@ using namespace dtensor;
 
 namespace {
 
-using Indices = std::vector<int64_t>;
-
-// Reference model on explicit index lists (dtensor-semantics.md 2.1-2.4), written
-// independently of the run-based implementation.
-Indices model_split(const Indices& cur, int64_t k, int64_t r, int split_factor) {
-  auto piece = [](int64_t n, int64_t parts, int64_t i) {
-    int64_t c = (n + parts - 1) / parts;
-    int64_t begin = std::min(n, i * c), end = std::min(n, (i + 1) * c);
-    return std::pair<int64_t, int64_t>{begin, end};
-  };
-  Indices out;
-  int64_t n = static_cast<int64_t>(cur.size());
-  if (split_factor == 0) {
-    auto [b, e] = piece(n, k, r);
-    return Indices(cur.begin() + b, cur.begin() + e);
-  }
-  for (int64_t j = 0; j < split_factor; ++j) {
-    auto [pb, pe] = piece(n, split_factor, j);
-    auto [sb, se] = piece(pe - pb, k, r);
-    out.insert(out.end(), cur.begin() + pb + sb, cur.begin() + pb + se);
-  }
-  return out;
-}
-
-std::vector<Indices> model_layout(const Dims& shape, const Dims& mesh, const Placements& ps,
-                                  const Dims& coord) {
-  std::vector<Indices> idx(shape.size());
-  for (int t = 0; t < shape.size(); ++t) {
-    idx[t].resize(shape[t]);
-    std::iota(idx[t].begin(), idx[t].end(), 0);
-  }
-  for (int m = 0; m < mesh.size(); ++m) {
-    if (const auto* s = std::get_if<Shard>(&ps[m])) idx[s->dim] = model_split(idx[s->dim], mesh[m], coord[m], 0);
-    if (const auto* s = std::get_if<StridedShard>(&ps[m]))
-      idx[s->dim] = model_split(idx[s->dim], mesh[m], coord[m], s->split_factor);
-  }
-  return idx;
-}
+using testing_support::Indices;
+using testing_support::model_layout;
 
 // Every placement list over `mesh_ndim` mesh dims for a tensor of `tensor_ndim` dims.
 std::vector<Placements> all_placement_lists(int mesh_ndim, int tensor_ndim) {
