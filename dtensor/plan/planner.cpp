@@ -405,14 +405,10 @@ Plan plan_redistribute(const DTensorSpec& src, const Placements& dst_in, Planner
   const Placements dst = normalize_placements(dst_in, src.mesh->ndim(), src.tensor_ndim());
   check_transition(src, dst, allow_partial_target);
   Validity validity(src, also_valid_for);
-  Plan g = greedy(src, dst, cost, validity);
-  if (kind == PlannerKind::kGreedy) return g;
-  Plan s = search(src, dst, cost, allow_partial_target, validity);
-  if (s.cost_us > g.cost_us) {  // cannot happen (greedy's path is in the graph); be safe
-    g.planner = PlannerKind::kSearch;
-    return g;
-  }
-  return s;
+  // The search's graph holds greedy's route, so it never costs more (checked against an
+  // independent brute force in tests/dtensor/plan_bruteforce_test.cpp; no fallback hides a miss).
+  if (kind == PlannerKind::kGreedy) return greedy(src, dst, cost, validity);
+  return search(src, dst, cost, allow_partial_target, validity);
 }
 
 const Plan& PlanCache::get(const DTensorSpec& src, const Placements& dst, PlannerKind kind,
