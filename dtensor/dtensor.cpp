@@ -325,6 +325,29 @@ DTensor DTensor::redistribute(const Placements& placements, const RedistributeOp
   return DTensor(comms_, std::move(out), execute(plan, spec_, local_, *comms_));
 }
 
+DTensor DTensor::view_on(std::shared_ptr<const MeshComms> comms, const Placements& placements) const {
+  check_comms(comms, "view_on");
+  const std::string why = view_mismatch(spec_, comms->mesh(), placements);
+  if (!why.empty())
+    throw InvalidArgument(fmt::format("view_on: [{}] on {} is not the same data as [{}] on {}: {}",
+                                      to_string(placements), to_string(comms->mesh()), to_string(spec_.placements),
+                                      to_string(comms_->mesh()), why));
+  DTensorSpec out = spec_;
+  out.mesh = mesh_of(comms);
+  out.placements = normalize_placements(placements, comms->mesh().ndim(), spec_.tensor_ndim());
+  return DTensor(std::move(comms), std::move(out), local_);
+}
+
+DTensor DTensor::view_on(std::shared_ptr<const MeshComms> comms) const {
+  check_comms(comms, "view_on");
+  std::optional<Placements> ps = equivalent_placements(spec_, comms->mesh());
+  if (!ps)
+    throw InvalidArgument(fmt::format("view_on: no placements on {} hold the same data as [{}] on {} (shape [{}])",
+                                      to_string(comms->mesh()), to_string(spec_.placements),
+                                      to_string(comms_->mesh()), fmt::join(spec_.shape, ",")));
+  return view_on(std::move(comms), *ps);
+}
+
 Tensor DTensor::full_tensor() const {
   return redistribute(Placements(spec_.placements.size(), Replicate{})).to_local();
 }

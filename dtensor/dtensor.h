@@ -50,6 +50,16 @@ class DTensor {
   // Collective over the mesh. Equal placements return a DTensor sharing the local tensor.
   // Throws Unsupported for a new Partial target, S -> P, P(a) -> P(b) (see plan_redistribute).
   DTensor redistribute(const Placements& placements, const RedistributeOptions& options = {}) const;
+  // The same tensor on another mesh over the same ranks (a flattening, an unflattening, a slice
+  // view that covers the mesh: see MeshComms::flatten / unflatten) with no communication: the
+  // local tensor is shared. Allowed exactly when NOTE [mesh view] (spec.h) holds; otherwise
+  // InvalidArgument naming the first rank whose data would differ. Without placements, the
+  // first equivalent placement list (equivalent_placements) is taken.
+  //   dp (1-D, 8 ranks) [R]  ->  dp->unflatten(0, {2,4}) [R,R]  -> redistribute [R,S(0)]: the
+  //   post-forward reshard of FSDP's reshard_after_forward=4 (back: [R,S(0)] -> [R,R] is one
+  //   all-gather over 4 ranks, then view_on(dp, [R])).
+  DTensor view_on(std::shared_ptr<const MeshComms> comms, const Placements& placements) const;
+  DTensor view_on(std::shared_ptr<const MeshComms> comms) const;
   // redistribute to all-Replicate, then the local tensor (collective over the mesh).
   Tensor full_tensor() const;
   // The plan redistribute would run (cached in the communicators' PlanCache).

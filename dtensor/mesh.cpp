@@ -279,6 +279,47 @@ DeviceMesh DeviceMesh::flatten(std::string name) const {
   return flatten(all, std::move(name));
 }
 
+DeviceMesh DeviceMesh::unflatten(int mesh_dim, const Dims& sizes, std::vector<std::string> names) const {
+  check_mesh_dim(mesh_dim);
+  if (sizes.size() == 0)
+    throw InvalidArgument(fmt::format("unflatten of mesh dim {} needs at least one size", mesh_dim));
+  int64_t product = 1;
+  for (int64_t s : sizes) {
+    if (s < 1)
+      throw InvalidArgument(fmt::format("unflatten sizes [{}] have a size {} (expected >= 1)",
+                                        fmt::join(sizes, ","), s));
+    product *= s;
+  }
+  if (product != shape_[mesh_dim])
+    throw InvalidArgument(fmt::format("unflatten sizes [{}] multiply to {}, but mesh dim {} has size {}",
+                                      fmt::join(sizes, ","), product, mesh_dim, shape_[mesh_dim]));
+  if (names_.empty() && !names.empty())
+    throw InvalidArgument(fmt::format("cannot name the unflattened dims ({}): the mesh dims have no names",
+                                      fmt::join(names, ",")));
+  if (!names_.empty() && static_cast<int>(names.size()) != sizes.size())
+    throw InvalidArgument(fmt::format("unflatten of mesh dim '{}' into [{}] needs {} names, got {} ({})",
+                                      names_[mesh_dim], fmt::join(sizes, ","), sizes.size(), names.size(),
+                                      fmt::join(names, ",")));
+  Dims new_shape;
+  std::vector<std::string> new_names;
+  for (int d = 0; d < ndim(); ++d) {
+    if (d != mesh_dim) {
+      new_shape.push_back(shape_[d]);
+      if (!names_.empty()) new_names.push_back(names_[d]);
+      continue;
+    }
+    for (int i = 0; i < sizes.size(); ++i) new_shape.push_back(sizes[i]);
+    new_names.insert(new_names.end(), names.begin(), names.end());
+  }
+  // Row-major over the new dims is row-major over the old one: the rank array is unchanged
+  // (the constructor checks the names for duplicates).
+  return DeviceMesh(new_shape, ranks_, std::move(new_names));
+}
+
+DeviceMesh DeviceMesh::unflatten(std::string_view name, const Dims& sizes, std::vector<std::string> names) const {
+  return unflatten(mesh_dim(name), sizes, std::move(names));
+}
+
 Dims unravel_index(int64_t flat, const Dims& shape) {
   Dims coord = Dims::filled(shape.size(), 0);
   for (int d = shape.size() - 1; d >= 0; --d) {

@@ -4,7 +4,8 @@
 // Example: DeviceMesh::from_shape({2, 4}, {"dp", "tp"}) holds [[0,1,2,3],[4,5,6,7]];
 //   coord_of(6) == {1, 2};  group(0, 6) == {2, 6};  group(1, 6) == {4, 5, 6, 7};
 //   slice({"tp"}, 6) is the 1-D mesh [4,5,6,7] named "tp";
-//   flatten() is the 1-D mesh [0..7] named "dp_tp".
+//   flatten() is the 1-D mesh [0..7] named "dp_tp";
+//   unflatten(1, {2, 2}, {"a", "b"}) is [[[0,1],[2,3]],[[4,5],[6,7]]] named (dp,a,b).
 // A mesh dim's group is the set of ranks that agree on every other coordinate, ordered by their
 // coordinate along that dim, so the group-local rank equals coord[mesh_dim]
 // (dtensor-semantics.md 1.2; everything here is defined by coordinate, never by rank order).
@@ -67,6 +68,15 @@ class DeviceMesh {
   // without names). flatten() merges every dim into a 1-D mesh.
   DeviceMesh flatten(std::span<const int> mesh_dims, std::string name = "") const;
   DeviceMesh flatten(std::string name = "") const;
+
+  // PyTorch's _unflatten(dim, sizes, names): mesh dim `mesh_dim` becomes len(sizes) dims of those
+  // sizes (product = its size), row-major: coordinate c of the old dim is the row-major
+  // linearisation of the new coordinates, so the rank array is the same, reshaped. A named mesh
+  // needs one new, unique name per new dim; an unnamed mesh takes none.
+  //   from_shape({8}, {"dp"}).unflatten(0, {2, 4}, {"rep", "shard"}) == from_shape({2, 4}, {"rep", "shard"})
+  // flatten() over the new dims gives the original mesh back (names aside).
+  DeviceMesh unflatten(int mesh_dim, const Dims& sizes, std::vector<std::string> names = {}) const;
+  DeviceMesh unflatten(std::string_view name, const Dims& sizes, std::vector<std::string> names) const;
 
   friend bool operator==(const DeviceMesh& a, const DeviceMesh& b) {
     return a.shape_ == b.shape_ && a.ranks_ == b.ranks_ && a.names_ == b.names_;

@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "dtensor/layout.h"
 #include "dtensor/mesh.h"
@@ -42,6 +43,20 @@ DTensorSpec make_spec(std::shared_ptr<const DeviceMesh> mesh, const Placements& 
 
 // Normalises and validates placements for a mesh ndim and tensor ndim (see make_spec).
 Placements normalize_placements(const Placements& placements, int mesh_ndim, int tensor_ndim);
+
+// NOTE [mesh view] A tensor may be re-viewed on another mesh over the same ranks (a flattening,
+// an unflattening, a permuted equivalent) with no communication exactly when every rank holds
+// the same elements in the same local order under both, and Partial values reduce over the
+// same ranks with the same op. Examples on ranks 0..3 (1-D dp mesh of 4 vs its (2,2)
+// unflattening): [R] == [R,R]; [P] == [P,P]; [S(0)] == [S(0),S(0)] when the sizes divide
+// (8 rows: 2 each either way) but not for 5 rows (flat 2,2,1,0 vs nested 2,1,1,1).
+// Empty when `placements` on `mesh` is such a view of spec, else why not (the first rank whose
+// layout differs, or the Partial groups that differ).
+std::string view_mismatch(const DTensorSpec& spec, const DeviceMesh& mesh, const Placements& placements);
+// Placements on `mesh` that view spec as NOTE [mesh view] allows, or nullopt. Tries, per mesh
+// dim, R, the source's Partial op, S(t) and _S(t, sf) for the split factors that products of
+// the mesh sizes give, first match in that order.
+std::optional<Placements> equivalent_placements(const DTensorSpec& spec, const DeviceMesh& mesh);
 
 // "DTensorSpec(mesh=[[0,1],[2,3]], placements=[S(0),R], shape=[8,6], dtype=f32)".
 std::string to_string(const DTensorSpec& spec);

@@ -265,6 +265,8 @@ Plan search(const DTensorSpec& spec, const Placements& dst, const CostModel& cos
         if (c == state[m]) continue;
         if (is_partial(c) && !partial_allowed(m, c)) continue;
         std::optional<Step> step = step_between(m, state[m], c, /*direct=*/true);
+        // A shard whose ranks already hold the new layout moves nothing: a local step.
+        if (shard_dim(state[m]) && !is_partial(c) && validity.valid(LocalChunk{m, c}, state)) step = LocalChunk{m, c};
         if (!step || !validity.valid(*step, state)) continue;
         Placements next = apply_step(*step, state);
         const double total = e.cost + step_cost(*step, spec, state, cost, validity.layouts());

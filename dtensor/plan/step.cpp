@@ -46,7 +46,12 @@ bool starts_right(const Step& step, const Placements& before) {
           [&](const AllToAll& s) { return before[m] == Placement{Shard{s.from_dim}}; },
           [&](const AllReduce& s) { return before[m] == Placement{Partial{s.op}}; },
           [&](const ReduceScatter& s) { return before[m] == Placement{Partial{s.op}}; },
-          [&](const LocalChunk& s) { return is_replicate(before[m]) && shard_dim(s.to).has_value(); },
+          [&](const LocalChunk& s) {
+            // From Replicate to a shard (PyTorch's chunk); from a shard when every rank already
+            // holds its new layout (a relabel or a narrowing, e.g. _S(0,1) -> S(0)).
+            return !is_partial(before[m]) && !is_partial(s.to) && before[m] != s.to &&
+                   (shard_dim(s.to).has_value() || shard_dim(before[m]).has_value());
+          },
           [&](const LocalPartial&) { return is_replicate(before[m]); },
           [&](const Regroup& s) {
             return before[m] == s.from && shard_dim(s.from) && shard_dim(s.to) && s.from != s.to;
@@ -186,6 +191,8 @@ std::vector<ShardLayout> mesh_layouts(const Dims& global_shape, const Dims& mesh
 bool is_plain_step(const Step& step, const Placements& before, const Dims& mesh_shape) {
   if (!in_range(step, before, mesh_shape) || !starts_right(step, before)) return false;
   const int m = mesh_dim_of(step);
+  // A LocalChunk from a shard holds only when the layouts say so.
+  if (std::holds_alternative<LocalChunk>(step) && !is_replicate(before[m])) return false;
   for (int d : touched_dims(step))
     for (int later = m + 1; later < mesh_shape.size(); ++later)
       if (mesh_shape[later] > 1 && shard_dim(before[later]) == d) return false;

@@ -57,7 +57,9 @@ struct ReduceScatter {     // P(op) -> S(d) (split_factor 0) or _S(d,split_facto
   ReduceOp op;
   int split_factor = 0;
 };
-struct LocalChunk {        // R -> S(d) or _S(d,sf): keep this rank's piece, no communication
+// R -> S(d) or _S(d,sf): keep this rank's piece, no communication. Also from a shard when every
+// rank already holds its new layout (e.g. _S(0,1) -> S(0): the same layout; never plain).
+struct LocalChunk {
   int mesh_dim;
   Placement to;
 };

@@ -105,3 +105,33 @@ TEST_CASE("flatten is row-major over the merged dims", "[dtensor][mesh]") {
   CHECK_THROWS_WITH(mesh.flatten(bad), Contains("distinct and ascending"));
   CHECK_THROWS_WITH(DeviceMesh::from_shape({2, 2}).flatten("x"), Contains("no names"));
 }
+
+TEST_CASE("unflatten: one dim into several, row-major (PyTorch's _unflatten)", "[dtensor][mesh]") {
+  const DeviceMesh dp = DeviceMesh::from_shape({8}, {"dp"});
+  const DeviceMesh two = dp.unflatten(0, {2, 4}, {"rep", "shard"});
+  CHECK(two == DeviceMesh::from_shape({2, 4}, {"rep", "shard"}));
+  CHECK(two.group(1, 6) == std::vector<int>{4, 5, 6, 7});  // the shard groups: consecutive ranks
+  CHECK(two.group(0, 6) == std::vector<int>{2, 6});
+  CHECK(dp.unflatten("dp", {2, 2, 2}, {"a", "b", "c"}).shape() == Dims{2, 2, 2});
+  // Flattening the new dims gives the mesh back (names are joined).
+  const std::vector<int> both{0, 1};
+  CHECK(two.flatten(both).ranks() == dp.ranks());
+  CHECK(two.flatten(both).names() == std::vector<std::string>{"rep_shard"});
+  // A middle dim of a 3-D mesh, on an explicit (permuted) rank array: ranks keep their order.
+  const DeviceMesh perm({2, 4}, {7, 6, 5, 4, 3, 2, 1, 0});
+  const DeviceMesh split = perm.unflatten(1, {2, 2});
+  CHECK(split.shape() == Dims{2, 2, 2});
+  CHECK(split.ranks() == perm.ranks());
+  for (int r = 0; r < 8; ++r) {
+    const Dims c = *split.coord_of(r), p = *perm.coord_of(r);
+    CHECK(c[0] == p[0]);
+    CHECK(c[1] * 2 + c[2] == p[1]);
+  }
+  // Errors name the bad value.
+  CHECK_THROWS_WITH(dp.unflatten(0, {3, 3}, {"a", "b"}), Contains("multiply to 9, but mesh dim 0 has size 8"));
+  CHECK_THROWS_WITH(dp.unflatten(0, {2, 4}, {"a"}), Contains("needs 2 names, got 1"));
+  CHECK_THROWS_WITH(dp.unflatten(0, {2, 4}, {"a", "a"}), Contains("duplicate mesh dim name 'a'"));
+  CHECK_THROWS_WITH(dp.unflatten(1, {2, 4}, {"a", "b"}), Contains("mesh dim 1 out of range"));
+  CHECK_THROWS_WITH(DeviceMesh::from_shape({4}).unflatten(0, {2, 2}, {"a", "b"}), Contains("have no names"));
+  CHECK_THROWS_WITH(dp.unflatten(0, {0, 8}, {"a", "b"}), Contains("have a size 0"));
+}

@@ -132,7 +132,9 @@ class Model {
       }
       busiest = std::max(busiest, received);
     }
-    const bool communicates = move == Move::kExchange || move == Move::kReduceScatter || move == Move::kAllReduce;
+    // A change that delivers nothing to any rank is no collective (e.g. _S(0,1) -> S(0)).
+    const bool communicates = (move == Move::kExchange && busiest > 0) || move == Move::kReduceScatter ||
+                              move == Move::kAllReduce;
     if (!communicates || k == 1) return 0.0;
     return cm.latency_us + static_cast<double>(busiest * item_) / (cm.bandwidth_gb_per_s * 1e3);
   }
