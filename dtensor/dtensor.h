@@ -48,7 +48,8 @@ class DTensor {
   // This rank's shard (a view, no communication).
   const Tensor& to_local() const { return local_; }
   // Collective over the mesh. Equal placements return a DTensor sharing the local tensor.
-  // Throws Unsupported for a new Partial target, S -> P, P(a) -> P(b) (see plan_redistribute).
+  // Throws Unsupported for a new Partial target (except S(d) -> P(sum), a local zero-fill as in
+  // PyTorch 2.15), _S -> P, P(a) -> P(b) (see plan_redistribute).
   DTensor redistribute(const Placements& placements, const RedistributeOptions& options = {}) const;
   // The same tensor on another mesh over the same ranks (a flattening, an unflattening, a slice
   // view that covers the mesh: see MeshComms::flatten / unflatten) with no communication: the
