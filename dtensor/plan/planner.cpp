@@ -162,6 +162,7 @@ Plan Builder::finish(const Placements& dst) {
   plan_.traffic.sent.assign(n, 0);
   plan_.traffic.received.assign(n, 0);
   plan_.shapes = validity_.shapes();
+  plan_.plain = true;
   for (size_t i = 0; i < plan_.steps.size(); ++i) {
     const Step& step = plan_.steps[i];
     plan_.plain = plan_.plain && is_plain_step(step, plan_.states[i], spec_.mesh->shape());

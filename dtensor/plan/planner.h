@@ -58,7 +58,7 @@ struct Plan {
   Traffic traffic;                 // summed over the steps
   double cost_us = 0;
   std::vector<Dims> shapes;        // global shapes every step was checked valid for
-  bool plain = true;               // every step is plain (is_plain_step): valid for any shape
+  bool plain = false;              // every step is plain (is_plain_step): valid for any shape
 
   int collectives() const;         // communicating steps
   int64_t bytes_per_rank() const { return traffic.max_sent(); }
