@@ -6,6 +6,7 @@
 
 #include "kernels/detail/gemm_plan.h"
 #include "kernels/detail/map_op.h"
+#include "kernels/detail/reduce_plan.h"
 #include "kernels/tensor.h"
 
 namespace kernels::detail {
@@ -16,5 +17,9 @@ void cpu_gemm(const GemmPlan& plan, int num_threads);
 // stride 0), of floating dtypes (f64 arithmetic if either is f64, else f32); out is a floating view that is either the very same
 // view as an input or disjoint from both.
 void cpu_map(MapOp op, double alpha, const Tensor& out, const Tensor* in0, const Tensor* in1);
+
+void cpu_reduce(const ReducePlan& plan);
+void cpu_max_dim(const DimPlan& plan);
+void cpu_scatter_dim(const DimPlan& plan);
 
 }  // namespace kernels::detail

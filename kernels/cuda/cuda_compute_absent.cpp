@@ -20,5 +20,8 @@ void cuda_map(MapOp, double, void*, DType, const Dims&, const Dims&, const MapOp
               const MapOperand*, int) {
   no_cuda("an element-wise op");
 }
+void cuda_reduce(const ReducePlan&, int) { no_cuda("a reduction"); }
+void cuda_max_dim(const DimPlan&, int) { no_cuda("max"); }
+void cuda_scatter_dim(const DimPlan&, int) { no_cuda("max_backward"); }
 
 }  // namespace kernels::detail

@@ -123,6 +123,8 @@ inline Tol tol_for(DType dtype, double terms = 1) {
   }
 }
 
+inline DType stats_dtype_of(DType dtype) { return dtype == DType::kF64 ? DType::kF64 : DType::kF32; }
+
 inline const std::vector<DType>& float_dtypes() {
   static const std::vector<DType> d = {DType::kF32, DType::kF64, DType::kBF16, DType::kF16};
   return d;
