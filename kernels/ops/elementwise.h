@@ -8,10 +8,12 @@
 //   Tensor dz = gelu_backward(Tensor::full({2, 3}, 1.0, DType::kF32), z);
 //
 // NOTE [element-wise rules] (every function in this header)
-// - dtypes: floating inputs (f32, f64, bf16, f16), all of one dtype. Arithmetic happens in f64
-//   for f64 inputs and in f32 otherwise (bf16/f16 are widened, computed in f32 and rounded once
-//   on the store, like PyTorch's opmath). The functional forms return the input dtype; an `out`
-//   may have any floating dtype (the result is rounded to it), e.g. f32 gradients of bf16 values.
+// - dtypes: floating inputs (f32, f64, bf16, f16). Arithmetic happens in f64 when an input is
+//   f64 and in f32 otherwise (bf16/f16 are widened, computed in f32 and rounded once on the
+//   store, like PyTorch's opmath). The two inputs of add/mul may differ (an f32 gradient buffer
+//   += a bf16 gradient); the functional forms return the promoted dtype (the common dtype, else
+//   f64 if either is f64, else f32, as torch's promotion); an `out` may have any floating dtype
+//   (the result is rounded to it). The backward maps need dy and x of one dtype.
 // - shapes: binary ops broadcast by torch's rules (dims aligned at the right; a missing or size-1
 //   dim stretches). An `out` must have exactly the broadcast shape.
 // - views: every operand and out may be any strided view (transposed, narrowed, expanded with

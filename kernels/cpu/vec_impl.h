@@ -1,0 +1,270 @@
+// Internal: the bodies of the VecOps tables (kernels/cpu/vec.h), included once per ISA variant
+// by vec_{sse2,avx2,avx512}.cpp with KERNELS_VEC_NS (this variant's namespace) and `Eigen`
+// (Eigen's namespace, renamed) defined. See NOTE [isa variants] in vec.h. Nothing here may be
+// an inline function or template of a namespace shared with other translation units.
+#pragma once
+
+#if !defined(KERNELS_VEC_NS) || !defined(Eigen)
+#error "define KERNELS_VEC_NS and rename Eigen before including vec_impl.h"
+#endif
+
+#include <Eigen/Core>
+#include <unsupported/Eigen/SpecialFunctions>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "kernels/cpu/vec.h"
+
+namespace kernels::detail::KERNELS_VEC_NS {
+
+template <class T>
+using Arr = Eigen::Array<T, Eigen::Dynamic, 1>;
+template <class T>
+using CMap = Eigen::Map<const Arr<T>>;
+template <class T>
+using MMap = Eigen::Map<Arr<T>>;
+
+// ---- GEMM ----
+
+template <class T, bool kRowA, bool kRowB>
+void gemm_impl(const GemmArgs<T>& g) {
+  using Stride = Eigen::OuterStride<>;
+  using MA = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic,
+                           kRowA ? Eigen::RowMajor : Eigen::ColMajor>;
+  using MB = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic,
+                           kRowB ? Eigen::RowMajor : Eigen::ColMajor>;
+  using MC = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  const Eigen::Map<const MA, 0, Stride> a(g.a, g.m, g.k, Stride(kRowA ? g.a_rs : g.a_cs));
+  const Eigen::Map<const MB, 0, Stride> b(g.b, g.k, g.n, Stride(kRowB ? g.b_rs : g.b_cs));
+  Eigen::Map<MC, 0, Stride> c(g.c, g.m, g.n, Stride(g.c_rs));
+  if (g.beta == T(0)) {
+    if (g.alpha == T(1)) {
+      c.noalias() = a * b;
+    } else {
+      c.noalias() = (g.alpha * a) * b;
+    }
+    return;
+  }
+  if (g.beta != T(1)) c *= g.beta;
+  if (g.alpha == T(1)) {
+    c.noalias() += a * b;
+  } else {
+    c.noalias() += (g.alpha * a) * b;
+  }
+}
+
+template <class T>
+void gemm(const GemmArgs<T>& g) {
+  if (g.m == 0 || g.n == 0) return;
+  // Callers pass k > 0 (k == 0 is a scale of C, done without a product).
+  const bool row_a = g.a_cs == 1;
+  const bool row_b = g.b_cs == 1;
+  if (row_a) {
+    row_b ? gemm_impl<T, true, true>(g) : gemm_impl<T, true, false>(g);
+  } else {
+    row_b ? gemm_impl<T, false, true>(g) : gemm_impl<T, false, false>(g);
+  }
+}
+
+// ---- element-wise ----
+
+template <class T>
+void add(T* out, const T* a, const T* b, T alpha, int64_t n) {
+  if (alpha == T(1)) {
+    MMap<T>(out, n) = CMap<T>(a, n) + CMap<T>(b, n);
+  } else {
+    MMap<T>(out, n) = CMap<T>(a, n) + alpha * CMap<T>(b, n);
+  }
+}
+
+template <class T>
+void mul(T* out, const T* a, const T* b, int64_t n) {
+  MMap<T>(out, n) = CMap<T>(a, n) * CMap<T>(b, n);
+}
+
+template <class T>
+void scale(T* out, const T* a, T alpha, int64_t n) {
+  MMap<T>(out, n) = alpha * CMap<T>(a, n);
+}
+
+template <class T>
+void add_scalar_b(T* out, const T* a, T b, T alpha, int64_t n) {
+  MMap<T>(out, n) = CMap<T>(a, n) + alpha * b;
+}
+
+// sqrt(2 / pi) and 1 / sqrt(2 pi); kKappa is GELU's tanh-form cubic coefficient.
+template <class T>
+constexpr T kSqrt2OverPi = T(0.7978845608028654);
+template <class T>
+constexpr T kInvSqrt2Pi = T(0.3989422804014327);
+template <class T>
+constexpr T kSqrtHalf = T(0.7071067811865476);
+template <class T>
+constexpr T kKappa = T(0.044715);
+
+template <class T>
+void gelu(T* out, const T* x, int64_t n, bool tanh_form) {
+  const CMap<T> xa(x, n);
+  MMap<T> o(out, n);
+  if (tanh_form) {
+    o = T(0.5) * xa * (T(1) + (kSqrt2OverPi<T> * (xa + kKappa<T> * xa.cube())).tanh());
+  } else {
+    o = T(0.5) * xa * (T(1) + (xa * kSqrtHalf<T>).erf());
+  }
+}
+
+template <class T>
+void gelu_backward(T* dx, const T* dy, const T* x, int64_t n, bool tanh_form) {
+  const CMap<T> xa(x, n);
+  const CMap<T> g(dy, n);
+  MMap<T> o(dx, n);
+  if (tanh_form) {
+    // d/dx [0.5 x (1 + tanh(u))] = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) u',
+    // u = sqrt(2/pi) (x + kappa x^3), u' = sqrt(2/pi) (1 + 3 kappa x^2).
+    constexpr int64_t kChunk = 256;
+    alignas(64) T th[kChunk];
+    for (int64_t s = 0; s < n; s += kChunk) {
+      const int64_t len = n - s < kChunk ? n - s : kChunk;
+      const auto xs = xa.segment(s, len);
+      MMap<T> t(th, len);
+      t = (kSqrt2OverPi<T> * (xs + kKappa<T> * xs.cube())).tanh();
+      o.segment(s, len) =
+          g.segment(s, len) *
+          (T(0.5) * (T(1) + t) + T(0.5) * xs * (T(1) - t.square()) * kSqrt2OverPi<T> *
+                                     (T(1) + T(3) * kKappa<T> * xs.square()));
+    }
+  } else {
+    // d/dx [x Phi(x)] = Phi(x) + x phi(x).
+    o = g * (T(0.5) * (T(1) + (xa * kSqrtHalf<T>).erf()) +
+             xa * (T(-0.5) * xa.square()).exp() * kInvSqrt2Pi<T>);
+  }
+}
+
+template <class T>
+void silu(T* out, const T* x, int64_t n) {
+  const CMap<T> xa(x, n);
+  MMap<T>(out, n) = xa / (T(1) + (-xa).exp());
+}
+
+template <class T>
+void silu_backward(T* dx, const T* dy, const T* x, int64_t n) {
+  constexpr int64_t kChunk = 256;
+  alignas(64) T sig[kChunk];
+  for (int64_t s = 0; s < n; s += kChunk) {
+    const int64_t len = n - s < kChunk ? n - s : kChunk;
+    const CMap<T> xs(x + s, len);
+    MMap<T> sg(sig, len);
+    sg = T(1) / (T(1) + (-xs).exp());
+    MMap<T>(dx + s, len) = CMap<T>(dy + s, len) * sg * (T(1) + xs * (T(1) - sg));
+  }
+}
+
+// ---- row reductions ----
+
+template <class T>
+T max(const T* x, int64_t n) {
+  if (n == 0) return -std::numeric_limits<T>::infinity();
+  return CMap<T>(x, n).template maxCoeff<Eigen::PropagateNaN>();
+}
+
+template <class T>
+double exp_shift_sum(T* out, const T* x, T shift, int64_t n) {
+  if (n == 0) return 0.0;
+  MMap<T> o(out, n);
+  o = (CMap<T>(x, n) - shift).exp();
+  return o.template cast<double>().sum();
+}
+
+template <class T>
+double sum(const T* x, int64_t n) {
+  if (n == 0) return 0.0;
+  return CMap<T>(x, n).template cast<double>().sum();
+}
+
+template <class T>
+double sum_squares(const T* x, int64_t n) {
+  if (n == 0) return 0.0;
+  return CMap<T>(x, n).template cast<double>().square().sum();
+}
+
+template <class T>
+double dot(const T* x, const T* y, int64_t n) {
+  if (n == 0) return 0.0;
+  return (CMap<T>(x, n).template cast<double>() * CMap<T>(y, n).template cast<double>()).sum();
+}
+
+template <class T>
+void accumulate(double* acc, const T* x, int64_t n) {
+  MMap<double>(acc, n) += CMap<T>(x, n).template cast<double>();
+}
+
+template <class T>
+void accumulate_product(double* acc, const T* x, const T* y, int64_t n) {
+  MMap<double>(acc, n) += CMap<T>(x, n).template cast<double>() * CMap<T>(y, n).template cast<double>();
+}
+
+// ---- optimizers (operation order of PyTorch's single-tensor AdamW / SGD, see optim.h) ----
+
+template <class T>
+void adamw(T* p, const T* grad, T* m, T* v, T* vmax, int64_t n, const AdamWCoefficients<T>& c) {
+  const T w = c.one_minus_beta1;
+  const bool small_weight = w < T(0.5);  // torch's lerp switches formula at 0.5
+  for (int64_t i = 0; i < n; ++i) {
+    T g = c.maximize ? -grad[i] : grad[i];
+    T pi = p[i];
+    if (c.l2 != T(0)) g = g + c.l2 * pi;
+    pi = pi * c.decay;
+    const T mi = small_weight ? m[i] + w * (g - m[i]) : g - (g - m[i]) * (T(1) - w);
+    const T vi = v[i] * c.beta2 + c.one_minus_beta2 * g * g;
+    m[i] = mi;
+    v[i] = vi;
+    T vd = vi;
+    if (c.amsgrad) {
+      vd = vmax[i] > vi || vmax[i] != vmax[i] ? vmax[i] : vi;
+      vmax[i] = vd;
+    }
+    const T denom = std::sqrt(vd) / c.bias_correction2_sqrt + c.eps;
+    p[i] = pi + (-c.step_size) * (mi / denom);
+  }
+}
+
+template <class T>
+void sgd(T* p, const T* grad, T* buf, int64_t n, const SgdCoefficients<T>& c) {
+  for (int64_t i = 0; i < n; ++i) {
+    T g = c.maximize ? -grad[i] : grad[i];
+    if (c.weight_decay != T(0)) g = g + c.weight_decay * p[i];
+    if (c.has_momentum) {
+      const T b = c.first_step ? g : buf[i] * c.momentum + c.one_minus_dampening * g;
+      buf[i] = b;
+      g = c.nesterov ? g + c.momentum * b : b;
+    }
+    p[i] = p[i] + (-c.lr) * g;
+  }
+}
+
+template <class T>
+VecOps<T> make_ops() {
+  VecOps<T> o{};
+  o.gemm = &gemm<T>;
+  o.add = &add<T>;
+  o.mul = &mul<T>;
+  o.scale = &scale<T>;
+  o.add_scalar_b = &add_scalar_b<T>;
+  o.gelu = &gelu<T>;
+  o.gelu_backward = &gelu_backward<T>;
+  o.silu = &silu<T>;
+  o.silu_backward = &silu_backward<T>;
+  o.max = &max<T>;
+  o.exp_shift_sum = &exp_shift_sum<T>;
+  o.sum = &sum<T>;
+  o.sum_squares = &sum_squares<T>;
+  o.dot = &dot<T>;
+  o.accumulate = &accumulate<T>;
+  o.accumulate_product = &accumulate_product<T>;
+  o.adamw = &adamw<T>;
+  o.sgd = &sgd<T>;
+  return o;
+}
+
+}  // namespace kernels::detail::KERNELS_VEC_NS

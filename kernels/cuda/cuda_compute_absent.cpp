@@ -1,0 +1,27 @@
+// Built without CUDA: the compute entry points refuse (no CUDA tensor can exist in such a build,
+// so the front ends never reach these; they are here for the linker).
+#include "kernels/cuda/cuda_compute.h"
+#include <string>
+
+#include "kernels/error.h"
+
+namespace kernels::detail {
+namespace {
+
+[[noreturn]] void no_cuda(const char* what) {
+  throw Unsupported(std::string(what) +
+                    " on a CUDA tensor, but this build has no CUDA (configure with -Dcuda=enabled)");
+}
+
+}  // namespace
+
+void cuda_gemm(const GemmPlan&, int) { no_cuda("matmul"); }
+void cuda_map(MapOp, double, void*, DType, const Dims&, const Dims&, const MapOperand&,
+              const MapOperand*, int) {
+  no_cuda("an element-wise op");
+}
+void cuda_reduce(const ReducePlan&, int) { no_cuda("a reduction"); }
+void cuda_max_dim(const DimPlan&, int) { no_cuda("max"); }
+void cuda_scatter_dim(const DimPlan&, int) { no_cuda("max_backward"); }
+
+}  // namespace kernels::detail

@@ -1,0 +1,123 @@
+#include "kernels/ops/common.h"
+
+#include <fmt/format.h>
+
+#include "kernels/error.h"
+#include "kernels/format.h"
+
+namespace kernels::detail {
+
+void check_defined(const char* op, const Tensor& t, const char* name) {
+  if (!t.defined()) throw InvalidArgument(fmt::format("{}: {} is undefined", op, name));
+}
+
+bool is_compute_float(DType dtype) {
+  return dtype == DType::kF32 || dtype == DType::kF64 || dtype == DType::kBF16 ||
+         dtype == DType::kF16;
+}
+
+void check_floating(const char* op, const Tensor& t, const char* name) {
+  check_defined(op, t, name);
+  if (!is_compute_float(t.dtype())) {
+    throw Unsupported(fmt::format("{}: {} has dtype {}, expected f32, f64, bf16 or f16", op, name,
+                                  t.dtype()));
+  }
+}
+
+void check_index(const char* op, const Tensor& t, const char* name) {
+  check_defined(op, t, name);
+  if (t.dtype() != DType::kI64 && t.dtype() != DType::kI32) {
+    throw InvalidArgument(
+        fmt::format("{}: {} has dtype {}, expected i64 or i32", op, name, t.dtype()));
+  }
+}
+
+void check_same_dtype(const char* op, std::initializer_list<Named> ts) {
+  const Named* first = nullptr;
+  for (const Named& n : ts) {
+    if (!n.t.defined()) continue;
+    if (first == nullptr) {
+      first = &n;
+    } else if (n.t.dtype() != first->t.dtype()) {
+      throw InvalidArgument(fmt::format("{}: {} has dtype {} but {} has {} (expected the same)",
+                                        op, n.name, n.t.dtype(), first->name, first->t.dtype()));
+    }
+  }
+}
+
+void check_same_device(const char* op, std::initializer_list<Named> ts) {
+  const Named* first = nullptr;
+  for (const Named& n : ts) {
+    if (!n.t.defined()) continue;
+    if (first == nullptr) {
+      first = &n;
+    } else if (!(n.t.device() == first->t.device())) {
+      throw InvalidArgument(fmt::format("{}: {} is on {} but {} is on {} (expected one device)",
+                                        op, n.name, n.t.device(), first->name, first->t.device()));
+    }
+  }
+}
+
+void check_shape(const char* op, const Tensor& t, const char* name, const Dims& expected) {
+  if (!(t.shape() == expected)) {
+    throw InvalidArgument(
+        fmt::format("{}: {} has shape {}, expected {}", op, name, t.shape(), expected));
+  }
+}
+
+void check_dtype(const char* op, const Tensor& t, const char* name, DType expected) {
+  if (t.dtype() != expected) {
+    throw InvalidArgument(
+        fmt::format("{}: {} has dtype {}, expected {}", op, name, t.dtype(), expected));
+  }
+}
+
+void check_writable(const char* op, const Tensor& t, const char* name) {
+  for (int d = 0; d < t.ndim(); ++d) {
+    if (t.stride(d) == 0 && t.size(d) > 1) {
+      throw InvalidArgument(fmt::format(
+          "{}: {} has stride 0 on dim {} of size {} (strides {}): an output must address each "
+          "element once",
+          op, name, d, t.size(d), t.strides()));
+    }
+  }
+}
+
+int wrap_dim(const char* op, int dim, int ndim) {
+  if (ndim == 0 || dim < -ndim || dim >= ndim) {
+    throw InvalidArgument(fmt::format("{}: dim {} out of range for a {}-d tensor (expected {}..{})",
+                                      op, dim, ndim, -ndim, ndim - 1));
+  }
+  return dim < 0 ? dim + ndim : dim;
+}
+
+namespace {
+// [first, last) byte range a view addresses; empty for numel 0.
+std::pair<int64_t, int64_t> byte_extent(const Tensor& t) {
+  if (t.numel() == 0) return {0, 0};
+  int64_t last = t.storage_offset();
+  for (int d = 0; d < t.ndim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  const auto size = static_cast<int64_t>(itemsize(t.dtype()));
+  return {t.storage_offset() * size, (last + 1) * size};
+}
+}  // namespace
+
+bool may_overlap(const Tensor& a, const Tensor& b) {
+  if (!a.defined() || !b.defined() || !a.shares_storage_with(b)) return false;
+  const auto [a0, a1] = byte_extent(a);
+  const auto [b0, b1] = byte_extent(b);
+  return a0 < b1 && b0 < a1;
+}
+
+bool same_view(const Tensor& a, const Tensor& b) {
+  return a.shares_storage_with(b) && a.storage_offset() == b.storage_offset() &&
+         a.shape() == b.shape() && a.strides() == b.strides() && a.dtype() == b.dtype();
+}
+
+Dims drop_last(const Dims& shape) {
+  Dims out = shape;
+  if (!out.empty()) out.pop_back();
+  return out;
+}
+
+}  // namespace kernels::detail
