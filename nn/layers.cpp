@@ -32,11 +32,9 @@ Linear::Linear(const ModuleOptions& options, int64_t in_features, int64_t out_fe
   check_options(options, "Linear");
   if (in_features < 0 || out_features < 0)
     throw InvalidArgument(fmt::format("Linear: features ({}, {}) must be >= 0", in_features, out_features));
-  weight_ = add_parameter("weight", std::make_shared<Parameter>(options.comms, Dims{out_features, in_features},
-                                                                options.dtype, weight_init));
+  weight_ = add_parameter("weight", std::make_shared<Parameter>(options.comms, Dims{out_features, in_features}, options.dtype, weight_init, std::nullopt, options.device));
   if (bias)
-    bias_ = add_parameter("bias", std::make_shared<Parameter>(options.comms, Dims{out_features}, options.dtype,
-                                                              Init::zeros()));
+    bias_ = add_parameter("bias", std::make_shared<Parameter>(options.comms, Dims{out_features}, options.dtype, Init::zeros(), std::nullopt, options.device));
 }
 
 void Linear::tie_weight(std::shared_ptr<Parameter> weight) {
@@ -85,7 +83,7 @@ std::optional<DTensor> Linear::do_backward(Ctx& ctx, const DTensor& dy_in) {
 Embedding::Embedding(const ModuleOptions& options, int64_t num_embeddings, int64_t dim, Init init)
     : Module("Embedding"), num_(num_embeddings), dim_(dim) {
   check_options(options, "Embedding");
-  weight_ = add_parameter("weight", std::make_shared<Parameter>(options.comms, Dims{num_embeddings, dim}, options.dtype, init));
+  weight_ = add_parameter("weight", std::make_shared<Parameter>(options.comms, Dims{num_embeddings, dim}, options.dtype, init, std::nullopt, options.device));
 }
 
 DTensor Embedding::do_forward(Ctx& ctx, const DTensor& ids) {
@@ -104,7 +102,7 @@ RMSNorm::RMSNorm(const ModuleOptions& options, int64_t dim, double eps, bool ele
     : Module("RMSNorm"), eps_(eps) {
   check_options(options, "RMSNorm");
   if (elementwise_affine)
-    weight_ = add_parameter("weight", std::make_shared<Parameter>(options.comms, Dims{dim}, options.dtype, Init::ones()));
+    weight_ = add_parameter("weight", std::make_shared<Parameter>(options.comms, Dims{dim}, options.dtype, Init::ones(), std::nullopt, options.device));
 }
 
 DTensor RMSNorm::do_forward(Ctx& ctx, const DTensor& x) {
@@ -121,9 +119,9 @@ LayerNorm::LayerNorm(const ModuleOptions& options, int64_t dim, double eps, bool
     : Module("LayerNorm"), eps_(eps) {
   check_options(options, "LayerNorm");
   if (elementwise_affine) {
-    weight_ = add_parameter("weight", std::make_shared<Parameter>(options.comms, Dims{dim}, options.dtype, Init::ones()));
+    weight_ = add_parameter("weight", std::make_shared<Parameter>(options.comms, Dims{dim}, options.dtype, Init::ones(), std::nullopt, options.device));
     if (bias)
-      bias_ = add_parameter("bias", std::make_shared<Parameter>(options.comms, Dims{dim}, options.dtype, Init::zeros()));
+      bias_ = add_parameter("bias", std::make_shared<Parameter>(options.comms, Dims{dim}, options.dtype, Init::zeros(), std::nullopt, options.device));
   }
 }
 

@@ -170,6 +170,7 @@ void materialize(Module& module, uint64_t seed, bool reinit = false);
 struct ModuleOptions {
   std::shared_ptr<const MeshComms> comms;
   DType dtype = DType::kF32;
+  kernels::Device device;  // where parameters are materialised
 };
 
 }  // namespace nn

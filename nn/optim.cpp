@@ -190,7 +190,8 @@ double clip_grad_norm_(const NamedParameters& params, double max_norm, double no
   for (int m = 0; m < mesh_ndim; ++m)
     if (reduce[m]) pl[m] = Partial{inf_norm ? dtensor::ReduceOp::kMax : dtensor::ReduceOp::kSum};
   dtensor::DTensorSpec spec = dtensor::make_spec(grads[0]->spec().mesh, pl, {1}, DType::kF64);
-  Tensor t = comms->in_mesh() ? Tensor::full({1}, local, DType::kF64) : Tensor::empty({0}, DType::kF64);
+  const kernels::Device device = grads[0]->to_local().device();
+  Tensor t = comms->in_mesh() ? Tensor::full({1}, local, DType::kF64, device) : Tensor::empty({0}, DType::kF64, device);
   DTensor total(comms, spec, t);
   total = total.redistribute(Placements(mesh_ndim, Replicate{}));
   const double reduced = comms->in_mesh() ? total.to_local().item({0}) : 0.0;

@@ -64,8 +64,8 @@ std::string to_string(const Init& init) {
 }
 
 Parameter::Parameter(std::shared_ptr<const MeshComms> comms, Dims shape, DType dtype, Init init,
-                     std::optional<Placements> placements)
-    : comms_(std::move(comms)), shape_(shape), dtype_(dtype), init_(init) {
+                     std::optional<Placements> placements, kernels::Device device)
+    : comms_(std::move(comms)), shape_(shape), dtype_(dtype), init_(init), device_(device) {
   if (!comms_) throw InvalidArgument("Parameter: the mesh communicators are null");
   placements_ = placements ? *placements : Placements(comms_->mesh().ndim(), dtensor::Replicate{});
   placements_ = dtensor::normalize_placements(placements_, comms_->mesh().ndim(), shape_.size());
@@ -118,7 +118,7 @@ void Parameter::materialize(uint64_t seed, std::string_view name) {
   dtensor::DTensorSpec spec =
       dtensor::make_spec(std::shared_ptr<const dtensor::DeviceMesh>(comms_, &comms_->mesh()), placements_, shape_, dtype_);
   if (!comms_->in_mesh()) {
-    data_ = DTensor(comms_, spec, Tensor::empty({0}, dtype_));
+    data_ = DTensor(comms_, spec, Tensor::empty({0}, dtype_, device_));
     return;
   }
   const dtensor::ShardLayout layout = *spec.layout(comms_->rank());
@@ -136,7 +136,7 @@ void Parameter::materialize(uint64_t seed, std::string_view name) {
       pos[t] = 0;
     }
   }
-  Tensor local = Tensor::empty(layout.local_shape, dtype_, kernels::Device{}, comms_->allocator());
+  Tensor local = Tensor::empty(layout.local_shape, dtype_, device_, comms_->allocator());
   if (local.numel() > 0) local.copy_(Tensor::from_vector(values, layout.local_shape, dtype_));
   data_ = DTensor(comms_, spec, local);
   grad_.reset();

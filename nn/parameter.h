@@ -53,7 +53,7 @@ class Parameter {
  public:
   // A meta parameter on `comms`' mesh (all-Replicate unless placements are given).
   Parameter(std::shared_ptr<const MeshComms> comms, Dims shape, DType dtype, Init init,
-            std::optional<Placements> placements = std::nullopt);
+            std::optional<Placements> placements = std::nullopt, kernels::Device device = {});
 
   bool is_meta() const { return !data_.has_value(); }
   const Dims& shape() const { return shape_; }
@@ -61,6 +61,7 @@ class Parameter {
   const Placements& placements() const { return placements_; }
   const std::shared_ptr<const MeshComms>& comms() const { return comms_; }
   const Init& init() const { return init_; }
+  kernels::Device device() const { return device_; }
   int64_t numel() const { return shape_.product(); }
 
   // The value. Throws InvalidArgument when the parameter is still meta.
@@ -96,6 +97,7 @@ class Parameter {
   DType dtype_;
   Placements placements_;
   Init init_;
+  kernels::Device device_;
   std::optional<DTensor> data_;
   std::optional<DTensor> grad_;
   bool accumulate_next_ = true;

@@ -151,7 +151,7 @@ DTensor GPT::do_forward(Ctx& ctx, const DTensor& ids) {
     Placements pl(h.placements().size(), dtensor::Replicate{});
     for (size_t m = 0; m < pl.size(); ++m)
       if (h.placements()[m] == dtensor::Placement{dtensor::Shard{1}}) pl[m] = dtensor::Shard{0};
-    Tensor positions = Tensor::arange({T}, DType::kI64);
+    Tensor positions = Tensor::arange({T}, DType::kI64).to(ids.to_local().device());
     DTensor pos = dtensor::distribute_tensor(positions, h.comms(), pl, std::nullopt);
     DTensor p = pos_emb_->forward(ctx.child("pos_emb"), pos);
     h = ops::add(h, p, 1.0, o, &ctx.op(0));
