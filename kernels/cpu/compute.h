@@ -28,5 +28,8 @@ void cpu_norm_forward(const NormPlan& plan);
 void cpu_norm_backward(const NormPlan& plan);
 // Throws InvalidArgument for a target outside [0, vocab_size) that is not ignore_index.
 void cpu_cross_entropy(const CrossEntropyPlan& plan);
+// Throw InvalidArgument for an id outside [0, num_embeddings).
+void cpu_embedding_forward(const EmbeddingPlan& plan);
+void cpu_embedding_backward(const EmbeddingPlan& plan);
 
 }  // namespace kernels::detail

@@ -2,6 +2,7 @@
 // is brought into a contiguous array of the compute type (f32, or f64 for f64 data) when it is
 // not one already, processed by the VecOps primitives, and written back rounded once.
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "kernels/cpu/compute.h"
+#include "kernels/cpu/copy.h"
 #include "kernels/cpu/strided.h"
 #include "kernels/cpu/vec.h"
 #include "kernels/error.h"
@@ -294,6 +296,77 @@ void cpu_cross_entropy(const CrossEntropyPlan& p) {
     cross_entropy_impl<double>(p);
   } else {
     cross_entropy_impl<float>(p);
+  }
+}
+
+}  // namespace kernels::detail
+
+// ---- embedding ----
+
+namespace kernels::detail {
+namespace {
+
+int64_t id_at(const EmbeddingPlan& p, int64_t pos) {
+  const int64_t off = offset_of(pos, p.ids_shape, p.ids_strides);
+  return p.ids_dtype == DType::kI64 ? static_cast<const int64_t*>(p.ids)[off]
+                                    : static_cast<const int32_t*>(p.ids)[off];
+}
+
+void check_id(const EmbeddingPlan& p, int64_t pos, int64_t id) {
+  if (id < 0 || id >= p.num_embeddings) {
+    throw InvalidArgument("embedding: id " + std::to_string(id) + " at position " +
+                          std::to_string(pos) + " is out of range (expected 0.." +
+                          std::to_string(p.num_embeddings - 1) + ")");
+  }
+}
+
+template <class C>
+void embedding_backward_impl(const EmbeddingPlan& p, int64_t positions) {
+  const VecOps<C>& v = vec_ops<C>();
+  C* dw = static_cast<C*>(p.dw);
+  std::vector<C> buf;
+  for (int64_t pos = 0; pos < positions; ++pos) {
+    const int64_t id = id_at(p, pos);
+    check_id(p, pos, id);
+    const int64_t r = id - p.row_start;
+    if (r < 0 || r >= p.rows || (p.has_padding && id == p.padding_idx)) continue;
+    const C* g = read_row<C>(p.dy, offset_of(pos, p.ids_shape, p.dy.outer_strides), p.dim, buf);
+    C* row = dw + r * p.dim;
+    v.add(row, row, g, C(1), p.dim);
+  }
+}
+
+}  // namespace
+
+void cpu_embedding_forward(const EmbeddingPlan& p) {
+  const int64_t positions = p.ids_shape.product();
+  const size_t out_size = itemsize(p.out.dtype);
+  for (int64_t pos = 0; pos < positions; ++pos) {
+    const int64_t id = id_at(p, pos);
+    check_id(p, pos, id);
+    const int64_t r = id - p.row_start;
+    void* dst = at(p.out.data, p.out.dtype, offset_of(pos, p.ids_shape, p.out.outer_strides));
+    if (r < 0 || r >= p.rows) {
+      if (p.out.stride == 1) {
+        std::memset(dst, 0, static_cast<size_t>(p.dim) * out_size);
+      } else {
+        const uint64_t zero = 0;
+        for (int64_t j = 0; j < p.dim; ++j) std::memcpy(at(dst, p.out.dtype, j * p.out.stride), &zero, out_size);
+      }
+      continue;
+    }
+    const void* src = at(p.table.data, p.table.dtype, r * p.table.outer_strides[0]);
+    cpu_copy_cast(dst, p.out.dtype, Dims{p.out.stride}, src, p.table.dtype, Dims{p.table.stride},
+                  Dims{p.dim});
+  }
+}
+
+void cpu_embedding_backward(const EmbeddingPlan& p) {
+  const int64_t positions = p.ids_shape.product();
+  if (p.dw_dtype == DType::kF64) {
+    embedding_backward_impl<double>(p, positions);
+  } else {
+    embedding_backward_impl<float>(p, positions);
   }
 }
 

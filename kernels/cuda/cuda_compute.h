@@ -28,6 +28,10 @@ void cuda_softmax(const SoftmaxPlan& plan, int device);
 void cuda_norm_forward(const NormPlan& plan, int device);
 void cuda_norm_backward(const NormPlan& plan, int device);
 void cuda_cross_entropy(const CrossEntropyPlan& plan, int device);
+// ids were range-checked by the front end on the host. The backward adds in position order
+// (deterministic).
+void cuda_embedding_forward(const EmbeddingPlan& plan, int device);
+void cuda_embedding_backward(const EmbeddingPlan& plan, int device);
 // sum_exp[i] *= exp(local_max[i] - global_max[i]) (0 stays 0 where local_max is -inf); all of
 // dtype (f32 or f64), n elements at the given element strides.
 void cuda_rescale_sum_exp(void* sum_exp, int64_t sum_exp_stride, const void* local_max,

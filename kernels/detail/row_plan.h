@@ -87,4 +87,24 @@ struct CrossEntropyPlan {
   const void* global_sum_exp = nullptr;
 };
 
+// Embedding lookup / scatter-add over the positions of ids (row-major over ids_shape).
+// Table row r holds global id row_start + r. Forward: out row p = table row (id - row_start),
+// or zeros when outside [0, rows). Backward: for p in increasing order, dw row (id - row_start)
+// += dy row p (skipping ids outside the shard and padding_idx); dw is a contiguous [rows, D]
+// accumulator of dw_dtype (f32 or f64), zeroed or pre-filled by the caller.
+struct EmbeddingPlan {
+  const void* ids = nullptr;
+  DType ids_dtype = DType::kI64;
+  Dims ids_shape, ids_strides;
+  int64_t dim = 0;
+  int64_t row_start = 0, rows = 0, num_embeddings = 0;
+  bool has_padding = false;
+  int64_t padding_idx = 0;  // global id
+  RowTensor table;          // outer_strides {stride(0)}, stride(1)
+  RowTensor out;            // outer_strides: out's strides over ids_shape
+  RowTensor dy;             // outer_strides: dy's strides over ids_shape
+  void* dw = nullptr;
+  DType dw_dtype = DType::kF32;
+};
+
 }  // namespace kernels::detail
