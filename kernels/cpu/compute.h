@@ -7,6 +7,7 @@
 #include "kernels/detail/gemm_plan.h"
 #include "kernels/detail/map_op.h"
 #include "kernels/detail/reduce_plan.h"
+#include "kernels/detail/row_plan.h"
 #include "kernels/tensor.h"
 
 namespace kernels::detail {
@@ -21,5 +22,14 @@ void cpu_map(MapOp op, double alpha, const Tensor& out, const Tensor* in0, const
 void cpu_reduce(const ReducePlan& plan);
 void cpu_max_dim(const DimPlan& plan);
 void cpu_scatter_dim(const DimPlan& plan);
+
+void cpu_softmax(const SoftmaxPlan& plan);
+void cpu_norm_forward(const NormPlan& plan);
+void cpu_norm_backward(const NormPlan& plan);
+// Throws InvalidArgument for a target outside [0, vocab_size) that is not ignore_index.
+void cpu_cross_entropy(const CrossEntropyPlan& plan);
+// Throw InvalidArgument for an id outside [0, num_embeddings).
+void cpu_embedding_forward(const EmbeddingPlan& plan);
+void cpu_embedding_backward(const EmbeddingPlan& plan);
 
 }  // namespace kernels::detail

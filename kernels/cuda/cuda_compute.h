@@ -10,6 +10,7 @@
 #include "kernels/detail/gemm_plan.h"
 #include "kernels/detail/map_op.h"
 #include "kernels/detail/reduce_plan.h"
+#include "kernels/detail/row_plan.h"
 
 namespace kernels::detail {
 
@@ -22,5 +23,19 @@ void cuda_map(MapOp op, double alpha, void* out, DType out_dtype, const Dims& ou
 void cuda_reduce(const ReducePlan& plan, int device);
 void cuda_max_dim(const DimPlan& plan, int device);
 void cuda_scatter_dim(const DimPlan& plan, int device);
+// As the cpu_ row kernels (targets were range-checked by the front end on the host).
+void cuda_softmax(const SoftmaxPlan& plan, int device);
+void cuda_norm_forward(const NormPlan& plan, int device);
+void cuda_norm_backward(const NormPlan& plan, int device);
+void cuda_cross_entropy(const CrossEntropyPlan& plan, int device);
+// ids were range-checked by the front end on the host. The backward adds in position order
+// (deterministic).
+void cuda_embedding_forward(const EmbeddingPlan& plan, int device);
+void cuda_embedding_backward(const EmbeddingPlan& plan, int device);
+// sum_exp[i] *= exp(local_max[i] - global_max[i]) (0 stays 0 where local_max is -inf); all of
+// dtype (f32 or f64), n elements at the given element strides.
+void cuda_rescale_sum_exp(void* sum_exp, int64_t sum_exp_stride, const void* local_max,
+                          int64_t local_max_stride, const void* global_max,
+                          int64_t global_max_stride, DType dtype, int64_t n, int device);
 
 }  // namespace kernels::detail

@@ -120,4 +120,29 @@ Dims drop_last(const Dims& shape) {
   return out;
 }
 
+Dims strides_without(const Tensor& t, int dim) {
+  Dims s = t.strides();
+  s.erase(dim);
+  return s;
+}
+
+RowTensor as_rows(const Tensor& t, int dim) {
+  RowTensor r;
+  if (!t.defined() || t.numel() == 0) return r;
+  r.data = t.data_ptr();
+  r.dtype = t.dtype();
+  r.outer_strides = strides_without(t, dim);
+  r.stride = t.stride(dim);
+  return r;
+}
+
+ColTensor as_col(const Tensor& t) {
+  ColTensor c;
+  if (!t.defined() || t.numel() == 0) return c;
+  c.data = t.data_ptr();
+  c.dtype = t.dtype();
+  c.stride = t.stride(0);
+  return c;
+}
+
 }  // namespace kernels::detail

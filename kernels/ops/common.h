@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "kernels/detail/row_plan.h"
 #include "kernels/dims.h"
 #include "kernels/dtype.h"
 #include "kernels/tensor.h"
@@ -43,5 +44,12 @@ bool may_overlap(const Tensor& a, const Tensor& b);
 bool same_view(const Tensor& a, const Tensor& b);
 // shape without its last dim.
 Dims drop_last(const Dims& shape);
+// t as rows along `dim` (the other dims, row-major, enumerate the rows); an undefined or empty
+// tensor gives an absent RowTensor.
+RowTensor as_rows(const Tensor& t, int dim);
+// t's strides without `dim`: the outer strides of a per-row statistic or of as_rows.
+Dims strides_without(const Tensor& t, int dim);
+// A [len] vector; absent for an undefined tensor.
+ColTensor as_col(const Tensor& t);
 
 }  // namespace kernels::detail

@@ -91,13 +91,6 @@ Dims all_dims(int ndim) {
   return d;
 }
 
-// The strides of t without dim `dim`.
-Dims strides_without(const Tensor& t, int dim) {
-  Dims s = t.strides();
-  s.erase(dim);
-  return s;
-}
-
 }  // namespace
 
 Tensor sum(const Tensor& x, const Dims& dims, bool keepdim) {
@@ -147,7 +140,7 @@ MaxResult max(const Tensor& x, int dim_in, bool keepdim) {
     p.len = x.size(dim);
     p.x = x.data_ptr();
     p.x_dtype = x.dtype();
-    p.x_outer_strides = strides_without(x, dim);
+    p.x_outer_strides = detail::strides_without(x, dim);
     p.x_dim_stride = x.stride(dim);
     p.values = r.values.data_ptr();
     p.indices = static_cast<int64_t*>(r.indices.data_ptr());
@@ -187,7 +180,7 @@ Tensor max_backward(const Tensor& dy_in, const Tensor& indices_in, int dim_in,
   p.len = input_shape[dim];
   p.dx = dx.data_ptr();
   p.dx_dtype = dx.dtype();
-  p.dx_outer_strides = strides_without(dx, dim);
+  p.dx_outer_strides = detail::strides_without(dx, dim);
   p.dx_dim_stride = dx.stride(dim);
   p.dy = dy.data_ptr();
   p.dy_dtype = dy.dtype();
