@@ -137,8 +137,10 @@ std::vector<std::pair<std::string, Module*>> Module::named_modules() {
 }
 
 Module& Module::module(std::string_view fqn) {
+  Module* found = nullptr;  // the innermost of a transparent wrapper and its module
   for (auto& [n, m] : named_modules())
-    if (n == fqn) return *m;
+    if (n == fqn) found = m;
+  if (found) return *found;
   throw InvalidArgument(fmt::format("{}: no submodule named '{}'", type_, fqn));
 }
 

@@ -102,7 +102,8 @@ class Module {
   // This module ("") and every descendant, depth first.
   std::vector<std::pair<std::string, Module*>> named_modules();
   const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& children() const { return children_; }
-  // Throws InvalidArgument naming the path when absent.
+  // Throws InvalidArgument naming the path when absent. A transparent wrapper (Checkpoint) and
+  // its module share a name: the wrapped module is returned.
   Module& module(std::string_view fqn);
   Parameter& parameter(std::string_view fqn);
 
