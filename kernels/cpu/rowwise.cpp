@@ -1,6 +1,7 @@
 // CPU row-wise kernels: softmax / log-softmax, RMSNorm / LayerNorm and cross-entropy. Each row
 // is brought into a contiguous array of the compute type (f32, or f64 for f64 data) when it is
 // not one already, processed by the VecOps primitives, and written back rounded once.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <cstdint>
@@ -80,7 +81,29 @@ void softmax_impl(const SoftmaxPlan& p) {
     const C* x = read_row<C>(p.x, offset_of(o, p.outer_shape, p.x.outer_strides), len, bx);
     const int64_t out_off = offset_of(o, p.outer_shape, p.out.outer_strides);
     C* out = out_row<C>(p.out, out_off, len, bo);
-    if (!p.backward) {
+    if (p.causal_period > 0 || p.from_lse || p.lse.defined()) {
+      // Attention rows: the first `valid` columns are visible.
+      const int64_t valid =
+          p.causal_period > 0 ? std::min<int64_t>(len, o % p.causal_period + 1) : len;
+      std::fill(out + valid, out + len, C(0));
+      if (p.from_lse) {
+        const C lse = load_one<C>(p.lse.data, p.lse.dtype, offset_of(o, p.outer_shape, p.lse.outer_strides));
+        if (lse == -std::numeric_limits<C>::infinity()) {
+          std::fill(out, out + valid, C(0));
+        } else {
+          v.exp_shift_sum(out, x, lse, valid);
+        }
+      } else {
+        const C m = v.max(x, valid);
+        const double s = v.exp_shift_sum(tmp.data(), x, m, valid);
+        v.scale(out, tmp.data(), static_cast<C>(1.0 / s), valid);
+        if (p.lse.defined()) {
+          const double lse = valid == 0 ? -std::numeric_limits<double>::infinity()
+                                        : static_cast<double>(m) + std::log(s);
+          store_one<double>(p.lse.data, p.lse.dtype, offset_of(o, p.outer_shape, p.lse.outer_strides), lse);
+        }
+      }
+    } else if (!p.backward) {
       const C m = v.max(x, len);
       const double s = v.exp_shift_sum(tmp.data(), x, m, len);
       if (p.log) {

@@ -40,6 +40,13 @@ struct SoftmaxPlan {
   RowTensor x;            // forward input, or the saved output y for the backward
   RowTensor dy;           // backward only
   RowTensor out;          // y, or dx
+  // Attention (forward, not log): causal_period > 0 masks column j of row o when
+  // j > o % causal_period (the row's query index); masked entries of y are 0. lse (optional)
+  // receives the row's log-sum-exp over its unmasked columns (-inf when none).
+  int64_t causal_period = 0;
+  RowValues lse;
+  // Attention backward: y = exp(x - lse) on unmasked columns (0 elsewhere), lse read from `lse`.
+  bool from_lse = false;
 };
 
 struct NormPlan {

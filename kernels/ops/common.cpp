@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <vector>
+
 #include "kernels/error.h"
 #include "kernels/format.h"
 
@@ -102,11 +105,64 @@ std::pair<int64_t, int64_t> byte_extent(const Tensor& t) {
 }
 }  // namespace
 
+namespace {
+
+// One term of sum_k x_k w_k with x_k in [lo, hi].
+struct Term {
+  int64_t w, lo, hi;
+};
+
+// Whether d = sum_k x_k w_k has a solution with every x_k in its range, for terms sorted by w
+// descending (w > 0); bound[k] = the largest |sum| the terms after k can reach. Each level tries
+// only the x that leave a remainder within the bound (one or two for views cut from one
+// contiguous tensor); `budget` caps the search, and running out of it answers "yes".
+bool representable(int64_t d, const std::vector<Term>& t, const std::vector<int64_t>& bound,
+                   size_t k, int& budget) {
+  if (k == t.size()) return d == 0;
+  if (--budget < 0) return true;
+  const Term& term = t[k];
+  // x with |d - x w| <= bound[k]:  x in [ceil((d - B) / w), floor((d + B) / w)].
+  auto floor_div = [](int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); };
+  const int64_t lo = std::max(term.lo, -floor_div(-(d - bound[k]), term.w));
+  const int64_t hi = std::min(term.hi, floor_div(d + bound[k], term.w));
+  for (int64_t x = lo; x <= hi; ++x) {
+    if (representable(d - x * term.w, t, bound, k + 1, budget)) return true;
+    if (budget < 0) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
 bool may_overlap(const Tensor& a, const Tensor& b) {
   if (!a.defined() || !b.defined() || !a.shares_storage_with(b)) return false;
+  if (a.numel() == 0 || b.numel() == 0) return false;
   const auto [a0, a1] = byte_extent(a);
   const auto [b0, b1] = byte_extent(b);
-  return a0 < b1 && b0 < a1;
+  if (!(a0 < b1 && b0 < a1)) return false;
+  if (itemsize(a.dtype()) != itemsize(b.dtype())) return true;
+  // Same element size: is there an element of a at the address of an element of b?
+  // off_a + sum i_k sa_k = off_b + sum j_m sb_m, i.e. sum i_k sa_k - sum j_m sb_m = d.
+  std::vector<Term> terms;
+  auto add = [&](const Tensor& t, bool negate) {
+    for (int k = 0; k < t.ndim(); ++k) {
+      const int64_t w = t.stride(k), n = t.size(k);
+      if (w == 0 || n == 1) continue;
+      terms.push_back(negate ? Term{w, -(n - 1), 0} : Term{w, 0, n - 1});
+    }
+  };
+  add(a, false);
+  add(b, true);
+  std::sort(terms.begin(), terms.end(), [](const Term& x, const Term& y) { return x.w > y.w; });
+  std::vector<int64_t> bound(terms.size(), 0);
+  for (size_t k = terms.size(); k-- > 0;) {
+    if (k + 1 < terms.size()) {
+      const Term& n = terms[k + 1];
+      bound[k] = bound[k + 1] + std::max(-n.lo, n.hi) * n.w;
+    }
+  }
+  int budget = 4096;
+  return representable(b.storage_offset() - a.storage_offset(), terms, bound, 0, budget);
 }
 
 bool same_view(const Tensor& a, const Tensor& b) {

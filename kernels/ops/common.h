@@ -37,8 +37,10 @@ void check_writable(const char* op, const Tensor& t, const char* name);
 int wrap_dim(const char* op, int dim, int ndim);
 // f64 for f64, f32 otherwise: the dtype of saved statistics and of row arithmetic.
 inline DType stats_dtype(DType dtype) { return dtype == DType::kF64 ? DType::kF64 : DType::kF32; }
-// True when a and b can address a common byte (same storage, overlapping extents). Conservative:
-// interleaved views that never touch the same element still count as overlapping.
+// True when a and b address a common element: same storage, overlapping extents, and (for equal
+// element sizes) an exact search for a shared address, so interleaved views that never touch
+// the same element (dq/dk/dv slices of one fused buffer) do not count. A search too large to
+// finish, or different element sizes, answer true.
 bool may_overlap(const Tensor& a, const Tensor& b);
 // The same view (storage, offset, shape, strides, dtype): an in-place operand.
 bool same_view(const Tensor& a, const Tensor& b);

@@ -241,6 +241,14 @@ TEST_CASE("element-wise ops reject bad arguments", "[kernels][ops][elementwise]"
                       Contains("x has dtype i64, expected f32, f64, bf16 or f16"));
   REQUIRE_THROWS_WITH(add_out(Tensor::zeros({4, 4}, DType::kF32), a, a),
                       Contains("out has shape [4,4], expected [4,5]"));
+  // Interleaved views of one buffer that share no element are fine (even <- odd columns).
+  Tensor inter = Tensor::arange({3, 8}, DType::kF32);
+  Tensor even = inter.as_strided({3, 4}, {8, 2}, 0), odd = inter.as_strided({3, 4}, {8, 2}, 1);
+  add_out(even, odd, odd);
+  REQUIRE(inter.item({2, 6}) == 2 * 23.0);
+  REQUIRE(inter.item({2, 7}) == 23.0);
+  REQUIRE_THROWS_WITH(add_out(inter.narrow(1, 0, 4), inter.narrow(1, 2, 4), odd),
+                      Contains("out overlaps an input"));
   Tensor big = Tensor::zeros({8}, DType::kF32);
   REQUIRE_THROWS_WITH(add_out(big.narrow(0, 1, 4), big.narrow(0, 0, 4), big.narrow(0, 0, 4)),
                       Contains("out overlaps an input without being the same view"));
