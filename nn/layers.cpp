@@ -72,8 +72,13 @@ std::optional<DTensor> Linear::do_backward(Ctx& ctx, const DTensor& dy_in) {
     const ops::GradSink sinks[] = {ops::GradSink{}, bias_->grad_sink()};
     dy = *ops::add_backward(ctx.op(1), dy, sinks, ctx.ops())[0];
   }
-  if (auto it = ctx.values.find("reduced_from"); it != ctx.values.end())
-    dy = ops::grad_to(dy, std::any_cast<const Placements&>(it->second), ctx.ops(), "Linear output reduction");
+  if (ctx.values.count("reduced_from")) {
+    // The transpose of the forward's reduction (P -> R: nothing; P -> S(d): all-gather): part
+    // of the RowwiseParallel style, not an implicit redistribute.
+    Placements to = dy.placements();
+    to[reduce_->first] = dtensor::Replicate{};
+    if (!(to == dy.placements())) dy = dy.redistribute(to, {ctx.ops().choose.planner});
+  }
   const ops::GradSink sinks[] = {ops::GradSink{}, weight_->grad_sink()};
   return ops::einsum_backward(ctx.op(0), dy, sinks, ctx.ops())[0];
 }

@@ -196,14 +196,22 @@ void parallelize_module(Module& root, int tp_mesh_dim, const ParallelPlan& plan)
     for (auto& [name, m] : by_name) {
       if (!matches(pattern, name)) continue;
       ++hits;
+      std::vector<std::pair<std::string, std::shared_ptr<Parameter>>> params = m->named_parameters();
+      std::vector<Placement> before;
+      for (auto& [pn, p] : params) before.push_back(p->placements()[tp_mesh_dim]);
       style->apply(*m, name, tp_mesh_dim);
-      for (auto& [pn, p] : m->named_parameters()) {
+      // A parameter this style moved that another module's style (tied weights) moved before.
+      for (size_t i = 0; i < params.size(); ++i) {
+        const auto& [pn, p] = params[i];
         const Placement pl = p->placements()[tp_mesh_dim];
-        auto [it, fresh] = given.emplace(p.get(), std::make_pair(name + "." + pn, pl));
-        if (!fresh && !(it->second.second == pl))
+        const std::string full = name.empty() ? pn : name + "." + pn;
+        if (pl == before[i]) continue;
+        auto [it, fresh] = given.emplace(p.get(), std::make_pair(full, pl));
+        if (!fresh && it->second.first != full)
           throw InvalidArgument(fmt::format(
-              "parallelize_module: parameter '{}' is shared with '{}.{}' and the plan gives it {} there and {} here",
-              it->second.first, name, pn, dtensor::to_string(it->second.second), dtensor::to_string(pl)));
+              "parallelize_module: parameter '{}' is shared with '{}' and the plan gives it {} there and {} here",
+              it->second.first, full, dtensor::to_string(it->second.second), dtensor::to_string(pl)));
+        it->second = std::make_pair(full, pl);
       }
     }
     if (hits == 0)
@@ -244,6 +252,9 @@ ParallelPlan gpt_tensor_parallel_plan(const GPTConfig& config, bool sp, bool los
   add("blocks.*.mlp.fc1", std::make_shared<ColwiseParallel>());
   add("blocks.*.mlp.fc2", std::make_shared<RowwiseParallel>(block_out));
   if (sp) add("ln_f", std::make_shared<SequenceParallel>(1));
+  // Without sequence parallelism the head's input is replicated: its Partial input gradient is
+  // all-reduced once here, at the boundary (with it, the S(1) -> R move does the reduce-scatter).
+  if (!sp) add("lm_head", std::make_shared<PrepareModuleInput>(Replicate{}));
   add("lm_head", std::make_shared<ColwiseParallel>(loss_parallel ? Placement{Shard{-1}} : Placement{Replicate{}}));
   if (config.layers == 0)  // no blocks: drop their patterns (they would match nothing)
     std::erase_if(plan, [](const auto& e) { return e.first.rfind("blocks.", 0) == 0; });

@@ -834,6 +834,7 @@ DTensor cross_entropy(const DTensor& logits, const DTensor& targets, kernels::Lo
     else if (is_shard(st.inputs[0][m])) row_dims[m] = rows_sharded = true;
   }
   const DType sdt = stats_dtype(logits.dtype());
+  const kernels::Device device = logits.to_local().device();
   const int64_t V = logits.shape()[nd - 1];
   const int64_t rows_local = in_mesh(lg) ? lg.to_local().numel() / std::max<int64_t>(lg.to_local().size(-1), 1) : 0;
   Tensor lg2 = in_mesh(lg) ? lg.to_local().reshape({rows_local, lg.to_local().size(-1)}) : Tensor();
@@ -845,7 +846,8 @@ DTensor cross_entropy(const DTensor& logits, const DTensor& targets, kernels::Lo
     Tensor c = Tensor::zeros({1}, DType::kF64);
     if (in_mesh(tg)) {
       int64_t n = 0;
-      const Tensor t64 = tg1.dtype() == DType::kI64 ? tg1.contiguous() : tg1.to(DType::kI64);
+      const Tensor host = tg1.device().is_cpu() ? tg1 : tg1.to(kernels::Device{});
+      const Tensor t64 = host.dtype() == DType::kI64 ? host.contiguous() : host.to(DType::kI64);
       const int64_t* p = t64.data<int64_t>();
       for (int64_t i = 0; i < t64.numel(); ++i) n += p[i] != ignore_index;
       c.data<double>()[0] = static_cast<double>(n);
@@ -854,8 +856,8 @@ DTensor cross_entropy(const DTensor& logits, const DTensor& targets, kernels::Lo
       Placements pl(mesh_ndim, kR);
       for (int m = 0; m < mesh_ndim; ++m)
         if (row_dims[m]) pl[m] = kP;
-      DTensor cd = wrap(lg, spec_like(lg, pl, {1}, DType::kF64), c);
-      c = moved(cd, Placements(mesh_ndim, kR), OpOptions{}, "cross_entropy", 1, false).to_local();
+      DTensor cd = wrap(lg, spec_like(lg, pl, {1}, DType::kF64), c.to(device));
+      c = cd.redistribute(Placements(mesh_ndim, kR)).to_local().to(kernels::Device{});
     }
     count = in_mesh(tg) ? c.data<double>()[0] : 1.0;
   }
@@ -865,7 +867,7 @@ DTensor cross_entropy(const DTensor& logits, const DTensor& targets, kernels::Lo
   co.reduction = kernels::LossReduction::kSum;
   co.grad_scale = loss_scale;
 
-  Tensor loss_local = Tensor::empty({}, sdt);
+  Tensor loss_local = Tensor::empty({}, sdt, device);
   Tensor dlogits_local = alloc_local(lg, lg.spec());
   if (!vocab_sharded) {
     if (in_mesh(lg)) {
@@ -881,9 +883,9 @@ DTensor cross_entropy(const DTensor& logits, const DTensor& targets, kernels::Lo
     if (in_mesh(lg)) {
       s = kernels::cross_entropy_shard_stats(lg2, tg1, std::min(vocab_start, V), V, ignore_index);
     } else {
-      s.max = Tensor::empty({0}, sdt);
-      s.sum_exp = Tensor::empty({0}, sdt);
-      s.target_logit = Tensor::empty({0}, sdt);
+      s.max = Tensor::empty({0}, sdt, device);
+      s.sum_exp = Tensor::empty({0}, sdt, device);
+      s.target_logit = Tensor::empty({0}, sdt, device);
     }
     Dims local_rows = in_mesh(lg) ? lg.to_local().shape() : Dims{0};
     local_rows.pop_back();
@@ -902,7 +904,7 @@ DTensor cross_entropy(const DTensor& logits, const DTensor& targets, kernels::Lo
     // [2, rows...]: sum_exp and target_logit, summed over the vocab dims in one transition.
     Dims pair_local = local_rows;
     pair_local.insert(0, 2);
-    Tensor pair = Tensor::empty(pair_local, sdt);
+    Tensor pair = Tensor::empty(pair_local, sdt, device);
     if (in_mesh(lg)) {
       pair.select(0, 0).copy_(s.sum_exp.reshape(local_rows));
       pair.select(0, 1).copy_(s.target_logit.reshape(local_rows));

@@ -91,7 +91,7 @@ void compare(const Result& got, const Result& ref, const std::string& what, test
 TEST_CASE("tp: GPT plans equal one rank (tp 2 and 4, sequence parallel or not, 2x2 with dp)", "[nn][tp]") {
   const GPTConfig cfg = config();
   const Result ref = run({1}, 0, nullptr, cfg);
-  REQUIRE(ref.grads.size() == 2 + 2 * 12 + 2 + 1);
+  REQUIRE(ref.grads.size() == 2 + 2 * 16 + 2 + 1);  // biases on
   testing_support::Checks checks;
   int ran = 0;
   for (bool sp : {true, false}) {
