@@ -5,8 +5,8 @@
 //   fsdp-train --backend local --world 2 --tp 2 --check-parity
 //   mpirun -np 2 fsdp-train --backend mpi --tp 2 --check-parity
 //
-// Output: one progress line per --log-every steps on rank 0,
-//   step 3/30 loss 3.912345 tokens/s 41234 peak_bytes 1234567
+// Output: one progress line per --log-every steps on rank 0 (the step's wall time in ms too),
+//   step 3/30 loss 3.91234567 ms 6.21 tokens/s 41234 peak_bytes 1234567
 // and, last, one JSON object:
 //   {"steps":30,"first_loss":4.16,"last_loss":0.93,"parity":"ok","max_rel_loss_diff":2e-7,
 //    "max_param_diff":3e-8,"tokens_per_s":41234,"peak_bytes":1234567}
@@ -205,8 +205,8 @@ RunResult train(Communicator& world, const Args& a, int tp, bool print, int thre
     step_seconds.push_back(seconds);
     result.losses.push_back(step_loss);
     if (print && rank0 && ((step + 1) % a.log_every == 0 || step + 1 == a.steps)) {
-      fmt::print("step {}/{} loss {:.6f} tokens/s {:.0f} peak_bytes {}\n", step + 1, a.steps, step_loss,
-                 static_cast<double>(a.batch * a.seq) / seconds, memory->peak_bytes());
+      fmt::print("step {}/{} loss {:.9g} ms {:.3f} tokens/s {:.0f} peak_bytes {}\n", step + 1, a.steps, step_loss,
+                 seconds * 1e3, static_cast<double>(a.batch * a.seq) / seconds, memory->peak_bytes());
       std::fflush(stdout);
     }
   }
