@@ -6,6 +6,7 @@
 
 #include "kernels/detail/gemm_plan.h"
 #include "kernels/detail/map_op.h"
+#include "kernels/detail/optim_plan.h"
 #include "kernels/detail/reduce_plan.h"
 #include "kernels/detail/row_plan.h"
 #include "kernels/tensor.h"
@@ -31,5 +32,7 @@ void cpu_cross_entropy(const CrossEntropyPlan& plan);
 // Throw InvalidArgument for an id outside [0, num_embeddings).
 void cpu_embedding_forward(const EmbeddingPlan& plan);
 void cpu_embedding_backward(const EmbeddingPlan& plan);
+
+void cpu_optimizer_step(const OptimPlan& plan);
 
 }  // namespace kernels::detail

@@ -9,6 +9,7 @@
 
 #include "kernels/detail/gemm_plan.h"
 #include "kernels/detail/map_op.h"
+#include "kernels/detail/optim_plan.h"
 #include "kernels/detail/reduce_plan.h"
 #include "kernels/detail/row_plan.h"
 
@@ -32,6 +33,8 @@ void cuda_cross_entropy(const CrossEntropyPlan& plan, int device);
 // (deterministic).
 void cuda_embedding_forward(const EmbeddingPlan& plan, int device);
 void cuda_embedding_backward(const EmbeddingPlan& plan, int device);
+// Same arithmetic as kernels/cpu/vec_impl.h's adamw / sgd (fma where torch fuses).
+void cuda_optimizer_step(const OptimPlan& plan, int device);
 // sum_exp[i] *= exp(local_max[i] - global_max[i]) (0 stays 0 where local_max is -inf); all of
 // dtype (f32 or f64), n elements at the given element strides.
 void cuda_rescale_sum_exp(void* sum_exp, int64_t sum_exp_stride, const void* local_max,

@@ -29,6 +29,7 @@ void cuda_norm_backward(const NormPlan&, int) { no_cuda("a norm backward"); }
 void cuda_cross_entropy(const CrossEntropyPlan&, int) { no_cuda("cross_entropy"); }
 void cuda_embedding_forward(const EmbeddingPlan&, int) { no_cuda("embedding"); }
 void cuda_embedding_backward(const EmbeddingPlan&, int) { no_cuda("embedding_backward"); }
+void cuda_optimizer_step(const OptimPlan&, int) { no_cuda("an optimizer step"); }
 void cuda_rescale_sum_exp(void*, int64_t, const void*, int64_t, const void*, int64_t, DType,
                           int64_t, int) {
   no_cuda("rescale_sum_exp_");
