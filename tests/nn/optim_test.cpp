@@ -22,7 +22,7 @@ GPTConfig config() {
   GPTConfig c;
   c.vocab = 13;
   c.dim = 8;
-  c.heads = 2;
+  c.heads = 4;
   c.layers = 1;
   c.max_seq = 6;
   return c;
