@@ -400,7 +400,12 @@ Grads add_backward(const Saved& saved, const DTensor& dy_in, std::span<const Gra
     for (int d = 0; d < lead; ++d) dims.push_back(d);
     bool accumulate = false;
     Tensor target = direct_target(sinks[1], gp[1], b.shape(), saved.strategy.redistributed[1], accumulate);
-    if (target.defined() && alpha == 1.0) {
+    if (lead == 0 && alpha == 1.0 && !target.defined()) {
+      // Same shapes: b's gradient is dy itself (shared, as a's).
+      DTensor g(dy.comms(), spec_like(dy, gp[1], dy.shape(), dy.dtype()), dy.to_local());
+      if (saved.strategy.redistributed[1]) g = grad_to(g, saved.given[1], options, "add backward");
+      out[1] = sink_grad(sinks[1], std::move(g), options);
+    } else if (target.defined() && alpha == 1.0) {
       if (in_mesh(dy)) kernels::sum_out(target, dy.to_local(), dims, false, accumulate);
     } else {
       auto [spec, local] = new_output(dy, gp[1], b.shape(), dy.dtype());
