@@ -57,8 +57,8 @@
 namespace {
 
 using collectives::Communicator;
-using dtensor::DTensor;
 using dtensor::Dims;
+using dtensor::DTensor;
 using dtensor::Placements;
 using kernels::DType;
 using kernels::Tensor;
@@ -99,7 +99,8 @@ std::pair<Tensor, Tensor> make_batch(const Args& a, int step, int64_t first_samp
   const uint64_t V = static_cast<uint64_t>(a.vocab);
   for (int64_t r = 0; r < rows; ++r) {
     const uint64_t g = static_cast<uint64_t>(first_sample + r);
-    uint64_t t = mix64(a.seed * 0x100000001B3ull + static_cast<uint64_t>(step) * 0x9E3779B97F4A7C15ull + g) % V;
+    uint64_t t =
+        mix64(a.seed * 0x100000001B3ull + static_cast<uint64_t>(step) * 0x9E3779B97F4A7C15ull + g) % V;
     for (int64_t i = 0; i < a.seq; ++i) {
       pi[r * a.seq + i] = static_cast<int64_t>(t);
       t = (5 * t + 3) % V;
@@ -153,12 +154,21 @@ RunResult train(Communicator& world, const Args& a, int tp, bool print, int thre
 
   if (!a.dump_init.empty() && print) {
     nn::NamedTensors full;
-    for (const auto& [name, p] : params) full.emplace_back(name, p->data().full_tensor().to(kernels::Device{}));
+    for (const auto& [name, p] : params)
+      full.emplace_back(name, p->data().full_tensor().to(kernels::Device{}));
     if (rank0) {
-      nlohmann::json meta = {{"vocab", a.vocab}, {"dim", a.dim},     {"heads", a.heads},  {"layers", a.layers},
-                             {"seq", a.seq},     {"norm", "layer"},  {"norm_eps", cfg.norm_eps},
-                             {"bias", cfg.bias}, {"gelu", "tanh"},   {"pos_embedding", cfg.pos_embedding},
-                             {"tie_embeddings", cfg.tie_embeddings}, {"mlp_hidden", 4 * a.dim}};
+      nlohmann::json meta = {{"vocab", a.vocab},
+                             {"dim", a.dim},
+                             {"heads", a.heads},
+                             {"layers", a.layers},
+                             {"seq", a.seq},
+                             {"norm", "layer"},
+                             {"norm_eps", cfg.norm_eps},
+                             {"bias", cfg.bias},
+                             {"gelu", "tanh"},
+                             {"pos_embedding", cfg.pos_embedding},
+                             {"tie_embeddings", cfg.tie_embeddings},
+                             {"mlp_hidden", 4 * a.dim}};
       nn::save_safetensors(a.dump_init, full, {{"format", "pt"}, {"config", meta.dump()}});
     }
   }
@@ -170,7 +180,8 @@ RunResult train(Communicator& world, const Args& a, int tp, bool print, int thre
   if (bf16) {
     master.clear();
     for (const auto& [name, p] : params) {
-      auto m = std::make_shared<nn::Parameter>(comms, p->shape(), DType::kF32, p->init(), p->placements(), device);
+      auto m =
+          std::make_shared<nn::Parameter>(comms, p->shape(), DType::kF32, p->init(), p->placements(), device);
       m->set_data(p->data());
       master.emplace_back(name, m);
       p->set_dtype(DType::kBF16);
@@ -201,7 +212,8 @@ RunResult train(Communicator& world, const Args& a, int tp, bool print, int thre
   const Placements replicated(mesh.ndim(), dtensor::Replicate{});
   auto shared_mesh = std::shared_ptr<const dtensor::DeviceMesh>(comms, &comms->mesh());
   auto as_dtensor = [&](const Tensor& full) {
-    return DTensor(comms, dtensor::make_spec(shared_mesh, replicated, full.shape(), full.dtype()), full.to(device));
+    return DTensor(comms, dtensor::make_spec(shared_mesh, replicated, full.shape(), full.dtype()),
+                   full.to(device));
   };
   const DTensor dloss = as_dtensor(Tensor::full({}, 1.0 / a.grad_accum, DType::kF64));
 
@@ -211,7 +223,8 @@ RunResult train(Communicator& world, const Args& a, int tp, bool print, int thre
     const auto t0 = std::chrono::steady_clock::now();
     double step_loss = 0;
     for (int m = 0; m < a.grad_accum; ++m) {
-      auto [ids_full, targets_full] = make_batch(a, step, static_cast<int64_t>(step) * a.batch + m * micro, micro);
+      auto [ids_full, targets_full] =
+          make_batch(a, step, static_cast<int64_t>(step) * a.batch + m * micro, micro);
       const DTensor ids = as_dtensor(ids_full), targets = as_dtensor(targets_full);
       nn::Ctx ctx(&ops), lctx(&ops);
       DTensor logits = model.forward(ctx, ids);
@@ -238,8 +251,9 @@ RunResult train(Communicator& world, const Args& a, int tp, bool print, int thre
     step_seconds.push_back(seconds);
     result.losses.push_back(step_loss);
     if (print && rank0 && ((step + 1) % a.log_every == 0 || step + 1 == a.steps)) {
-      fmt::print("step {}/{} loss {:.9g} ms {:.3f} tokens/s {:.0f} peak_bytes {}\n", step + 1, a.steps, step_loss,
-                 seconds * 1e3, static_cast<double>(a.batch * a.seq) / seconds, memory->peak_bytes());
+      fmt::print("step {}/{} loss {:.9g} ms {:.3f} tokens/s {:.0f} peak_bytes {}\n", step + 1, a.steps,
+                 step_loss, seconds * 1e3, static_cast<double>(a.batch * a.seq) / seconds,
+                 memory->peak_bytes());
       std::fflush(stdout);
     }
   }
@@ -289,7 +303,8 @@ Parity compare(const RunResult& got, const RunResult& ref, double loss_tol, doub
       den += b[i] * b[i];
       if (d > worst) {
         worst = d;
-        p.worst = fmt::format("largest element difference {} at {}[{}]: {} vs one rank's {}", d, name, i, a[i], b[i]);
+        p.worst = fmt::format("largest element difference {} at {}[{}]: {} vs one rank's {}", d, name, i,
+                              a[i], b[i]);
       }
     }
   }
@@ -303,20 +318,27 @@ void validate(const Args& a) {
   if (a.backend != "local" && a.backend != "mpi" && a.backend != "nccl")
     bad(fmt::format("--backend {}: expected local, mpi or nccl", a.backend));
   if (a.dp_replicate != 1 || a.dp_shard != 1)
-    bad(fmt::format("--dp-replicate {} --dp-shard {}: data parallelism (FSDP / HSDP) is not available yet (it "
-                    "comes with fully_shard, the FSDP issue); use --tp, or 1 for both",
-                    a.dp_replicate, a.dp_shard));
+    bad(fmt::format(
+        "--dp-replicate {} --dp-shard {}: data parallelism (FSDP / HSDP) is not available yet (it "
+        "comes with fully_shard, the FSDP issue); use --tp, or 1 for both",
+        a.dp_replicate, a.dp_shard));
   if (a.tp < 1) bad(fmt::format("--tp {}: expected >= 1", a.tp));
-  for (auto [v, n] : {std::pair{a.layers, "--layers"}, {a.dim, "--dim"}, {a.heads, "--heads"}, {a.vocab, "--vocab"},
-                      {a.seq, "--seq"}, {a.batch, "--batch"}})
+  for (auto [v, n] : {std::pair{a.layers, "--layers"},
+                      {a.dim, "--dim"},
+                      {a.heads, "--heads"},
+                      {a.vocab, "--vocab"},
+                      {a.seq, "--seq"},
+                      {a.batch, "--batch"}})
     if (v < 1 && !(v == 0 && std::string(n) == "--layers")) bad(fmt::format("{} {}: expected >= 1", n, v));
   if (a.steps < 1) bad(fmt::format("--steps {}: expected >= 1", a.steps));
   if (a.dim % a.heads != 0) bad(fmt::format("--heads {} does not divide --dim {}", a.heads, a.dim));
   if (a.grad_accum < 1 || a.batch % a.grad_accum != 0)
-    bad(fmt::format("--grad-accum {} must divide --batch {} (microbatches of equal size)", a.grad_accum, a.batch));
+    bad(fmt::format("--grad-accum {} must divide --batch {} (microbatches of equal size)", a.grad_accum,
+                    a.batch));
   if (a.mp != "fp32" && a.mp != "bf16") bad(fmt::format("--mp {}: expected fp32 or bf16", a.mp));
   if (a.log_every < 1) bad(fmt::format("--log-every {}: expected >= 1", a.log_every));
-  if (a.optimizer != "adamw" && a.optimizer != "sgd") bad(fmt::format("--optimizer {}: expected adamw or sgd", a.optimizer));
+  if (a.optimizer != "adamw" && a.optimizer != "sgd")
+    bad(fmt::format("--optimizer {}: expected adamw or sgd", a.optimizer));
   if (!(a.lr > 0)) bad(fmt::format("--lr {}: expected > 0", a.lr));
 }
 
@@ -324,7 +346,8 @@ std::string json_number(double v) { return std::isfinite(v) ? fmt::format("{}", 
 
 int run(int argc, char** argv) {
   Args a;
-  CLI::App app("fsdp-train: a small GPT trained with tensor parallelism (FSDP: later), checked against one rank");
+  CLI::App app(
+      "fsdp-train: a small GPT trained with tensor parallelism (FSDP: later), checked against one rank");
   app.add_option("--backend", a.backend, "local | mpi | nccl");
   app.add_option("--world", a.world, "ranks (local: threads); default the product of the mesh dims");
   app.add_option("--dp-replicate", a.dp_replicate, "HSDP replicas (the FSDP issue)");
@@ -341,13 +364,15 @@ int run(int argc, char** argv) {
   app.add_option("--seed", a.seed, "seed of the initial weights and the data");
   app.add_option("--mp", a.mp, "fp32 | bf16");
   app.add_option("--grad-accum", a.grad_accum, "microbatches per step");
-  app.add_flag("--check-parity", a.check_parity, "also train on one rank and compare every loss and the final parameters");
+  app.add_flag("--check-parity", a.check_parity,
+               "also train on one rank and compare every loss and the final parameters");
   app.add_option("--dump-init", a.dump_init, "write the initial parameters to this safetensors file");
   app.add_option("--log-every", a.log_every, "progress line every N steps");
   app.add_option("--optimizer", a.optimizer, "adamw | sgd (momentum 0.9)");
   app.add_option("--weight-decay", a.weight_decay, "weight decay");
   app.add_option("--clip", a.clip, "gradient norm clipping (0: off)");
-  app.add_option("--sequence-parallel", a.sequence_parallel, "norms on sequence shards under --tp (true|false)");
+  app.add_option("--sequence-parallel", a.sequence_parallel,
+                 "norms on sequence shards under --tp (true|false)");
   app.add_option("--threads", a.threads, "CPU threads per rank for matmul/attention (0: cores / ranks)");
   try {
     app.parse(argc, argv);
@@ -370,10 +395,12 @@ int run(int argc, char** argv) {
     mpi_world = mpi->communicator();
     world_rank = mpi_world->rank();
     if (a.world != 0 && a.world != mpi_world->size())
-      throw kernels::InvalidArgument(fmt::format("--world {} but mpirun started {} processes", a.world, mpi_world->size()));
+      throw kernels::InvalidArgument(
+          fmt::format("--world {} but mpirun started {} processes", a.world, mpi_world->size()));
     if (mpi_world->size() != mesh_ranks)
-      throw kernels::InvalidArgument(fmt::format("mpirun started {} processes for a mesh of {} ranks (--tp {})",
-                                                 mpi_world->size(), mesh_ranks, a.tp));
+      throw kernels::InvalidArgument(
+          fmt::format("mpirun started {} processes for a mesh of {} ranks (--tp {})", mpi_world->size(),
+                      mesh_ranks, a.tp));
     const int hw = std::max(1u, std::thread::hardware_concurrency());
     const int threads = a.threads > 0 ? a.threads : 1;
     (void)hw;
@@ -381,7 +408,8 @@ int run(int argc, char** argv) {
   } else {
     const int world = a.world != 0 ? a.world : mesh_ranks;
     if (world != mesh_ranks)
-      throw kernels::InvalidArgument(fmt::format("--world {} but the mesh (--tp {}) has {} ranks", world, a.tp, mesh_ranks));
+      throw kernels::InvalidArgument(
+          fmt::format("--world {} but the mesh (--tp {}) has {} ranks", world, a.tp, mesh_ranks));
     const int hw = std::max(1u, std::thread::hardware_concurrency());
     const int threads = a.threads > 0 ? a.threads : std::max(1, hw / world);
     const bool nccl = a.backend == "nccl";
@@ -389,8 +417,8 @@ int run(int argc, char** argv) {
       if (!collectives::nccl_built())
         throw kernels::Unsupported("--backend nccl: this build has no NCCL (configure with CUDA)");
       if (kernels::cuda_device_count() < world)
-        throw kernels::Unsupported(fmt::format("--backend nccl: {} ranks need {} GPUs, {} visible", world, world,
-                                               kernels::cuda_device_count()));
+        throw kernels::Unsupported(fmt::format("--backend nccl: {} ranks need {} GPUs, {} visible", world,
+                                               world, kernels::cuda_device_count()));
     }
     collectives::run_ranks(world, [&](Communicator& w) {
       std::unique_ptr<Communicator> gpu;
@@ -411,12 +439,15 @@ int run(int argc, char** argv) {
       const int hw = std::max(1u, std::thread::hardware_concurrency());
       Args single = a;
       single.dump_init.clear();
-      collectives::run_ranks(1, [&](Communicator& w) { ref = train(w, single, 1, false, a.threads > 0 ? a.threads : hw, kernels::Device{}); });
+      collectives::run_ranks(1, [&](Communicator& w) {
+        ref = train(w, single, 1, false, a.threads > 0 ? a.threads : hw, kernels::Device{});
+      });
       cmp = compare(*got, *ref, loss_tol, param_tol);
       if (!cmp->ok)
-        std::fprintf(stderr, "fsdp-train: parity failed: max relative loss difference %g (limit %g), parameters' "
-                     "relative L2 difference %g (limit %g); %s\n", cmp->max_rel_loss_diff, loss_tol, cmp->max_param_diff, param_tol,
-                     cmp->worst.c_str());
+        std::fprintf(stderr,
+                     "fsdp-train: parity failed: max relative loss difference %g (limit %g), parameters' "
+                     "relative L2 difference %g (limit %g); %s\n",
+                     cmp->max_rel_loss_diff, loss_tol, cmp->max_param_diff, param_tol, cmp->worst.c_str());
       verdict = cmp->ok ? 1 : 0;
       parity = cmp->ok ? "ok" : "fail";
     }
@@ -428,11 +459,12 @@ int run(int argc, char** argv) {
     }
   }
   if (world_rank == 0) {
-    fmt::print("{{\"steps\":{},\"first_loss\":{},\"last_loss\":{},\"parity\":\"{}\",\"max_rel_loss_diff\":{},"
-               "\"max_param_diff\":{},\"tokens_per_s\":{},\"peak_bytes\":{}}}\n",
-               a.steps, json_number(got->losses.front()), json_number(got->losses.back()), parity,
-               cmp ? json_number(cmp->max_rel_loss_diff) : "null", cmp ? json_number(cmp->max_param_diff) : "null",
-               json_number(std::round(got->tokens_per_s)), got->peak_bytes);
+    fmt::print(
+        "{{\"steps\":{},\"first_loss\":{},\"last_loss\":{},\"parity\":\"{}\",\"max_rel_loss_diff\":{},"
+        "\"max_param_diff\":{},\"tokens_per_s\":{},\"peak_bytes\":{}}}\n",
+        a.steps, json_number(got->losses.front()), json_number(got->losses.back()), parity,
+        cmp ? json_number(cmp->max_rel_loss_diff) : "null", cmp ? json_number(cmp->max_param_diff) : "null",
+        json_number(std::round(got->tokens_per_s)), got->peak_bytes);
     std::fflush(stdout);
   }
   return parity == "fail" ? 1 : 0;

@@ -27,14 +27,19 @@ std::string linear_equation(int ndim) {
 
 // ---- Linear ----
 
-Linear::Linear(const ModuleOptions& options, int64_t in_features, int64_t out_features, bool bias, Init weight_init)
+Linear::Linear(const ModuleOptions& options, int64_t in_features, int64_t out_features, bool bias,
+               Init weight_init)
     : Module("Linear"), in_(in_features), out_(out_features) {
   check_options(options, "Linear");
   if (in_features < 0 || out_features < 0)
     throw InvalidArgument(fmt::format("Linear: features ({}, {}) must be >= 0", in_features, out_features));
-  weight_ = add_parameter("weight", std::make_shared<Parameter>(options.comms, Dims{out_features, in_features}, options.dtype, weight_init, std::nullopt, options.device));
+  weight_ = add_parameter(
+      "weight", std::make_shared<Parameter>(options.comms, Dims{out_features, in_features}, options.dtype,
+                                            weight_init, std::nullopt, options.device));
   if (bias)
-    bias_ = add_parameter("bias", std::make_shared<Parameter>(options.comms, Dims{out_features}, options.dtype, Init::zeros(), std::nullopt, options.device));
+    bias_ =
+        add_parameter("bias", std::make_shared<Parameter>(options.comms, Dims{out_features}, options.dtype,
+                                                          Init::zeros(), std::nullopt, options.device));
 }
 
 void Linear::tie_weight(std::shared_ptr<Parameter> weight) {
@@ -54,7 +59,8 @@ void Linear::set_output_reduction(int mesh_dim, dtensor::Placement placement) {
 DTensor Linear::do_forward(Ctx& ctx, const DTensor& x) {
   const int nd = x.spec().tensor_ndim();
   if (nd < 1 || x.shape()[nd - 1] != in_)
-    throw InvalidArgument(fmt::format("Linear({}, {}): input of shape {} (expected [..., {}])", in_, out_, x.shape(), in_));
+    throw InvalidArgument(
+        fmt::format("Linear({}, {}): input of shape {} (expected [..., {}])", in_, out_, x.shape(), in_));
   DTensor y = ops::einsum(linear_equation(nd), x, weight_->data(), ctx.ops(), &ctx.op(0));
   if (reduce_ && dtensor::is_partial(y.placements()[reduce_->first])) {
     Placements to = y.placements();
@@ -88,7 +94,9 @@ std::optional<DTensor> Linear::do_backward(Ctx& ctx, const DTensor& dy_in) {
 Embedding::Embedding(const ModuleOptions& options, int64_t num_embeddings, int64_t dim, Init init)
     : Module("Embedding"), num_(num_embeddings), dim_(dim) {
   check_options(options, "Embedding");
-  weight_ = add_parameter("weight", std::make_shared<Parameter>(options.comms, Dims{num_embeddings, dim}, options.dtype, init, std::nullopt, options.device));
+  weight_ =
+      add_parameter("weight", std::make_shared<Parameter>(options.comms, Dims{num_embeddings, dim},
+                                                          options.dtype, init, std::nullopt, options.device));
 }
 
 DTensor Embedding::do_forward(Ctx& ctx, const DTensor& ids) {
@@ -107,7 +115,9 @@ RMSNorm::RMSNorm(const ModuleOptions& options, int64_t dim, double eps, bool ele
     : Module("RMSNorm"), eps_(eps) {
   check_options(options, "RMSNorm");
   if (elementwise_affine)
-    weight_ = add_parameter("weight", std::make_shared<Parameter>(options.comms, Dims{dim}, options.dtype, Init::ones(), std::nullopt, options.device));
+    weight_ =
+        add_parameter("weight", std::make_shared<Parameter>(options.comms, Dims{dim}, options.dtype,
+                                                            Init::ones(), std::nullopt, options.device));
 }
 
 DTensor RMSNorm::do_forward(Ctx& ctx, const DTensor& x) {
@@ -120,19 +130,23 @@ std::optional<DTensor> RMSNorm::do_backward(Ctx& ctx, const DTensor& dy) {
   return ops::norm_backward(ctx.op(0), dy, sinks, ctx.ops())[0];
 }
 
-LayerNorm::LayerNorm(const ModuleOptions& options, int64_t dim, double eps, bool elementwise_affine, bool bias)
+LayerNorm::LayerNorm(const ModuleOptions& options, int64_t dim, double eps, bool elementwise_affine,
+                     bool bias)
     : Module("LayerNorm"), eps_(eps) {
   check_options(options, "LayerNorm");
   if (elementwise_affine) {
-    weight_ = add_parameter("weight", std::make_shared<Parameter>(options.comms, Dims{dim}, options.dtype, Init::ones(), std::nullopt, options.device));
+    weight_ =
+        add_parameter("weight", std::make_shared<Parameter>(options.comms, Dims{dim}, options.dtype,
+                                                            Init::ones(), std::nullopt, options.device));
     if (bias)
-      bias_ = add_parameter("bias", std::make_shared<Parameter>(options.comms, Dims{dim}, options.dtype, Init::zeros(), std::nullopt, options.device));
+      bias_ = add_parameter("bias", std::make_shared<Parameter>(options.comms, Dims{dim}, options.dtype,
+                                                                Init::zeros(), std::nullopt, options.device));
   }
 }
 
 DTensor LayerNorm::do_forward(Ctx& ctx, const DTensor& x) {
-  return ops::layer_norm(x, weight_ ? &weight_->data() : nullptr, bias_ ? &bias_->data() : nullptr, eps_, ctx.ops(),
-                         &ctx.op(0));
+  return ops::layer_norm(x, weight_ ? &weight_->data() : nullptr, bias_ ? &bias_->data() : nullptr, eps_,
+                         ctx.ops(), &ctx.op(0));
 }
 
 std::optional<DTensor> LayerNorm::do_backward(Ctx& ctx, const DTensor& dy) {

@@ -48,7 +48,8 @@ class Linear : public Module {
 // A lookup table [num_embeddings, dim]: ids (i64/i32) [...] -> [..., dim].
 class Embedding : public Module {
  public:
-  Embedding(const ModuleOptions& options, int64_t num_embeddings, int64_t dim, Init init = Init::normal(0.0, 0.02));
+  Embedding(const ModuleOptions& options, int64_t num_embeddings, int64_t dim,
+            Init init = Init::normal(0.0, 0.02));
   Parameter& weight() const { return *weight_; }
   const std::shared_ptr<Parameter>& weight_ptr() const { return weight_; }
   int64_t num_embeddings() const { return num_; }

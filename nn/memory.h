@@ -22,7 +22,8 @@ namespace nn {
 
 class TrackingAllocator final : public kernels::Allocator {
  public:
-  explicit TrackingAllocator(std::shared_ptr<kernels::Allocator> inner = std::make_shared<kernels::CachingAllocator>())
+  explicit TrackingAllocator(
+      std::shared_ptr<kernels::Allocator> inner = std::make_shared<kernels::CachingAllocator>())
       : inner_(std::move(inner)) {}
 
   void* allocate(size_t nbytes, kernels::Device device) override {

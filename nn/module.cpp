@@ -118,7 +118,8 @@ void collect_params(const Module& m, const std::string& prefix, std::set<const P
 std::vector<std::pair<std::string, std::shared_ptr<Parameter>>> Module::named_parameters() const {
   std::vector<std::pair<std::string, std::shared_ptr<Parameter>>> out;
   std::set<const Parameter*> seen;
-  std::function<void(const Module&, const std::string&)> walk = [&](const Module& m, const std::string& prefix) {
+  std::function<void(const Module&, const std::string&)> walk = [&](const Module& m,
+                                                                    const std::string& prefix) {
     collect_params(m, prefix, seen, out, m.params_);
     for (const auto& [n, c] : m.children_) walk(*c, join(prefix, n));
   };
@@ -190,7 +191,9 @@ void Module::zero_grad(bool set_to_none) {
 
 // ---- Sequential ----
 
-void Sequential::append(std::shared_ptr<Module> module) { add_child(std::to_string(children().size()), std::move(module)); }
+void Sequential::append(std::shared_ptr<Module> module) {
+  add_child(std::to_string(children().size()), std::move(module));
+}
 
 DTensor Sequential::do_forward(Ctx& ctx, const DTensor& input) {
   DTensor x = input;
@@ -201,8 +204,9 @@ DTensor Sequential::do_forward(Ctx& ctx, const DTensor& input) {
 std::optional<DTensor> Sequential::do_backward(Ctx& ctx, const DTensor& grad_output) {
   std::optional<DTensor> dy = grad_output;
   for (auto it = children().rbegin(); it != children().rend(); ++it) {
-    if (!dy) throw InvalidArgument(fmt::format("Sequential: child '{}' needs a gradient but its successor returned none",
-                                               it->first));
+    if (!dy)
+      throw InvalidArgument(
+          fmt::format("Sequential: child '{}' needs a gradient but its successor returned none", it->first));
     dy = it->second->backward(ctx.child(it->first), *dy);
   }
   return dy;

@@ -57,10 +57,10 @@ DTensor& Optimizer::state_tensor(size_t i, const std::string& key) {
     if (k == key) {
       const DTensor& d = params_[i].second->data();
       if (!(t.placements() == d.placements()))
-        throw InvalidArgument(fmt::format("optimizer: parameter '{}' moved from [{}] to [{}] after its state was "
-                                          "created; the state stays with the first placements",
-                                          params_[i].first, dtensor::to_string(t.placements()),
-                                          dtensor::to_string(d.placements())));
+        throw InvalidArgument(fmt::format(
+            "optimizer: parameter '{}' moved from [{}] to [{}] after its state was "
+            "created; the state stays with the first placements",
+            params_[i].first, dtensor::to_string(t.placements()), dtensor::to_string(d.placements())));
       return t;
     }
   const DTensor& d = params_[i].second->data();
@@ -115,8 +115,8 @@ void reduce_gradients(const NamedParameters& params) {
     const DTensor& g = *p->grad();
     if (g.placements() == p->placements()) continue;
     const std::string key = fmt::format("{}|{}|{}|{}", static_cast<const void*>(g.comms().get()),
-                                        dtensor::to_string(g.placements()), dtensor::to_string(p->placements()),
-                                        kernels::to_string(g.dtype()));
+                                        dtensor::to_string(g.placements()),
+                                        dtensor::to_string(p->placements()), kernels::to_string(g.dtype()));
     auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& e) { return e.first == key; });
     if (it == groups.end()) {
       groups.emplace_back(key, Group{});
@@ -128,16 +128,19 @@ void reduce_gradients(const NamedParameters& params) {
   for (auto& [key, group] : groups) {
     const Placements& target = params[group.members[0]].second->placements();
     std::vector<DTensor> out = dtensor::redistribute_batch(group.grads, target);
-    for (size_t j = 0; j < group.members.size(); ++j) params[group.members[j]].second->grad() = std::move(out[j]);
+    for (size_t j = 0; j < group.members.size(); ++j)
+      params[group.members[j]].second->grad() = std::move(out[j]);
   }
 }
 
 // ---- clipping ----
 
-double clip_grad_norm_(const NamedParameters& params, double max_norm, double norm_type, bool error_if_nonfinite) {
+double clip_grad_norm_(const NamedParameters& params, double max_norm, double norm_type,
+                       bool error_if_nonfinite) {
   const bool inf_norm = std::isinf(norm_type);
   if (!inf_norm && norm_type != 2.0)
-    throw InvalidArgument(fmt::format("clip_grad_norm_: norm_type {} is not supported (2 or inf)", norm_type));
+    throw InvalidArgument(
+        fmt::format("clip_grad_norm_: norm_type {} is not supported (2 or inf)", norm_type));
   std::vector<const DTensor*> grads;
   std::vector<std::string> names;
   for (const auto& [n, p] : params)
@@ -153,16 +156,18 @@ double clip_grad_norm_(const NamedParameters& params, double max_norm, double no
   std::vector<char> reduce(mesh_ndim, 0);
   for (size_t i = 0; i < grads.size(); ++i) {
     if (!(grads[i]->device_mesh() == mesh))
-      throw InvalidArgument(fmt::format("clip_grad_norm_: the gradient of '{}' lives on mesh {}, the others on {}",
-                                        names[i], dtensor::to_string(grads[i]->device_mesh()), dtensor::to_string(mesh)));
+      throw InvalidArgument(
+          fmt::format("clip_grad_norm_: the gradient of '{}' lives on mesh {}, the others on {}", names[i],
+                      dtensor::to_string(grads[i]->device_mesh()), dtensor::to_string(mesh)));
     for (int m = 0; m < mesh_ndim; ++m) {
       if (mesh.size(m) == 1) continue;
       const auto& pl = grads[i]->placements()[m];
       if (dtensor::is_partial(pl))
-        throw InvalidArgument(fmt::format(
-            "clip_grad_norm_: the gradient of '{}' is still {} on mesh dim {}: its norm is not the sum of the "
-            "ranks' norms; call nn::reduce_gradients (or finish FSDP's reduce-scatter) first",
-            names[i], dtensor::to_string(pl), m));
+        throw InvalidArgument(
+            fmt::format("clip_grad_norm_: the gradient of '{}' is still {} on mesh dim {}: its norm is not "
+                        "the sum of the "
+                        "ranks' norms; call nn::reduce_gradients (or finish FSDP's reduce-scatter) first",
+                        names[i], dtensor::to_string(pl), m));
       if (dtensor::shard_dim(pl)) reduce[m] = 1;
     }
   }
@@ -191,13 +196,15 @@ double clip_grad_norm_(const NamedParameters& params, double max_norm, double no
     if (reduce[m]) pl[m] = Partial{inf_norm ? dtensor::ReduceOp::kMax : dtensor::ReduceOp::kSum};
   dtensor::DTensorSpec spec = dtensor::make_spec(grads[0]->spec().mesh, pl, {1}, DType::kF64);
   const kernels::Device device = grads[0]->to_local().device();
-  Tensor t = comms->in_mesh() ? Tensor::full({1}, local, DType::kF64, device) : Tensor::empty({0}, DType::kF64, device);
+  Tensor t = comms->in_mesh() ? Tensor::full({1}, local, DType::kF64, device)
+                              : Tensor::empty({0}, DType::kF64, device);
   DTensor total(comms, spec, t);
   total = total.redistribute(Placements(mesh_ndim, Replicate{}));
   const double reduced = comms->in_mesh() ? total.to_local().item({0}) : 0.0;
   const double norm = inf_norm ? reduced : std::sqrt(reduced);
   if (error_if_nonfinite && !std::isfinite(norm))
-    throw InvalidArgument(fmt::format("clip_grad_norm_: the total norm of order {} is {} (non-finite)", norm_type, norm));
+    throw InvalidArgument(
+        fmt::format("clip_grad_norm_: the total norm of order {} is {} (non-finite)", norm_type, norm));
   if (max_norm > 0) {
     const double coef = max_norm / (norm + 1e-6);
     if (coef < 1.0 && comms->in_mesh())

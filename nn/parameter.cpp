@@ -36,9 +36,12 @@ double unit(uint64_t bits) { return (static_cast<double>(bits >> 11) + 1.0) * 0x
 
 double Init::value(uint64_t seed, std::string_view name, int64_t index) const {
   switch (kind) {
-    case Kind::kZeros: return 0.0;
-    case Kind::kOnes: return 1.0;
-    case Kind::kConstant: return a;
+    case Kind::kZeros:
+      return 0.0;
+    case Kind::kOnes:
+      return 1.0;
+    case Kind::kConstant:
+      return a;
     case Kind::kUniform:
     case Kind::kNormal: {
       const uint64_t key = mix64(seed ^ mix64(fnv1a(name)));
@@ -54,11 +57,16 @@ double Init::value(uint64_t seed, std::string_view name, int64_t index) const {
 
 std::string to_string(const Init& init) {
   switch (init.kind) {
-    case Init::Kind::kZeros: return "zeros";
-    case Init::Kind::kOnes: return "ones";
-    case Init::Kind::kConstant: return fmt::format("constant({})", init.a);
-    case Init::Kind::kNormal: return fmt::format("normal(mean={}, std={})", init.a, init.b);
-    case Init::Kind::kUniform: return fmt::format("uniform({}, {})", init.a, init.b);
+    case Init::Kind::kZeros:
+      return "zeros";
+    case Init::Kind::kOnes:
+      return "ones";
+    case Init::Kind::kConstant:
+      return fmt::format("constant({})", init.a);
+    case Init::Kind::kNormal:
+      return fmt::format("normal(mean={}, std={})", init.a, init.b);
+    case Init::Kind::kUniform:
+      return fmt::format("uniform({}, {})", init.a, init.b);
   }
   return "?";
 }
@@ -81,8 +89,8 @@ const DTensor& Parameter::data() const {
 
 void Parameter::set_data(DTensor value) {
   if (!(value.shape() == shape_) || value.dtype() != dtype_)
-    throw InvalidArgument(fmt::format("Parameter::set_data: a {} {} tensor for a {} {} parameter", value.shape(),
-                                      value.dtype(), shape_, dtype_));
+    throw InvalidArgument(fmt::format("Parameter::set_data: a {} {} tensor for a {} {} parameter",
+                                      value.shape(), value.dtype(), shape_, dtype_));
   placements_ = value.placements();
   data_ = std::move(value);
 }
@@ -91,9 +99,10 @@ void Parameter::set_placements(const Placements& placements) {
   const Placements p = dtensor::normalize_placements(placements, comms_->mesh().ndim(), shape_.size());
   for (size_t m = 0; m < p.size(); ++m)
     if (dtensor::is_partial(p[m]))
-      throw InvalidArgument(fmt::format("Parameter::set_placements: {} on mesh dim {}: a parameter holds a value, "
-                                        "not a partial sum",
-                                        dtensor::to_string(p[m]), m));
+      throw InvalidArgument(
+          fmt::format("Parameter::set_placements: {} on mesh dim {}: a parameter holds a value, "
+                      "not a partial sum",
+                      dtensor::to_string(p[m]), m));
   if (data_ && !(p == placements_)) {
     data_ = data_->redistribute(p);
     grad_.reset();
@@ -115,8 +124,8 @@ void Parameter::set_dtype(DType dtype) {
 }
 
 void Parameter::materialize(uint64_t seed, std::string_view name) {
-  dtensor::DTensorSpec spec =
-      dtensor::make_spec(std::shared_ptr<const dtensor::DeviceMesh>(comms_, &comms_->mesh()), placements_, shape_, dtype_);
+  dtensor::DTensorSpec spec = dtensor::make_spec(
+      std::shared_ptr<const dtensor::DeviceMesh>(comms_, &comms_->mesh()), placements_, shape_, dtype_);
   if (!comms_->in_mesh()) {
     data_ = DTensor(comms_, spec, Tensor::empty({0}, dtype_, device_));
     return;
@@ -157,8 +166,9 @@ void Parameter::zero_grad(bool set_to_none) {
 
 void Parameter::set_grad_buffer(DTensor buffer, bool accumulate) {
   if (!(buffer.shape() == shape_))
-    throw InvalidArgument(fmt::format("Parameter::set_grad_buffer: a buffer of shape {} for a parameter of shape {}",
-                                      buffer.shape(), shape_));
+    throw InvalidArgument(
+        fmt::format("Parameter::set_grad_buffer: a buffer of shape {} for a parameter of shape {}",
+                    buffer.shape(), shape_));
   grad_ = std::move(buffer);
   accumulate_next_ = accumulate;
 }

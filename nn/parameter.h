@@ -24,8 +24,8 @@
 
 namespace nn {
 
-using dtensor::DTensor;
 using dtensor::Dims;
+using dtensor::DTensor;
 using dtensor::MeshComms;
 using dtensor::Placements;
 using kernels::DType;

@@ -22,21 +22,30 @@ static_assert(std::endian::native == std::endian::little, "safetensors data is l
 
 const char* dtype_name(DType d) {
   switch (d) {
-    case DType::kF64: return "F64";
-    case DType::kF32: return "F32";
-    case DType::kF16: return "F16";
-    case DType::kBF16: return "BF16";
-    case DType::kI64: return "I64";
-    case DType::kI32: return "I32";
-    case DType::kU8: return "U8";
-    default: return nullptr;
+    case DType::kF64:
+      return "F64";
+    case DType::kF32:
+      return "F32";
+    case DType::kF16:
+      return "F16";
+    case DType::kBF16:
+      return "BF16";
+    case DType::kI64:
+      return "I64";
+    case DType::kI32:
+      return "I32";
+    case DType::kU8:
+      return "U8";
+    default:
+      return nullptr;
   }
 }
 
 DType parse_dtype_name(const std::string& s) {
   for (DType d : {DType::kF64, DType::kF32, DType::kF16, DType::kBF16, DType::kI64, DType::kI32, DType::kU8})
     if (s == dtype_name(d)) return d;
-  throw InvalidArgument(fmt::format("safetensors: dtype '{}' is not supported (F64, F32, F16, BF16, I64, I32, U8)", s));
+  throw InvalidArgument(
+      fmt::format("safetensors: dtype '{}' is not supported (F64, F32, F16, BF16, I64, I32, U8)", s));
 }
 
 }  // namespace
@@ -49,7 +58,8 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors,
   std::vector<Tensor> data;
   uint64_t offset = 0;
   for (const auto& [name, t] : tensors) {
-    if (!names.insert(name).second) throw InvalidArgument(fmt::format("safetensors: tensor '{}' appears twice", name));
+    if (!names.insert(name).second)
+      throw InvalidArgument(fmt::format("safetensors: tensor '{}' appears twice", name));
     if (name == "__metadata__") throw InvalidArgument("safetensors: '__metadata__' is reserved");
     const char* dn = dtype_name(t.dtype());
     if (!dn) throw InvalidArgument(fmt::format("safetensors: tensor '{}' has an unsupported dtype", name));
@@ -67,7 +77,8 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors,
   out.write(reinterpret_cast<const char*>(&n), 8);
   out.write(text.data(), static_cast<std::streamsize>(text.size()));
   for (const Tensor& c : data)
-    if (c.nbytes() > 0) out.write(static_cast<const char*>(c.data_ptr()), static_cast<std::streamsize>(c.nbytes()));
+    if (c.nbytes() > 0)
+      out.write(static_cast<const char*>(c.data_ptr()), static_cast<std::streamsize>(c.nbytes()));
   out.close();
   if (!out) throw kernels::Error(fmt::format("safetensors: writing '{}' failed", path));
 }
@@ -101,9 +112,10 @@ NamedTensors load_safetensors(const std::string& path, std::map<std::string, std
     for (const auto& s : (*it)["shape"]) shape.push_back(s.get<int64_t>());
     const uint64_t b = (*it)["data_offsets"][0].get<uint64_t>(), e = (*it)["data_offsets"][1].get<uint64_t>();
     if (e < b || e > rest.size() || e - b != static_cast<uint64_t>(shape.product()) * kernels::itemsize(dt))
-      throw InvalidArgument(fmt::format("safetensors: tensor '{}' in '{}' has data offsets [{}, {}] that do not fit "
-                                        "its shape or the file ({} data bytes)",
-                                        it.key(), path, b, e, rest.size()));
+      throw InvalidArgument(
+          fmt::format("safetensors: tensor '{}' in '{}' has data offsets [{}, {}] that do not fit "
+                      "its shape or the file ({} data bytes)",
+                      it.key(), path, b, e, rest.size()));
     Tensor t = Tensor::empty(shape, dt);
     if (e > b) std::memcpy(t.data_ptr(), rest.data() + b, e - b);
     out.push_back({b, {it.key(), std::move(t)}});

@@ -26,6 +26,7 @@ using NamedTensors = std::vector<std::pair<std::string, kernels::Tensor>>;
 void save_safetensors(const std::string& path, const NamedTensors& tensors,
                       const std::map<std::string, std::string>& metadata = {});
 // Reads every tensor (in data order). Throws InvalidArgument for a malformed file.
-NamedTensors load_safetensors(const std::string& path, std::map<std::string, std::string>* metadata = nullptr);
+NamedTensors load_safetensors(const std::string& path,
+                              std::map<std::string, std::string>* metadata = nullptr);
 
 }  // namespace nn

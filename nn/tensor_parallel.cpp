@@ -21,7 +21,8 @@ Placement normalized(const Placement& p, int ndim) { return dtensor::normalize(p
 // becomes R, R stays R (strict) or keeps a Partial gradient (not strict).
 Placement grad_placement(const Placement& given, const Placement& grad, bool strict) {
   if (dtensor::is_partial(given)) return Replicate{};
-  if (dtensor::is_replicate(given)) return !strict && dtensor::is_partial(grad) ? grad : Placement{Replicate{}};
+  if (dtensor::is_replicate(given))
+    return !strict && dtensor::is_partial(grad) ? grad : Placement{Replicate{}};
   return given;
 }
 
@@ -29,7 +30,8 @@ void set_tp_placement(Parameter* p, int tp, const Placement& placement) {
   if (!p) return;
   Placements pl = p->placements();
   if (tp < 0 || tp >= static_cast<int>(pl.size()))
-    throw InvalidArgument(fmt::format("tensor parallel: mesh dim {} does not exist on a {}-d mesh", tp, pl.size()));
+    throw InvalidArgument(
+        fmt::format("tensor parallel: mesh dim {} does not exist on a {}-d mesh", tp, pl.size()));
   pl[tp] = placement;
   p->set_placements(pl);
 }
@@ -90,8 +92,12 @@ void add_output_redistribute(Module& module, int mesh_dim, Placement desired) {
 
 // ---- styles ----
 
-std::string ColwiseParallel::name() const { return fmt::format("ColwiseParallel({})", dtensor::to_string(output_)); }
-std::string RowwiseParallel::name() const { return fmt::format("RowwiseParallel({})", dtensor::to_string(output_)); }
+std::string ColwiseParallel::name() const {
+  return fmt::format("ColwiseParallel({})", dtensor::to_string(output_));
+}
+std::string RowwiseParallel::name() const {
+  return fmt::format("RowwiseParallel({})", dtensor::to_string(output_));
+}
 std::string SequenceParallel::name() const { return fmt::format("SequenceParallel({})", dim_); }
 std::string PrepareModuleInput::name() const {
   return fmt::format("PrepareModuleInput({})", dtensor::to_string(desired_));
@@ -125,7 +131,8 @@ void ColwiseParallel::apply(Module& module, std::string_view fqn, int tp) const 
 
 void RowwiseParallel::apply(Module& module, std::string_view fqn, int tp) const {
   if (dtensor::is_partial(output_))
-    throw InvalidArgument(fmt::format("{} on '{}': the output layout must be Replicate or Shard", name(), fqn));
+    throw InvalidArgument(
+        fmt::format("{} on '{}': the output layout must be Replicate or Shard", name(), fqn));
   if (auto* l = dynamic_cast<Linear*>(&module)) {
     set_tp_placement(&l->weight(), tp, Shard{1});
     set_tp_placement(l->bias(), tp, Replicate{});
@@ -142,8 +149,8 @@ void RowwiseParallel::apply(Module& module, std::string_view fqn, int tp) const 
 
 void SequenceParallel::apply(Module& module, std::string_view fqn, int tp) const {
   if (!dynamic_cast<LayerNorm*>(&module) && !dynamic_cast<RMSNorm*>(&module))
-    throw InvalidArgument(fmt::format("{} cannot apply to '{}' (a {}): it applies to LayerNorm and RMSNorm", name(),
-                                      fqn, module.type()));
+    throw InvalidArgument(fmt::format("{} cannot apply to '{}' (a {}): it applies to LayerNorm and RMSNorm",
+                                      name(), fqn, module.type()));
   for (auto& [n, p] : module.named_parameters()) set_tp_placement(p.get(), tp, Replicate{});
   add_input_redistribute(module, tp, Shard{dim_}, /*strict=*/true);
 }
@@ -209,13 +216,15 @@ void parallelize_module(Module& root, int tp_mesh_dim, const ParallelPlan& plan)
         auto [it, fresh] = given.emplace(p.get(), std::make_pair(full, pl));
         if (!fresh && it->second.first != full)
           throw InvalidArgument(fmt::format(
-              "parallelize_module: parameter '{}' is shared with '{}' and the plan gives it {} there and {} here",
+              "parallelize_module: parameter '{}' is shared with '{}' and the plan gives it {} there and {} "
+              "here",
               it->second.first, full, dtensor::to_string(it->second.second), dtensor::to_string(pl)));
         it->second = std::make_pair(full, pl);
       }
     }
     if (hits == 0)
-      throw InvalidArgument(fmt::format("parallelize_module: '{}' ({}) matches no module", pattern, style->name()));
+      throw InvalidArgument(
+          fmt::format("parallelize_module: '{}' ({}) matches no module", pattern, style->name()));
   }
   // Attention split over tp: every rank must hold whole heads.
   for (auto& [name, m] : by_name) {
@@ -225,13 +234,15 @@ void parallelize_module(Module& root, int tp_mesh_dim, const ParallelPlan& plan)
     if (!(q == Placement{Shard{0}})) continue;
     const int64_t tp = attn->wq().weight().comms()->mesh().size(tp_mesh_dim);
     if (attn->heads() % tp != 0)
-      throw InvalidArgument(fmt::format(
-          "parallelize_module: attention '{}' has {} heads, which do not split evenly over the {} ranks of tp "
-          "mesh dim {} (each rank must hold whole heads; use a head count divisible by {})",
-          name, attn->heads(), tp, tp_mesh_dim, tp));
+      throw InvalidArgument(
+          fmt::format("parallelize_module: attention '{}' has {} heads, which do not split evenly over the "
+                      "{} ranks of tp "
+                      "mesh dim {} (each rank must hold whole heads; use a head count divisible by {})",
+                      name, attn->heads(), tp, tp_mesh_dim, tp));
     for (Linear* l : {&attn->wk(), &attn->wv()})
       if (!(l->weight().placements()[tp_mesh_dim] == q))
-        throw InvalidArgument(fmt::format("parallelize_module: attention '{}': wq is column-sharded but wk/wv are not", name));
+        throw InvalidArgument(
+            fmt::format("parallelize_module: attention '{}': wq is column-sharded but wk/wv are not", name));
   }
 }
 
@@ -255,7 +266,8 @@ ParallelPlan gpt_tensor_parallel_plan(const GPTConfig& config, bool sp, bool los
   // Without sequence parallelism the head's input is replicated: its Partial input gradient is
   // all-reduced once here, at the boundary (with it, the S(1) -> R move does the reduce-scatter).
   if (!sp) add("lm_head", std::make_shared<PrepareModuleInput>(Replicate{}));
-  add("lm_head", std::make_shared<ColwiseParallel>(loss_parallel ? Placement{Shard{-1}} : Placement{Replicate{}}));
+  add("lm_head",
+      std::make_shared<ColwiseParallel>(loss_parallel ? Placement{Shard{-1}} : Placement{Replicate{}}));
   if (config.layers == 0)  // no blocks: drop their patterns (they would match nothing)
     std::erase_if(plan, [](const auto& e) { return e.first.rfind("blocks.", 0) == 0; });
   return plan;

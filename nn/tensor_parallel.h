@@ -115,7 +115,8 @@ void parallelize_module(Module& root, int tp_mesh_dim, const ParallelPlan& plan)
 // The Megatron / torchtitan plan for GPT: embeddings rowwise, q/k/v and fc1 colwise, wo and fc2
 // rowwise; sequence_parallel: norms on sequence shards (reduce-scatter / all-gather at the block
 // boundaries instead of all-reduces); loss_parallel: vocab-sharded logits go to the loss.
-ParallelPlan gpt_tensor_parallel_plan(const GPTConfig& config, bool sequence_parallel = true, bool loss_parallel = true);
+ParallelPlan gpt_tensor_parallel_plan(const GPTConfig& config, bool sequence_parallel = true,
+                                      bool loss_parallel = true);
 
 // The input- and output-moving hooks the styles use, for custom styles: on mesh dim `mesh_dim`,
 // the input is brought to `desired` before forward (and its gradient back in backward; `strict`:

@@ -13,14 +13,16 @@ using kernels::InvalidArgument;
 namespace {
 
 // A gradient that flows into one tensor from two uses (a residual, q/k/v sharing an input).
-DTensor sum_grads(const DTensor& a, const DTensor& b, const ops::OpOptions& o) { return ops::add(a, b, 1.0, o); }
+DTensor sum_grads(const DTensor& a, const DTensor& b, const ops::OpOptions& o) {
+  return ops::add(a, b, 1.0, o);
+}
 
 }  // namespace
 
 // ---- MLP ----
 
-MLP::MLP(const ModuleOptions& options, int64_t dim, int64_t hidden, bool bias, kernels::GeluApproximation gelu,
-         double init_std)
+MLP::MLP(const ModuleOptions& options, int64_t dim, int64_t hidden, bool bias,
+         kernels::GeluApproximation gelu, double init_std)
     : Module("MLP"), gelu_(gelu) {
   fc1_ = add_module("fc1", std::make_shared<Linear>(options, dim, hidden, bias, Init::normal(0, init_std)));
   fc2_ = add_module("fc2", std::make_shared<Linear>(options, hidden, dim, bias, Init::normal(0, init_std)));
@@ -44,7 +46,8 @@ CausalSelfAttention::CausalSelfAttention(const ModuleOptions& options, int64_t d
                                          double init_std)
     : Module("CausalSelfAttention"), dim_(dim), heads_(heads) {
   if (heads <= 0 || dim % heads != 0)
-    throw InvalidArgument(fmt::format("CausalSelfAttention: {} heads do not divide the model dim {}", heads, dim));
+    throw InvalidArgument(
+        fmt::format("CausalSelfAttention: {} heads do not divide the model dim {}", heads, dim));
   const Init init = Init::normal(0, init_std);
   wq_ = add_module("wq", std::make_shared<Linear>(options, dim, dim, bias, init));
   wk_ = add_module("wk", std::make_shared<Linear>(options, dim, dim, bias, init));
@@ -54,11 +57,12 @@ CausalSelfAttention::CausalSelfAttention(const ModuleOptions& options, int64_t d
 
 DTensor CausalSelfAttention::do_forward(Ctx& ctx, const DTensor& x) {
   if (x.spec().tensor_ndim() != 3 || x.shape()[2] != dim_)
-    throw InvalidArgument(fmt::format("CausalSelfAttention: input of shape {}, expected [B, T, {}]", x.shape(), dim_));
+    throw InvalidArgument(
+        fmt::format("CausalSelfAttention: input of shape {}, expected [B, T, {}]", x.shape(), dim_));
   const int64_t B = x.shape()[0], T = x.shape()[1], E = dim_ / heads_;
   const ops::OpOptions& o = ctx.ops();
   auto split_heads = [&](Linear& proj, const char* name) {
-    DTensor y = proj.forward(ctx.child(name), x);                       // [B, T, D]
+    DTensor y = proj.forward(ctx.child(name), x);                        // [B, T, D]
     return ops::transpose(ops::view(y, {B, T, heads_, E}, o), 1, 2, o);  // [B, H, T, E]
   };
   DTensor q = split_heads(*wq_, "wq"), k = split_heads(*wk_, "wk"), v = split_heads(*wv_, "wv");
@@ -84,17 +88,20 @@ std::optional<DTensor> CausalSelfAttention::do_backward(Ctx& ctx, const DTensor&
 // ---- block ----
 
 std::shared_ptr<Module> make_norm(const ModuleOptions& options, const GPTConfig& config) {
-  if (config.norm == NormKind::kRMSNorm) return std::make_shared<RMSNorm>(options, config.dim, config.norm_eps);
+  if (config.norm == NormKind::kRMSNorm)
+    return std::make_shared<RMSNorm>(options, config.dim, config.norm_eps);
   return std::make_shared<LayerNorm>(options, config.dim, config.norm_eps);
 }
 
-TransformerBlock::TransformerBlock(const ModuleOptions& options, const GPTConfig& config) : Module("TransformerBlock") {
+TransformerBlock::TransformerBlock(const ModuleOptions& options, const GPTConfig& config)
+    : Module("TransformerBlock") {
   const int64_t hidden = config.mlp_hidden > 0 ? config.mlp_hidden : 4 * config.dim;
   ln1_ = add_module("ln1", make_norm(options, config));
-  attn_ = add_module("attn", std::make_shared<CausalSelfAttention>(options, config.dim, config.heads, config.bias,
-                                                                   config.init_std));
+  attn_ = add_module("attn", std::make_shared<CausalSelfAttention>(options, config.dim, config.heads,
+                                                                   config.bias, config.init_std));
   ln2_ = add_module("ln2", make_norm(options, config));
-  mlp_ = add_module("mlp", std::make_shared<MLP>(options, config.dim, hidden, config.bias, config.gelu, config.init_std));
+  mlp_ = add_module(
+      "mlp", std::make_shared<MLP>(options, config.dim, hidden, config.bias, config.gelu, config.init_std));
 }
 
 DTensor TransformerBlock::do_forward(Ctx& ctx, const DTensor& x) {
@@ -120,8 +127,8 @@ std::optional<DTensor> TransformerBlock::do_backward(Ctx& ctx, const DTensor& dy
 
 GPT::GPT(const ModuleOptions& options, const GPTConfig& config) : Module("GPT"), config_(config) {
   if (config.vocab <= 0 || config.dim <= 0 || config.layers < 0 || config.max_seq <= 0)
-    throw InvalidArgument(fmt::format("GPT: vocab {}, dim {}, layers {} and max_seq {} must be positive", config.vocab,
-                                      config.dim, config.layers, config.max_seq));
+    throw InvalidArgument(fmt::format("GPT: vocab {}, dim {}, layers {} and max_seq {} must be positive",
+                                      config.vocab, config.dim, config.layers, config.max_seq));
   const Init init = Init::normal(0, config.init_std);
   tok_emb_ = add_module("tok_emb", std::make_shared<Embedding>(options, config.vocab, config.dim, init));
   if (config.pos_embedding)
@@ -202,19 +209,22 @@ std::optional<DTensor> Checkpoint::do_backward(Ctx& ctx, const DTensor& dy) {
 // ---- loss ----
 
 DTensor CrossEntropyLoss::forward(Ctx& ctx, const DTensor& logits, const DTensor& targets) const {
-  return ops::cross_entropy(logits, targets, kernels::LossReduction::kMean, ignore_index_, ctx.ops(), &ctx.op(0));
+  return ops::cross_entropy(logits, targets, kernels::LossReduction::kMean, ignore_index_, ctx.ops(),
+                            &ctx.op(0));
 }
 
 DTensor CrossEntropyLoss::backward(Ctx& ctx, const std::optional<DTensor>& dloss) const {
   const ops::Saved& saved = ctx.op(0);
-  if (saved.extras.empty()) throw InvalidArgument("CrossEntropyLoss: backward without a forward on this context");
+  if (saved.extras.empty())
+    throw InvalidArgument("CrossEntropyLoss: backward without a forward on this context");
   DTensor out = [&] {
     if (dloss) return ops::cross_entropy_backward(saved, *dloss, ctx.ops());
     const DTensor& like = saved.extras[0];
-    dtensor::DTensorSpec spec = dtensor::make_spec(like.spec().mesh, Placements(like.placements().size(), dtensor::Replicate{}),
-                                                   {}, DType::kF64);
+    dtensor::DTensorSpec spec = dtensor::make_spec(
+        like.spec().mesh, Placements(like.placements().size(), dtensor::Replicate{}), {}, DType::kF64);
     const bool in = like.comms()->in_mesh();
-    DTensor one(like.comms(), spec, in ? Tensor::full({}, 1.0, DType::kF64) : Tensor::empty({0}, DType::kF64));
+    DTensor one(like.comms(), spec,
+                in ? Tensor::full({}, 1.0, DType::kF64) : Tensor::empty({0}, DType::kF64));
     return ops::cross_entropy_backward(saved, one, ctx.ops());
   }();
   ctx.clear();

@@ -28,8 +28,8 @@ struct GPTConfig {
   int64_t dim = 64;
   int64_t heads = 4;
   int64_t layers = 2;
-  int64_t max_seq = 32;         // rows of the position table
-  int64_t mlp_hidden = 0;       // 0: 4 * dim
+  int64_t max_seq = 32;    // rows of the position table
+  int64_t mlp_hidden = 0;  // 0: 4 * dim
   NormKind norm = NormKind::kLayerNorm;
   double norm_eps = 1e-5;
   bool bias = false;            // Linear biases (LayerNorm keeps its own bias)
@@ -62,7 +62,8 @@ class MLP : public Module {
 class CausalSelfAttention : public Module {
  public:
   // REQUIRES: heads divides dim (InvalidArgument naming both otherwise).
-  CausalSelfAttention(const ModuleOptions& options, int64_t dim, int64_t heads, bool bias, double init_std = 0.02);
+  CausalSelfAttention(const ModuleOptions& options, int64_t dim, int64_t heads, bool bias,
+                      double init_std = 0.02);
   int64_t heads() const { return heads_; }
   int64_t dim() const { return dim_; }
   Linear& wq() const { return *wq_; }

@@ -49,15 +49,15 @@ DTensor wrap(const DTensor& like, const DTensorSpec& spec, Tensor local) {
 }
 
 // A new output DTensor (spec and freshly allocated local).
-std::pair<DTensorSpec, Tensor> new_output(const DTensor& like, const Placements& placements, const Dims& shape,
-                                          DType dtype) {
+std::pair<DTensorSpec, Tensor> new_output(const DTensor& like, const Placements& placements,
+                                          const Dims& shape, DType dtype) {
   DTensorSpec spec = spec_like(like, placements, shape, dtype);
   Tensor local = alloc_local(like, spec);
   return {std::move(spec), std::move(local)};
 }
 
-DTensor moved(const DTensor& t, const Placements& to, const OpOptions& options, std::string_view op, int input,
-              bool backward) {
+DTensor moved(const DTensor& t, const Placements& to, const OpOptions& options, std::string_view op,
+              int input, bool backward) {
   if (t.placements() == to) return t;
   if (options.forbid_implicit)
     throw Unsupported(fmt::format(
@@ -100,9 +100,12 @@ void save(Saved* saved, std::string op, const Strategy& st, std::initializer_lis
 Placements transposed_output(const Placements& out, const Placements& dy) {
   Placements want(out.size());
   for (size_t m = 0; m < out.size(); ++m) {
-    if (is_partial(out[m])) want[m] = kR;
-    else if (is_replicate(out[m])) want[m] = dy[m] == kP ? kP : kR;
-    else want[m] = out[m];
+    if (is_partial(out[m]))
+      want[m] = kR;
+    else if (is_replicate(out[m]))
+      want[m] = dy[m] == kP ? kP : kR;
+    else
+      want[m] = out[m];
   }
   return want;
 }
@@ -148,9 +151,12 @@ Tensor direct_target(const GradSink& sink, const Placements& want, const Dims& s
 DTensor grad_to(const DTensor& grad, const Placements& given, const OpOptions& options, std::string_view op) {
   Placements want(given.size());
   for (size_t m = 0; m < given.size(); ++m) {
-    if (is_partial(given[m])) want[m] = kR;
-    else if (is_replicate(given[m])) want[m] = grad.placements()[m] == kP ? kP : kR;
-    else want[m] = given[m];
+    if (is_partial(given[m]))
+      want[m] = kR;
+    else if (is_replicate(given[m]))
+      want[m] = grad.placements()[m] == kP ? kP : kR;
+    else
+      want[m] = given[m];
   }
   return moved(grad, want, options, op, 0, true);
 }
@@ -166,16 +172,17 @@ std::optional<DTensor> sink_grad(const GradSink& sink, DTensor g, const OpOption
   check_grad_shape(g, dst, "sink_grad");
   if (!(g.placements() == dst.placements())) {
     if (options.forbid_implicit)
-      throw Unsupported(fmt::format(
-          "sink_grad: a gradient of placements [{}] must move to its buffer's [{}] and implicit "
-          "redistributes are forbidden",
-          to_string(g.placements()), to_string(dst.placements())));
+      throw Unsupported(
+          fmt::format("sink_grad: a gradient of placements [{}] must move to its buffer's [{}] and implicit "
+                      "redistributes are forbidden",
+                      to_string(g.placements()), to_string(dst.placements())));
     g = moved(g, dst.placements(), options, "sink_grad", 0, true);
   }
   if (!in_mesh(dst)) return std::nullopt;
   Tensor src = g.to_local();
   if (src.dtype() != dst.dtype()) src = src.to(dst.dtype());
-  if (sink.accumulate) kernels::add_out(dst.to_local(), dst.to_local(), src);
+  if (sink.accumulate)
+    kernels::add_out(dst.to_local(), dst.to_local(), src);
   else {
     Tensor d = dst.to_local();
     d.copy_(src);
@@ -204,9 +211,12 @@ void einsum_local(const Equation& e, const Tensor& la, const Tensor& lb, const T
                   int num_threads) {
   std::string batch, m, n, k;
   for (char l : e.c) {
-    if (has(e.a, l) && has(e.b, l)) batch += l;
-    else if (has(e.a, l)) m += l;
-    else n += l;
+    if (has(e.a, l) && has(e.b, l))
+      batch += l;
+    else if (has(e.a, l))
+      m += l;
+    else
+      n += l;
   }
   for (char l : e.a)
     if (has(e.b, l) && !has(e.c, l)) k += l;
@@ -216,8 +226,9 @@ void einsum_local(const Equation& e, const Tensor& la, const Tensor& lb, const T
   };
   for (char l : e.a)
     if (has(e.b, l) && la.size(static_cast<int>(e.a.find(l))) != lb.size(static_cast<int>(e.b.find(l))))
-      throw InternalError(fmt::format("einsum {},{}->{}: local extents of '{}' differ ({} vs {})", e.a, e.b, e.c, l,
-                                      la.size(static_cast<int>(e.a.find(l))), lb.size(static_cast<int>(e.b.find(l)))));
+      throw InternalError(fmt::format("einsum {},{}->{}: local extents of '{}' differ ({} vs {})", e.a, e.b,
+                                      e.c, l, la.size(static_cast<int>(e.a.find(l))),
+                                      lb.size(static_cast<int>(e.b.find(l)))));
   auto product = [&](const std::string& ls) {
     int64_t p = 1;
     for (char l : ls) p *= size_of(l);
@@ -252,22 +263,27 @@ void einsum_local(const Equation& e, const Tensor& la, const Tensor& lb, const T
   Tensor r = kernels::matmul(A, Bm, {.num_threads = num_threads}).view(natural_shape);
   Tensor permuted = r.permute(order(natural, e.c));
   Tensor o = out;
-  if (accumulate) kernels::add_out(out, out, permuted);
-  else o.copy_(permuted);
+  if (accumulate)
+    kernels::add_out(out, out, permuted);
+  else
+    o.copy_(permuted);
 }
 
 Dims einsum_shape(const Equation& e, const Dims& a, const Dims& b) {
   if (static_cast<int>(e.a.size()) != a.size() || static_cast<int>(e.b.size()) != b.size())
-    throw InvalidArgument(fmt::format("einsum {},{}->{}: operands of shapes {} and {} do not have {} and {} dims",
-                                      e.a, e.b, e.c, a, b, e.a.size(), e.b.size()));
+    throw InvalidArgument(
+        fmt::format("einsum {},{}->{}: operands of shapes {} and {} do not have {} and {} dims", e.a, e.b,
+                    e.c, a, b, e.a.size(), e.b.size()));
   for (size_t i = 0; i < e.a.size(); ++i) {
     const size_t j = e.b.find(e.a[i]);
     if (j != std::string::npos && a[static_cast<int>(i)] != b[static_cast<int>(j)])
-      throw InvalidArgument(fmt::format("einsum {},{}->{}: label '{}' has size {} in the first operand {} and {} in the second {}",
-                                        e.a, e.b, e.c, e.a[i], a[static_cast<int>(i)], a, b[static_cast<int>(j)], b));
+      throw InvalidArgument(fmt::format(
+          "einsum {},{}->{}: label '{}' has size {} in the first operand {} and {} in the second {}", e.a,
+          e.b, e.c, e.a[i], a[static_cast<int>(i)], a, b[static_cast<int>(j)], b));
   }
   Dims out;
-  for (char l : e.c) out.push_back(has(e.a, l) ? a[static_cast<int>(e.a.find(l))] : b[static_cast<int>(e.b.find(l))]);
+  for (char l : e.c)
+    out.push_back(has(e.a, l) ? a[static_cast<int>(e.a.find(l))] : b[static_cast<int>(e.b.find(l))]);
   return out;
 }
 
@@ -278,7 +294,8 @@ DTensor einsum_into(std::string_view equation, const DTensor& a, const DTensor& 
   const Equation e = parse_equation(equation);
   const Dims shape = einsum_shape(e, a.shape(), b.shape());
   if (a.dtype() != b.dtype())
-    throw InvalidArgument(fmt::format("einsum {}: operands have dtypes {} and {}", equation, a.dtype(), b.dtype()));
+    throw InvalidArgument(
+        fmt::format("einsum {}: operands have dtypes {} and {}", equation, a.dtype(), b.dtype()));
   Strategy st;
   std::vector<DTensor> used = prepare(rules, {&a, &b}, options, st);
   save(saved, "einsum", st, {&a, &b});
@@ -289,7 +306,8 @@ DTensor einsum_into(std::string_view equation, const DTensor& a, const DTensor& 
   bool accumulate = false;
   Tensor target = sink ? direct_target(*sink, st.outputs[0], shape, false, accumulate) : Tensor();
   if (target.defined()) {
-    if (in_mesh(a)) einsum_local(e, used[0].to_local(), used[1].to_local(), target, accumulate, options.num_threads);
+    if (in_mesh(a))
+      einsum_local(e, used[0].to_local(), used[1].to_local(), target, accumulate, options.num_threads);
     if (wrote_sink) *wrote_sink = true;
     return **sink->into;
   }
@@ -343,7 +361,8 @@ DTensor matmul(const DTensor& a, const DTensor& b, const OpOptions& options, Sav
         an, bn));
   static constexpr char kLabels[] = "abcdefgh";
   std::string batch(kLabels, kLabels + (an - 2));
-  const std::string eq = bn == 2 ? batch + "mk,kn->" + batch + "mn" : batch + "mk," + batch + "kn->" + batch + "mn";
+  const std::string eq =
+      bn == 2 ? batch + "mk,kn->" + batch + "mn" : batch + "mk," + batch + "kn->" + batch + "mn";
   return einsum(eq, a, b, options, saved);
 }
 
@@ -382,7 +401,8 @@ DTensor add(const DTensor& a, const DTensor& b, double alpha, const OpOptions& o
   return wrap(a, spec, std::move(local));
 }
 
-Grads add_backward(const Saved& saved, const DTensor& dy_in, std::span<const GradSink> sinks, const OpOptions& options) {
+Grads add_backward(const Saved& saved, const DTensor& dy_in, std::span<const GradSink> sinks,
+                   const OpOptions& options) {
   if (sinks.size() != 2) throw InvalidArgument("add_backward: two gradient sinks (a, b) are needed");
   const DTensor dy = dy_for(dy_in, saved.strategy.outputs[0], options, "add backward");
   const std::vector<Placements> gp = grad_placements(saved.strategy, dy.placements());
@@ -433,7 +453,8 @@ DTensor mul(const DTensor& a, const DTensor& b, const OpOptions& options, Saved*
   return wrap(a, spec, std::move(local));
 }
 
-Grads mul_backward(const Saved& saved, const DTensor& dy_in, std::span<const GradSink> sinks, const OpOptions& options) {
+Grads mul_backward(const Saved& saved, const DTensor& dy_in, std::span<const GradSink> sinks,
+                   const OpOptions& options) {
   if (sinks.size() != 2) throw InvalidArgument("mul_backward: two gradient sinks (a, b) are needed");
   const DTensor dy = dy_for(dy_in, saved.strategy.outputs[0], options, "mul backward");
   const std::vector<Placements> gp = grad_placements(saved.strategy, dy.placements());
@@ -478,9 +499,15 @@ DTensor unary(Unary kind, const DTensor& x, double param, const OpOptions& optio
   if (in_mesh(x)) {
     const Tensor& lx = used[0].to_local();
     switch (kind) {
-      case Unary::kScale: kernels::scale_out(local, lx, param); break;
-      case Unary::kGelu: kernels::gelu_out(local, lx, static_cast<GeluApproximation>(static_cast<int>(param))); break;
-      case Unary::kSilu: kernels::silu_out(local, lx); break;
+      case Unary::kScale:
+        kernels::scale_out(local, lx, param);
+        break;
+      case Unary::kGelu:
+        kernels::gelu_out(local, lx, static_cast<GeluApproximation>(static_cast<int>(param)));
+        break;
+      case Unary::kSilu:
+        kernels::silu_out(local, lx);
+        break;
     }
   }
   return wrap(x, spec, std::move(local));
@@ -506,12 +533,16 @@ DTensor unary_backward(const Saved& saved, const DTensor& dy_in, const OpOptions
   auto [spec, local] = new_output(dy, gp[0], dy.shape(), dy.dtype());
   if (in_mesh(dy)) {
     switch (kind) {
-      case Unary::kScale: kernels::scale_out(local, dy.to_local(), saved.scalars[1]); break;
+      case Unary::kScale:
+        kernels::scale_out(local, dy.to_local(), saved.scalars[1]);
+        break;
       case Unary::kGelu:
         kernels::gelu_backward_out(local, dy.to_local(), saved.inputs[0].to_local(),
                                    static_cast<GeluApproximation>(static_cast<int>(saved.scalars[1])));
         break;
-      case Unary::kSilu: kernels::silu_backward_out(local, dy.to_local(), saved.inputs[0].to_local()); break;
+      case Unary::kSilu:
+        kernels::silu_backward_out(local, dy.to_local(), saved.inputs[0].to_local());
+        break;
     }
   }
   DTensor g = wrap(dy, spec, std::move(local));
@@ -597,8 +628,8 @@ void check_norm_param(const DTensor& x, const DTensor* p, const char* what, std:
   if (!p) return;
   const int64_t d = x.shape()[x.spec().tensor_ndim() - 1];
   if (!(p->shape() == Dims{d}))
-    throw InvalidArgument(fmt::format("{}: the {} has shape {}, expected [{}] (the last dim of x {})", op, what,
-                                      p->shape(), d, x.shape()));
+    throw InvalidArgument(fmt::format("{}: the {} has shape {}, expected [{}] (the last dim of x {})", op,
+                                      what, p->shape(), d, x.shape()));
 }
 
 DTensor norm_forward(bool layer, const DTensor& x, const DTensor* w, const DTensor* b, double eps,
@@ -612,10 +643,14 @@ DTensor norm_forward(bool layer, const DTensor& x, const DTensor* w, const DTens
   const RuleSet rules = norm_rules(x.spec().tensor_ndim(), params, stats);
   Strategy st;
   std::vector<DTensor> used;
-  if (w && b) used = prepare(rules, {&x, w, b}, options, st);
-  else if (w) used = prepare(rules, {&x, w}, options, st);
-  else if (b) used = prepare(rules, {&x, b}, options, st);
-  else used = prepare(rules, {&x}, options, st);
+  if (w && b)
+    used = prepare(rules, {&x, w, b}, options, st);
+  else if (w)
+    used = prepare(rules, {&x, w}, options, st);
+  else if (b)
+    used = prepare(rules, {&x, b}, options, st);
+  else
+    used = prepare(rules, {&x}, options, st);
   if (saved) {
     save(saved, name, st, {&x});
     if (w) saved->given.push_back(w->placements());
@@ -637,8 +672,10 @@ DTensor norm_forward(bool layer, const DTensor& x, const DTensor* w, const DTens
   if (in_mesh(x)) {
     const Tensor lw = w ? used[1].to_local() : Tensor();
     const Tensor lb = b ? used[w ? 2 : 1].to_local() : Tensor();
-    if (layer) kernels::layer_norm_out(local, mean, rstd, used[0].to_local(), lw, lb, eps);
-    else kernels::rms_norm_out(local, rstd, used[0].to_local(), lw, eps);
+    if (layer)
+      kernels::layer_norm_out(local, mean, rstd, used[0].to_local(), lw, lb, eps);
+    else
+      kernels::rms_norm_out(local, rstd, used[0].to_local(), lw, eps);
   }
   if (saved) {
     saved->extras = {wrap(x, rspec, rstd)};
@@ -649,7 +686,8 @@ DTensor norm_forward(bool layer, const DTensor& x, const DTensor* w, const DTens
 
 }  // namespace
 
-DTensor rms_norm(const DTensor& x, const DTensor* weight, double eps, const OpOptions& options, Saved* saved) {
+DTensor rms_norm(const DTensor& x, const DTensor* weight, double eps, const OpOptions& options,
+                 Saved* saved) {
   return norm_forward(false, x, weight, nullptr, eps, options, saved);
 }
 
@@ -664,7 +702,8 @@ Grads norm_backward(const Saved& saved, const DTensor& dy_in, std::span<const Gr
   const size_t n_in = 1 + (has_w ? 1 : 0) + (has_b ? 1 : 0);
   const std::string op = saved.op + " backward";
   if (sinks.size() != n_in)
-    throw InvalidArgument(fmt::format("{}: {} gradient sinks given, the forward had {} inputs", op, sinks.size(), n_in));
+    throw InvalidArgument(
+        fmt::format("{}: {} gradient sinks given, the forward had {} inputs", op, sinks.size(), n_in));
   const DTensor dy = dy_for(dy_in, saved.strategy.outputs[0], options, op);
   const std::vector<Placements> gp = grad_placements(saved.strategy, dy.placements());
   const DTensor& x = saved.inputs[0];
@@ -705,11 +744,11 @@ Grads norm_backward(const Saved& saved, const DTensor& dy_in, std::span<const Gr
       const Tensor& mean = saved.extras[1].to_local();
       const Tensor& rstd = saved.extras[0].to_local();
       if (!w || !b || acc_w == acc_b) {
-        kernels::layer_norm_backward_out(targets[0].local, dw, db, dy.to_local(), x.to_local(), lw, mean, rstd,
-                                         acc_w || acc_b);
+        kernels::layer_norm_backward_out(targets[0].local, dw, db, dy.to_local(), x.to_local(), lw, mean,
+                                         rstd, acc_w || acc_b);
       } else {
-        kernels::layer_norm_backward_out(targets[0].local, dw, Tensor(), dy.to_local(), x.to_local(), lw, mean,
-                                         rstd, acc_w);
+        kernels::layer_norm_backward_out(targets[0].local, dw, Tensor(), dy.to_local(), x.to_local(), lw,
+                                         mean, rstd, acc_w);
         kernels::layer_norm_backward_out(Tensor(), Tensor(), db, dy.to_local(), x.to_local(), lw, mean, rstd,
                                          acc_b);
       }
@@ -749,7 +788,8 @@ void check_ids(const DTensor& ids, std::string_view op) {
 DTensor embedding(const DTensor& weight, const DTensor& ids, const OpOptions& options, Saved* saved) {
   check_ids(ids, "embedding");
   if (weight.spec().tensor_ndim() != 2)
-    throw InvalidArgument(fmt::format("embedding: the weight has shape {}, expected [num_embeddings, dim]", weight.shape()));
+    throw InvalidArgument(
+        fmt::format("embedding: the weight has shape {}, expected [num_embeddings, dim]", weight.shape()));
   const RuleSet rules = embedding_rules(ids.spec().tensor_ndim());
   Strategy st;
   std::vector<DTensor> used = prepare(rules, {&weight, &ids}, options, st);
@@ -769,7 +809,8 @@ DTensor embedding(const DTensor& weight, const DTensor& ids, const OpOptions& op
 
 Grads embedding_backward(const Saved& saved, const DTensor& dy_in, std::span<const GradSink> sinks,
                          const OpOptions& options) {
-  if (sinks.size() != 1) throw InvalidArgument("embedding_backward: one gradient sink (the weight) is needed");
+  if (sinks.size() != 1)
+    throw InvalidArgument("embedding_backward: one gradient sink (the weight) is needed");
   Grads out(2);
   if (!sinks[0].needed) return out;
   const DTensor dy = dy_for(dy_in, saved.strategy.outputs[0], options, "embedding backward");
@@ -799,13 +840,16 @@ namespace {
 
 // A DTensor of `shape` with this rank's `local`, Partial(op) on the given mesh dims, and on the
 // others the logits' placement of the same (row) dim or R.
-DTensor row_stat(const DTensor& like, const Placements& logits_pl, const std::vector<char>& vocab_dims, ReduceOp op,
-                 const Dims& shape, int dim_offset, Tensor local) {
+DTensor row_stat(const DTensor& like, const Placements& logits_pl, const std::vector<char>& vocab_dims,
+                 ReduceOp op, const Dims& shape, int dim_offset, Tensor local) {
   Placements pl(logits_pl.size());
   for (size_t m = 0; m < pl.size(); ++m) {
-    if (vocab_dims[m]) pl[m] = Partial{op};
-    else if (const auto* s = std::get_if<Shard>(&logits_pl[m])) pl[m] = Shard{s->dim + dim_offset};
-    else pl[m] = kR;
+    if (vocab_dims[m])
+      pl[m] = Partial{op};
+    else if (const auto* s = std::get_if<Shard>(&logits_pl[m]))
+      pl[m] = Shard{s->dim + dim_offset};
+    else
+      pl[m] = kR;
   }
   return wrap(like, spec_like(like, pl, shape, local.dtype()), std::move(local));
 }
@@ -819,8 +863,9 @@ DTensor cross_entropy(const DTensor& logits, const DTensor& targets, kernels::Lo
   Dims row_shape = logits.shape();
   row_shape.pop_back();
   if (nd < 1 || !(targets.shape() == row_shape))
-    throw InvalidArgument(fmt::format("cross_entropy: targets have shape {}, expected {} (logits {} without the class dim)",
-                                      targets.shape(), row_shape, logits.shape()));
+    throw InvalidArgument(
+        fmt::format("cross_entropy: targets have shape {}, expected {} (logits {} without the class dim)",
+                    targets.shape(), row_shape, logits.shape()));
   if (reduction == kernels::LossReduction::kNone)
     throw Unsupported("cross_entropy: reduction none is not supported on DTensors (use mean or sum)");
   const RuleSet rules = cross_entropy_rules(nd);
@@ -835,13 +880,16 @@ DTensor cross_entropy(const DTensor& logits, const DTensor& targets, kernels::Lo
   bool vocab_sharded = false, rows_sharded = false;
   for (int m = 0; m < mesh_ndim; ++m) {
     if (mesh.size(m) == 1) continue;
-    if (st.rule[m] >= 0 && rules.rules[st.rule[m]].communicates) vocab_dims[m] = vocab_sharded = true;
-    else if (is_shard(st.inputs[0][m])) row_dims[m] = rows_sharded = true;
+    if (st.rule[m] >= 0 && rules.rules[st.rule[m]].communicates)
+      vocab_dims[m] = vocab_sharded = true;
+    else if (is_shard(st.inputs[0][m]))
+      row_dims[m] = rows_sharded = true;
   }
   const DType sdt = stats_dtype(logits.dtype());
   const kernels::Device device = logits.to_local().device();
   const int64_t V = logits.shape()[nd - 1];
-  const int64_t rows_local = in_mesh(lg) ? lg.to_local().numel() / std::max<int64_t>(lg.to_local().size(-1), 1) : 0;
+  const int64_t rows_local =
+      in_mesh(lg) ? lg.to_local().numel() / std::max<int64_t>(lg.to_local().size(-1), 1) : 0;
   Tensor lg2 = in_mesh(lg) ? lg.to_local().reshape({rows_local, lg.to_local().size(-1)}) : Tensor();
   Tensor tg1 = in_mesh(tg) ? tg.to_local().reshape({rows_local}) : Tensor();
 
@@ -898,9 +946,12 @@ DTensor cross_entropy(const DTensor& logits, const DTensor& targets, kernels::Lo
     // Reduce the max over the vocab dims to R there.
     Placements stat_pl(mesh_ndim);
     for (int m = 0; m < mesh_ndim; ++m) {
-      if (vocab_dims[m]) stat_pl[m] = kR;
-      else if (const auto* sh = std::get_if<Shard>(&st.inputs[0][m])) stat_pl[m] = *sh;
-      else stat_pl[m] = kR;
+      if (vocab_dims[m])
+        stat_pl[m] = kR;
+      else if (const auto* sh = std::get_if<Shard>(&st.inputs[0][m]))
+        stat_pl[m] = *sh;
+      else
+        stat_pl[m] = kR;
     }
     DTensor max_p = row_stat(lg, st.inputs[0], vocab_dims, ReduceOp::kMax, row_shape, 0, mx.contiguous());
     Tensor global_max = max_p.redistribute(stat_pl).to_local();
@@ -918,8 +969,10 @@ DTensor cross_entropy(const DTensor& logits, const DTensor& targets, kernels::Lo
     pair_shape.insert(0, 2);
     Placements pair_dst(mesh_ndim);
     for (int m = 0; m < mesh_ndim; ++m) {
-      if (const auto* sh = std::get_if<Shard>(&stat_pl[m])) pair_dst[m] = Shard{sh->dim + 1};
-      else pair_dst[m] = kR;
+      if (const auto* sh = std::get_if<Shard>(&stat_pl[m]))
+        pair_dst[m] = Shard{sh->dim + 1};
+      else
+        pair_dst[m] = kR;
     }
     DTensor pair_p = row_stat(lg, st.inputs[0], vocab_dims, ReduceOp::kSum, pair_shape, 1, pair);
     Tensor summed = pair_p.redistribute(pair_dst).to_local();
@@ -956,12 +1009,14 @@ DTensor cross_entropy_backward(const Saved& saved, const DTensor& dloss_in, cons
 
 // ---- attention ----
 
-DTensor attention(const DTensor& q, const DTensor& k, const DTensor& v, const OpOptions& options, Saved* saved) {
+DTensor attention(const DTensor& q, const DTensor& k, const DTensor& v, const OpOptions& options,
+                  Saved* saved) {
   for (const DTensor* t : {&q, &k, &v})
     if (t->spec().tensor_ndim() != 4)
       throw InvalidArgument(fmt::format("attention: q, k, v must be [B, H, T, E]; got shape {}", t->shape()));
   if (!(q.shape() == k.shape()) || !(q.shape() == v.shape()))
-    throw InvalidArgument(fmt::format("attention: q {}, k {} and v {} must have one shape", q.shape(), k.shape(), v.shape()));
+    throw InvalidArgument(
+        fmt::format("attention: q {}, k {} and v {} must have one shape", q.shape(), k.shape(), v.shape()));
   const RuleSet rules = attention_rules();
   Strategy st;
   std::vector<DTensor> used = prepare(rules, {&q, &k, &v}, options, st);
@@ -973,7 +1028,8 @@ DTensor attention(const DTensor& q, const DTensor& k, const DTensor& v, const Op
   kernels::AttentionOptions ao;
   ao.causal = true;
   ao.num_threads = options.num_threads;
-  if (in_mesh(q)) kernels::attention_out(local, lse, used[0].to_local(), used[1].to_local(), used[2].to_local(), ao);
+  if (in_mesh(q))
+    kernels::attention_out(local, lse, used[0].to_local(), used[1].to_local(), used[2].to_local(), ao);
   DTensor out = wrap(q, spec, std::move(local));
   if (saved) {
     saved->inputs = used;
@@ -984,7 +1040,8 @@ DTensor attention(const DTensor& q, const DTensor& k, const DTensor& v, const Op
 
 Grads attention_backward(const Saved& saved, const DTensor& dout_in, std::span<const GradSink> sinks,
                          const OpOptions& options) {
-  if (sinks.size() != 3) throw InvalidArgument("attention_backward: three gradient sinks (q, k, v) are needed");
+  if (sinks.size() != 3)
+    throw InvalidArgument("attention_backward: three gradient sinks (q, k, v) are needed");
   const DTensor dout = dy_for(dout_in, saved.strategy.outputs[0], options, "attention backward");
   const std::vector<Placements> gp = grad_placements(saved.strategy, dout.placements());
   std::vector<std::pair<DTensorSpec, Tensor>> g;
@@ -993,9 +1050,10 @@ Grads attention_backward(const Saved& saved, const DTensor& dout_in, std::span<c
   ao.causal = true;
   ao.num_threads = options.num_threads;
   if (in_mesh(dout))
-    kernels::attention_backward_out(g[0].second, g[1].second, g[2].second, dout.to_local(), saved.inputs[0].to_local(),
-                                    saved.inputs[1].to_local(), saved.inputs[2].to_local(),
-                                    saved.extras[0].to_local(), saved.extras[1].to_local(), ao);
+    kernels::attention_backward_out(g[0].second, g[1].second, g[2].second, dout.to_local(),
+                                    saved.inputs[0].to_local(), saved.inputs[1].to_local(),
+                                    saved.inputs[2].to_local(), saved.extras[0].to_local(),
+                                    saved.extras[1].to_local(), ao);
   Grads out(3);
   for (int i = 0; i < 3; ++i) {
     if (!sinks[i].needed) continue;
@@ -1029,8 +1087,9 @@ DTensor view(const DTensor& x, const Dims& shape, const OpOptions& options) {
   if (!in_mesh(x)) return wrap(x, spec, Tensor());
   const Dims local_shape = spec.layout(x.comms()->rank())->local_shape;
   if (local_shape.product() != used[0].to_local().numel())
-    throw InternalError(fmt::format("view {} -> {}: local shard {} cannot become {} under [{}]", x.shape(), shape,
-                                    used[0].to_local().shape(), local_shape, to_string(st.outputs[0])));
+    throw InternalError(fmt::format("view {} -> {}: local shard {} cannot become {} under [{}]", x.shape(),
+                                    shape, used[0].to_local().shape(), local_shape,
+                                    to_string(st.outputs[0])));
   return wrap(x, spec, used[0].to_local().reshape(local_shape));
 }
 

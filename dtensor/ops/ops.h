@@ -40,7 +40,7 @@ struct RedistributeEvent {
   std::string op;
   int input = 0;
   Placements from, to;
-  std::string route;  // to_string(plan)
+  std::string route;      // to_string(plan)
   bool backward = false;  // a gradient mapped back to its input's placements
 };
 std::string to_string(const RedistributeEvent& event);
@@ -69,7 +69,7 @@ struct OpOptions {
 // What an op's backward needs of its forward call.
 struct Saved {
   std::string op;
-  std::string equation;           // einsum
+  std::string equation;  // einsum
   Strategy strategy;
   std::vector<Placements> given;  // input placements as passed
   std::vector<DTensor> inputs;    // as used (only those the backward reads)

@@ -59,11 +59,11 @@ RuleSet einsum_rules(std::string_view equation) {
   auto check_labels = [&](std::string_view labels, const char* which) {
     for (size_t i = 0; i < labels.size(); ++i) {
       if (!((labels[i] >= 'a' && labels[i] <= 'z') || (labels[i] >= 'A' && labels[i] <= 'Z')))
-        throw InvalidArgument(fmt::format("einsum: '{}' in the {} of '{}' is not a letter", labels[i],
-                                          which, equation));
-      if (labels.find(labels[i], i + 1) != std::string_view::npos)
         throw InvalidArgument(
-            fmt::format("einsum: label '{}' repeats in the {} of '{}' (no diagonals)", labels[i], which, equation));
+            fmt::format("einsum: '{}' in the {} of '{}' is not a letter", labels[i], which, equation));
+      if (labels.find(labels[i], i + 1) != std::string_view::npos)
+        throw InvalidArgument(fmt::format("einsum: label '{}' repeats in the {} of '{}' (no diagonals)",
+                                          labels[i], which, equation));
     }
   };
   check_labels(a, "first operand");
@@ -120,8 +120,10 @@ RuleSet binary_rules(Pointwise op, int a_ndim, int b_ndim) {
   rs.outputs = 1;
   const int offset = a_ndim - b_ndim;
   for (int d = 0; d < a_ndim; ++d) {
-    if (d < offset) rs.rules.push_back({{S(d), kR}, {S(d)}, {S(d), kP}});
-    else rs.rules.push_back({{S(d), S(d - offset)}, {S(d)}, {S(d), S(d - offset)}});
+    if (d < offset)
+      rs.rules.push_back({{S(d), kR}, {S(d)}, {S(d), kP}});
+    else
+      rs.rules.push_back({{S(d), S(d - offset)}, {S(d)}, {S(d), S(d - offset)}});
   }
   rs.rules.push_back({{kR, kR}, {kR}, {kR, kR}});
   if (op == Pointwise::kAdd) {
@@ -159,8 +161,10 @@ RuleSet sum_rules(int ndim, std::span<const int> dims) {
   rs.outputs = 1;
   int kept = 0;
   for (int d = 0; d < ndim; ++d) {
-    if (reduced[d]) rs.rules.push_back({{S(d)}, {kP}, {S(d)}});
-    else rs.rules.push_back({{S(d)}, {S(kept++)}, {S(d)}});
+    if (reduced[d])
+      rs.rules.push_back({{S(d)}, {kP}, {S(d)}});
+    else
+      rs.rules.push_back({{S(d)}, {S(kept++)}, {S(d)}});
   }
   rs.rules.push_back({{kR}, {kR}, {kR}});
   rs.rules.push_back({{kP}, {kP}, {kR}});
@@ -238,7 +242,8 @@ RuleSet transpose_rules(int ndim, int d0, int d1) {
   if (d0 < 0) d0 += ndim;
   if (d1 < 0) d1 += ndim;
   if (d0 < 0 || d0 >= ndim || d1 < 0 || d1 >= ndim)
-    throw InvalidArgument(fmt::format("transpose: dims ({}, {}) out of range for a {}-d tensor", d0, d1, ndim));
+    throw InvalidArgument(
+        fmt::format("transpose: dims ({}, {}) out of range for a {}-d tensor", d0, d1, ndim));
   RuleSet rs;
   rs.op = fmt::format("transpose({}d, {}, {})", ndim, d0, d1);
   rs.inputs = 1;
@@ -264,8 +269,8 @@ struct ViewGroup {
 
 std::vector<ViewGroup> view_groups(const Dims& from, const Dims& to) {
   if (from.product() != to.product())
-    throw InvalidArgument(fmt::format("view: shape [{}] has {} elements, [{}] has {}",
-                                      fmt::join(from, ","), from.product(), fmt::join(to, ","), to.product()));
+    throw InvalidArgument(fmt::format("view: shape [{}] has {} elements, [{}] has {}", fmt::join(from, ","),
+                                      from.product(), fmt::join(to, ","), to.product()));
   std::vector<ViewGroup> groups;
   int i = 0, j = 0;
   while (i < from.size() || j < to.size()) {
@@ -279,9 +284,12 @@ std::vector<ViewGroup> view_groups(const Dims& from, const Dims& to) {
     const int i0 = i, j0 = j;
     int64_t pi = i < from.size() ? from[i++] : 1, pj = j < to.size() ? to[j++] : 1;
     while (pi != pj) {
-      if (pi < pj && i < from.size()) pi *= from[i++];
-      else if (pj < pi && j < to.size()) pj *= to[j++];
-      else break;
+      if (pi < pj && i < from.size())
+        pi *= from[i++];
+      else if (pj < pi && j < to.size())
+        pj *= to[j++];
+      else
+        break;
     }
     if (pi != pj || (i - i0 > 1 && j - j0 > 1))
       throw InvalidArgument(fmt::format(
@@ -306,7 +314,8 @@ RuleSet view_rules(const Dims& from, const Dims& to, const Dims& mesh_shape, con
     // later dim of a merge is no block of the merged dim).
     int64_t mesh_product = 1;
     for (int m = 0; m < static_cast<int>(input.size()) && m < mesh_shape.size(); ++m)
-      if (const auto* s = std::get_if<Shard>(&input[m]); s && s->dim == g.in_begin) mesh_product *= mesh_shape[m];
+      if (const auto* s = std::get_if<Shard>(&input[m]); s && s->dim == g.in_begin)
+        mesh_product *= mesh_shape[m];
     if (g.in_end - g.in_begin == 1 && g.out_end - g.out_begin == 1) {
       rs.rules.push_back({{S(g.in_begin)}, {S(g.out_begin)}, {S(g.in_begin)}});
     } else if (g.in_end - g.in_begin == 1) {
@@ -355,7 +364,8 @@ std::string inputs_text(std::span<const DTensorSpec> inputs) {
 Strategy choose_strategy(const RuleSet& rules, std::span<const DTensorSpec> inputs, PlanCache& plans,
                          const ChooseOptions& options) {
   if (static_cast<int>(inputs.size()) != rules.inputs)
-    throw InvalidArgument(fmt::format("{}: {} inputs given, the op takes {}", rules.op, inputs.size(), rules.inputs));
+    throw InvalidArgument(
+        fmt::format("{}: {} inputs given, the op takes {}", rules.op, inputs.size(), rules.inputs));
   if (rules.rules.empty()) throw kernels::InternalError(fmt::format("{}: no rules", rules.op));
   const int mesh_ndim = inputs[0].mesh->ndim();
   for (const DTensorSpec& s : inputs)

@@ -43,8 +43,8 @@ struct Rule {
 };
 
 struct RuleSet {
-  std::string op;             // "einsum(mk,kn->mn)"
-  std::vector<Rule> rules;    // in order of preference: equal costs pick the first
+  std::string op;           // "einsum(mk,kn->mn)"
+  std::vector<Rule> rules;  // in order of preference: equal costs pick the first
   int inputs = 0, outputs = 0;
 };
 
@@ -101,12 +101,12 @@ RuleSet view_rules(const Dims& from, const Dims& to, const Dims& mesh_shape, con
 // ---- choosing rules for a whole mesh ----
 
 struct Strategy {
-  std::vector<int> rule;             // per mesh dim: index into RuleSet::rules
-  std::vector<Placements> inputs;    // per input: the placements the op runs on
-  std::vector<Placements> outputs;   // per output
-  std::vector<Placements> grads;     // per input: its gradient's placements
-  std::vector<char> redistributed;   // per input: differs from the placements given
-  double cost_us = 0;                // of the redistributes, by the planner's cost model
+  std::vector<int> rule;            // per mesh dim: index into RuleSet::rules
+  std::vector<Placements> inputs;   // per input: the placements the op runs on
+  std::vector<Placements> outputs;  // per output
+  std::vector<Placements> grads;    // per input: its gradient's placements
+  std::vector<char> redistributed;  // per input: differs from the placements given
+  double cost_us = 0;               // of the redistributes, by the planner's cost model
 };
 
 struct ChooseOptions {

@@ -38,7 +38,8 @@ TEST_CASE("einsum rules: batch, free and contracted labels", "[ops][rules]") {
   CHECK(to_string(rs.rules[3]) == "S(1),S(1) -> P | grads S(1),S(1)");
   const RuleSet bmm = einsum_rules("bmk,bkn->bmn");
   bool has_batch = false;
-  for (const Rule& r : bmm.rules) has_batch = has_batch || to_string(r) == "S(0),S(0) -> S(0) | grads S(0),S(0)";
+  for (const Rule& r : bmm.rules)
+    has_batch = has_batch || to_string(r) == "S(0),S(0) -> S(0) | grads S(0),S(0)";
   CHECK(has_batch);
 }
 
@@ -75,7 +76,8 @@ TEST_CASE("element-wise, reduction, norm, embedding, loss and view rules", "[ops
         "  S(2) -> S(1) | grads S(2)\n"
         "  R -> R | grads R\n"
         "  P -> P | grads R\n");
-  CHECK(to_string(softmax_rules(2)) == "softmax(2d, last dim)\n  S(0) -> S(0) | grads S(0)\n  R -> R | grads R\n");
+  CHECK(to_string(softmax_rules(2)) ==
+        "softmax(2d, last dim)\n  S(0) -> S(0) | grads S(0)\n  R -> R | grads R\n");
   CHECK(to_string(norm_rules(3, 2, 2)) ==
         "norm(3d, 2 params, 2 stats)\n"
         "  S(0),R,R -> S(0),S(0),S(0) | grads S(0),P,P\n"
@@ -141,7 +143,8 @@ TEST_CASE("choose_strategy keeps fitting rules per mesh dim", "[ops][strategy]")
   // A 1-D mesh and a 3-D mesh.
   const DTensorSpec one[] = {spec({4}, "R", {4, 3, 8}), spec({4}, "S(0)", {6, 8})};
   CHECK(to_string(choose_strategy(rs, one, plans).outputs[0]) == "S(2)");
-  const DTensorSpec three[] = {spec({2, 2, 2}, "S(0),S(1),R", {4, 6, 8}), spec({2, 2, 2}, "R,R,S(1)", {6, 8})};
+  const DTensorSpec three[] = {spec({2, 2, 2}, "S(0),S(1),R", {4, 6, 8}),
+                               spec({2, 2, 2}, "R,R,S(1)", {6, 8})};
   CHECK(to_string(choose_strategy(rs, three, plans).outputs[0]) == "S(0),S(1),P");
 }
 

@@ -50,9 +50,12 @@ Tensor full_input(const Input& in, int salt) {
   std::vector<double> v(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
     const int64_t h = (i + 1) * 7919 + salt * 104729;
-    if (in.kind == Kind::kFloat) v[i] = static_cast<double>(h % 193) / 96.5 - 1.0;
-    else if (in.kind == Kind::kTargets && i % 7 == 3) v[i] = -100;
-    else v[i] = static_cast<double>(h % in.classes);
+    if (in.kind == Kind::kFloat)
+      v[i] = static_cast<double>(h % 193) / 96.5 - 1.0;
+    else if (in.kind == Kind::kTargets && i % 7 == 3)
+      v[i] = -100;
+    else
+      v[i] = static_cast<double>(h % in.classes);
   }
   return Tensor::from_vector(v, in.shape, in.kind == Kind::kFloat ? DType::kF64 : DType::kI64);
 }
@@ -88,7 +91,8 @@ Reference reference(const OpCase& c) {
     auto comms = std::make_shared<MeshComms>(DeviceMesh::from_shape({1}), world);
     std::vector<DTensor> in;
     for (size_t i = 0; i < c.inputs.size(); ++i)
-      in.push_back(distribute_tensor(full_input(c.inputs[i], static_cast<int>(i)), comms, parse_placements("R")));
+      in.push_back(
+          distribute_tensor(full_input(c.inputs[i], static_cast<int>(i)), comms, parse_placements("R")));
     Saved saved;
     DTensor out = c.forward(in, {}, saved);
     ref.out = out.full_tensor().clone();
@@ -140,24 +144,29 @@ int run_case(const OpCase& c, const Reference& ref, const Dims& mesh_shape, test
       try {
         std::vector<DTensor> in;
         for (size_t i = 0; i < c.inputs.size(); ++i)
-          in.push_back(distribute_tensor(full_input(c.inputs[i], static_cast<int>(i)), comms, in_pl[i], std::nullopt));
+          in.push_back(
+              distribute_tensor(full_input(c.inputs[i], static_cast<int>(i)), comms, in_pl[i], std::nullopt));
         // A view whose placements the divisibility rules reject is not a rule combination.
         RedistributeLog log;
         OpOptions o;
         o.log = &log;
         Saved saved;
         DTensor out = c.forward(in, o, saved);
-        checks.check(log.size() == 0, what + ": an implicit redistribute: " + (log.size() ? to_string(log.events()[0]) : ""));
-        checks.check(out.placements() == out_pl, fmt::format("{}: output placements [{}], the rule says [{}]", what,
-                                                             to_string(out.placements()), to_string(out_pl)));
+        checks.check(log.size() == 0,
+                     what + ": an implicit redistribute: " + (log.size() ? to_string(log.events()[0]) : ""));
+        checks.check(out.placements() == out_pl,
+                     fmt::format("{}: output placements [{}], the rule says [{}]", what,
+                                 to_string(out.placements()), to_string(out_pl)));
         const Tensor got = out.full_tensor();
         checks.check(kernels::allclose(got, ref.out, 1e-9, 1e-11), what + ": wrong output");
-        DTensor dy = distribute_tensor(full_dy(out.shape()), comms, transposed(out.placements()), std::nullopt);
+        DTensor dy =
+            distribute_tensor(full_dy(out.shape()), comms, transposed(out.placements()), std::nullopt);
         Grads g = c.backward(saved, dy, o);
         checks.check(log.size() == 0, what + ": an implicit redistribute in backward");
         for (size_t i = 0; i < g.size() && i < ref.grads.size(); ++i) {
           if (!g[i] || !ref.grads[i]) {
-            checks.check(!g[i] == !ref.grads[i], fmt::format("{}: gradient {} present on one side only", what, i));
+            checks.check(!g[i] == !ref.grads[i],
+                         fmt::format("{}: gradient {} present on one side only", what, i));
             continue;
           }
           checks.check(g[i]->placements() == grad_pl[i],
@@ -215,14 +224,16 @@ OpCase binary_case(Pointwise op, Dims a, Dims b) {
   return c;
 }
 
-OpCase unary_case(const std::string& name, Dims shape, std::function<DTensor(const DTensor&, const OpOptions&, Saved*)> f,
-                  bool linear) {
+OpCase unary_case(const std::string& name, Dims shape,
+                  std::function<DTensor(const DTensor&, const OpOptions&, Saved*)> f, bool linear) {
   OpCase c;
   c.name = name;
   c.inputs = {{shape}};
   c.rules = [name, linear](const auto& s) { return unary_rules(name, s[0].tensor_ndim(), linear); };
   c.forward = [f](const auto& in, const OpOptions& o, Saved& s) { return f(in[0], o, &s); };
-  c.backward = [](const Saved& s, const DTensor& dy, const OpOptions& o) { return Grads{unary_backward(s, dy, o)}; };
+  c.backward = [](const Saved& s, const DTensor& dy, const OpOptions& o) {
+    return Grads{unary_backward(s, dy, o)};
+  };
   return c;
 }
 
@@ -231,7 +242,7 @@ OpCase unary_case(const std::string& name, Dims shape, std::function<DTensor(con
 TEST_CASE("ops: einsum contractions, every rule", "[ops]") {
   check_case(einsum_case("mk,kn->mn", {7, 5}, {5, 3}), 6);
   check_case(einsum_case("bmk,bkn->bmn", {3, 5, 4}, {3, 4, 3}), 7);
-  check_case(einsum_case("btk,nk->btn", {3, 5, 6}, {7, 6}), 7);  // a Linear
+  check_case(einsum_case("btk,nk->btn", {3, 5, 6}, {7, 6}), 7);     // a Linear
   check_case(einsum_case("btn,btk->nk", {3, 5, 7}, {3, 5, 6}), 7);  // its weight gradient
 }
 
@@ -247,23 +258,27 @@ TEST_CASE("ops: element-wise, every rule", "[ops]") {
   check_case(binary_case(Pointwise::kAdd, {3, 5, 6}, {5, 6}), 5);
   check_case(binary_case(Pointwise::kMul, {5, 6}, {5, 6}), 5);
   check_case(binary_case(Pointwise::kMul, {3, 5}, {5}), 5);
-  check_case(unary_case("scale", {5, 3}, [](const DTensor& x, const OpOptions& o, Saved* s) { return scale(x, -1.5, o, s); },
-                        true),
+  check_case(unary_case(
+                 "scale", {5, 3},
+                 [](const DTensor& x, const OpOptions& o, Saved* s) { return scale(x, -1.5, o, s); }, true),
              4);
-  check_case(unary_case("gelu", {5, 3},
-                        [](const DTensor& x, const OpOptions& o, Saved* s) {
-                          return gelu(x, GeluApproximation::kTanh, o, s);
-                        },
-                        false),
+  check_case(unary_case(
+                 "gelu", {5, 3},
+                 [](const DTensor& x, const OpOptions& o, Saved* s) {
+                   return gelu(x, GeluApproximation::kTanh, o, s);
+                 },
+                 false),
              3);
-  check_case(unary_case("gelu", {3, 5},
-                        [](const DTensor& x, const OpOptions& o, Saved* s) {
-                          return gelu(x, GeluApproximation::kNone, o, s);
-                        },
-                        false),
+  check_case(unary_case(
+                 "gelu", {3, 5},
+                 [](const DTensor& x, const OpOptions& o, Saved* s) {
+                   return gelu(x, GeluApproximation::kNone, o, s);
+                 },
+                 false),
              3);
-  check_case(unary_case("silu", {5, 3}, [](const DTensor& x, const OpOptions& o, Saved* s) { return silu(x, o, s); },
-                        false),
+  check_case(unary_case(
+                 "silu", {5, 3}, [](const DTensor& x, const OpOptions& o, Saved* s) { return silu(x, o, s); },
+                 false),
              3);
 }
 
@@ -277,7 +292,9 @@ TEST_CASE("ops: sum and softmax, every rule", "[ops]") {
       return sum_rules(3, d);
     };
     c.forward = [dims](const auto& in, const OpOptions& o, Saved& s) { return sum(in[0], dims, o, &s); };
-    c.backward = [](const Saved& s, const DTensor& dy, const OpOptions& o) { return Grads{sum_backward(s, dy, o)}; };
+    c.backward = [](const Saved& s, const DTensor& dy, const OpOptions& o) {
+      return Grads{sum_backward(s, dy, o)};
+    };
     check_case(c, 5);
   }
   OpCase c;
@@ -285,7 +302,9 @@ TEST_CASE("ops: sum and softmax, every rule", "[ops]") {
   c.inputs = {{{3, 5, 7}}};
   c.rules = [](const auto&) { return softmax_rules(3); };
   c.forward = [](const auto& in, const OpOptions& o, Saved& s) { return softmax(in[0], o, &s); };
-  c.backward = [](const Saved& s, const DTensor& dy, const OpOptions& o) { return Grads{softmax_backward(s, dy, o)}; };
+  c.backward = [](const Saved& s, const DTensor& dy, const OpOptions& o) {
+    return Grads{softmax_backward(s, dy, o)};
+  };
   check_case(c, 3);
 }
 
@@ -345,7 +364,9 @@ TEST_CASE("ops: causal attention, every rule", "[ops]") {
   c.name = "attention";
   c.inputs = {{{2, 3, 5, 4}}, {{2, 3, 5, 4}}, {{2, 3, 5, 4}}};
   c.rules = [](const auto&) { return attention_rules(); };
-  c.forward = [](const auto& in, const OpOptions& o, Saved& s) { return attention(in[0], in[1], in[2], o, &s); };
+  c.forward = [](const auto& in, const OpOptions& o, Saved& s) {
+    return attention(in[0], in[1], in[2], o, &s);
+  };
   c.backward = [](const Saved& s, const DTensor& dy, const OpOptions& o) {
     const GradSink sinks[] = {ret(), ret(), ret()};
     return attention_backward(s, dy, sinks, o);
@@ -359,7 +380,9 @@ TEST_CASE("ops: transpose and view, every rule", "[ops]") {
   t.inputs = {{{3, 5, 6}}};
   t.rules = [](const auto&) { return transpose_rules(3, 1, 2); };
   t.forward = [](const auto& in, const OpOptions& o, Saved&) { return transpose(in[0], 1, 2, o); };
-  t.backward = [](const Saved&, const DTensor& dy, const OpOptions& o) { return Grads{transpose(dy, 1, 2, o)}; };
+  t.backward = [](const Saved&, const DTensor& dy, const OpOptions& o) {
+    return Grads{transpose(dy, 1, 2, o)};
+  };
   check_case(t, 5);
   // [3, 5, 8] -> [3, 5, 4, 2]: dims 0 and 1 unchanged, dim 2 split into 4 heads of 2 (4 splits
   // evenly over 2 and 2x2 ranks).
@@ -368,11 +391,14 @@ TEST_CASE("ops: transpose and view, every rule", "[ops]") {
   v.inputs = {{{3, 5, 8}}};
   v.rules = [](const auto& s) { return view_rules(s[0].shape, {3, 5, 4, 2}, {4}, s[0].placements); };
   v.forward = [](const auto& in, const OpOptions& o, Saved&) { return view(in[0], {3, 5, 4, 2}, o); };
-  v.backward = [](const Saved&, const DTensor& dy, const OpOptions& o) { return Grads{view(dy, {3, 5, 8}, o)}; };
+  v.backward = [](const Saved&, const DTensor& dy, const OpOptions& o) {
+    return Grads{view(dy, {3, 5, 8}, o)};
+  };
   check_case(v, 5);
 }
 
-TEST_CASE("ops: inputs that fit no rule are redistributed, logged, and their gradients mapped back", "[ops]") {
+TEST_CASE("ops: inputs that fit no rule are redistributed, logged, and their gradients mapped back",
+          "[ops]") {
   testing_support::Checks checks;
   collectives::run_ranks(2, [&](Communicator& world) {
     auto comms = std::make_shared<MeshComms>(DeviceMesh::from_shape({2}), world);
@@ -430,7 +456,8 @@ TEST_CASE("ops: gradients land in caller buffers (accumulate, overwrite, other p
     const Tensor dw = einsum_backward(saved, dy, only_w, {})[1]->full_tensor().clone();
     // A P(sum) buffer of the same placements: written in place (same storage), then added to.
     std::optional<DTensor> buf =
-        DTensor(comms, make_spec(w.spec().mesh, parse_placements("P"), {6, 5}, DType::kF64), Tensor::zeros({6, 5}, DType::kF64));
+        DTensor(comms, make_spec(w.spec().mesh, parse_placements("P"), {6, 5}, DType::kF64),
+                Tensor::zeros({6, 5}, DType::kF64));
     const void* before = buf->to_local().data_ptr();
     const GradSink into[] = {GradSink{false}, GradSink{true, &buf, false}};
     einsum_backward(saved, dy, into, {});

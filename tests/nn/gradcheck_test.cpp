@@ -32,7 +32,8 @@ std::vector<int64_t> sample(int64_t n) {
   return out;
 }
 
-void compare(double numeric, double analytic, const std::string& what, testing_support::Checks& checks, int& count) {
+void compare(double numeric, double analytic, const std::string& what, testing_support::Checks& checks,
+             int& count) {
   ++count;
   const double tol = 1e-7 + 1e-5 * std::max(std::abs(numeric), std::abs(analytic));
   checks.check(std::abs(numeric - analytic) <= tol,
@@ -122,13 +123,14 @@ void run_check(const std::string& what, int expected_min,
 
 TEST_CASE("gradcheck: Linear, with and without bias", "[nn][gradcheck]") {
   for (bool bias : {true, false})
-    run_check(fmt::format("Linear bias={}", bias), bias ? 35 + 7 + 30 : 35 + 30, [&](auto comms, auto& checks) {
-      Linear l(f64(comms), 5, 7, bias);
-      materialize(l, 1);
-      randomize(l, 3);
-      DTensor x = replicated(values({2, 3, 5}, 7), comms);
-      return gradcheck(l, module_problem(l, x, 11), "Linear", checks);
-    });
+    run_check(fmt::format("Linear bias={}", bias), bias ? 35 + 7 + 30 : 35 + 30,
+              [&](auto comms, auto& checks) {
+                Linear l(f64(comms), 5, 7, bias);
+                materialize(l, 1);
+                randomize(l, 3);
+                DTensor x = replicated(values({2, 3, 5}, 7), comms);
+                return gradcheck(l, module_problem(l, x, 11), "Linear", checks);
+              });
 }
 
 TEST_CASE("gradcheck: Embedding", "[nn][gradcheck]") {

@@ -35,11 +35,21 @@ TEST_CASE("module: fully qualified names, tying and transparent checkpoint wrapp
     GPTConfig cfg = tiny();
     cfg.layers = 1;
     GPT model(ModuleOptions{comms}, cfg);
-    const std::vector<std::string> want = {
-        "tok_emb.weight",          "pos_emb.weight",          "blocks.0.ln1.weight",    "blocks.0.ln1.bias",
-        "blocks.0.attn.wq.weight", "blocks.0.attn.wk.weight", "blocks.0.attn.wv.weight", "blocks.0.attn.wo.weight",
-        "blocks.0.ln2.weight",     "blocks.0.ln2.bias",       "blocks.0.mlp.fc1.weight", "blocks.0.mlp.fc2.weight",
-        "ln_f.weight",             "ln_f.bias",               "lm_head.weight"};
+    const std::vector<std::string> want = {"tok_emb.weight",
+                                           "pos_emb.weight",
+                                           "blocks.0.ln1.weight",
+                                           "blocks.0.ln1.bias",
+                                           "blocks.0.attn.wq.weight",
+                                           "blocks.0.attn.wk.weight",
+                                           "blocks.0.attn.wv.weight",
+                                           "blocks.0.attn.wo.weight",
+                                           "blocks.0.ln2.weight",
+                                           "blocks.0.ln2.bias",
+                                           "blocks.0.mlp.fc1.weight",
+                                           "blocks.0.mlp.fc2.weight",
+                                           "ln_f.weight",
+                                           "ln_f.bias",
+                                           "lm_head.weight"};
     CHECK(names(model) == want);
     CHECK(model.module("blocks.0.attn").type() == "CausalSelfAttention");
     CHECK(&model.parameter("lm_head.weight") == &model.lm_head().weight());
@@ -85,11 +95,14 @@ TEST_CASE("module: hooks run in order and may replace tensors; ctx is released b
     (void)ref;
     DTensor dx = *l.backward(ctx, replicated(values({4, 2}, 2), comms));
     checks.check(ctx.empty(), "backward did not release the context");
-    checks.check(log == std::vector<std::string>{"pre_forward Linear", "post_forward", "pre_backward", "post_backward"},
+    checks.check(log == std::vector<std::string>{"pre_forward Linear", "post_forward", "pre_backward",
+                                                 "post_backward"},
                  "hook order");
     // y == (2x) W^T: the hook replaced the input.
-    const std::vector<double> xv = x.full_tensor().to_vector(), w = l.weight().data().full_tensor().to_vector(),
-                              b = l.bias()->data().full_tensor().to_vector(), yv = y.full_tensor().to_vector();
+    const std::vector<double> xv = x.full_tensor().to_vector(),
+                              w = l.weight().data().full_tensor().to_vector(),
+                              b = l.bias()->data().full_tensor().to_vector(),
+                              yv = y.full_tensor().to_vector();
     double want = b[1];
     for (int k = 0; k < 3; ++k) want += 2 * xv[3 + k] * w[3 + k];
     checks.check(std::abs(yv[3] - want) < 1e-12, "the pre-forward hook's input was used");
@@ -97,7 +110,8 @@ TEST_CASE("module: hooks run in order and may replace tensors; ctx is released b
   checks.report();
 }
 
-TEST_CASE("module: several microbatches in flight and checkpointing keep nothing in the module", "[nn][module]") {
+TEST_CASE("module: several microbatches in flight and checkpointing keep nothing in the module",
+          "[nn][module]") {
   testing_support::Checks checks;
   on_mesh({1}, [&](std::shared_ptr<MeshComms> comms, Communicator&) {
     GPTConfig cfg = tiny();
@@ -128,7 +142,8 @@ TEST_CASE("module: several microbatches in flight and checkpointing keep nothing
       }
     }
     for (size_t i = 0; i < both.size(); ++i)
-      checks.check(max_abs_diff(both[i], sep[i]) < 1e-12, fmt::format("interleaved microbatches: parameter {}", i));
+      checks.check(max_abs_diff(both[i], sep[i]) < 1e-12,
+                   fmt::format("interleaved microbatches: parameter {}", i));
     // Checkpoint: after forward only the input is kept; the recompute runs the forward hooks with
     // ctx.recomputing().
     Checkpoint ck(block);
@@ -142,14 +157,16 @@ TEST_CASE("module: several microbatches in flight and checkpointing keep nothing
     checks.check(c.tensors.size() == 1 && !c.has_child("inner"), "checkpoint kept activations");
     block->zero_grad();
     DTensor dx = *ck.backward(c, r);
-    checks.check(forwards == 2 && recomputes == 1, fmt::format("{} forwards, {} recomputes", forwards, recomputes));
+    checks.check(forwards == 2 && recomputes == 1,
+                 fmt::format("{} forwards, {} recomputes", forwards, recomputes));
     checks.check(max_abs_diff(dx.full_tensor(), d1.full_tensor()) < 1e-12, "checkpointed input gradient");
     checks.check(c.empty(), "checkpoint context released");
   });
   checks.report();
 }
 
-TEST_CASE("module: meta parameters materialise sharded, identical to the full initialisation", "[nn][module][init]") {
+TEST_CASE("module: meta parameters materialise sharded, identical to the full initialisation",
+          "[nn][module][init]") {
   // The full values on one rank.
   std::vector<std::pair<std::string, Tensor>> full;
   on_mesh({1}, [&](std::shared_ptr<MeshComms> comms, Communicator&) {
@@ -192,7 +209,8 @@ TEST_CASE("module: meta parameters materialise sharded, identical to the full in
   CHECK(Init::normal(0, 1).value(1, "a", 5) != Init::normal(0, 1).value(1, "b", 5));
 }
 
-TEST_CASE("module: gradients written into caller buffers; an FSDP-style swap through the hooks", "[nn][module]") {
+TEST_CASE("module: gradients written into caller buffers; an FSDP-style swap through the hooks",
+          "[nn][module]") {
   // Reference gradients on one rank.
   std::vector<Tensor> want;
   Tensor xfull = values({6, 3, 8}, 1), rfull = values({6, 3, 8}, 2);
@@ -219,7 +237,8 @@ TEST_CASE("module: gradients written into caller buffers; an FSDP-style swap thr
     for (auto& [n, p] : b->named_parameters()) sharded.push_back(p->data());
     auto gather = [&](Module& m, Ctx&) {
       size_t i = 0;
-      for (auto& [n, p] : m.named_parameters()) p->set_data(sharded[i++].redistribute(dtensor::parse_placements("R")));
+      for (auto& [n, p] : m.named_parameters())
+        p->set_data(sharded[i++].redistribute(dtensor::parse_placements("R")));
     };
     auto reshard = [&](Module& m) {
       size_t i = 0;
@@ -232,15 +251,18 @@ TEST_CASE("module: gradients written into caller buffers; an FSDP-style swap thr
     // reduce-scattered to the sharded layout, as FSDP's post-backward does.
     std::vector<std::optional<DTensor>> bufs;
     for (auto& [n, p] : b->named_parameters()) {
-      DTensor buf(comms, dtensor::make_spec(p->data().spec().mesh, dtensor::parse_placements("P"), p->shape(), DType::kF64),
-                  Tensor::full(p->shape(), 123.0, DType::kF64));  // garbage: overwritten, not added to
+      DTensor buf(
+          comms,
+          dtensor::make_spec(p->data().spec().mesh, dtensor::parse_placements("P"), p->shape(), DType::kF64),
+          Tensor::full(p->shape(), 123.0, DType::kF64));  // garbage: overwritten, not added to
       bufs.emplace_back(buf);
       p->set_grad_buffer(buf, /*accumulate=*/false);
     }
     b->register_backward_hook([&](Module& m, Ctx&, std::optional<DTensor>&) {
       size_t i = 0;
       for (auto& [n, p] : m.named_parameters()) {
-        checks.check(p->grad()->to_local().data_ptr() == bufs[i]->to_local().data_ptr(), n + ": buffer replaced");
+        checks.check(p->grad()->to_local().data_ptr() == bufs[i]->to_local().data_ptr(),
+                     n + ": buffer replaced");
         p->grad() = p->grad()->redistribute(dtensor::parse_placements("S(0)"));
         p->set_data(sharded[i++]);
       }
@@ -253,7 +275,8 @@ TEST_CASE("module: gradients written into caller buffers; an FSDP-style swap thr
     size_t i = 0;
     for (auto& [n, p] : b->named_parameters()) {
       checks.check(to_string(p->grad()->placements()) == "S(0)", n + " gradient placements");
-      checks.check(max_abs_diff(p->grad()->full_tensor(), want[i]) < 1e-12, n + ": gradient differs from one rank's");
+      checks.check(max_abs_diff(p->grad()->full_tensor(), want[i]) < 1e-12,
+                   n + ": gradient differs from one rank's");
       ++i;
     }
   });

@@ -27,19 +27,20 @@ using kernels::DType;
 using kernels::Tensor;
 
 // fn(comms, world) on every rank of a local world shaped like mesh_shape.
-inline void on_mesh(const Dims& mesh_shape, const std::function<void(std::shared_ptr<MeshComms>, Communicator&)>& fn,
+inline void on_mesh(const Dims& mesh_shape,
+                    const std::function<void(std::shared_ptr<MeshComms>, Communicator&)>& fn,
                     std::vector<std::string> names = {}) {
   const DeviceMesh mesh = DeviceMesh::from_shape(mesh_shape, names);
-  collectives::run_ranks(static_cast<int>(mesh.size()), [&](Communicator& world) {
-    fn(std::make_shared<MeshComms>(mesh, world), world);
-  });
+  collectives::run_ranks(static_cast<int>(mesh.size()),
+                         [&](Communicator& world) { fn(std::make_shared<MeshComms>(mesh, world), world); });
 }
 
 // Values in [-1, 1) as a function of the flat index and a salt.
 inline Tensor values(const Dims& shape, int salt, DType dtype = DType::kF64) {
   const int64_t n = shape.product();
   std::vector<double> v(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) v[i] = static_cast<double>(((i + 1) * 7919 + salt * 104729) % 211) / 105.5 - 1.0;
+  for (int64_t i = 0; i < n; ++i)
+    v[i] = static_cast<double>(((i + 1) * 7919 + salt * 104729) % 211) / 105.5 - 1.0;
   return Tensor::from_vector(v, shape, dtype);
 }
 
@@ -51,12 +52,14 @@ inline Tensor ids(const Dims& shape, int64_t classes, int salt) {
 }
 
 // A DTensor of `full` with `placements` (each rank takes its piece locally).
-inline DTensor place(const Tensor& full, const std::shared_ptr<const MeshComms>& comms, const char* placements) {
+inline DTensor place(const Tensor& full, const std::shared_ptr<const MeshComms>& comms,
+                     const char* placements) {
   return dtensor::distribute_tensor(full, comms, dtensor::parse_placements(placements), std::nullopt);
 }
 
 inline DTensor replicated(const Tensor& full, const std::shared_ptr<const MeshComms>& comms) {
-  return dtensor::distribute_tensor(full, comms, Placements(comms->mesh().ndim(), dtensor::Replicate{}), std::nullopt);
+  return dtensor::distribute_tensor(full, comms, Placements(comms->mesh().ndim(), dtensor::Replicate{}),
+                                    std::nullopt);
 }
 
 // Overwrites every parameter with values(shape, salt + i) * scale (norm weights and biases
@@ -65,8 +68,9 @@ inline void randomize(nn::Module& m, int salt, double scale = 0.5) {
   int i = 0;
   for (auto& [name, p] : m.named_parameters()) {
     const Tensor full = values(p->shape(), salt + i++, p->dtype());
-    DTensor d = dtensor::distribute_tensor(kernels::Tensor::from_vector(full.to_vector(), p->shape(), p->dtype()),
-                                           p->comms(), p->placements(), std::nullopt);
+    DTensor d =
+        dtensor::distribute_tensor(kernels::Tensor::from_vector(full.to_vector(), p->shape(), p->dtype()),
+                                   p->comms(), p->placements(), std::nullopt);
     Tensor local = d.to_local();
     std::vector<double> v = local.to_vector();
     for (double& x : v) x *= scale;

@@ -78,7 +78,8 @@ Trained train(const Dims& mesh_shape, const std::string& optimizer, double clip)
     std::vector<std::string> states;
     for (auto& [n, p] : params) {
       const DTensor& s = opt->state(n, optimizer == "adamw" ? "exp_avg" : "momentum_buffer");
-      states.push_back(s.placements() == p->placements() ? "same" : n + ": " + dtensor::to_string(s.placements()));
+      states.push_back(s.placements() == p->placements() ? "same"
+                                                         : n + ": " + dtensor::to_string(s.placements()));
     }
     if (world.rank() == 0) {
       std::lock_guard lk(mu);
@@ -92,7 +93,8 @@ Trained train(const Dims& mesh_shape, const std::string& optimizer, double clip)
 
 }  // namespace
 
-TEST_CASE("optim: AdamW and SGD on sharded parameters equal full ones; state is sharded alike", "[nn][optim]") {
+TEST_CASE("optim: AdamW and SGD on sharded parameters equal full ones; state is sharded alike",
+          "[nn][optim]") {
   for (const std::string opt : {"adamw", "sgd"}) {
     INFO(opt);
     const Trained ref = train({1}, opt, 0.5);
@@ -102,7 +104,8 @@ TEST_CASE("optim: AdamW and SGD on sharded parameters equal full ones; state is 
       INFO(fmt::format("mesh {}", mesh));
       const Trained got = train(mesh, opt, 0.5);
       REQUIRE(got.params.size() == ref.params.size());
-      for (size_t i = 0; i < ref.params.size(); ++i) CHECK(max_abs_diff(got.params[i], ref.params[i]) < 1e-12);
+      for (size_t i = 0; i < ref.params.size(); ++i)
+        CHECK(max_abs_diff(got.params[i], ref.params[i]) < 1e-12);
       for (int s = 0; s < 3; ++s) CHECK(got.norms[s] == Approx(ref.norms[s]).epsilon(1e-12));
       for (const std::string& s : got.state_placements) CHECK(s == "same");
     }
@@ -114,9 +117,12 @@ TEST_CASE("optim: clip_grad_norm_ counts every element once, on every rank", "[n
   // Gradients with known values: a sharded one S(0) over dim 0, a replicated one, and on the
   // 2x2 mesh one sharded over both dims.
   on_mesh({2, 2}, [&](std::shared_ptr<MeshComms> comms, Communicator&) {
-    auto a = std::make_shared<Parameter>(comms, Dims{5, 3}, DType::kF64, Init::zeros(), dtensor::parse_placements("S(0),R"));
-    auto b = std::make_shared<Parameter>(comms, Dims{4}, DType::kF64, Init::zeros(), dtensor::parse_placements("R,R"));
-    auto c = std::make_shared<Parameter>(comms, Dims{7, 2}, DType::kF64, Init::zeros(), dtensor::parse_placements("S(0),S(1)"));
+    auto a = std::make_shared<Parameter>(comms, Dims{5, 3}, DType::kF64, Init::zeros(),
+                                         dtensor::parse_placements("S(0),R"));
+    auto b = std::make_shared<Parameter>(comms, Dims{4}, DType::kF64, Init::zeros(),
+                                         dtensor::parse_placements("R,R"));
+    auto c = std::make_shared<Parameter>(comms, Dims{7, 2}, DType::kF64, Init::zeros(),
+                                         dtensor::parse_placements("S(0),S(1)"));
     NamedParameters params{{"a", a}, {"b", b}, {"c", c}};
     double want = 0;
     for (auto& [n, p] : params) {
@@ -131,24 +137,29 @@ TEST_CASE("optim: clip_grad_norm_ counts every element once, on every rank", "[n
     // Clipping to half the norm halves every gradient (coefficient max / (norm + 1e-6)).
     const double clipped = clip_grad_norm_(params, want / 2);
     checks.check(std::abs(clipped - want) < 1e-12, "returns the norm before clipping");
-    checks.check(std::abs(clip_grad_norm_(params, 0.0) - want / 2 * want / (want + 1e-6)) < 1e-9, "clipped norm");
+    checks.check(std::abs(clip_grad_norm_(params, 0.0) - want / 2 * want / (want + 1e-6)) < 1e-9,
+                 "clipped norm");
     // The infinity norm.
     double inf = 0;
     for (auto& [n, p] : params)
       for (double v : p->grad()->full_tensor().to_vector()) inf = std::max(inf, std::abs(v));
     checks.check(std::abs(clip_grad_norm_(params, 0.0, INFINITY) - inf) < 1e-15, "infinity norm");
     // A Partial gradient is refused, naming the parameter.
-    b->grad() = DTensor(comms, dtensor::make_spec(b->data().spec().mesh, dtensor::parse_placements("P,R"), {4}, DType::kF64),
-                        Tensor::zeros({4}, DType::kF64));
-    checks.throws<kernels::InvalidArgument>([&] { clip_grad_norm_(params, 1.0); }, "gradient of 'b' is still P",
-                                            "partial gradient");
-    checks.throws<kernels::InvalidArgument>([&] { clip_grad_norm_(params, 1.0, 3.0); }, "norm_type 3", "norm type");
+    b->grad() = DTensor(
+        comms, dtensor::make_spec(b->data().spec().mesh, dtensor::parse_placements("P,R"), {4}, DType::kF64),
+        Tensor::zeros({4}, DType::kF64));
+    checks.throws<kernels::InvalidArgument>([&] { clip_grad_norm_(params, 1.0); },
+                                            "gradient of 'b' is still P", "partial gradient");
+    checks.throws<kernels::InvalidArgument>([&] { clip_grad_norm_(params, 1.0, 3.0); }, "norm_type 3",
+                                            "norm type");
     // An optimizer refuses a gradient that is not in the parameter's placements.
     SGD sgd({{"b", b}}, kernels::SgdOptions{});
-    checks.throws<kernels::InvalidArgument>([&] { sgd.step(); }, "reduce the gradients first", "unreduced gradient");
+    checks.throws<kernels::InvalidArgument>([&] { sgd.step(); }, "reduce the gradients first",
+                                            "unreduced gradient");
     // reduce_gradients sums it.
-    b->grad() = DTensor(comms, dtensor::make_spec(b->data().spec().mesh, dtensor::parse_placements("P,R"), {4}, DType::kF64),
-                        Tensor::full({4}, 1.5, DType::kF64));
+    b->grad() = DTensor(
+        comms, dtensor::make_spec(b->data().spec().mesh, dtensor::parse_placements("P,R"), {4}, DType::kF64),
+        Tensor::full({4}, 1.5, DType::kF64));
     reduce_gradients(params);
     checks.check(to_string(b->grad()->placements()) == "R,R", "reduced placements");
     checks.check(b->grad()->to_local().to_vector() == std::vector<double>(4, 3.0), "reduced values");
@@ -171,7 +182,8 @@ TEST_CASE("safetensors: round trip, alignment, metadata, errors", "[nn][safetens
   CHECK(n % 8 == 0);
   std::string header(n, ' ');
   f.read(header.data(), static_cast<std::streamsize>(n));
-  CHECK(header.find("\"a.weight\":{\"dtype\":\"F32\",\"shape\":[3,4],\"data_offsets\":[0,48]}") != std::string::npos);
+  CHECK(header.find("\"a.weight\":{\"dtype\":\"F32\",\"shape\":[3,4],\"data_offsets\":[0,48]}") !=
+        std::string::npos);
   std::map<std::string, std::string> meta;
   const NamedTensors out = load_safetensors(path, &meta);
   CHECK(meta["config"] == "{\"dim\": 4}");
@@ -181,7 +193,8 @@ TEST_CASE("safetensors: round trip, alignment, metadata, errors", "[nn][safetens
     CHECK(out[i].second.dtype() == in[i].second.dtype());
     CHECK(kernels::equal(out[i].second, in[i].second));
   }
-  CHECK_THROWS_WITH(save_safetensors(path, {{"x", values({1}, 1)}, {"x", values({1}, 1)}}), Catch::Contains("twice"));
+  CHECK_THROWS_WITH(save_safetensors(path, {{"x", values({1}, 1)}, {"x", values({1}, 1)}}),
+                    Catch::Contains("twice"));
   CHECK_THROWS_WITH(load_safetensors("no/such/file.safetensors"), Catch::Contains("cannot open"));
   {
     std::ofstream bad(path, std::ios::binary);

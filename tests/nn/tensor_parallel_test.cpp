@@ -18,7 +18,7 @@ namespace {
 
 GPTConfig config() {
   GPTConfig c;
-  c.vocab = 13;       // uneven over 2 and 4 ranks
+  c.vocab = 13;  // uneven over 2 and 4 ranks
   c.dim = 16;
   c.heads = 4;
   c.layers = 2;
@@ -59,7 +59,8 @@ Result run(const Dims& mesh_shape, int tp_dim, const ParallelPlan* plan, const G
     reduce_gradients(model.named_parameters());
     std::vector<std::pair<std::string, Tensor>> grads;
     for (auto& [n, p] : model.named_parameters()) {
-      if (!(p->grad()->placements() == p->placements())) throw kernels::InternalError(n + ": gradient not reduced");
+      if (!(p->grad()->placements() == p->placements()))
+        throw kernels::InternalError(n + ": gradient not reduced");
       grads.emplace_back(n, p->grad()->full_tensor().clone());
     }
     if (world.rank() == 0) {
@@ -98,10 +99,12 @@ TEST_CASE("tp: GPT plans equal one rank (tp 2 and 4, sequence parallel or not, 2
     for (bool lp : {true, false}) {
       const ParallelPlan plan = gpt_tensor_parallel_plan(cfg, sp, lp);
       for (int tp : {2, 4}) {
-        compare(run({tp}, 0, &plan, cfg), ref, fmt::format("tp {} sp {} loss_parallel {}", tp, sp, lp), checks);
+        compare(run({tp}, 0, &plan, cfg), ref, fmt::format("tp {} sp {} loss_parallel {}", tp, sp, lp),
+                checks);
         ++ran;
       }
-      compare(run({2, 2}, 1, &plan, cfg), ref, fmt::format("dp 2 x tp 2, sp {} loss_parallel {}", sp, lp), checks);
+      compare(run({2, 2}, 1, &plan, cfg), ref, fmt::format("dp 2 x tp 2, sp {} loss_parallel {}", sp, lp),
+              checks);
       ++ran;
     }
   }
@@ -132,19 +135,42 @@ TEST_CASE("tp: the styles on single layers", "[nn][tp]") {
   };
   const std::vector<Layer> layers = {
       {"Linear colwise", [](const ModuleOptions& o) { return std::make_shared<Linear>(o, 6, 7, true); },
-       std::make_shared<ColwiseParallel>(), [](auto c) { return replicated(values({2, 3, 6}, 1), c); }},
+       std::make_shared<ColwiseParallel>(),
+       [](auto c) {
+         return replicated(values({2, 3, 6}, 1), c);
+       }},
       {"Linear colwise -> R", [](const ModuleOptions& o) { return std::make_shared<Linear>(o, 6, 7, true); },
-       std::make_shared<ColwiseParallel>(Replicate{}), [](auto c) { return replicated(values({2, 3, 6}, 1), c); }},
+       std::make_shared<ColwiseParallel>(Replicate{}),
+       [](auto c) {
+         return replicated(values({2, 3, 6}, 1), c);
+       }},
       {"Linear rowwise", [](const ModuleOptions& o) { return std::make_shared<Linear>(o, 6, 7, true); },
-       std::make_shared<RowwiseParallel>(), [](auto c) { return replicated(values({2, 3, 6}, 1), c); }},
-      {"Linear rowwise -> S(1)", [](const ModuleOptions& o) { return std::make_shared<Linear>(o, 6, 7, true); },
-       std::make_shared<RowwiseParallel>(Shard{1}), [](auto c) { return place(values({2, 3, 6}, 1), c, "S(2)"); }},
+       std::make_shared<RowwiseParallel>(),
+       [](auto c) {
+         return replicated(values({2, 3, 6}, 1), c);
+       }},
+      {"Linear rowwise -> S(1)",
+       [](const ModuleOptions& o) { return std::make_shared<Linear>(o, 6, 7, true); },
+       std::make_shared<RowwiseParallel>(Shard{1}),
+       [](auto c) {
+         return place(values({2, 3, 6}, 1), c, "S(2)");
+       }},
       {"Embedding colwise", [](const ModuleOptions& o) { return std::make_shared<Embedding>(o, 9, 5); },
-       std::make_shared<ColwiseParallel>(), [](auto c) { return replicated(ids({2, 3}, 9, 1), c); }},
+       std::make_shared<ColwiseParallel>(),
+       [](auto c) {
+         return replicated(ids({2, 3}, 9, 1), c);
+       }},
       {"Embedding rowwise", [](const ModuleOptions& o) { return std::make_shared<Embedding>(o, 9, 5); },
-       std::make_shared<RowwiseParallel>(), [](auto c) { return replicated(ids({2, 3}, 9, 1), c); }},
-      {"LayerNorm sequence parallel", [](const ModuleOptions& o) { return std::make_shared<LayerNorm>(o, 6); },
-       std::make_shared<SequenceParallel>(), [](auto c) { return replicated(values({2, 3, 6}, 1), c); }},
+       std::make_shared<RowwiseParallel>(),
+       [](auto c) {
+         return replicated(ids({2, 3}, 9, 1), c);
+       }},
+      {"LayerNorm sequence parallel",
+       [](const ModuleOptions& o) { return std::make_shared<LayerNorm>(o, 6); },
+       std::make_shared<SequenceParallel>(),
+       [](auto c) {
+         return replicated(values({2, 3, 6}, 1), c);
+       }},
   };
   int ran = 0;
   for (const Layer& layer : layers) {
@@ -160,8 +186,10 @@ TEST_CASE("tp: the styles on single layers", "[nn][tp]") {
         Ctx ctx;
         DTensor y = m->forward(ctx, layer.input(comms));
         std::vector<Tensor> mine{y.full_tensor().clone()};
-        DTensor dy = replicated(values(y.shape(), 5), comms).redistribute(
-            dtensor::Placements{dtensor::is_partial(y.placements()[0]) ? dtensor::Placement{Replicate{}} : y.placements()[0]});
+        DTensor dy = replicated(values(y.shape(), 5), comms)
+                         .redistribute(dtensor::Placements{dtensor::is_partial(y.placements()[0])
+                                                               ? dtensor::Placement{Replicate{}}
+                                                               : y.placements()[0]});
         m->backward(ctx, dy);
         reduce_gradients(m->named_parameters());
         for (auto& [n, p] : m->named_parameters()) mine.push_back(p->grad()->full_tensor().clone());
@@ -172,7 +200,8 @@ TEST_CASE("tp: the styles on single layers", "[nn][tp]") {
     ++ran;
     checks.check(want.size() == got.size(), layer.name + ": tensor count");
     for (size_t i = 0; i < want.size() && i < got.size(); ++i)
-      checks.check(max_abs_diff(want[i], got[i]) < 1e-12, fmt::format("{}: tensor {} differs", layer.name, i));
+      checks.check(max_abs_diff(want[i], got[i]) < 1e-12,
+                   fmt::format("{}: tensor {} differs", layer.name, i));
   }
   CHECK(ran == 7);
   checks.report();
@@ -185,22 +214,27 @@ TEST_CASE("tp: plan errors name the problem", "[nn][tp]") {
     cfg.heads = 2;  // 2 heads over 4 ranks
     GPT model(ModuleOptions{comms}, cfg);
     checks.throws<kernels::InvalidArgument>(
-        [&] { parallelize_module(model, 0, gpt_tensor_parallel_plan(cfg)); }, "has 2 heads, which do not split evenly over the 4 ranks",
-        "heads");
+        [&] { parallelize_module(model, 0, gpt_tensor_parallel_plan(cfg)); },
+        "has 2 heads, which do not split evenly over the 4 ranks", "heads");
     GPT other(ModuleOptions{comms}, config());
     checks.throws<kernels::InvalidArgument>(
-        [&] { parallelize_module(other, 0, {{"blocks.*.atn.wq", std::make_shared<ColwiseParallel>()}}); },
+        [&] {
+          parallelize_module(other, 0, {{"blocks.*.atn.wq", std::make_shared<ColwiseParallel>()}});
+        },
         "'blocks.*.atn.wq' (ColwiseParallel(S(-1))) matches no module", "typo");
     checks.throws<kernels::InvalidArgument>(
-        [&] { parallelize_module(other, 0, {{"blocks.0", std::make_shared<ColwiseParallel>()}}); },
+        [&] {
+          parallelize_module(other, 0, {{"blocks.0", std::make_shared<ColwiseParallel>()}});
+        },
         "cannot apply to 'blocks.0' (a TransformerBlock)", "wrong module type");
     GPTConfig tied_cfg = config();
     tied_cfg.tie_embeddings = true;
     GPT tied(ModuleOptions{comms}, tied_cfg);
     checks.throws<kernels::InvalidArgument>(
         [&] {
-          parallelize_module(tied, 0, {{"tok_emb", std::make_shared<ColwiseParallel>()},
-                                       {"lm_head", std::make_shared<ColwiseParallel>()}});
+          parallelize_module(tied, 0,
+                             {{"tok_emb", std::make_shared<ColwiseParallel>()},
+                              {"lm_head", std::make_shared<ColwiseParallel>()}});
         },
         "is shared with", "tied parameter with two placements");
   });
