@@ -82,6 +82,7 @@ struct Args {
   double clip = 1.0;
   bool sequence_parallel = true;
   int threads = 0;  // 0: hardware threads / ranks of this process
+  bool log_implicit = false;
 };
 
 uint64_t mix64(uint64_t x) {
@@ -207,6 +208,13 @@ RunResult train(Communicator& world, const Args& a, int tp, bool print, int thre
   }
   dtensor::ops::OpOptions ops;
   ops.num_threads = threads;
+  dtensor::ops::RedistributeLog implicit;
+  if (a.log_implicit && print && rank0) {
+    implicit.sink = [](const dtensor::ops::RedistributeEvent& e) {
+      std::fprintf(stderr, "implicit redistribute: %s\n", dtensor::ops::to_string(e).c_str());
+    };
+    ops.log = &implicit;
+  }
   nn::CrossEntropyLoss loss_fn;
   const int64_t micro = a.batch / a.grad_accum;
   const Placements replicated(mesh.ndim(), dtensor::Replicate{});
@@ -374,6 +382,8 @@ int run(int argc, char** argv) {
   app.add_option("--sequence-parallel", a.sequence_parallel,
                  "norms on sequence shards under --tp (true|false)");
   app.add_option("--threads", a.threads, "CPU threads per rank for matmul/attention (0: cores / ranks)");
+  app.add_flag("--log-implicit", a.log_implicit,
+               "print every implicit redistribute of a DTensor op (rank 0, stderr)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
