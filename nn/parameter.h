@@ -66,8 +66,9 @@ class Parameter {
 
   // The value. Throws InvalidArgument when the parameter is still meta.
   const DTensor& data() const;
-  // Replaces the value by another DTensor of the same global shape and dtype, on any placements
-  // (FSDP: an unsharded view before forward, the sharded one after). placements() follows.
+  // Replaces the value by another DTensor of the same global shape, on any placements and any
+  // floating dtype (FSDP: an unsharded bf16 view before forward, the sharded f32 one after).
+  // placements() and dtype() follow.
   void set_data(DTensor value);
   // New placements: recorded on a meta parameter, redistributed on a materialised one (the
   // gradient, if any, is dropped).

@@ -134,12 +134,15 @@ void check_grad_shape(const DTensor& g, const DTensor& dst, std::string_view op)
 // Where an op may write gradient i straight into the sink: the sink holds a tensor of the
 // gradient's placements, shape and a floating dtype, and the input was not redistributed
 // implicitly. Returns the local tensor to write (undefined when not direct) and whether to add.
+// `computed` is the dtype the kernel computes in: the sink may hold it, or f32 for bf16/f16 (the
+// kernels round once into an f32 gradient buffer).
 Tensor direct_target(const GradSink& sink, const Placements& want, const Dims& shape, bool redistributed,
-                     bool& accumulate) {
+                     DType computed, bool& accumulate) {
   if (!sink.needed || sink.into == nullptr || !sink.into->has_value() || redistributed) return Tensor();
   const DTensor& dst = **sink.into;
-  if (!(dst.placements() == want) || !(dst.shape() == shape) || !kernels::is_floating_point(dst.dtype()))
-    return Tensor();
+  const bool narrow = computed == DType::kBF16 || computed == DType::kF16;
+  const bool dtype_ok = dst.dtype() == computed || (narrow && dst.dtype() == DType::kF32);
+  if (!(dst.placements() == want) || !(dst.shape() == shape) || !dtype_ok) return Tensor();
   accumulate = sink.accumulate;
   return dst.to_local();
 }
@@ -304,7 +307,7 @@ DTensor einsum_into(std::string_view equation, const DTensor& a, const DTensor& 
     saved->inputs = used;
   }
   bool accumulate = false;
-  Tensor target = sink ? direct_target(*sink, st.outputs[0], shape, false, accumulate) : Tensor();
+  Tensor target = sink ? direct_target(*sink, st.outputs[0], shape, false, a.dtype(), accumulate) : Tensor();
   if (target.defined()) {
     if (in_mesh(a))
       einsum_local(e, used[0].to_local(), used[1].to_local(), target, accumulate, options.num_threads);
@@ -419,7 +422,8 @@ Grads add_backward(const Saved& saved, const DTensor& dy_in, std::span<const Gra
     Dims dims;
     for (int d = 0; d < lead; ++d) dims.push_back(d);
     bool accumulate = false;
-    Tensor target = direct_target(sinks[1], gp[1], b.shape(), saved.strategy.redistributed[1], accumulate);
+    Tensor target =
+        direct_target(sinks[1], gp[1], b.shape(), saved.strategy.redistributed[1], dy.dtype(), accumulate);
     if (lead == 0 && alpha == 1.0 && !target.defined()) {
       // Same shapes: b's gradient is dy itself (shared, as a's).
       DTensor g(dy.comms(), spec_like(dy, gp[1], dy.shape(), dy.dtype()), dy.to_local());
@@ -721,7 +725,7 @@ Grads norm_backward(const Saved& saved, const DTensor& dy_in, std::span<const Gr
     const DTensor& in = saved.inputs[i];
     if (i > 0) {
       bool acc = false;
-      Tensor t = direct_target(sinks[i], gp[i], in.shape(), saved.strategy.redistributed[i], acc);
+      Tensor t = direct_target(sinks[i], gp[i], in.shape(), saved.strategy.redistributed[i], dy.dtype(), acc);
       if (t.defined()) {
         targets[i].local = t;
         targets[i].direct = true;
@@ -821,7 +825,8 @@ Grads embedding_backward(const Saved& saved, const DTensor& dy_in, std::span<con
   eo.row_start = row_start(w);
   eo.num_embeddings = w.shape()[0];
   bool accumulate = false;
-  Tensor target = direct_target(sinks[0], gp[0], w.shape(), saved.strategy.redistributed[0], accumulate);
+  Tensor target =
+      direct_target(sinks[0], gp[0], w.shape(), saved.strategy.redistributed[0], dy.dtype(), accumulate);
   if (target.defined()) {
     if (in_mesh(dy)) kernels::embedding_backward_out(target, dy.to_local(), ids.to_local(), eo, accumulate);
     return out;

@@ -471,6 +471,22 @@ TEST_CASE("ops: gradients land in caller buffers (accumulate, overwrite, other p
     const GradSink cast[] = {GradSink{false}, GradSink{true, &rbuf, true}};
     einsum_backward(saved, dy, cast, {});
     checks.check(kernels::allclose(rbuf->full_tensor(), dw, 1e-6, 1e-6), "into an R f32 buffer");
+    // bf16 compute into an f32 buffer of the same placements (FSDP's mixed precision): written in
+    // place, rounded once.
+    {
+      DTensor xb(comms, make_spec(x.spec().mesh, x.placements(), x.shape(), DType::kBF16), x.to_local().to(DType::kBF16));
+      DTensor wb(comms, make_spec(w.spec().mesh, w.placements(), w.shape(), DType::kBF16), w.to_local().to(DType::kBF16));
+      Saved sb;
+      DTensor yb = einsum("btk,nk->btn", xb, wb, {}, &sb);
+      DTensor dyb(comms, make_spec(dy.spec().mesh, dy.placements(), dy.shape(), DType::kBF16), dy.to_local().to(DType::kBF16));
+      std::optional<DTensor> f32buf = DTensor(
+          comms, make_spec(w.spec().mesh, parse_placements("P"), {6, 5}, DType::kF32), Tensor::zeros({6, 5}, DType::kF32));
+      const void* p32 = f32buf->to_local().data_ptr();
+      const GradSink mixed[] = {GradSink{false}, GradSink{true, &f32buf, false}};
+      einsum_backward(sb, dyb, mixed, {});
+      checks.check(f32buf->to_local().data_ptr() == p32 && f32buf->dtype() == DType::kF32, "bf16 -> f32 buffer in place");
+      checks.check(kernels::allclose(f32buf->full_tensor(), dw, 3e-2, 3e-2), "bf16 gradient into an f32 buffer");
+    }
     // An empty optional receives the gradient.
     std::optional<DTensor> none;
     const GradSink fresh[] = {GradSink{false}, GradSink{true, &none, true}};
