@@ -273,9 +273,10 @@ RunResult train(Communicator& world, const Args& a, int tp, bool print, int thre
     Tensor full = p->data().full_tensor().to(kernels::Device{});
     if (rank0) result.params[name] = full.clone();
   }
-  Tensor peak = Tensor::full({1}, static_cast<double>(memory->peak_bytes()), DType::kF64);
+  // On the backend's device (the nccl backend moves CUDA tensors only).
+  Tensor peak = Tensor::full({1}, static_cast<double>(memory->peak_bytes()), DType::kF64, device);
   world.wait(world.all_reduce(peak, peak, collectives::Reduction(collectives::ReduceOp::kMax)));
-  result.peak_bytes = static_cast<int64_t>(peak.item({0}));
+  result.peak_bytes = static_cast<int64_t>(peak.to(kernels::Device{}).item({0}));
   return result;
 }
 
