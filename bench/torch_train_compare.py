@@ -9,6 +9,7 @@ per-step losses and the median step time and tokens/s of both.
 
 Configs:
   tp1      ours: --backend local, 1 rank      torch: one process
+(each side gets --cores / ranks CPU threads per rank: --threads for ours, set_num_threads for torch)
   tp2      ours: --backend local, 2 ranks     torch: 2 processes on gloo with parallelize_module
   tp2-mpi  ours: mpirun -np 2 --backend mpi   torch: as tp2
 The torch tensor-parallel plan is ours (gpt_tensor_parallel_plan, sequence parallel, loss
@@ -268,11 +269,11 @@ def torch_python(arg: str | None) -> str:
 STEP_RE = re.compile(r"^step (\d+)/(\d+) loss (\S+) ms (\S+) tokens/s (\S+) peak_bytes (\d+)$")
 
 
-def run_ours(build: str, backend: str, tp: int, model_args: list[str], dump: str | None) -> dict:
+def run_ours(build: str, backend: str, tp: int, model_args: list[str], dump: str | None, threads: int) -> dict:
     exe = os.path.join(build, "examples", "fsdp-train")
     if not os.path.exists(exe):
         sys.exit(f"{exe} not found: build it (ninja -C {build} examples/fsdp-train) or pass --build-dir")
-    cmd = [exe, "--backend", backend, "--tp", str(tp), "--log-every", "1"] + model_args
+    cmd = [exe, "--backend", backend, "--tp", str(tp), "--log-every", "1", "--threads", str(threads)] + model_args
     if dump:
         cmd += ["--dump-init", dump]
     if backend == "mpi":
@@ -358,9 +359,10 @@ def main() -> int:
             sys.exit(f"unknown config {name!r} (tp1, tp2, tp2-mpi)")
         ours_runs, torch_runs = [], []
         for rep in range(args.repeats):
-            ours_runs.append(run_ours(args.build_dir, backend, tp, model_args, None if dumped else dump))
+            threads = max(1, args.cores // tp)  # per rank, the same on both sides
+            ours_runs.append(run_ours(args.build_dir, backend, tp, model_args, None if dumped else dump, threads))
             dumped = True
-            tcfg = dict(cfg, world=tp, threads=max(1, args.cores // tp))
+            tcfg = dict(cfg, world=tp, threads=threads)
             torch_runs.append(run_torch(py, tcfg))
         ours_losses = ours_runs[0]["losses"]
         torch_losses = torch_runs[0]["losses"]
