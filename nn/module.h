@@ -26,6 +26,7 @@
 #pragma once
 
 #include <any>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -70,7 +71,7 @@ class Ctx {
   const dtensor::ops::OpOptions* options_ = nullptr;
   dtensor::ops::OpOptions default_options_;
   bool recomputing_ = false;
-  std::vector<dtensor::ops::Saved> ops_;
+  std::deque<dtensor::ops::Saved> ops_;  // deque: op(i) references stay valid as it grows
   std::map<std::string, std::unique_ptr<Ctx>> children_;
 };
 

@@ -4,10 +4,13 @@
 // returns gradients with the rule's transposed placements (NOTE [gradient transpose]).
 //
 //   // x [B, T, K] sharded over the batch, w [N, K] sharded by rows over tp (ColwiseParallel):
+//   Saved saved;
 //   DTensor y = einsum("btk,nk->btn", x, w, opts, &saved);   // [S(0),S(2)], no communication
-//   Grads g = einsum_backward("btk,nk->btn", saved, dy, {GradSink{}, GradSink{&w_grad}}, opts);
-//   // g[0] = dx [S(0),P(sum)] (each tp rank holds its part of the sum over N); w_grad, of
-//   // placements [P(sum),S(0)] (summed over the batch the dp ranks hold), was added to.
+//   std::optional<DTensor> w_grad;                           // or a caller buffer to add to
+//   const GradSink sinks[] = {GradSink{}, GradSink{true, &w_grad}};
+//   Grads g = einsum_backward(saved, dy, sinks, opts);
+//   // g[0] = dx [S(0),P(sum)] (each tp rank holds its part of the sum over N); w_grad holds
+//   // [P(sum),S(0)] (summed over the batch this dp rank holds).
 //
 // Saved: what a forward call keeps for its backward (the inputs as the op used them, after
 // any implicit redistribute, and the op's own statistics). The caller owns it (nn keeps it in
