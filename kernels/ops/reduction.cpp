@@ -4,6 +4,7 @@
 
 #include <array>
 #include <limits>
+#include <vector>
 
 #include "kernels/cpu/compute.h"
 #include "kernels/cuda/cuda_compute.h"
@@ -173,6 +174,16 @@ Tensor max_backward(const Tensor& dy_in, const Tensor& indices_in, int dim_in,
   detail::check_shape(kOp, indices_in, "indices", expected);
   Tensor dx = Tensor::zeros(input_shape, dy_in.dtype(), dy_in.device());
   if (dx.numel() == 0) return dx;
+  if (dx.device().is_cuda()) {  // the CPU kernel checks inline
+    const std::vector<double> idx = indices_in.to_vector();
+    for (size_t o = 0; o < idx.size(); ++o) {
+      if (idx[o] < 0 || idx[o] >= static_cast<double>(input_shape[dim])) {
+        throw InvalidArgument(fmt::format(
+            "{}: index {} at position {} is out of range for a dim of size {}", kOp,
+            static_cast<int64_t>(idx[o]), o, input_shape[dim]));
+      }
+    }
+  }
   const Tensor dy = keepdim ? dy_in.select(dim, 0) : dy_in;
   const Tensor index = keepdim ? indices_in.select(dim, 0) : indices_in;
   DimPlan p;
