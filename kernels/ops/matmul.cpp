@@ -24,6 +24,13 @@ bool gemm_strides(int64_t rows, int64_t cols, int64_t& rs, int64_t& cs) {
   return rs == 1 || cs == 1;
 }
 
+// cuBLAS also needs the leading dimension to cover a stored column (Eigen reads any stride, so
+// the CPU takes broadcast rows with stride 0 as they are).
+bool blas_leading_dim_ok(int64_t rows, int64_t cols, int64_t rs, int64_t cs) {
+  if (cs == 1) return rows == 1 || rs >= cols;
+  return cols == 1 || cs >= rows;
+}
+
 // Strides of t's batch dims (all but the last two) aligned to batch_shape, 0 where t is
 // broadcast (missing or size-1 dims).
 Dims batch_strides(const Tensor& t, const Dims& batch_shape) {
@@ -141,20 +148,22 @@ void matmul_out(const Tensor& out, const Tensor& a_in, const Tensor& b_in,
   }
 
   // Operands whose matrices have no unit stride are copied once (NOTE in matmul.h).
+  const bool cuda = out.device().is_cuda();
   Tensor a = a_in, b = b_in;
   int64_t a_rs = a.stride(-2), a_cs = a.stride(-1);
-  if (!gemm_strides(m, k, a_rs, a_cs)) {
+  if (!gemm_strides(m, k, a_rs, a_cs) || (cuda && !blas_leading_dim_ok(m, k, a_rs, a_cs))) {
     a = a.contiguous();
     a_rs = k, a_cs = 1;
   }
   int64_t b_rs = b.stride(-2), b_cs = b.stride(-1);
-  if (!gemm_strides(k, n, b_rs, b_cs)) {
+  if (!gemm_strides(k, n, b_rs, b_cs) || (cuda && !blas_leading_dim_ok(k, n, b_rs, b_cs))) {
     b = b.contiguous();
     b_rs = n, b_cs = 1;
   }
   Tensor c = out;
   int64_t c_rs = c.stride(-2), c_cs = c.stride(-1);
-  const bool c_direct = gemm_strides(m, n, c_rs, c_cs);
+  const bool c_direct =
+      gemm_strides(m, n, c_rs, c_cs) && (!cuda || blas_leading_dim_ok(m, n, c_rs, c_cs));
   if (!c_direct) {
     c = options.beta != 0.0 ? out.clone() : Tensor::empty(out.shape(), out.dtype(), out.device());
     c_rs = n, c_cs = 1;
@@ -174,7 +183,7 @@ void matmul_out(const Tensor& out, const Tensor& a_in, const Tensor& b_in,
   p.c_batch_strides = batch_strides(c, batch);
   fold_batch_into_rows(p);
 
-  if (out.device().is_cuda()) {
+  if (cuda) {
     detail::cuda_gemm(p, out.device().index);
   } else {
     detail::cpu_gemm(p, options.num_threads);

@@ -63,6 +63,9 @@ TEST_CASE("CUDA matmul matches the CPU", "[kernels][ops][gpu]") {
     }
   }
   REQUIRE(cases == 4 * 4 * kLayouts * kLayouts);
+  // Broadcast rows (stride 0: below cuBLAS's minimum leading dimension, so copied first).
+  const Tensor row = random_tensor({1, 6}, DType::kF32, 4), w = random_tensor({6, 5}, DType::kF32, 5);
+  same(matmul(expand(gpu(row), {7, 6}), gpu(w)), matmul(expand(row, {7, 6}), w), 1e-5, 1e-6, "expanded rows");
 }
 
 TEST_CASE("CUDA element-wise ops match the CPU", "[kernels][ops][gpu]") {

@@ -173,6 +173,10 @@ TEST_CASE("matmul: broadcast batches, folded rows and attention-style views", "[
     cases += 2;
   }
   REQUIRE(cases == 4 * (7 * kLayouts + 2));
+  // Broadcast rows (stride 0) read in place.
+  const Tensor row = random_tensor({1, 6}, DType::kF32, 4), w = random_tensor({6, 5}, DType::kF32, 5);
+  const Tensor e = expand(row, {7, 6});
+  check_close(matmul(e, w), reference(e.contiguous(), w, {7, 5}, 1.0, 0.0, {}), 1e-5, 1e-6, "expanded rows");
 }
 
 TEST_CASE("matmul: num_threads splits give the same product", "[kernels][ops][matmul]") {
