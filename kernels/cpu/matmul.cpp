@@ -102,7 +102,8 @@ std::vector<Task> make_tasks(const GemmPlan& p, int64_t batches, int threads) {
   std::vector<Task> tasks;
   const double flops = 2.0 * static_cast<double>(p.m) * static_cast<double>(p.n) *
                        static_cast<double>(p.k) * static_cast<double>(batches);
-  if (threads <= 1 || flops < 1e6 || batches >= threads) {
+  // Starting a thread costs tens of microseconds: split only products worth several of those.
+  if (threads <= 1 || flops < 8e6 || batches >= threads) {
     tasks.reserve(static_cast<size_t>(batches));
     for (int64_t i = 0; i < batches; ++i) tasks.push_back({i, 0, p.m, 0, p.n});
     return tasks;

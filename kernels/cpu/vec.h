@@ -10,7 +10,7 @@
 // each compiled with its own -march. To keep the linker from merging an AVX-512 instantiation of
 // an inline function into baseline code (the One Definition Rule assumes identical definitions),
 // each variant renames Eigen's namespace (#define Eigen ...) and puts its own code in a namespace
-// of its own; the test `vec-isolation` checks that the variant objects define no shared weak
+// of its own; the test `kernels-vec-isolation` checks that the variant archives define no shared weak
 // symbol.
 //
 //   const VecKernels& v = vec_kernels();            // e.g. the AVX2 table on this machine
