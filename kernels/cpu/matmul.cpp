@@ -135,8 +135,7 @@ void run_direct(const GemmPlan& p, const std::vector<Task>& tasks, int threads) 
     T* ci = c + batch_offset(task.batch, p.batch_shape, p.c_batch_strides) + task.m0 * p.c_rs +
             task.n0 * p.c_cs;
     gemm_one<T>(ops, task.m1 - task.m0, task.n1 - task.n0, p.k, static_cast<T>(p.alpha),
-                static_cast<T>(p.beta), ai, p.a_rs, p.a_cs, bi, p.b_rs, p.b_cs, ci, p.c_rs,
-                p.c_cs);
+                static_cast<T>(p.beta), ai, p.a_rs, p.a_cs, bi, p.b_rs, p.b_cs, ci, p.c_rs, p.c_cs);
   });
 }
 
@@ -148,7 +147,8 @@ void run_widened(const GemmPlan& p, const std::vector<Task>& tasks, int threads)
   const auto* a = static_cast<const char*>(p.a);
   const auto* b = static_cast<const char*>(p.b);
   auto* c = static_cast<char*>(p.c);
-  const int64_t workers = std::min<int64_t>(std::max(threads, 1), static_cast<int64_t>(tasks.size()));
+  const int64_t workers =
+      std::min<int64_t>(std::max(threads, 1), static_cast<int64_t>(tasks.size()));
   // Per worker: widened A, B and an f32 C; B is reused while consecutive tasks share it (a
   // weight broadcast over the batch).
   struct Scratch {
@@ -161,12 +161,15 @@ void run_widened(const GemmPlan& p, const std::vector<Task>& tasks, int threads)
     Scratch& s = scratch[static_cast<size_t>(worker)];
     const Task& task = tasks[static_cast<size_t>(t)];
     const int64_t rows = task.m1 - task.m0, cols = task.n1 - task.n0;
-    const char* ai = a + (batch_offset(task.batch, p.batch_shape, p.a_batch_strides) +
-                          task.m0 * p.a_rs) * static_cast<int64_t>(in_size);
-    const char* bi = b + (batch_offset(task.batch, p.batch_shape, p.b_batch_strides) +
-                          task.n0 * p.b_cs) * static_cast<int64_t>(in_size);
+    const char* ai =
+        a + (batch_offset(task.batch, p.batch_shape, p.a_batch_strides) + task.m0 * p.a_rs) *
+                static_cast<int64_t>(in_size);
+    const char* bi =
+        b + (batch_offset(task.batch, p.batch_shape, p.b_batch_strides) + task.n0 * p.b_cs) *
+                static_cast<int64_t>(in_size);
     char* ci = c + (batch_offset(task.batch, p.batch_shape, p.c_batch_strides) + task.m0 * p.c_rs +
-                    task.n0 * p.c_cs) * static_cast<int64_t>(out_size);
+                    task.n0 * p.c_cs) *
+                       static_cast<int64_t>(out_size);
     s.a.resize(static_cast<size_t>(rows * p.k));
     widen_block(s.a.data(), ai, p.dtype, rows, p.k, p.a_rs, p.a_cs);
     if (bi != s.b_src || task.n0 != s.b_n0 || task.n1 != s.b_n1) {

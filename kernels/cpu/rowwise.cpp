@@ -3,8 +3,8 @@
 // not one already, processed by the VecOps primitives, and written back rounded once.
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -87,7 +87,8 @@ void softmax_impl(const SoftmaxPlan& p) {
           p.causal_period > 0 ? std::min<int64_t>(len, o % p.causal_period + 1) : len;
       std::fill(out + valid, out + len, C(0));
       if (p.from_lse) {
-        const C lse = load_one<C>(p.lse.data, p.lse.dtype, offset_of(o, p.outer_shape, p.lse.outer_strides));
+        const C lse =
+            load_one<C>(p.lse.data, p.lse.dtype, offset_of(o, p.outer_shape, p.lse.outer_strides));
         if (lse == -std::numeric_limits<C>::infinity()) {
           std::fill(out, out + valid, C(0));
         } else {
@@ -100,7 +101,8 @@ void softmax_impl(const SoftmaxPlan& p) {
         if (p.lse.defined()) {
           const double lse = valid == 0 ? -std::numeric_limits<double>::infinity()
                                         : static_cast<double>(m) + std::log(s);
-          store_one<double>(p.lse.data, p.lse.dtype, offset_of(o, p.outer_shape, p.lse.outer_strides), lse);
+          store_one<double>(p.lse.data, p.lse.dtype,
+                            offset_of(o, p.outer_shape, p.lse.outer_strides), lse);
         }
       }
     } else if (!p.backward) {
@@ -153,8 +155,8 @@ void norm_forward_impl(const NormPlan& p) {
       const double var = len > 0 ? v.sum_squares(tmp.data(), len) / static_cast<double>(len) : 0.0;
       rstd = 1.0 / std::sqrt(var + p.eps);
       v.scale(tmp.data(), tmp.data(), static_cast<C>(rstd), len);
-      store_one<double>(p.mean.data, p.mean.dtype, offset_of(o, p.outer_shape, p.mean.outer_strides),
-                        mean);
+      store_one<double>(p.mean.data, p.mean.dtype,
+                        offset_of(o, p.outer_shape, p.mean.outer_strides), mean);
     }
     store_one<double>(p.rstd.data, p.rstd.dtype, offset_of(o, p.outer_shape, p.rstd.outer_strides),
                       rstd);
@@ -181,11 +183,13 @@ void norm_backward_impl(const NormPlan& p) {
   for (int64_t o = 0; o < rows; ++o) {
     const C* x = read_row<C>(p.x, offset_of(o, p.outer_shape, p.x.outer_strides), len, bx);
     const C* dy = read_row<C>(p.dy, offset_of(o, p.outer_shape, p.dy.outer_strides), len, bdy);
-    const C rstd = load_one<C>(p.rstd.data, p.rstd.dtype, offset_of(o, p.outer_shape, p.rstd.outer_strides));
+    const C rstd =
+        load_one<C>(p.rstd.data, p.rstd.dtype, offset_of(o, p.outer_shape, p.rstd.outer_strides));
     if (p.rms) {
       v.scale(xhat.data(), x, rstd, len);
     } else {
-      const C mean = load_one<C>(p.mean.data, p.mean.dtype, offset_of(o, p.outer_shape, p.mean.outer_strides));
+      const C mean =
+          load_one<C>(p.mean.data, p.mean.dtype, offset_of(o, p.outer_shape, p.mean.outer_strides));
       v.add_scalar_b(xhat.data(), x, mean, C(-1), len);
       v.scale(xhat.data(), xhat.data(), rstd, len);
     }
@@ -265,8 +269,10 @@ void cross_entropy_impl(const CrossEntropyPlan& p) {
     if (p.mode == CrossEntropyMode::kFused) {
       m = v.max(x, len);
       s = v.exp_shift_sum(tmp.data(), x, m, len);
-      losses[i] = ignored ? C(0) : static_cast<C>(std::log(s) + static_cast<double>(m) -
-                                                  static_cast<double>(x[t]));
+      losses[i] =
+          ignored
+              ? C(0)
+              : static_cast<C>(std::log(s) + static_cast<double>(m) - static_cast<double>(x[t]));
     } else {
       m = static_cast<const C*>(p.global_max)[i];
       s = static_cast<double>(static_cast<const C*>(p.global_sum_exp)[i]);
@@ -374,7 +380,8 @@ void cpu_embedding_forward(const EmbeddingPlan& p) {
         std::memset(dst, 0, static_cast<size_t>(p.dim) * out_size);
       } else {
         const uint64_t zero = 0;
-        for (int64_t j = 0; j < p.dim; ++j) std::memcpy(at(dst, p.out.dtype, j * p.out.stride), &zero, out_size);
+        for (int64_t j = 0; j < p.dim; ++j)
+          std::memcpy(at(dst, p.out.dtype, j * p.out.stride), &zero, out_size);
       }
       continue;
     }

@@ -10,8 +10,8 @@
 // each compiled with its own -march. To keep the linker from merging an AVX-512 instantiation of
 // an inline function into baseline code (the One Definition Rule assumes identical definitions),
 // each variant renames Eigen's namespace (#define Eigen ...) and puts its own code in a namespace
-// of its own; the test `kernels-vec-isolation` checks that the variant archives define no shared weak
-// symbol.
+// of its own; the test `kernels-vec-isolation` checks that the variant archives define no
+// shared weak symbol.
 //
 //   const VecKernels& v = vec_kernels();            // e.g. the AVX2 table on this machine
 //   v.f32.add(out, a, b, 1.0f, n);                   // out[i] = a[i] + 1 * b[i]
@@ -45,12 +45,12 @@ struct GemmArgs {
 // rounds them (Python floats, then the tensor's dtype at each op).
 template <class T>
 struct AdamWCoefficients {
-  T decay;        // 1 - lr * weight_decay (decoupled), or 1
-  T l2;           // weight_decay (coupled, Adam), or 0
+  T decay;  // 1 - lr * weight_decay (decoupled), or 1
+  T l2;     // weight_decay (coupled, Adam), or 0
   T one_minus_beta1;
   T beta2;
   T one_minus_beta2;
-  T step_size;    // lr / (1 - beta1^t)
+  T step_size;  // lr / (1 - beta1^t)
   T bias_correction2_sqrt;
   T eps;
   bool amsgrad;

@@ -9,10 +9,10 @@
 #endif
 
 #include <Eigen/Core>
-#include <unsupported/Eigen/SpecialFunctions>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <unsupported/Eigen/SpecialFunctions>
 
 #include "kernels/cpu/vec.h"
 
@@ -30,10 +30,10 @@ using MMap = Eigen::Map<Arr<T>>;
 template <class T, bool kRowA, bool kRowB>
 void gemm_impl(const GemmArgs<T>& g) {
   using Stride = Eigen::OuterStride<>;
-  using MA = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic,
-                           kRowA ? Eigen::RowMajor : Eigen::ColMajor>;
-  using MB = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic,
-                           kRowB ? Eigen::RowMajor : Eigen::ColMajor>;
+  using MA =
+      Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, kRowA ? Eigen::RowMajor : Eigen::ColMajor>;
+  using MB =
+      Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, kRowB ? Eigen::RowMajor : Eigen::ColMajor>;
   using MC = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   const Eigen::Map<const MA, 0, Stride> a(g.a, g.m, g.k, Stride(kRowA ? g.a_rs : g.a_cs));
   const Eigen::Map<const MB, 0, Stride> b(g.b, g.k, g.n, Stride(kRowB ? g.b_rs : g.b_cs));
@@ -129,10 +129,9 @@ void gelu_backward(T* dx, const T* dy, const T* x, int64_t n, bool tanh_form) {
       const auto xs = xa.segment(s, len);
       MMap<T> t(th, len);
       t = (kSqrt2OverPi<T> * (xs + kKappa<T> * xs.cube())).tanh();
-      o.segment(s, len) =
-          g.segment(s, len) *
-          (T(0.5) * (T(1) + t) + T(0.5) * xs * (T(1) - t.square()) * kSqrt2OverPi<T> *
-                                     (T(1) + T(3) * kKappa<T> * xs.square()));
+      o.segment(s, len) = g.segment(s, len) * (T(0.5) * (T(1) + t) +
+                                               T(0.5) * xs * (T(1) - t.square()) * kSqrt2OverPi<T> *
+                                                   (T(1) + T(3) * kKappa<T> * xs.square()));
     }
   } else {
     // d/dx [x Phi(x)] = Phi(x) + x phi(x).
@@ -201,7 +200,8 @@ void accumulate(double* acc, const T* x, int64_t n) {
 
 template <class T>
 void accumulate_product(double* acc, const T* x, const T* y, int64_t n) {
-  MMap<double>(acc, n) += CMap<T>(x, n).template cast<double>() * CMap<T>(y, n).template cast<double>();
+  MMap<double>(acc, n) +=
+      CMap<T>(x, n).template cast<double>() * CMap<T>(y, n).template cast<double>();
 }
 
 // ---- optimizers (operation order of PyTorch's single-tensor AdamW / SGD, see optim.h) ----

@@ -131,22 +131,36 @@ __device__ void offsets(const Layout<N>& l, int64_t i, int64_t (&off)[N]) {
 template <class C>
 __device__ C ld(const void* base, DType dt, int64_t off) {
   switch (dt) {
-    case DType::kF32: return static_cast<C>(static_cast<const float*>(base)[off]);
-    case DType::kF64: return static_cast<C>(static_cast<const double*>(base)[off]);
-    case DType::kBF16: return static_cast<C>(widen(static_cast<const BFloat16*>(base)[off]));
-    case DType::kF16: return static_cast<C>(widen(static_cast<const Half*>(base)[off]));
-    default: return C(0);
+    case DType::kF32:
+      return static_cast<C>(static_cast<const float*>(base)[off]);
+    case DType::kF64:
+      return static_cast<C>(static_cast<const double*>(base)[off]);
+    case DType::kBF16:
+      return static_cast<C>(widen(static_cast<const BFloat16*>(base)[off]));
+    case DType::kF16:
+      return static_cast<C>(widen(static_cast<const Half*>(base)[off]));
+    default:
+      return C(0);
   }
 }
 
 template <class C>
 __device__ void st(void* base, DType dt, int64_t off, C v) {
   switch (dt) {
-    case DType::kF32: static_cast<float*>(base)[off] = narrow_to<float>(v); return;
-    case DType::kF64: static_cast<double*>(base)[off] = narrow_to<double>(v); return;
-    case DType::kBF16: static_cast<BFloat16*>(base)[off] = narrow_to<BFloat16>(v); return;
-    case DType::kF16: static_cast<Half*>(base)[off] = narrow_to<Half>(v); return;
-    default: return;
+    case DType::kF32:
+      static_cast<float*>(base)[off] = narrow_to<float>(v);
+      return;
+    case DType::kF64:
+      static_cast<double*>(base)[off] = narrow_to<double>(v);
+      return;
+    case DType::kBF16:
+      static_cast<BFloat16*>(base)[off] = narrow_to<BFloat16>(v);
+      return;
+    case DType::kF16:
+      static_cast<Half*>(base)[off] = narrow_to<Half>(v);
+      return;
+    default:
+      return;
   }
 }
 
@@ -237,11 +251,16 @@ __device__ C apply_map(MapOp op, C alpha, C a, C b) {
   const C k_sqrt_half = C(0.7071067811865476), k_sqrt_2_pi = C(0.7978845608028654),
           k_inv_sqrt_2pi = C(0.3989422804014327), kappa = C(0.044715);
   switch (op) {
-    case MapOp::kAdd: return a + alpha * b;
-    case MapOp::kMul: return a * b;
-    case MapOp::kScale: return alpha * a;
-    case MapOp::kGelu: return half * a * (one + derf(a * k_sqrt_half));
-    case MapOp::kGeluTanh: return half * a * (one + dtanh(k_sqrt_2_pi * (a + kappa * a * a * a)));
+    case MapOp::kAdd:
+      return a + alpha * b;
+    case MapOp::kMul:
+      return a * b;
+    case MapOp::kScale:
+      return alpha * a;
+    case MapOp::kGelu:
+      return half * a * (one + derf(a * k_sqrt_half));
+    case MapOp::kGeluTanh:
+      return half * a * (one + dtanh(k_sqrt_2_pi * (a + kappa * a * a * a)));
     case MapOp::kGeluBackward: {  // a = dy, b = x
       const C cdf = half * (one + derf(b * k_sqrt_half));
       return a * (cdf + b * dexp(C(-0.5) * b * b) * k_inv_sqrt_2pi);
@@ -251,7 +270,8 @@ __device__ C apply_map(MapOp op, C alpha, C a, C b) {
       return a * (half * (one + t) +
                   half * b * (one - t * t) * k_sqrt_2_pi * (one + C(3) * kappa * b * b));
     }
-    case MapOp::kSilu: return a / (one + dexp(-a));
+    case MapOp::kSilu:
+      return a / (one + dexp(-a));
     case MapOp::kSiluBackward: {
       const C s = one / (one + dexp(-b));
       return a * s * (one + b * (one - s));
@@ -333,7 +353,8 @@ struct DimArgs {
 // Layout<1> over outer_shape with x's strides.
 __global__ void max_dim_kernel(DimArgs a, Layout<1> l) {
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t o = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; o < a.outputs; o += step) {
+  for (int64_t o = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; o < a.outputs;
+       o += step) {
     int64_t off[1];
     offsets<1>(l, o, off);
     double best = ld<double>(a.x, a.x_dtype, off[0]);
@@ -356,12 +377,14 @@ __global__ void max_dim_kernel(DimArgs a, Layout<1> l) {
 // Layout<3> over outer_shape: strides of dx, dy, index.
 __global__ void scatter_dim_kernel(DimArgs a, Layout<3> l) {
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t o = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; o < a.outputs; o += step) {
+  for (int64_t o = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; o < a.outputs;
+       o += step) {
     int64_t off[3];
     offsets<3>(l, o, off);
     const int64_t j = a.index[off[2]];
     if (j < 0 || j >= a.len) continue;  // the host checked nothing here; out-of-range is dropped
-    st<double>(a.dx, a.dx_dtype, off[0] + j * a.dx_dim_stride, ld<double>(a.dy, a.dy_dtype, off[1]));
+    st<double>(a.dx, a.dx_dtype, off[0] + j * a.dx_dim_stride,
+               ld<double>(a.dy, a.dy_dtype, off[1]));
   }
 }
 
@@ -473,7 +496,8 @@ __global__ void softmax_kernel(SoftmaxArgs a, Rows shape) {
     auto dy = [&](int64_t j) { return ld<C>(a.dy.data, a.dy.dtype, go + j * a.dy.stride); };
     double s = 0;
     for (int64_t j = threadIdx.x; j < a.len; j += blockDim.x) {
-      s += a.log ? static_cast<double>(dy(j)) : static_cast<double>(dy(j)) * static_cast<double>(x(j));
+      s += a.log ? static_cast<double>(dy(j))
+                 : static_cast<double>(dy(j)) * static_cast<double>(x(j));
     }
     s = block_sum(s, shared);  // every thread has read its dy(j) before any write (barrier)
     const C sc = static_cast<C>(s);
@@ -507,7 +531,9 @@ __global__ void norm_forward_kernel(NormArgs a, Rows shape) {
   __shared__ double shared[kThreads];
   for (int64_t o = blockIdx.x; o < a.rows; o += gridDim.x) {
     const int64_t xo = row_offset(shape, a.x, o), yo = row_offset(shape, a.y, o);
-    auto x = [&](int64_t j) { return static_cast<double>(ld<C>(a.x.data, a.x.dtype, xo + j * a.x.stride)); };
+    auto x = [&](int64_t j) {
+      return static_cast<double>(ld<C>(a.x.data, a.x.dtype, xo + j * a.x.stride));
+    };
     double mean = 0;
     if (!a.rms) {
       double s = 0;
@@ -545,7 +571,9 @@ __global__ void norm_backward_dx_kernel(NormArgs a, Rows shape) {
                   dxo = row_offset(shape, a.dx, o);
     const C rstd = ld<C>(a.rstd.data, a.rstd.dtype, row_offset(shape, a.rstd, o));
     const C mean = a.rms ? C(0) : ld<C>(a.mean.data, a.mean.dtype, row_offset(shape, a.mean, o));
-    auto xhat = [&](int64_t j) { return (ld<C>(a.x.data, a.x.dtype, xo + j * a.x.stride) - mean) * rstd; };
+    auto xhat = [&](int64_t j) {
+      return (ld<C>(a.x.data, a.x.dtype, xo + j * a.x.stride) - mean) * rstd;
+    };
     auto g = [&](int64_t j) {
       C v = ld<C>(a.dy.data, a.dy.dtype, go + j * a.dy.stride);
       return a.w != nullptr ? v * ld<C>(a.w, a.w_dtype, j * a.w_stride) : v;
@@ -568,12 +596,14 @@ __global__ void norm_backward_dx_kernel(NormArgs a, Rows shape) {
 template <class C>
 __global__ void norm_backward_params_kernel(NormArgs a, Rows shape) {
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < a.len; j += step) {
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < a.len;
+       j += step) {
     double sw = 0, sb = 0;
     for (int64_t o = 0; o < a.rows; ++o) {
       const C rstd = ld<C>(a.rstd.data, a.rstd.dtype, row_offset(shape, a.rstd, o));
       const C mean = a.rms ? C(0) : ld<C>(a.mean.data, a.mean.dtype, row_offset(shape, a.mean, o));
-      const C xh = (ld<C>(a.x.data, a.x.dtype, row_offset(shape, a.x, o) + j * a.x.stride) - mean) * rstd;
+      const C xh =
+          (ld<C>(a.x.data, a.x.dtype, row_offset(shape, a.x, o) + j * a.x.stride) - mean) * rstd;
       const C g = ld<C>(a.dy.data, a.dy.dtype, row_offset(shape, a.dy, o) + j * a.dy.stride);
       sw += static_cast<double>(g) * static_cast<double>(xh);
       sb += static_cast<double>(g);
@@ -615,7 +645,9 @@ __global__ void cross_entropy_kernel(CeArgs a, Rows shape) {
     const int64_t local_t = t - a.vocab_start;
     const bool in_shard = !ignored && local_t >= 0 && local_t < a.len;
     const int64_t xo = row_offset(shape, a.logits, i);
-    auto x = [&](int64_t j) { return ld<C>(a.logits.data, a.logits.dtype, xo + j * a.logits.stride); };
+    auto x = [&](int64_t j) {
+      return ld<C>(a.logits.data, a.logits.dtype, xo + j * a.logits.stride);
+    };
     // The target logit is read before the barriers below, so an in-place dlogits (the same view
     // as logits) cannot overwrite it first.
     const double xt = (threadIdx.x == 0 && in_shard) ? static_cast<double>(x(local_t)) : 0.0;
@@ -666,7 +698,8 @@ __global__ void rescale_kernel(void* se, int64_t se_s, const void* lm, int64_t l
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
     const double l = ld<double>(lm, dt, i * lm_s);
-    const double r = l == -kInf ? 0.0 : ld<double>(se, dt, i * se_s) * exp(l - ld<double>(gm, dt, i * gm_s));
+    const double r =
+        l == -kInf ? 0.0 : ld<double>(se, dt, i * se_s) * exp(l - ld<double>(gm, dt, i * gm_s));
     st<double>(se, dt, i * se_s, r);
   }
 }
@@ -693,9 +726,9 @@ __global__ void embedding_forward_kernel(EmbArgs a, Layout<1> ids, Rows shape) {
     int64_t io[1];
     offsets<1>(ids, p, io);
     const int64_t r = ld_index(a.ids, a.ids_dtype, io[0]) - a.row_start;
-    const double v = (r >= 0 && r < a.rows)
-                         ? ld<double>(a.table.data, a.table.dtype, r * a.table.outer[0] + j * a.table.stride)
-                         : 0.0;
+    const double v = (r >= 0 && r < a.rows) ? ld<double>(a.table.data, a.table.dtype,
+                                                         r * a.table.outer[0] + j * a.table.stride)
+                                            : 0.0;
     st<double>(a.out.data, a.out.dtype, row_offset(shape, a.out, p) + j * a.out.stride, v);
   }
 }
@@ -705,14 +738,16 @@ template <class C>
 __global__ void embedding_backward_kernel(EmbArgs a, Layout<1> ids, Rows shape) {
   C* dw = static_cast<C*>(a.dw);
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < a.dim; j += step) {
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < a.dim;
+       j += step) {
     for (int64_t p = 0; p < a.positions; ++p) {
       int64_t io[1];
       offsets<1>(ids, p, io);
       const int64_t id = ld_index(a.ids, a.ids_dtype, io[0]);
       const int64_t r = id - a.row_start;
       if (r < 0 || r >= a.rows || (a.has_padding && id == a.padding_idx)) continue;
-      dw[r * a.dim + j] += ld<C>(a.dy.data, a.dy.dtype, row_offset(shape, a.dy, p) + j * a.dy.stride);
+      dw[r * a.dim + j] +=
+          ld<C>(a.dy.data, a.dy.dtype, row_offset(shape, a.dy, p) + j * a.dy.stride);
     }
   }
 }
@@ -793,7 +828,7 @@ void launch_optim(const OptimPlan& p, int device) {
   a.weight_decay = static_cast<T>(p.weight_decay);
   a.nesterov = p.nesterov, a.first_step = p.first_step;
   std::array<Dims, 5> strides = {p.param_strides, p.grad_strides, p.param_strides, p.param_strides,
-                                  p.param_strides};
+                                 p.param_strides};
   for (int k = 0; k < a.nstate; ++k) strides[2 + k] = p.state_strides[k];
   const int64_t n = p.shape.product();
   optim_kernel<T><<<blocks_for(n), kThreads>>>(a, make_layout<5>(p.shape, strides), n);
@@ -804,11 +839,16 @@ void launch_optim(const OptimPlan& p, int device) {
 
 cudaDataType_t blas_type(DType d) {
   switch (d) {
-    case DType::kF32: return CUDA_R_32F;
-    case DType::kF64: return CUDA_R_64F;
-    case DType::kBF16: return CUDA_R_16BF;
-    case DType::kF16: return CUDA_R_16F;
-    default: throw InternalError("cuda_gemm: unexpected dtype");
+    case DType::kF32:
+      return CUDA_R_32F;
+    case DType::kF64:
+      return CUDA_R_64F;
+    case DType::kBF16:
+      return CUDA_R_16BF;
+    case DType::kF16:
+      return CUDA_R_16F;
+    default:
+      throw InternalError("cuda_gemm: unexpected dtype");
   }
 }
 
@@ -843,8 +883,9 @@ void cuda_gemm(const GemmPlan& plan, int device) {
   if (p.m == 1) ldc = std::max(ldc, p.n);
   lda = std::max<int64_t>(lda, 1), ldb = std::max<int64_t>(ldb, 1), ldc = std::max<int64_t>(ldc, 1);
   if (lda < a_len || ldb < b_len || ldc < p.n) {
-    throw InternalError("cuda_gemm: leading dimension below the column length (the front end copies "
-                        "such operands)");
+    throw InternalError(
+        "cuda_gemm: leading dimension below the column length (the front end copies "
+        "such operands)");
   }
   const bool f64 = p.dtype == DType::kF64;
   const cublasComputeType_t compute = f64 ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F;
@@ -883,9 +924,14 @@ void cuda_map(MapOp op, double alpha, void* out, DType out_dtype, const Dims& ou
   const int64_t n = shape.product();
   if (n == 0) return;
   DeviceGuard guard(device);
-  const auto space = coalesce<3>(shape, {out_strides, in0.strides, in1 != nullptr ? in1->strides : in0.strides});
+  const auto space =
+      coalesce<3>(shape, {out_strides, in0.strides, in1 != nullptr ? in1->strides : in0.strides});
   Layout<3> l = make_layout<3>(space.shape, space.strides);
-  MapArgs a{out, out_dtype, in0.data, in0.dtype, in1 != nullptr ? in1->data : nullptr,
+  MapArgs a{out,
+            out_dtype,
+            in0.data,
+            in0.dtype,
+            in1 != nullptr ? in1->data : nullptr,
             in1 != nullptr ? in1->dtype : in0.dtype};
   const bool f64 = in0.dtype == DType::kF64 || (in1 != nullptr && in1->dtype == DType::kF64);
   if (f64) {
@@ -900,8 +946,9 @@ void cuda_reduce(const ReducePlan& p, int device) {
   const int64_t outputs = p.kept_shape.product();
   if (outputs == 0) return;
   DeviceGuard guard(device);
-  ReduceArgs a{p.x, p.x_dtype, p.out, p.out_dtype, p.scale, p.accumulate, p.square, outputs,
-               p.reduced_shape.product()};
+  ReduceArgs a{p.x,         p.x_dtype, p.out,
+               p.out_dtype, p.scale,   p.accumulate,
+               p.square,    outputs,   p.reduced_shape.product()};
   const Layout<2> kept = make_layout<2>(p.kept_shape, {p.kept_x_strides, p.out_strides});
   const Layout<1> reduced = make_layout<1>(p.reduced_shape, {p.reduced_x_strides});
   reduce_kernel<<<grid_for_rows(outputs), kThreads>>>(a, kept, reduced);
@@ -913,9 +960,11 @@ void cuda_max_dim(const DimPlan& p, int device) {
   if (outputs == 0) return;
   DeviceGuard guard(device);
   DimArgs a{};
-  a.outputs = outputs, a.len = p.len, a.x = p.x, a.x_dtype = p.x_dtype, a.x_dim_stride = p.x_dim_stride;
+  a.outputs = outputs, a.len = p.len, a.x = p.x, a.x_dtype = p.x_dtype,
+  a.x_dim_stride = p.x_dim_stride;
   a.values = p.values, a.indices = p.indices;
-  max_dim_kernel<<<blocks_for(outputs), kThreads>>>(a, make_layout<1>(p.outer_shape, {p.x_outer_strides}));
+  max_dim_kernel<<<blocks_for(outputs), kThreads>>>(
+      a, make_layout<1>(p.outer_shape, {p.x_outer_strides}));
   check_launch("max_dim_kernel", device);
 }
 
@@ -928,7 +977,8 @@ void cuda_scatter_dim(const DimPlan& p, int device) {
   a.dx = p.dx, a.dx_dtype = p.dx_dtype, a.dx_dim_stride = p.dx_dim_stride;
   a.dy = p.dy, a.dy_dtype = p.dy_dtype, a.index = p.index;
   scatter_dim_kernel<<<blocks_for(outputs), kThreads>>>(
-      a, make_layout<3>(p.outer_shape, {p.dx_outer_strides, p.dy_outer_strides, p.index_outer_strides}));
+      a, make_layout<3>(p.outer_shape,
+                        {p.dx_outer_strides, p.dy_outer_strides, p.index_outer_strides}));
   check_launch("scatter_dim_kernel", device);
 }
 
@@ -994,9 +1044,11 @@ void cuda_norm_backward(const NormPlan& p, int device) {
   }
   if (p.dweight.defined() || p.dbias.defined()) {
     if (f64) {
-      norm_backward_params_kernel<double><<<blocks_for(p.len), kThreads>>>(a, rows_of(p.outer_shape));
+      norm_backward_params_kernel<double>
+          <<<blocks_for(p.len), kThreads>>>(a, rows_of(p.outer_shape));
     } else {
-      norm_backward_params_kernel<float><<<blocks_for(p.len), kThreads>>>(a, rows_of(p.outer_shape));
+      norm_backward_params_kernel<float>
+          <<<blocks_for(p.len), kThreads>>>(a, rows_of(p.outer_shape));
     }
     check_launch("norm_backward_params_kernel", device);
   }
@@ -1058,9 +1110,11 @@ void cuda_embedding_backward(const EmbeddingPlan& p, int device) {
   DeviceGuard guard(device);
   const auto ids = make_layout<1>(p.ids_shape, {p.ids_strides});
   if (p.dw_dtype == DType::kF64) {
-    embedding_backward_kernel<double><<<blocks_for(p.dim), kThreads>>>(emb_args(p), ids, rows_of(p.ids_shape));
+    embedding_backward_kernel<double>
+        <<<blocks_for(p.dim), kThreads>>>(emb_args(p), ids, rows_of(p.ids_shape));
   } else {
-    embedding_backward_kernel<float><<<blocks_for(p.dim), kThreads>>>(emb_args(p), ids, rows_of(p.ids_shape));
+    embedding_backward_kernel<float>
+        <<<blocks_for(p.dim), kThreads>>>(emb_args(p), ids, rows_of(p.ids_shape));
   }
   check_launch("embedding_backward_kernel", device);
 }

@@ -87,9 +87,9 @@ Tensor matmul(const Tensor& a, const Tensor& b, const MatmulOptions& options) {
         options.beta));
   }
   if (a.ndim() < 2 || b.ndim() < 2) {
-    throw InvalidArgument(fmt::format(
-        "matmul: operands need at least 2 dims, got a {} and b {} (unsqueeze a vector)", a.shape(),
-        b.shape()));
+    throw InvalidArgument(
+        fmt::format("matmul: operands need at least 2 dims, got a {} and b {} (unsqueeze a vector)",
+                    a.shape(), b.shape()));
   }
   Dims shape = broadcast_shapes(batch_dims(a), batch_dims(b));
   shape.push_back(a.size(-2));
@@ -108,15 +108,15 @@ void matmul_out(const Tensor& out, const Tensor& a_in, const Tensor& b_in,
   detail::check_same_dtype(kOp, {{"a", a_in}, {"b", b_in}});
   detail::check_same_device(kOp, {{"a", a_in}, {"b", b_in}, {"out", out}});
   if (a_in.ndim() < 2 || b_in.ndim() < 2) {
-    throw InvalidArgument(fmt::format(
-        "{}: operands need at least 2 dims, got a {} and b {} (unsqueeze a vector)", kOp,
-        a_in.shape(), b_in.shape()));
+    throw InvalidArgument(
+        fmt::format("{}: operands need at least 2 dims, got a {} and b {} (unsqueeze a vector)",
+                    kOp, a_in.shape(), b_in.shape()));
   }
   const int64_t m = a_in.size(-2), k = a_in.size(-1), n = b_in.size(-1);
   if (b_in.size(-2) != k) {
-    throw InvalidArgument(fmt::format(
-        "{}: a {} @ b {}: a has {} columns but b has {} rows (expected equal)", kOp, a_in.shape(),
-        b_in.shape(), k, b_in.size(-2)));
+    throw InvalidArgument(
+        fmt::format("{}: a {} @ b {}: a has {} columns but b has {} rows (expected equal)", kOp,
+                    a_in.shape(), b_in.shape(), k, b_in.size(-2)));
   }
   const Dims batch = broadcast_shapes(batch_dims(a_in), batch_dims(b_in));
   Dims out_shape = batch;
@@ -131,7 +131,8 @@ void matmul_out(const Tensor& out, const Tensor& a_in, const Tensor& b_in,
   }
   detail::check_writable(kOp, out, "out");
   if (detail::may_overlap(out, a_in) || detail::may_overlap(out, b_in)) {
-    throw InvalidArgument(fmt::format("{}: out overlaps an operand (expected separate storage)", kOp));
+    throw InvalidArgument(
+        fmt::format("{}: out overlaps an operand (expected separate storage)", kOp));
   }
   if (options.num_threads < 1) {
     throw InvalidArgument(
