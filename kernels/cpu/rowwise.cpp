@@ -2,6 +2,7 @@
 // is brought into a contiguous array of the compute type (f32, or f64 for f64 data) when it is
 // not one already, processed by the VecOps primitives, and written back rounded once.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -69,6 +70,30 @@ std::vector<C> read_col(const ColTensor& c, int64_t len) {
   return v;
 }
 
+// When every operand's rows are evenly spaced (the outer dims collapse to one stride, true for
+// any contiguous [..., D] tensor) and already contiguous arrays of C, the batched VecOps row
+// kernels take the whole tensor in one call; rs receives each operand's row stride.
+template <class C, int N>
+bool uniform_rows(const Dims& outer_shape, const std::array<const RowTensor*, N>& ts,
+                  std::array<int64_t, N>& rs) {
+  std::array<Dims, N> strides;
+  for (int k = 0; k < N; ++k) {
+    const RowTensor* t = ts[k] != nullptr && ts[k]->defined() ? ts[k] : ts[0];
+    if (!is_direct<C>(*t)) return false;
+    strides[k] = t->outer_strides;
+  }
+  const auto space = coalesce<N>(outer_shape, strides);
+  if (space.shape.size() != 1) return false;
+  for (int k = 0; k < N; ++k) rs[k] = space.strides[k][0];
+  return true;
+}
+
+// Statistics (one value per row) as contiguous-strided arrays of C: dtype C required.
+template <class C>
+bool direct_stat(const RowValues& t) {
+  return !t.defined() || t.dtype == dtype_of_v<C>;
+}
+
 // ---- softmax ----
 
 template <class C>
@@ -76,6 +101,32 @@ void softmax_impl(const SoftmaxPlan& p) {
   const VecOps<C>& v = vec_ops<C>();
   const int64_t rows = p.outer_shape.product();
   const int64_t len = p.len;
+  {
+    // Batched: x, dy, out, lse (a statistic: dtype C, its own row stride).
+    RowTensor lse_rows = p.lse;
+    lse_rows.stride = 1;
+    std::array<int64_t, 4> rs{};
+    const bool stats_ok = !p.lse.defined() || p.lse.dtype == dtype_of_v<C>;
+    if (stats_ok && uniform_rows<C, 4>(p.outer_shape, {&p.x, p.backward ? &p.dy : nullptr, &p.out,
+                                                       p.lse.defined() ? &lse_rows : nullptr},
+                                       rs)) {
+      RowsArgs<C> a;
+      a.rows = rows, a.len = len;
+      a.x = static_cast<const C*>(p.x.data), a.x_rs = rs[0];
+      if (p.backward) a.dy = static_cast<const C*>(p.dy.data), a.dy_rs = rs[1];
+      a.out = static_cast<C*>(p.out.data), a.out_rs = rs[2];
+      if (p.lse.defined()) a.lse = static_cast<C*>(p.lse.data), a.stat_rs = rs[3];
+      a.log = p.log;
+      a.causal_period = p.causal_period;
+      a.from_lse = p.from_lse;
+      if (p.backward) {
+        v.softmax_backward_rows(a);
+      } else {
+        v.softmax_rows(a);
+      }
+      return;
+    }
+  }
   std::vector<C> bx, bdy, bo, tmp(static_cast<size_t>(len));
   for (int64_t o = 0; o < rows; ++o) {
     const C* x = read_row<C>(p.x, offset_of(o, p.outer_shape, p.x.outer_strides), len, bx);
@@ -139,6 +190,27 @@ void norm_forward_impl(const NormPlan& p) {
   const int64_t len = p.len;
   const std::vector<C> w = read_col<C>(p.weight, len);
   const std::vector<C> b = read_col<C>(p.bias, len);
+  {
+    RowTensor mean = p.mean, rstd = p.rstd;
+    mean.stride = rstd.stride = 1;
+    std::array<int64_t, 4> rs{};
+    if (len > 0 && direct_stat<C>(p.mean) && direct_stat<C>(p.rstd) &&
+        uniform_rows<C, 4>(p.outer_shape, {&p.x, &p.y, &rstd, p.rms ? nullptr : &mean}, rs) &&
+        (p.rms || rs[2] == rs[3])) {
+      RowsArgs<C> a;
+      a.rows = rows, a.len = len;
+      a.x = static_cast<const C*>(p.x.data), a.x_rs = rs[0];
+      a.out = static_cast<C*>(p.y.data), a.out_rs = rs[1];
+      a.rstd = static_cast<C*>(p.rstd.data), a.stat_rs = rs[2];
+      if (!p.rms) a.mean = static_cast<C*>(p.mean.data);
+      a.w = w.empty() ? nullptr : w.data();
+      a.b = b.empty() ? nullptr : b.data();
+      a.eps = p.eps;
+      a.rms = p.rms;
+      v.norm_forward_rows(a);
+      return;
+    }
+  }
   std::vector<C> bx, by, tmp(static_cast<size_t>(len));
   for (int64_t o = 0; o < rows; ++o) {
     const C* x = read_row<C>(p.x, offset_of(o, p.outer_shape, p.x.outer_strides), len, bx);
@@ -180,7 +252,33 @@ void norm_backward_impl(const NormPlan& p) {
   std::vector<double> dw_acc(p.dweight.defined() ? n : 0, 0.0);
   std::vector<double> db_acc(p.dbias.defined() ? n : 0, 0.0);
   std::vector<C> bx, bdy, bdx, xhat(n), g(n);
-  for (int64_t o = 0; o < rows; ++o) {
+  bool batched = false;
+  {
+    RowTensor mean = p.mean, rstd = p.rstd;
+    mean.stride = rstd.stride = 1;
+    std::array<int64_t, 5> rs{};
+    if (len > 0 && direct_stat<C>(p.mean) && direct_stat<C>(p.rstd) &&
+        uniform_rows<C, 5>(p.outer_shape,
+                           {&p.x, &p.dy, p.dx.defined() ? &p.dx : nullptr, &rstd,
+                            p.rms ? nullptr : &mean},
+                           rs) &&
+        (p.rms || rs[3] == rs[4])) {
+      RowsArgs<C> a;
+      a.rows = rows, a.len = len;
+      a.x = static_cast<const C*>(p.x.data), a.x_rs = rs[0];
+      a.dy = static_cast<const C*>(p.dy.data), a.dy_rs = rs[1];
+      if (p.dx.defined()) a.out = static_cast<C*>(p.dx.data), a.out_rs = rs[2];
+      a.rstd = static_cast<C*>(p.rstd.data), a.stat_rs = rs[3];
+      if (!p.rms) a.mean = static_cast<C*>(p.mean.data);
+      a.w = w.empty() ? nullptr : w.data();
+      a.dw = dw_acc.empty() ? nullptr : dw_acc.data();
+      a.db = db_acc.empty() ? nullptr : db_acc.data();
+      a.rms = p.rms;
+      v.norm_backward_rows(a);
+      batched = true;
+    }
+  }
+  for (int64_t o = 0; o < (batched ? 0 : rows); ++o) {
     const C* x = read_row<C>(p.x, offset_of(o, p.outer_shape, p.x.outer_strides), len, bx);
     const C* dy = read_row<C>(p.dy, offset_of(o, p.outer_shape, p.dy.outer_strides), len, bdy);
     const C rstd =

@@ -9,6 +9,7 @@
 #endif
 
 #include <Eigen/Core>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -159,7 +160,37 @@ void silu_backward(T* dx, const T* dy, const T* x, int64_t n) {
   }
 }
 
+// ---- f64 accumulation ----
+// Eigen 3.4 has no vectorised float -> double cast, so .cast<double>().sum() runs one element at
+// a time. These loops keep 8 independent f64 partial sums (a fixed order, the same on every ISA)
+// in a shape GCC vectorises, conversion included.
+
+template <class T>
+double sum_d(const T* x, int64_t n) {
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int k = 0; k < 8; ++k) acc[k] += static_cast<double>(x[i + k]);
+  }
+  for (int k = 0; i < n; ++i, ++k) acc[k] += static_cast<double>(x[i]);
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+template <class T>
+double dot_d(const T* x, const T* y, int64_t n) {
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int k = 0; k < 8; ++k) {
+      acc[k] += static_cast<double>(x[i + k]) * static_cast<double>(y[i + k]);
+    }
+  }
+  for (int k = 0; i < n; ++i, ++k) acc[k] += static_cast<double>(x[i]) * static_cast<double>(y[i]);
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
 // ---- row reductions ----
+
 
 template <class T>
 T max(const T* x, int64_t n) {
@@ -170,38 +201,36 @@ T max(const T* x, int64_t n) {
 template <class T>
 double exp_shift_sum(T* out, const T* x, T shift, int64_t n) {
   if (n == 0) return 0.0;
-  MMap<T> o(out, n);
-  o = (CMap<T>(x, n) - shift).exp();
-  return o.template cast<double>().sum();
+  MMap<T>(out, n) = (CMap<T>(x, n) - shift).exp();
+  return sum_d(out, n);
 }
 
 template <class T>
 double sum(const T* x, int64_t n) {
   if (n == 0) return 0.0;
-  return CMap<T>(x, n).template cast<double>().sum();
+  return sum_d(x, n);
 }
 
 template <class T>
 double sum_squares(const T* x, int64_t n) {
   if (n == 0) return 0.0;
-  return CMap<T>(x, n).template cast<double>().square().sum();
+  return dot_d(x, x, n);
 }
 
 template <class T>
 double dot(const T* x, const T* y, int64_t n) {
   if (n == 0) return 0.0;
-  return (CMap<T>(x, n).template cast<double>() * CMap<T>(y, n).template cast<double>()).sum();
+  return dot_d(x, y, n);
 }
 
 template <class T>
 void accumulate(double* acc, const T* x, int64_t n) {
-  MMap<double>(acc, n) += CMap<T>(x, n).template cast<double>();
+  for (int64_t i = 0; i < n; ++i) acc[i] += static_cast<double>(x[i]);
 }
 
 template <class T>
 void accumulate_product(double* acc, const T* x, const T* y, int64_t n) {
-  MMap<double>(acc, n) +=
-      CMap<T>(x, n).template cast<double>() * CMap<T>(y, n).template cast<double>();
+  for (int64_t i = 0; i < n; ++i) acc[i] += static_cast<double>(x[i]) * static_cast<double>(y[i]);
 }
 
 // ---- optimizers (operation order of PyTorch's single-tensor AdamW / SGD, see optim.h) ----
@@ -258,6 +287,116 @@ void sgd(T* p, const T* grad, T* buf, int64_t n, const SgdCoefficients<T>& c) {
   }
 }
 
+// ---- batched rows ----
+
+template <class T>
+void norm_forward_rows(const RowsArgs<T>& a) {
+  const int64_t len = a.len;
+  const double inv = len > 0 ? 1.0 / static_cast<double>(len) : 0.0;
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const CMap<T> x(a.x + r * a.x_rs, len);
+    MMap<T> y(a.out + r * a.out_rs, len);
+    double mean = 0, rstd;
+    if (a.rms) {
+      rstd = 1.0 / std::sqrt(dot_d(x.data(), x.data(), len) * inv + a.eps);
+      y = x * static_cast<T>(rstd);
+    } else {
+      mean = sum_d(x.data(), len) * inv;
+      y = x - static_cast<T>(mean);  // y holds x - mean until the end
+      rstd = 1.0 / std::sqrt(dot_d(y.data(), y.data(), len) * inv + a.eps);
+      y *= static_cast<T>(rstd);
+      a.mean[r * a.stat_rs] = static_cast<T>(mean);
+    }
+    a.rstd[r * a.stat_rs] = static_cast<T>(rstd);
+    if (a.w != nullptr) y *= CMap<T>(a.w, len);
+    if (a.b != nullptr) y += CMap<T>(a.b, len);
+  }
+}
+
+template <class T>
+void norm_backward_rows(const RowsArgs<T>& a) {
+  const int64_t len = a.len;
+  if (len == 0) return;
+  Arr<T> xhat(len), g(len);
+  const T inv = static_cast<T>(1.0 / static_cast<double>(len));
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const CMap<T> x(a.x + r * a.x_rs, len);
+    const CMap<T> dy(a.dy + r * a.dy_rs, len);
+    const T rstd = a.rstd[r * a.stat_rs];
+    if (a.rms) {
+      xhat = x * rstd;
+    } else {
+      xhat = (x - a.mean[r * a.stat_rs]) * rstd;
+    }
+    if (a.dw != nullptr) {
+      accumulate_product(a.dw, dy.data(), xhat.data(), len);
+    }
+    if (a.db != nullptr) accumulate(a.db, dy.data(), len);
+    if (a.out == nullptr) continue;
+    if (a.w != nullptr) {
+      g = dy * CMap<T>(a.w, len);
+    } else {
+      g = dy;
+    }
+    const T c1 = static_cast<T>(dot_d(g.data(), xhat.data(), len)) * inv;
+    const T c2 = a.rms ? T(0) : static_cast<T>(sum_d(g.data(), len)) * inv;
+    MMap<T>(a.out + r * a.out_rs, len) = (g - c2 - xhat * c1) * rstd;
+  }
+}
+
+template <class T>
+void softmax_rows(const RowsArgs<T>& a) {
+  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const T* xr = a.x + r * a.x_rs;
+    T* yr = a.out + r * a.out_rs;
+    int64_t valid = a.len;
+    if (a.causal_period > 0) valid = std::min<int64_t>(a.len, (a.row0 + r) % a.causal_period + 1);
+    const CMap<T> x(xr, valid);
+    MMap<T> y(yr, valid);
+    if (a.from_lse) {
+      const T lse = a.lse[r * a.stat_rs];
+      if (lse == kNegInf) {
+        y.setZero();
+      } else {
+        y = (x - lse).exp();
+      }
+    } else if (valid == 0) {
+      if (a.lse != nullptr) a.lse[r * a.stat_rs] = kNegInf;
+    } else {
+      const T m = x.template maxCoeff<Eigen::PropagateNaN>();
+      if (a.log) {
+        y = (x - m).exp();  // scratch (in place: x[i] is read before y[i] is written)
+        const double s = sum_d(y.data(), valid);
+        y = x - static_cast<T>(static_cast<double>(m) + std::log(s));
+      } else {
+        y = (x - m).exp();  // in place is fine: element i reads x[i] before writing y[i]
+        const double s = sum_d(y.data(), valid);
+        y *= static_cast<T>(1.0 / s);
+        if (a.lse != nullptr) a.lse[r * a.stat_rs] = static_cast<T>(static_cast<double>(m) + std::log(s));
+      }
+    }
+    for (int64_t j = valid; j < a.len; ++j) yr[j] = T(0);
+  }
+}
+
+template <class T>
+void softmax_backward_rows(const RowsArgs<T>& a) {
+  const int64_t len = a.len;
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const CMap<T> y(a.x + r * a.x_rs, len);
+    const CMap<T> dy(a.dy + r * a.dy_rs, len);
+    MMap<T> dx(a.out + r * a.out_rs, len);
+    if (a.log) {  // dx = dy - exp(y) * sum(dy)
+      const T s = static_cast<T>(sum_d(dy.data(), len));
+      dx = dy - y.exp() * s;
+    } else {  // dx = y * (dy - sum(dy * y))
+      const T d = static_cast<T>(dot_d(dy.data(), y.data(), len));
+      dx = y * (dy - d);
+    }
+  }
+}
+
 template <class T>
 VecOps<T> make_ops() {
   VecOps<T> o{};
@@ -279,6 +418,10 @@ VecOps<T> make_ops() {
   o.accumulate_product = &accumulate_product<T>;
   o.adamw = &adamw<T>;
   o.sgd = &sgd<T>;
+  o.norm_forward_rows = &norm_forward_rows<T>;
+  o.norm_backward_rows = &norm_backward_rows<T>;
+  o.softmax_rows = &softmax_rows<T>;
+  o.softmax_backward_rows = &softmax_backward_rows<T>;
   return o;
 }
 
