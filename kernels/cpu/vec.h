@@ -131,6 +131,10 @@ struct VecOps {
   void (*norm_backward_rows)(const RowsArgs<T>& a);
   void (*softmax_rows)(const RowsArgs<T>& a);
   void (*softmax_backward_rows)(const RowsArgs<T>& a);
+  // bf16 <-> T conversions of n contiguous values (bf16 as raw bits), rounding to nearest even
+  // with NaN kept NaN: bit-identical to kernels/detail/convert.h's, vectorised.
+  void (*widen_bf16)(T* dst, const uint16_t* src, int64_t n);
+  void (*narrow_bf16)(uint16_t* dst, const T* src, int64_t n);
 };
 
 struct VecKernels {

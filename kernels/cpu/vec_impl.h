@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <unsupported/Eigen/SpecialFunctions>
 
@@ -397,6 +398,31 @@ void softmax_backward_rows(const RowsArgs<T>& a) {
   }
 }
 
+// ---- bf16 conversions (the bit tricks of kernels/detail/convert.h, restated here so no inline
+// function of a shared namespace is instantiated with this variant's -march) ----
+
+template <class T>
+void widen_bf16(T* dst, const uint16_t* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = static_cast<uint32_t>(src[i]) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    dst[i] = static_cast<T>(f);
+  }
+}
+
+template <class T>
+void narrow_bf16(uint16_t* dst, const T* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float f = static_cast<float>(src[i]);
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t nan = ((u >> 16) & 0x8000u) | 0x7FC0u;
+    dst[i] = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+  }
+}
+
 template <class T>
 VecOps<T> make_ops() {
   VecOps<T> o{};
@@ -422,6 +448,8 @@ VecOps<T> make_ops() {
   o.norm_backward_rows = &norm_backward_rows<T>;
   o.softmax_rows = &softmax_rows<T>;
   o.softmax_backward_rows = &softmax_backward_rows<T>;
+  o.widen_bf16 = &widen_bf16<T>;
+  o.narrow_bf16 = &narrow_bf16<T>;
   return o;
 }
 

@@ -3,6 +3,7 @@
 #include <array>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -259,4 +260,32 @@ TEST_CASE("matmul: invalid arguments are named", "[kernels][ops][matmul]") {
   REQUIRE_THROWS_WITH(matmul_out(Tensor::zeros({3, 2}, DType::kF32), a,
                                  Tensor::zeros({4, 2}, DType::kF32), {.num_threads = 0}),
                       Contains("num_threads is 0"));
+}
+
+TEST_CASE("bf16 conversions of every ISA variant match the scalar casts bit for bit",
+          "[kernels][ops][matmul]") {
+  using detail::Isa;
+  // Ties, carries into the exponent, overflow to inf, subnormals, NaN of both signs.
+  std::vector<float> values = {0.0f, -0.0f, 1.0f, 1.00390625f, 1.01171875f, 3.3895314e38f,
+                               3.4028235e38f, 1e-40f, -1e-39f, std::nanf(""), -std::nanf(""),
+                               INFINITY, -INFINITY, 0.1f, -2.5f, 65504.0f};
+  for (int i = 0; i < 300; ++i) values.push_back(static_cast<float>(hash_uniform(5, i, -1e6, 1e6)));
+  const auto n = static_cast<int64_t>(values.size());
+  int variants = 0;
+  for (Isa isa : {Isa::kBaseline, Isa::kAvx2, Isa::kAvx512}) {
+    const detail::VecKernels* k = detail::vec_kernels_for(isa);
+    if (k == nullptr) continue;
+    ++variants;
+    INFO(detail::to_string(isa));
+    std::vector<uint16_t> bits(values.size());
+    k->f32.narrow_bf16(bits.data(), values.data(), n);
+    std::vector<float> back(values.size());
+    k->f32.widen_bf16(back.data(), bits.data(), n);
+    for (size_t i = 0; i < values.size(); ++i) {
+      REQUIRE(bits[i] == float_to_bf16_bits(values[i]));
+      const float expected = bf16_bits_to_float(bits[i]);
+      REQUIRE(std::memcmp(&back[i], &expected, sizeof(float)) == 0);
+    }
+  }
+  REQUIRE(variants >= 1);
 }
