@@ -28,6 +28,11 @@ int64_t batch_offset(int64_t linear, const Dims& shape, const Dims& strides) {
 // dst (contiguous row-major rows x cols, f32) = widened src (strided rows x cols of dtype).
 void widen_block(float* dst, const void* src, DType dtype, int64_t rows, int64_t cols, int64_t rs,
                  int64_t cs) {
+  if (dtype == DType::kBF16 && cs == 1) {
+    const auto* s = static_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < rows; ++i) vec_ops<float>().widen_bf16(dst + i * cols, s + i * rs, cols);
+    return;
+  }
   dispatch_dtype(dtype, [&](auto tag) {
     using S = decltype(tag);
     if constexpr (std::is_same_v<compute_t<S>, float>) {
@@ -50,6 +55,11 @@ void widen_block(float* dst, const void* src, DType dtype, int64_t rows, int64_t
 // dst (strided rows x cols of dtype) = rounded src (contiguous row-major, f32).
 void narrow_block(void* dst, DType dtype, int64_t rs, int64_t cs, const float* src, int64_t rows,
                   int64_t cols) {
+  if (dtype == DType::kBF16 && cs == 1) {
+    auto* d = static_cast<uint16_t*>(dst);
+    for (int64_t i = 0; i < rows; ++i) vec_ops<float>().narrow_bf16(d + i * rs, src + i * cols, cols);
+    return;
+  }
   dispatch_dtype(dtype, [&](auto tag) {
     using D = decltype(tag);
     if constexpr (std::is_same_v<compute_t<D>, float> || std::is_same_v<D, double>) {
