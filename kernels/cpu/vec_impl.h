@@ -297,20 +297,41 @@ void norm_forward_rows(const RowsArgs<T>& a) {
   for (int64_t r = 0; r < a.rows; ++r) {
     const CMap<T> x(a.x + r * a.x_rs, len);
     MMap<T> y(a.out + r * a.out_rs, len);
-    double mean = 0, rstd;
+    // Statistics first (reading x only), then one pass writing y with the same roundings as the
+    // per-row path of kernels/cpu/rowwise.cpp: ((x - mean) * rstd) * w + b.
+    T mean = T(0);
+    double rstd;
     if (a.rms) {
       rstd = 1.0 / std::sqrt(dot_d(x.data(), x.data(), len) * inv + a.eps);
-      y = x * static_cast<T>(rstd);
     } else {
-      mean = sum_d(x.data(), len) * inv;
-      y = x - static_cast<T>(mean);  // y holds x - mean until the end
-      rstd = 1.0 / std::sqrt(dot_d(y.data(), y.data(), len) * inv + a.eps);
-      y *= static_cast<T>(rstd);
-      a.mean[r * a.stat_rs] = static_cast<T>(mean);
+      const double m = sum_d(x.data(), len) * inv;
+      mean = static_cast<T>(m);
+      double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // sum (x - mean)^2, the difference rounded to T
+      int64_t i = 0;
+      for (; i + 8 <= len; i += 8) {
+        T d[8];
+        for (int k = 0; k < 8; ++k) d[k] = x[i + k] - mean;
+        for (int k = 0; k < 8; ++k) acc[k] += static_cast<double>(d[k]) * static_cast<double>(d[k]);
+      }
+      for (int k = 0; i < len; ++i, ++k) {
+        const double d = static_cast<double>(x[i] - mean);
+        acc[k] += d * d;
+      }
+      const double q = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+      rstd = 1.0 / std::sqrt(q * inv + a.eps);
+      a.mean[r * a.stat_rs] = static_cast<T>(m);
     }
     a.rstd[r * a.stat_rs] = static_cast<T>(rstd);
-    if (a.w != nullptr) y *= CMap<T>(a.w, len);
-    if (a.b != nullptr) y += CMap<T>(a.b, len);
+    const T rc = static_cast<T>(rstd);
+    if (a.w != nullptr && a.b != nullptr) {
+      y = ((x - mean) * rc) * CMap<T>(a.w, len) + CMap<T>(a.b, len);
+    } else if (a.w != nullptr) {
+      y = ((x - mean) * rc) * CMap<T>(a.w, len);
+    } else if (a.b != nullptr) {
+      y = (x - mean) * rc + CMap<T>(a.b, len);
+    } else {
+      y = (x - mean) * rc;
+    }
   }
 }
 
