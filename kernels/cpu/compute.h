@@ -16,8 +16,8 @@ namespace kernels::detail {
 void cpu_gemm(const GemmPlan& plan, int num_threads);
 
 // out = op(in0[, in1]) element-wise; the inputs are views of out's shape (broadcast dims have
-// stride 0), of floating dtypes (f64 arithmetic if either is f64, else f32); out is a floating view that is either the very same
-// view as an input or disjoint from both.
+// stride 0), of floating dtypes (f64 arithmetic if either is f64, else f32); out is a floating view
+// that is either the very same view as an input or disjoint from both.
 void cpu_map(MapOp op, double alpha, const Tensor& out, const Tensor* in0, const Tensor* in1);
 
 void cpu_reduce(const ReducePlan& plan);

@@ -17,15 +17,24 @@ namespace {
 template <class C>
 void apply(const VecOps<C>& v, MapOp op, C alpha, C* out, const C* x0, const C* x1, int64_t n) {
   switch (op) {
-    case MapOp::kAdd: return v.add(out, x0, x1, alpha, n);
-    case MapOp::kMul: return v.mul(out, x0, x1, n);
-    case MapOp::kScale: return v.scale(out, x0, alpha, n);
-    case MapOp::kGelu: return v.gelu(out, x0, n, false);
-    case MapOp::kGeluTanh: return v.gelu(out, x0, n, true);
-    case MapOp::kGeluBackward: return v.gelu_backward(out, x0, x1, n, false);
-    case MapOp::kGeluTanhBackward: return v.gelu_backward(out, x0, x1, n, true);
-    case MapOp::kSilu: return v.silu(out, x0, n);
-    case MapOp::kSiluBackward: return v.silu_backward(out, x0, x1, n);
+    case MapOp::kAdd:
+      return v.add(out, x0, x1, alpha, n);
+    case MapOp::kMul:
+      return v.mul(out, x0, x1, n);
+    case MapOp::kScale:
+      return v.scale(out, x0, alpha, n);
+    case MapOp::kGelu:
+      return v.gelu(out, x0, n, false);
+    case MapOp::kGeluTanh:
+      return v.gelu(out, x0, n, true);
+    case MapOp::kGeluBackward:
+      return v.gelu_backward(out, x0, x1, n, false);
+    case MapOp::kGeluTanhBackward:
+      return v.gelu_backward(out, x0, x1, n, true);
+    case MapOp::kSilu:
+      return v.silu(out, x0, n);
+    case MapOp::kSiluBackward:
+      return v.silu_backward(out, x0, x1, n);
   }
 }
 
@@ -61,8 +70,8 @@ void map_impl(MapOp op, double alpha_d, const Tensor& out, const Tensor* in0, co
   if (op == MapOp::kAdd && d0 == kC && d1 == kC && s0 == 1 && s1 == 0 && direct_out) {
     for_each_row<3>(space, [&](const std::array<int64_t, 3>& off, int64_t n) {
       const C b = *static_cast<const C*>(at(p1, kC, off[2]));
-      v.add_scalar_b(static_cast<C*>(at(po, kC, off[0])),
-                     static_cast<const C*>(at(p0, kC, off[1])), b, alpha, n);
+      v.add_scalar_b(static_cast<C*>(at(po, kC, off[0])), static_cast<const C*>(at(p0, kC, off[1])),
+                     b, alpha, n);
     });
     return;
   }

@@ -28,6 +28,11 @@ int64_t batch_offset(int64_t linear, const Dims& shape, const Dims& strides) {
 // dst (contiguous row-major rows x cols, f32) = widened src (strided rows x cols of dtype).
 void widen_block(float* dst, const void* src, DType dtype, int64_t rows, int64_t cols, int64_t rs,
                  int64_t cs) {
+  if (dtype == DType::kBF16 && cs == 1) {
+    const auto* s = static_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < rows; ++i) vec_ops<float>().widen_bf16(dst + i * cols, s + i * rs, cols);
+    return;
+  }
   dispatch_dtype(dtype, [&](auto tag) {
     using S = decltype(tag);
     if constexpr (std::is_same_v<compute_t<S>, float>) {
@@ -50,6 +55,11 @@ void widen_block(float* dst, const void* src, DType dtype, int64_t rows, int64_t
 // dst (strided rows x cols of dtype) = rounded src (contiguous row-major, f32).
 void narrow_block(void* dst, DType dtype, int64_t rs, int64_t cs, const float* src, int64_t rows,
                   int64_t cols) {
+  if (dtype == DType::kBF16 && cs == 1) {
+    auto* d = static_cast<uint16_t*>(dst);
+    for (int64_t i = 0; i < rows; ++i) vec_ops<float>().narrow_bf16(d + i * rs, src + i * cols, cols);
+    return;
+  }
   dispatch_dtype(dtype, [&](auto tag) {
     using D = decltype(tag);
     if constexpr (std::is_same_v<compute_t<D>, float> || std::is_same_v<D, double>) {
@@ -102,7 +112,8 @@ std::vector<Task> make_tasks(const GemmPlan& p, int64_t batches, int threads) {
   std::vector<Task> tasks;
   const double flops = 2.0 * static_cast<double>(p.m) * static_cast<double>(p.n) *
                        static_cast<double>(p.k) * static_cast<double>(batches);
-  if (threads <= 1 || flops < 1e6 || batches >= threads) {
+  // Starting a thread costs tens of microseconds: split only products worth several of those.
+  if (threads <= 1 || flops < 8e6 || batches >= threads) {
     tasks.reserve(static_cast<size_t>(batches));
     for (int64_t i = 0; i < batches; ++i) tasks.push_back({i, 0, p.m, 0, p.n});
     return tasks;
@@ -134,8 +145,7 @@ void run_direct(const GemmPlan& p, const std::vector<Task>& tasks, int threads) 
     T* ci = c + batch_offset(task.batch, p.batch_shape, p.c_batch_strides) + task.m0 * p.c_rs +
             task.n0 * p.c_cs;
     gemm_one<T>(ops, task.m1 - task.m0, task.n1 - task.n0, p.k, static_cast<T>(p.alpha),
-                static_cast<T>(p.beta), ai, p.a_rs, p.a_cs, bi, p.b_rs, p.b_cs, ci, p.c_rs,
-                p.c_cs);
+                static_cast<T>(p.beta), ai, p.a_rs, p.a_cs, bi, p.b_rs, p.b_cs, ci, p.c_rs, p.c_cs);
   });
 }
 
@@ -147,7 +157,8 @@ void run_widened(const GemmPlan& p, const std::vector<Task>& tasks, int threads)
   const auto* a = static_cast<const char*>(p.a);
   const auto* b = static_cast<const char*>(p.b);
   auto* c = static_cast<char*>(p.c);
-  const int64_t workers = std::min<int64_t>(std::max(threads, 1), static_cast<int64_t>(tasks.size()));
+  const int64_t workers =
+      std::min<int64_t>(std::max(threads, 1), static_cast<int64_t>(tasks.size()));
   // Per worker: widened A, B and an f32 C; B is reused while consecutive tasks share it (a
   // weight broadcast over the batch).
   struct Scratch {
@@ -160,12 +171,15 @@ void run_widened(const GemmPlan& p, const std::vector<Task>& tasks, int threads)
     Scratch& s = scratch[static_cast<size_t>(worker)];
     const Task& task = tasks[static_cast<size_t>(t)];
     const int64_t rows = task.m1 - task.m0, cols = task.n1 - task.n0;
-    const char* ai = a + (batch_offset(task.batch, p.batch_shape, p.a_batch_strides) +
-                          task.m0 * p.a_rs) * static_cast<int64_t>(in_size);
-    const char* bi = b + (batch_offset(task.batch, p.batch_shape, p.b_batch_strides) +
-                          task.n0 * p.b_cs) * static_cast<int64_t>(in_size);
+    const char* ai =
+        a + (batch_offset(task.batch, p.batch_shape, p.a_batch_strides) + task.m0 * p.a_rs) *
+                static_cast<int64_t>(in_size);
+    const char* bi =
+        b + (batch_offset(task.batch, p.batch_shape, p.b_batch_strides) + task.n0 * p.b_cs) *
+                static_cast<int64_t>(in_size);
     char* ci = c + (batch_offset(task.batch, p.batch_shape, p.c_batch_strides) + task.m0 * p.c_rs +
-                    task.n0 * p.c_cs) * static_cast<int64_t>(out_size);
+                    task.n0 * p.c_cs) *
+                       static_cast<int64_t>(out_size);
     s.a.resize(static_cast<size_t>(rows * p.k));
     widen_block(s.a.data(), ai, p.dtype, rows, p.k, p.a_rs, p.a_cs);
     if (bi != s.b_src || task.n0 != s.b_n0 || task.n1 != s.b_n1) {

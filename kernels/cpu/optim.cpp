@@ -18,14 +18,24 @@ void step_impl(const OptimPlan& p) {
   AdamWCoefficients<T> ac{};
   SgdCoefficients<T> sc{};
   if (p.adamw) {
-    ac = {static_cast<T>(p.decay),     static_cast<T>(p.l2),
-          static_cast<T>(p.one_minus_beta1), static_cast<T>(p.beta2),
-          static_cast<T>(p.one_minus_beta2), static_cast<T>(p.step_size),
-          static_cast<T>(p.bias_correction2_sqrt), static_cast<T>(p.eps),
-          p.amsgrad, p.maximize};
+    ac = {static_cast<T>(p.decay),
+          static_cast<T>(p.l2),
+          static_cast<T>(p.one_minus_beta1),
+          static_cast<T>(p.beta2),
+          static_cast<T>(p.one_minus_beta2),
+          static_cast<T>(p.step_size),
+          static_cast<T>(p.bias_correction2_sqrt),
+          static_cast<T>(p.eps),
+          p.amsgrad,
+          p.maximize};
   } else {
-    sc = {static_cast<T>(p.lr), static_cast<T>(p.momentum), static_cast<T>(p.one_minus_dampening),
-          static_cast<T>(p.weight_decay), p.nesterov, p.maximize, p.first_step,
+    sc = {static_cast<T>(p.lr),
+          static_cast<T>(p.momentum),
+          static_cast<T>(p.one_minus_dampening),
+          static_cast<T>(p.weight_decay),
+          p.nesterov,
+          p.maximize,
+          p.first_step,
           p.state[0] != nullptr};
   }
   const int nstate = p.adamw ? (p.amsgrad ? 3 : 2) : (p.state[0] != nullptr ? 1 : 0);
@@ -38,7 +48,8 @@ void step_impl(const OptimPlan& p) {
   bool direct = p.grad_dtype == kT;
   for (int k = 0; k < 2 + nstate; ++k) direct = direct && inner[k] == 1;
   T* param = static_cast<T*>(p.param);
-  T* st[3] = {static_cast<T*>(p.state[0]), static_cast<T*>(p.state[1]), static_cast<T*>(p.state[2])};
+  T* st[3] = {static_cast<T*>(p.state[0]), static_cast<T*>(p.state[1]),
+              static_cast<T*>(p.state[2])};
   auto run = [&](T* pp, const T* g, T* a, T* b, T* c, int64_t n) {
     if (p.adamw) {
       v.adamw(pp, g, a, b, c, n, ac);
@@ -60,11 +71,14 @@ void step_impl(const OptimPlan& p) {
     for (int64_t s = 0; s < n; s += kChunk) {
       const int64_t len = std::min(kChunk, n - s);
       load_row<T>(buf[0], param + off[0] + s * inner[0], kT, inner[0], len);
-      load_row<T>(buf[1], at(p.grad, p.grad_dtype, off[1] + s * inner[1]), p.grad_dtype, inner[1], len);
-      for (int k = 0; k < nstate; ++k) load_row<T>(buf[2 + k], st[k] + off[2 + k] + s * inner[2 + k], kT, inner[2 + k], len);
+      load_row<T>(buf[1], at(p.grad, p.grad_dtype, off[1] + s * inner[1]), p.grad_dtype, inner[1],
+                  len);
+      for (int k = 0; k < nstate; ++k)
+        load_row<T>(buf[2 + k], st[k] + off[2 + k] + s * inner[2 + k], kT, inner[2 + k], len);
       run(buf[0], buf[1], buf[2], buf[3], buf[4], len);
       store_row<T>(param + off[0] + s * inner[0], kT, inner[0], buf[0], len);
-      for (int k = 0; k < nstate; ++k) store_row<T>(st[k] + off[2 + k] + s * inner[2 + k], kT, inner[2 + k], buf[2 + k], len);
+      for (int k = 0; k < nstate; ++k)
+        store_row<T>(st[k] + off[2 + k] + s * inner[2 + k], kT, inner[2 + k], buf[2 + k], len);
     }
   });
 }

@@ -71,7 +71,9 @@ void cpu_reduce(const ReducePlan& p) {
     }();
     std::array<int, 2 * kMaxDims> order{};
     for (int d = 0; d < nk + nr; ++d) order[d] = d;
-    auto x_stride = [&](int d) { return d < nk ? p.kept_x_strides[d] : p.reduced_x_strides[d - nk]; };
+    auto x_stride = [&](int d) {
+      return d < nk ? p.kept_x_strides[d] : p.reduced_x_strides[d - nk];
+    };
     std::stable_sort(order.begin(), order.begin() + nk + nr,
                      [&](int a, int b) { return x_stride(a) > x_stride(b); });
     for (int i = 0; i < nk + nr; ++i) {
@@ -142,8 +144,9 @@ void cpu_scatter_dim(const DimPlan& p) {
                             std::to_string(o) + " is out of range for a dim of size " +
                             std::to_string(p.len));
     }
-    const char* src = static_cast<const char*>(p.dy) +
-                      offset_of(o, p.outer_shape, p.dy_outer_strides) * static_cast<int64_t>(dy_size);
+    const char* src =
+        static_cast<const char*>(p.dy) +
+        offset_of(o, p.outer_shape, p.dy_outer_strides) * static_cast<int64_t>(dy_size);
     char* dst = static_cast<char*>(p.dx) +
                 (offset_of(o, p.outer_shape, p.dx_outer_strides) + j * p.dx_dim_stride) *
                     static_cast<int64_t>(dx_size);

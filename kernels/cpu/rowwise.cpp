@@ -2,9 +2,10 @@
 // is brought into a contiguous array of the compute type (f32, or f64 for f64 data) when it is
 // not one already, processed by the VecOps primitives, and written back rounded once.
 #include <algorithm>
+#include <array>
 #include <cmath>
-#include <cstring>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -69,6 +70,30 @@ std::vector<C> read_col(const ColTensor& c, int64_t len) {
   return v;
 }
 
+// When every operand's rows are evenly spaced (the outer dims collapse to one stride, true for
+// any contiguous [..., D] tensor) and already contiguous arrays of C, the batched VecOps row
+// kernels take the whole tensor in one call; rs receives each operand's row stride.
+template <class C, int N>
+bool uniform_rows(const Dims& outer_shape, const std::array<const RowTensor*, N>& ts,
+                  std::array<int64_t, N>& rs) {
+  std::array<Dims, N> strides;
+  for (int k = 0; k < N; ++k) {
+    const RowTensor* t = ts[k] != nullptr && ts[k]->defined() ? ts[k] : ts[0];
+    if (!is_direct<C>(*t)) return false;
+    strides[k] = t->outer_strides;
+  }
+  const auto space = coalesce<N>(outer_shape, strides);
+  if (space.shape.size() != 1) return false;
+  for (int k = 0; k < N; ++k) rs[k] = space.strides[k][0];
+  return true;
+}
+
+// Statistics (one value per row) as contiguous-strided arrays of C: dtype C required.
+template <class C>
+bool direct_stat(const RowValues& t) {
+  return !t.defined() || t.dtype == dtype_of_v<C>;
+}
+
 // ---- softmax ----
 
 template <class C>
@@ -76,6 +101,32 @@ void softmax_impl(const SoftmaxPlan& p) {
   const VecOps<C>& v = vec_ops<C>();
   const int64_t rows = p.outer_shape.product();
   const int64_t len = p.len;
+  {
+    // Batched: x, dy, out, lse (a statistic: dtype C, its own row stride).
+    RowTensor lse_rows = p.lse;
+    lse_rows.stride = 1;
+    std::array<int64_t, 4> rs{};
+    const bool stats_ok = !p.lse.defined() || p.lse.dtype == dtype_of_v<C>;
+    if (stats_ok && uniform_rows<C, 4>(p.outer_shape, {&p.x, p.backward ? &p.dy : nullptr, &p.out,
+                                                       p.lse.defined() ? &lse_rows : nullptr},
+                                       rs)) {
+      RowsArgs<C> a;
+      a.rows = rows, a.len = len;
+      a.x = static_cast<const C*>(p.x.data), a.x_rs = rs[0];
+      if (p.backward) a.dy = static_cast<const C*>(p.dy.data), a.dy_rs = rs[1];
+      a.out = static_cast<C*>(p.out.data), a.out_rs = rs[2];
+      if (p.lse.defined()) a.lse = static_cast<C*>(p.lse.data), a.stat_rs = rs[3];
+      a.log = p.log;
+      a.causal_period = p.causal_period;
+      a.from_lse = p.from_lse;
+      if (p.backward) {
+        v.softmax_backward_rows(a);
+      } else {
+        v.softmax_rows(a);
+      }
+      return;
+    }
+  }
   std::vector<C> bx, bdy, bo, tmp(static_cast<size_t>(len));
   for (int64_t o = 0; o < rows; ++o) {
     const C* x = read_row<C>(p.x, offset_of(o, p.outer_shape, p.x.outer_strides), len, bx);
@@ -87,7 +138,8 @@ void softmax_impl(const SoftmaxPlan& p) {
           p.causal_period > 0 ? std::min<int64_t>(len, o % p.causal_period + 1) : len;
       std::fill(out + valid, out + len, C(0));
       if (p.from_lse) {
-        const C lse = load_one<C>(p.lse.data, p.lse.dtype, offset_of(o, p.outer_shape, p.lse.outer_strides));
+        const C lse =
+            load_one<C>(p.lse.data, p.lse.dtype, offset_of(o, p.outer_shape, p.lse.outer_strides));
         if (lse == -std::numeric_limits<C>::infinity()) {
           std::fill(out, out + valid, C(0));
         } else {
@@ -100,7 +152,8 @@ void softmax_impl(const SoftmaxPlan& p) {
         if (p.lse.defined()) {
           const double lse = valid == 0 ? -std::numeric_limits<double>::infinity()
                                         : static_cast<double>(m) + std::log(s);
-          store_one<double>(p.lse.data, p.lse.dtype, offset_of(o, p.outer_shape, p.lse.outer_strides), lse);
+          store_one<double>(p.lse.data, p.lse.dtype,
+                            offset_of(o, p.outer_shape, p.lse.outer_strides), lse);
         }
       }
     } else if (!p.backward) {
@@ -137,6 +190,27 @@ void norm_forward_impl(const NormPlan& p) {
   const int64_t len = p.len;
   const std::vector<C> w = read_col<C>(p.weight, len);
   const std::vector<C> b = read_col<C>(p.bias, len);
+  {
+    RowTensor mean = p.mean, rstd = p.rstd;
+    mean.stride = rstd.stride = 1;
+    std::array<int64_t, 4> rs{};
+    if (len > 0 && direct_stat<C>(p.mean) && direct_stat<C>(p.rstd) &&
+        uniform_rows<C, 4>(p.outer_shape, {&p.x, &p.y, &rstd, p.rms ? nullptr : &mean}, rs) &&
+        (p.rms || rs[2] == rs[3])) {
+      RowsArgs<C> a;
+      a.rows = rows, a.len = len;
+      a.x = static_cast<const C*>(p.x.data), a.x_rs = rs[0];
+      a.out = static_cast<C*>(p.y.data), a.out_rs = rs[1];
+      a.rstd = static_cast<C*>(p.rstd.data), a.stat_rs = rs[2];
+      if (!p.rms) a.mean = static_cast<C*>(p.mean.data);
+      a.w = w.empty() ? nullptr : w.data();
+      a.b = b.empty() ? nullptr : b.data();
+      a.eps = p.eps;
+      a.rms = p.rms;
+      v.norm_forward_rows(a);
+      return;
+    }
+  }
   std::vector<C> bx, by, tmp(static_cast<size_t>(len));
   for (int64_t o = 0; o < rows; ++o) {
     const C* x = read_row<C>(p.x, offset_of(o, p.outer_shape, p.x.outer_strides), len, bx);
@@ -153,8 +227,8 @@ void norm_forward_impl(const NormPlan& p) {
       const double var = len > 0 ? v.sum_squares(tmp.data(), len) / static_cast<double>(len) : 0.0;
       rstd = 1.0 / std::sqrt(var + p.eps);
       v.scale(tmp.data(), tmp.data(), static_cast<C>(rstd), len);
-      store_one<double>(p.mean.data, p.mean.dtype, offset_of(o, p.outer_shape, p.mean.outer_strides),
-                        mean);
+      store_one<double>(p.mean.data, p.mean.dtype,
+                        offset_of(o, p.outer_shape, p.mean.outer_strides), mean);
     }
     store_one<double>(p.rstd.data, p.rstd.dtype, offset_of(o, p.outer_shape, p.rstd.outer_strides),
                       rstd);
@@ -178,14 +252,42 @@ void norm_backward_impl(const NormPlan& p) {
   std::vector<double> dw_acc(p.dweight.defined() ? n : 0, 0.0);
   std::vector<double> db_acc(p.dbias.defined() ? n : 0, 0.0);
   std::vector<C> bx, bdy, bdx, xhat(n), g(n);
-  for (int64_t o = 0; o < rows; ++o) {
+  bool batched = false;
+  {
+    RowTensor mean = p.mean, rstd = p.rstd;
+    mean.stride = rstd.stride = 1;
+    std::array<int64_t, 5> rs{};
+    if (len > 0 && direct_stat<C>(p.mean) && direct_stat<C>(p.rstd) &&
+        uniform_rows<C, 5>(p.outer_shape,
+                           {&p.x, &p.dy, p.dx.defined() ? &p.dx : nullptr, &rstd,
+                            p.rms ? nullptr : &mean},
+                           rs) &&
+        (p.rms || rs[3] == rs[4])) {
+      RowsArgs<C> a;
+      a.rows = rows, a.len = len;
+      a.x = static_cast<const C*>(p.x.data), a.x_rs = rs[0];
+      a.dy = static_cast<const C*>(p.dy.data), a.dy_rs = rs[1];
+      if (p.dx.defined()) a.out = static_cast<C*>(p.dx.data), a.out_rs = rs[2];
+      a.rstd = static_cast<C*>(p.rstd.data), a.stat_rs = rs[3];
+      if (!p.rms) a.mean = static_cast<C*>(p.mean.data);
+      a.w = w.empty() ? nullptr : w.data();
+      a.dw = dw_acc.empty() ? nullptr : dw_acc.data();
+      a.db = db_acc.empty() ? nullptr : db_acc.data();
+      a.rms = p.rms;
+      v.norm_backward_rows(a);
+      batched = true;
+    }
+  }
+  for (int64_t o = 0; o < (batched ? 0 : rows); ++o) {
     const C* x = read_row<C>(p.x, offset_of(o, p.outer_shape, p.x.outer_strides), len, bx);
     const C* dy = read_row<C>(p.dy, offset_of(o, p.outer_shape, p.dy.outer_strides), len, bdy);
-    const C rstd = load_one<C>(p.rstd.data, p.rstd.dtype, offset_of(o, p.outer_shape, p.rstd.outer_strides));
+    const C rstd =
+        load_one<C>(p.rstd.data, p.rstd.dtype, offset_of(o, p.outer_shape, p.rstd.outer_strides));
     if (p.rms) {
       v.scale(xhat.data(), x, rstd, len);
     } else {
-      const C mean = load_one<C>(p.mean.data, p.mean.dtype, offset_of(o, p.outer_shape, p.mean.outer_strides));
+      const C mean =
+          load_one<C>(p.mean.data, p.mean.dtype, offset_of(o, p.outer_shape, p.mean.outer_strides));
       v.add_scalar_b(xhat.data(), x, mean, C(-1), len);
       v.scale(xhat.data(), xhat.data(), rstd, len);
     }
@@ -265,8 +367,10 @@ void cross_entropy_impl(const CrossEntropyPlan& p) {
     if (p.mode == CrossEntropyMode::kFused) {
       m = v.max(x, len);
       s = v.exp_shift_sum(tmp.data(), x, m, len);
-      losses[i] = ignored ? C(0) : static_cast<C>(std::log(s) + static_cast<double>(m) -
-                                                  static_cast<double>(x[t]));
+      losses[i] =
+          ignored
+              ? C(0)
+              : static_cast<C>(std::log(s) + static_cast<double>(m) - static_cast<double>(x[t]));
     } else {
       m = static_cast<const C*>(p.global_max)[i];
       s = static_cast<double>(static_cast<const C*>(p.global_sum_exp)[i]);
@@ -374,7 +478,8 @@ void cpu_embedding_forward(const EmbeddingPlan& p) {
         std::memset(dst, 0, static_cast<size_t>(p.dim) * out_size);
       } else {
         const uint64_t zero = 0;
-        for (int64_t j = 0; j < p.dim; ++j) std::memcpy(at(dst, p.out.dtype, j * p.out.stride), &zero, out_size);
+        for (int64_t j = 0; j < p.dim; ++j)
+          std::memcpy(at(dst, p.out.dtype, j * p.out.stride), &zero, out_size);
       }
       continue;
     }

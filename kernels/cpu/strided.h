@@ -9,6 +9,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "kernels/cpu/vec.h"
 #include "kernels/detail/convert.h"
 #include "kernels/detail/dispatch.h"
 #include "kernels/detail/layout.h"
@@ -54,6 +55,11 @@ inline int64_t offset_of(int64_t linear, const Dims& shape, const Dims& strides)
 // dst[i] = (C) src[i * stride] for n elements of dtype at `src` (a floating dtype).
 template <class C>
 void load_row(C* dst, const void* src, DType dtype, int64_t stride, int64_t n) {
+  if constexpr (std::is_same_v<C, float>) {
+    if (dtype == DType::kBF16 && stride == 1) {  // the hot conversion of bf16 training
+      return vec_kernels().f32.widen_bf16(dst, static_cast<const uint16_t*>(src), n);
+    }
+  }
   dispatch_dtype(dtype, [&](auto tag) {
     using S = decltype(tag);
     const S* s = static_cast<const S*>(src);
@@ -74,6 +80,11 @@ void load_row(C* dst, const void* src, DType dtype, int64_t stride, int64_t n) {
 // dst[i * stride] = (dtype) src[i], rounding to nearest even.
 template <class C>
 void store_row(void* dst, DType dtype, int64_t stride, const C* src, int64_t n) {
+  if constexpr (std::is_same_v<C, float>) {
+    if (dtype == DType::kBF16 && stride == 1) {
+      return vec_kernels().f32.narrow_bf16(static_cast<uint16_t*>(dst), src, n);
+    }
+  }
   dispatch_dtype(dtype, [&](auto tag) {
     using D = decltype(tag);
     D* d = static_cast<D*>(dst);

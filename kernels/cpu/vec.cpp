@@ -17,7 +17,8 @@ namespace {
 bool cpu_has(Isa isa) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   switch (isa) {
-    case Isa::kBaseline: return true;
+    case Isa::kBaseline:
+      return true;
     // x86-64-v3 and v4 as GCC defines them (-march=x86-64-v3 / -v4 may use every one of these).
     case Isa::kAvx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -37,9 +38,12 @@ bool cpu_has(Isa isa) {
 
 const VecOps<float>* f32_table(Isa isa) {
   switch (isa) {
-    case Isa::kBaseline: return &vec_f32_baseline();
-    case Isa::kAvx2: return vec_f32_avx2();
-    case Isa::kAvx512: return vec_f32_avx512();
+    case Isa::kBaseline:
+      return &vec_f32_baseline();
+    case Isa::kAvx2:
+      return vec_f32_avx2();
+    case Isa::kAvx512:
+      return vec_f32_avx512();
   }
   return nullptr;
 }
@@ -48,9 +52,12 @@ const VecOps<float>* f32_table(Isa isa) {
 
 std::string_view to_string(Isa isa) {
   switch (isa) {
-    case Isa::kBaseline: return "baseline";
-    case Isa::kAvx2: return "avx2";
-    case Isa::kAvx512: return "avx512";
+    case Isa::kBaseline:
+      return "baseline";
+    case Isa::kAvx2:
+      return "avx2";
+    case Isa::kAvx512:
+      return "avx512";
   }
   return "?";
 }
@@ -77,9 +84,10 @@ const VecKernels* vec_kernels_for(Isa isa) {
 
 const VecKernels& vec_kernels() {
   static const VecKernels* best = [] {
-    // AVX-512 is not always the faster choice (Eigen 3.4's AVX-512 GEMM measured no faster than
-    // its AVX2 one here, bench/RESULTS.md "compute kernels"): prefer AVX2 when present.
-    for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kBaseline}) {
+    // The widest variant the CPU has. Measured here (bench/RESULTS.md "compute kernels"): Eigen's
+    // AVX-512 GEMM about equals its AVX2 one, and the transcendental maps (GELU, SiLU, exp) run up
+    // to 2x faster with AVX-512.
+    for (Isa isa : {Isa::kAvx512, Isa::kAvx2, Isa::kBaseline}) {
       if (const VecKernels* k = vec_kernels_for(isa)) return k;
     }
     return vec_kernels_for(Isa::kBaseline);

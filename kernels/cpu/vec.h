@@ -10,8 +10,8 @@
 // each compiled with its own -march. To keep the linker from merging an AVX-512 instantiation of
 // an inline function into baseline code (the One Definition Rule assumes identical definitions),
 // each variant renames Eigen's namespace (#define Eigen ...) and puts its own code in a namespace
-// of its own; the test `vec-isolation` checks that the variant objects define no shared weak
-// symbol.
+// of its own; the test `kernels-vec-isolation` checks that the variant archives define no
+// shared weak symbol.
 //
 //   const VecKernels& v = vec_kernels();            // e.g. the AVX2 table on this machine
 //   v.f32.add(out, a, b, 1.0f, n);                   // out[i] = a[i] + 1 * b[i]
@@ -45,12 +45,12 @@ struct GemmArgs {
 // rounds them (Python floats, then the tensor's dtype at each op).
 template <class T>
 struct AdamWCoefficients {
-  T decay;        // 1 - lr * weight_decay (decoupled), or 1
-  T l2;           // weight_decay (coupled, Adam), or 0
+  T decay;  // 1 - lr * weight_decay (decoupled), or 1
+  T l2;     // weight_decay (coupled, Adam), or 0
   T one_minus_beta1;
   T beta2;
   T one_minus_beta2;
-  T step_size;    // lr / (1 - beta1^t)
+  T step_size;  // lr / (1 - beta1^t)
   T bias_correction2_sqrt;
   T eps;
   bool amsgrad;
@@ -60,6 +60,35 @@ template <class T>
 struct SgdCoefficients {
   T lr, momentum, one_minus_dampening, weight_decay;
   bool nesterov, maximize, first_step, has_momentum;
+};
+
+// Many rows of `len` contiguous elements at a fixed row stride (the common case of the row
+// kernels: [..., D] activations, [g, T, S] attention scores), processed in one call so the per-row
+// cost is a few instructions rather than a chain of calls. Statistics (mean, rstd, lse) are one
+// value per row at stat_rs apart. Which fields are read depends on the function (VecOps below).
+template <class T>
+struct RowsArgs {
+  int64_t rows = 0, len = 0;
+  const T* x = nullptr;  // input rows (softmax backward: the saved output y)
+  int64_t x_rs = 0;
+  const T* dy = nullptr;  // backward: incoming gradient rows
+  int64_t dy_rs = 0;
+  T* out = nullptr;  // y, or dx (may be null in the norm backward)
+  int64_t out_rs = 0;
+  const T* w = nullptr;  // [len] weight / bias (norms; null: absent)
+  const T* b = nullptr;
+  T* mean = nullptr;  // norm statistics (forward writes, backward reads)
+  T* rstd = nullptr;
+  T* lse = nullptr;  // softmax: row log-sum-exp (attention)
+  int64_t stat_rs = 0;
+  double* dw = nullptr;  // [len] f64 accumulators of the parameter gradients (backward)
+  double* db = nullptr;
+  double eps = 0;
+  bool rms = false;
+  bool log = false;            // log_softmax
+  int64_t causal_period = 0;   // softmax: row r sees columns <= (row0 + r) % causal_period
+  int64_t row0 = 0;
+  bool from_lse = false;       // softmax: out = exp(x - lse) on the visible columns
 };
 
 // Every pointer is to n contiguous elements; `out` may be the same array as an input (never a
@@ -95,6 +124,17 @@ struct VecOps {
   void (*adamw)(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, T* max_exp_avg_sq, int64_t n,
                 const AdamWCoefficients<T>& c);
   void (*sgd)(T* param, const T* grad, T* momentum_buffer, int64_t n, const SgdCoefficients<T>& c);
+  // Batched rows (RowsArgs): RMSNorm / LayerNorm forward (out, mean, rstd) and backward (out = dx
+  // when non-null; dw / db accumulate), softmax / log-softmax forward (with the attention fields)
+  // and backward. `out` must not alias x except where the kernel says so (softmax: may).
+  void (*norm_forward_rows)(const RowsArgs<T>& a);
+  void (*norm_backward_rows)(const RowsArgs<T>& a);
+  void (*softmax_rows)(const RowsArgs<T>& a);
+  void (*softmax_backward_rows)(const RowsArgs<T>& a);
+  // bf16 <-> T conversions of n contiguous values (bf16 as raw bits), rounding to nearest even
+  // with NaN kept NaN: bit-identical to kernels/detail/convert.h's, vectorised.
+  void (*widen_bf16)(T* dst, const uint16_t* src, int64_t n);
+  void (*narrow_bf16)(uint16_t* dst, const T* src, int64_t n);
 };
 
 struct VecKernels {

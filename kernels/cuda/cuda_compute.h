@@ -19,8 +19,7 @@ void cuda_gemm(const GemmPlan& plan, int device);
 // out[i] = op(in0[i], in1[i]) over `shape` (in1 may be null), as cpu_map.
 void cuda_map(MapOp op, double alpha, void* out, DType out_dtype, const Dims& out_strides,
               const Dims& shape, const MapOperand& in0, const MapOperand* in1, int device);
-// As cpu_reduce / cpu_max_dim / cpu_scatter_dim (sums accumulate in f32 for non-f64 inputs, in
-// f64 for f64 inputs and for sums of squares).
+// As cpu_reduce / cpu_max_dim / cpu_scatter_dim (sums accumulate in f64).
 void cuda_reduce(const ReducePlan& plan, int device);
 void cuda_max_dim(const DimPlan& plan, int device);
 void cuda_scatter_dim(const DimPlan& plan, int device);

@@ -1,16 +1,17 @@
 // Built without CUDA: the compute entry points refuse (no CUDA tensor can exist in such a build,
 // so the front ends never reach these; they are here for the linker).
-#include "kernels/cuda/cuda_compute.h"
 #include <string>
 
+#include "kernels/cuda/cuda_compute.h"
 #include "kernels/error.h"
 
 namespace kernels::detail {
 namespace {
 
 [[noreturn]] void no_cuda(const char* what) {
-  throw Unsupported(std::string(what) +
-                    " on a CUDA tensor, but this build has no CUDA (configure with -Dcuda=enabled)");
+  throw Unsupported(
+      std::string(what) +
+      " on a CUDA tensor, but this build has no CUDA (configure with -Dcuda=enabled)");
 }
 
 }  // namespace

@@ -163,10 +163,11 @@ void attention_out(const Tensor& out, const Tensor& lse, const Tensor& q, const 
     }
   }
   if (options.num_threads < 1) {
-    throw InvalidArgument(fmt::format("{}: num_threads is {}, expected 1 or more", kOp, options.num_threads));
+    throw InvalidArgument(
+        fmt::format("{}: num_threads is {}, expected 1 or more", kOp, options.num_threads));
   }
   if (lse.numel() == 0) return;  // no query rows
-  if (s.s == 0) {  // no keys: out 0, lse -inf (NOTE in attention.h)
+  if (s.s == 0) {                // no keys: out 0, lse -inf (NOTE in attention.h)
     Tensor(out).fill_(0.0);
     Tensor(lse).fill_(-std::numeric_limits<double>::infinity());
     return;
@@ -179,7 +180,8 @@ void attention_out(const Tensor& out, const Tensor& lse, const Tensor& q, const 
                  vg = compute_copy(g[2], compute);
     const int64_t n = qg.size(0);
     Tensor scores = Tensor::empty({n, s.t, s.s}, compute, q.device());
-    matmul_out(scores, qg, kg.transpose(1, 2), {.alpha = scale, .num_threads = options.num_threads});
+    matmul_out(scores, qg, kg.transpose(1, 2),
+               {.alpha = scale, .num_threads = options.num_threads});
     softmax_rows(scores, g[4], s.t, options.causal, false);
     if (g[3].dtype() == compute) {
       matmul_out(g[3], scores, vg, mm);
@@ -204,8 +206,7 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
 
 void attention_backward_out(const Tensor& dq, const Tensor& dk, const Tensor& dv,
                             const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                            const Tensor& out, const Tensor& lse,
-                            const AttentionOptions& options) {
+                            const Tensor& out, const Tensor& lse, const AttentionOptions& options) {
   constexpr const char* kOp = "attention_backward";
   const Shapes s = check_qkv(kOp, q, k, v);
   const DType compute = detail::stats_dtype(q.dtype());
@@ -233,15 +234,16 @@ void attention_backward_out(const Tensor& dq, const Tensor& dk, const Tensor& dv
     }
     for (int j = i + 1; j < 3; ++j) {
       if (detail::may_overlap(grads[i].t, grads[j].t)) {
-        throw InvalidArgument(
-            fmt::format("{}: {} overlaps {}", kOp, grads[i].name, grads[j].name));
+        throw InvalidArgument(fmt::format("{}: {} overlaps {}", kOp, grads[i].name, grads[j].name));
       }
     }
   }
-  detail::check_same_device(kOp, {{"q", q}, {"dout", dout}, {"out", out}, {"lse", lse},
-                                  {"dq", dq}, {"dk", dk}, {"dv", dv}});
+  detail::check_same_device(
+      kOp,
+      {{"q", q}, {"dout", dout}, {"out", out}, {"lse", lse}, {"dq", dq}, {"dk", dk}, {"dv", dv}});
   if (options.num_threads < 1) {
-    throw InvalidArgument(fmt::format("{}: num_threads is {}, expected 1 or more", kOp, options.num_threads));
+    throw InvalidArgument(
+        fmt::format("{}: num_threads is {}, expected 1 or more", kOp, options.num_threads));
   }
   (void)out;  // the backward needs only lse; out is checked for shape as PyTorch's API passes it
   const double scale = scale_of(options, s.e);
@@ -258,20 +260,21 @@ void attention_backward_out(const Tensor& dq, const Tensor& dk, const Tensor& dv
     matmul_out(tmp, a, b, {.alpha = alpha, .num_threads = options.num_threads});
     Tensor(dst).copy_(tmp);
   };
-  for_each_group(s.lead, group, {q, k, v, dout, lse, dq, dk, dv}, [&](const std::vector<Tensor>& g) {
-    const Tensor qg = compute_copy(g[0], compute), kg = compute_copy(g[1], compute),
-                 vg = compute_copy(g[2], compute), dog = compute_copy(g[3], compute);
-    const int64_t n = qg.size(0);
-    Tensor p = Tensor::empty({n, s.t, s.s}, compute, q.device());
-    matmul_out(p, qg, kg.transpose(1, 2), {.alpha = scale, .num_threads = options.num_threads});
-    softmax_rows(p, g[4], s.t, options.causal, true);
-    product_into(g[7], p.transpose(1, 2), dog, 1.0);  // dv = P^T dout
-    Tensor dp = Tensor::empty({n, s.t, s.s}, compute, q.device());
-    matmul_out(dp, dog, vg.transpose(1, 2), mm);       // dP = dout v^T
-    softmax_backward_out(dp, dp, p, -1);               // dS, in place
-    product_into(g[5], dp, kg, scale);                 // dq = scale dS k
-    product_into(g[6], dp.transpose(1, 2), qg, scale); // dk = scale dS^T q
-  });
+  for_each_group(
+      s.lead, group, {q, k, v, dout, lse, dq, dk, dv}, [&](const std::vector<Tensor>& g) {
+        const Tensor qg = compute_copy(g[0], compute), kg = compute_copy(g[1], compute),
+                     vg = compute_copy(g[2], compute), dog = compute_copy(g[3], compute);
+        const int64_t n = qg.size(0);
+        Tensor p = Tensor::empty({n, s.t, s.s}, compute, q.device());
+        matmul_out(p, qg, kg.transpose(1, 2), {.alpha = scale, .num_threads = options.num_threads});
+        softmax_rows(p, g[4], s.t, options.causal, true);
+        product_into(g[7], p.transpose(1, 2), dog, 1.0);  // dv = P^T dout
+        Tensor dp = Tensor::empty({n, s.t, s.s}, compute, q.device());
+        matmul_out(dp, dog, vg.transpose(1, 2), mm);        // dP = dout v^T
+        softmax_backward_out(dp, dp, p, -1);                // dS, in place
+        product_into(g[5], dp, kg, scale);                  // dq = scale dS k
+        product_into(g[6], dp.transpose(1, 2), qg, scale);  // dk = scale dS^T q
+      });
 }
 
 }  // namespace kernels

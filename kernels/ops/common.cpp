@@ -22,8 +22,8 @@ bool is_compute_float(DType dtype) {
 void check_floating(const char* op, const Tensor& t, const char* name) {
   check_defined(op, t, name);
   if (!is_compute_float(t.dtype())) {
-    throw Unsupported(fmt::format("{}: {} has dtype {}, expected f32, f64, bf16 or f16", op, name,
-                                  t.dtype()));
+    throw Unsupported(
+        fmt::format("{}: {} has dtype {}, expected f32, f64, bf16 or f16", op, name, t.dtype()));
   }
 }
 
@@ -42,8 +42,8 @@ void check_same_dtype(const char* op, std::initializer_list<Named> ts) {
     if (first == nullptr) {
       first = &n;
     } else if (n.t.dtype() != first->t.dtype()) {
-      throw InvalidArgument(fmt::format("{}: {} has dtype {} but {} has {} (expected the same)",
-                                        op, n.name, n.t.dtype(), first->name, first->t.dtype()));
+      throw InvalidArgument(fmt::format("{}: {} has dtype {} but {} has {} (expected the same)", op,
+                                        n.name, n.t.dtype(), first->name, first->t.dtype()));
     }
   }
 }
@@ -55,8 +55,8 @@ void check_same_device(const char* op, std::initializer_list<Named> ts) {
     if (first == nullptr) {
       first = &n;
     } else if (!(n.t.device() == first->t.device())) {
-      throw InvalidArgument(fmt::format("{}: {} is on {} but {} is on {} (expected one device)",
-                                        op, n.name, n.t.device(), first->name, first->t.device()));
+      throw InvalidArgument(fmt::format("{}: {} is on {} but {} is on {} (expected one device)", op,
+                                        n.name, n.t.device(), first->name, first->t.device()));
     }
   }
 }

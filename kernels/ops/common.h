@@ -1,7 +1,8 @@
 // Internal: argument checks and small shape helpers shared by the kernels/ops/*.cpp front ends.
 // Every check throws InvalidArgument (Unsupported for a dtype the op does not implement) with a
 // message that starts with the op's name and names the offending value and what was expected.
-//   check_floating("softmax", x, "x");   // "softmax: x has dtype i64, expected f32, f64, bf16 or f16"
+//   check_floating("softmax", x, "x");   // "softmax: x has dtype i64, expected f32, f64, bf16 or
+//   f16"
 #pragma once
 
 #include <initializer_list>

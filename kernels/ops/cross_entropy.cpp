@@ -52,9 +52,9 @@ int64_t count_and_check(const char* op, const Tensor& targets, int64_t vocab_siz
     if (v == ignore_index) continue;
     ++count;
     if (range_check && (v < 0 || v >= vocab_size)) {
-      throw InvalidArgument(fmt::format(
-          "{}: target {} at row {} is out of range (expected 0..{} or ignore_index {})", op, v, i,
-          vocab_size - 1, ignore_index));
+      throw InvalidArgument(
+          fmt::format("{}: target {} at row {} is out of range (expected 0..{} or ignore_index {})",
+                      op, v, i, vocab_size - 1, ignore_index));
     }
   }
   return count;
@@ -102,8 +102,8 @@ void check_dlogits(const char* op, const Tensor& dlogits, const Tensor& logits,
   detail::check_writable(op, dlogits, "dlogits");
   detail::check_same_device(op, {{"logits", logits}, {"dlogits", dlogits}});
   if (!detail::same_view(dlogits, logits) && detail::may_overlap(dlogits, logits)) {
-    throw InvalidArgument(fmt::format(
-        "{}: dlogits overlaps logits without being the same view", op));
+    throw InvalidArgument(
+        fmt::format("{}: dlogits overlaps logits without being the same view", op));
   }
   if (detail::may_overlap(dlogits, targets)) {
     throw InvalidArgument(fmt::format("{}: dlogits overlaps targets", op));
@@ -114,12 +114,17 @@ void check_dlogits(const char* op, const Tensor& dlogits, const Tensor& logits,
 void reduce_losses(const Tensor& loss, const Tensor& row_losses, int64_t count,
                    const CrossEntropyOptions& o) {
   switch (o.reduction) {
-    case LossReduction::kNone: Tensor(loss).copy_(row_losses); return;
-    case LossReduction::kSum: sum_out(loss, row_losses, {0}); return;
+    case LossReduction::kNone:
+      Tensor(loss).copy_(row_losses);
+      return;
+    case LossReduction::kSum:
+      sum_out(loss, row_losses, {0});
+      return;
     case LossReduction::kMean:
       sum_out(loss, row_losses, {0});
-      scale_out(loss, loss, count == 0 ? std::numeric_limits<double>::quiet_NaN()
-                                       : 1.0 / static_cast<double>(count));
+      scale_out(
+          loss, loss,
+          count == 0 ? std::numeric_limits<double>::quiet_NaN() : 1.0 / static_cast<double>(count));
       return;
   }
 }
@@ -160,8 +165,8 @@ void cross_entropy_out(const Tensor& loss, const Tensor& dlogits, const Tensor& 
   const int64_t count =
       count_and_check(kOp, targets, v, options.ignore_index, logits.device().is_cuda());
   Tensor row_losses = Tensor::empty({n}, stats, logits.device());
-  CrossEntropyPlan p = base_plan(CrossEntropyMode::kFused, logits, targets, 0, v,
-                                 options.ignore_index);
+  CrossEntropyPlan p =
+      base_plan(CrossEntropyMode::kFused, logits, targets, 0, v, options.ignore_index);
   if (n > 0) p.row_losses = row_losses.data_ptr();
   if (dlogits.defined() && dlogits.numel() > 0) p.dlogits = detail::as_rows(dlogits, 1);
   p.grad_scale = row_grad_scale(count, options);
@@ -185,8 +190,8 @@ CrossEntropyRowStats cross_entropy_shard_stats(const Tensor& logits, const Tenso
   CrossEntropyRowStats s{Tensor::empty({n}, stats, logits.device()),
                          Tensor::empty({n}, stats, logits.device()),
                          Tensor::empty({n}, stats, logits.device())};
-  CrossEntropyPlan p = base_plan(CrossEntropyMode::kStats, logits, targets, vocab_start,
-                                 vocab_size, ignore_index);
+  CrossEntropyPlan p =
+      base_plan(CrossEntropyMode::kStats, logits, targets, vocab_start, vocab_size, ignore_index);
   if (n > 0) {
     p.stat_max = s.max.data_ptr();
     p.stat_sum_exp = s.sum_exp.data_ptr();
@@ -207,16 +212,17 @@ void rescale_sum_exp_(const Tensor& sum_exp, const Tensor& local_max, const Tens
     }
   }
   if (sum_exp.dtype() != DType::kF32 && sum_exp.dtype() != DType::kF64) {
-    throw InvalidArgument(fmt::format("{}: sum_exp has dtype {}, expected f32 or f64 (the stats "
-                                      "dtype)",
-                                      kOp, sum_exp.dtype()));
+    throw InvalidArgument(
+        fmt::format("{}: sum_exp has dtype {}, expected f32 or f64 (the stats "
+                    "dtype)",
+                    kOp, sum_exp.dtype()));
   }
   detail::check_shape(kOp, local_max, "local_max", sum_exp.shape());
   detail::check_shape(kOp, global_max, "global_max", sum_exp.shape());
-  detail::check_same_dtype(kOp, {{"sum_exp", sum_exp}, {"local_max", local_max},
-                                 {"global_max", global_max}});
-  detail::check_same_device(kOp, {{"sum_exp", sum_exp}, {"local_max", local_max},
-                                  {"global_max", global_max}});
+  detail::check_same_dtype(
+      kOp, {{"sum_exp", sum_exp}, {"local_max", local_max}, {"global_max", global_max}});
+  detail::check_same_device(
+      kOp, {{"sum_exp", sum_exp}, {"local_max", local_max}, {"global_max", global_max}});
   if (sum_exp.numel() == 0) return;
   if (sum_exp.device().is_cuda()) {
     detail::cuda_rescale_sum_exp(sum_exp.data_ptr(), sum_exp.stride(0), local_max.data_ptr(),
@@ -230,7 +236,8 @@ void rescale_sum_exp_(const Tensor& sum_exp, const Tensor& local_max, const Tens
   const std::vector<double> se = sum_exp.to_vector();
   for (int64_t i = 0; i < sum_exp.numel(); ++i) {
     const auto u = static_cast<size_t>(i);
-    const double r = lm[u] == -std::numeric_limits<double>::infinity() ? 0.0 : se[u] * std::exp(lm[u] - gm[u]);
+    const double r =
+        lm[u] == -std::numeric_limits<double>::infinity() ? 0.0 : se[u] * std::exp(lm[u] - gm[u]);
     s.set_item({i}, r);
   }
 }
@@ -241,7 +248,8 @@ Tensor cross_entropy_loss_from_stats(const Tensor& global_max, const Tensor& glo
   constexpr const char* kOp = "cross_entropy_loss_from_stats";
   detail::check_index(kOp, targets, "targets");
   if (targets.ndim() != 1) {
-    throw InvalidArgument(fmt::format("{}: targets have shape {}, expected [N]", kOp, targets.shape()));
+    throw InvalidArgument(
+        fmt::format("{}: targets have shape {}, expected [N]", kOp, targets.shape()));
   }
   const int64_t n = targets.size(0);
   for (const auto& [name, t] : {std::pair<const char*, const Tensor&>{"global_max", global_max},
@@ -250,7 +258,8 @@ Tensor cross_entropy_loss_from_stats(const Tensor& global_max, const Tensor& glo
     detail::check_floating(kOp, t, name);
     detail::check_shape(kOp, t, name, Dims{n});
   }
-  detail::check_same_dtype(kOp, {{"global_max", global_max}, {"global_sum_exp", global_sum_exp},
+  detail::check_same_dtype(kOp, {{"global_max", global_max},
+                                 {"global_sum_exp", global_sum_exp},
                                  {"global_target_logit", global_target_logit}});
   detail::check_same_device(kOp, {{"global_max", global_max}, {"targets", targets}});
   // N scalars: computed on the host in f64 and rounded once to the stats dtype, so every rank

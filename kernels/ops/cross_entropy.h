@@ -52,8 +52,7 @@ struct CrossEntropyOutput {
 
 // compute_grad: also return dlogits (the fused backward).
 CrossEntropyOutput cross_entropy(const Tensor& logits, const Tensor& targets,
-                                 const CrossEntropyOptions& options = {},
-                                 bool compute_grad = true);
+                                 const CrossEntropyOptions& options = {}, bool compute_grad = true);
 // loss: 0-d (or [N] for kNone), f32 (f64 for f64 logits). dlogits: [N, V] or undefined.
 void cross_entropy_out(const Tensor& loss, const Tensor& dlogits, const Tensor& logits,
                        const Tensor& targets, const CrossEntropyOptions& options = {});

@@ -31,17 +31,18 @@ Tensor expand(const Tensor& t, const Dims& shape) {
   detail::check_defined("expand", t, "tensor");
   const int n = shape.size();
   if (n < t.ndim()) {
-    throw InvalidArgument(fmt::format("expand: cannot expand shape {} to {} (fewer dims)",
-                                      t.shape(), shape));
+    throw InvalidArgument(
+        fmt::format("expand: cannot expand shape {} to {} (fewer dims)", t.shape(), shape));
   }
   Dims out_shape = shape, strides = Dims::filled(n, 0);
   for (int i = 0; i < n; ++i) {
     const int it = t.ndim() - n + i;
     if (it < 0) {
       if (shape[i] < 0) {
-        throw InvalidArgument(fmt::format("expand: size -1 is not allowed in the new leading dim "
-                                          "{} of {}",
-                                          i, shape));
+        throw InvalidArgument(
+            fmt::format("expand: size -1 is not allowed in the new leading dim "
+                        "{} of {}",
+                        i, shape));
       }
       continue;
     }
@@ -49,9 +50,9 @@ Tensor expand(const Tensor& t, const Dims& shape) {
     if (out_shape[i] == t.size(it)) {
       strides[i] = t.stride(it);
     } else if (t.size(it) != 1) {
-      throw InvalidArgument(fmt::format(
-          "expand: cannot expand shape {} to {}: dim {} has size {} (expected {} or 1)", t.shape(),
-          shape, it, t.size(it), out_shape[i]));
+      throw InvalidArgument(
+          fmt::format("expand: cannot expand shape {} to {}: dim {} has size {} (expected {} or 1)",
+                      t.shape(), shape, it, t.size(it), out_shape[i]));
     }
   }
   return t.as_strided(out_shape, strides, t.storage_offset());

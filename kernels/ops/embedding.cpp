@@ -47,8 +47,8 @@ EmbeddingPlan make_plan(const char* op, const Tensor& ids, int64_t rows, int64_t
   if (o.padding_idx.has_value()) {
     int64_t pad = *o.padding_idx;
     if (pad < -total || pad >= total) {
-      throw InvalidArgument(fmt::format("{}: padding_idx {} out of range for {} embeddings", op,
-                                        pad, total));
+      throw InvalidArgument(
+          fmt::format("{}: padding_idx {} out of range for {} embeddings", op, pad, total));
     }
     if (pad < 0) pad += total;
     p.has_padding = true;
@@ -77,8 +77,8 @@ Tensor embedding(const Tensor& weight, const Tensor& ids, const EmbeddingOptions
   detail::check_floating("embedding", weight, "weight");
   detail::check_index("embedding", ids, "ids");
   if (weight.ndim() != 2) {
-    throw InvalidArgument(fmt::format("embedding: weight has shape {}, expected [rows, D]",
-                                      weight.shape()));
+    throw InvalidArgument(
+        fmt::format("embedding: weight has shape {}, expected [rows, D]", weight.shape()));
   }
   Tensor out = Tensor::empty(out_shape(ids, weight.size(1)), weight.dtype(), weight.device());
   embedding_out(out, weight, ids, options);
@@ -92,8 +92,8 @@ void embedding_out(const Tensor& out, const Tensor& weight, const Tensor& ids,
   detail::check_index(kOp, ids, "ids");
   detail::check_floating(kOp, out, "out");
   if (weight.ndim() != 2) {
-    throw InvalidArgument(fmt::format("{}: weight has shape {}, expected [rows, D]", kOp,
-                                      weight.shape()));
+    throw InvalidArgument(
+        fmt::format("{}: weight has shape {}, expected [rows, D]", kOp, weight.shape()));
   }
   detail::check_same_device(kOp, {{"weight", weight}, {"ids", ids}, {"out", out}});
   const int64_t d = weight.size(1);
@@ -141,8 +141,8 @@ void embedding_backward_out(const Tensor& dweight, const Tensor& dy, const Tenso
   detail::check_index(kOp, ids, "ids");
   detail::check_same_device(kOp, {{"dweight", dweight}, {"dy", dy}, {"ids", ids}});
   if (dweight.ndim() != 2) {
-    throw InvalidArgument(fmt::format("{}: dweight has shape {}, expected [rows, D]", kOp,
-                                      dweight.shape()));
+    throw InvalidArgument(
+        fmt::format("{}: dweight has shape {}, expected [rows, D]", kOp, dweight.shape()));
   }
   const int64_t d = dweight.size(1);
   detail::check_shape(kOp, dy, "dy", out_shape(ids, d));

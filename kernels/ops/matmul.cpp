@@ -24,6 +24,13 @@ bool gemm_strides(int64_t rows, int64_t cols, int64_t& rs, int64_t& cs) {
   return rs == 1 || cs == 1;
 }
 
+// cuBLAS also needs the leading dimension to cover a stored column (Eigen reads any stride, so
+// the CPU takes broadcast rows with stride 0 as they are).
+bool blas_leading_dim_ok(int64_t rows, int64_t cols, int64_t rs, int64_t cs) {
+  if (cs == 1) return rows == 1 || rs >= cols;
+  return cols == 1 || cs >= rows;
+}
+
 // Strides of t's batch dims (all but the last two) aligned to batch_shape, 0 where t is
 // broadcast (missing or size-1 dims).
 Dims batch_strides(const Tensor& t, const Dims& batch_shape) {
@@ -80,9 +87,9 @@ Tensor matmul(const Tensor& a, const Tensor& b, const MatmulOptions& options) {
         options.beta));
   }
   if (a.ndim() < 2 || b.ndim() < 2) {
-    throw InvalidArgument(fmt::format(
-        "matmul: operands need at least 2 dims, got a {} and b {} (unsqueeze a vector)", a.shape(),
-        b.shape()));
+    throw InvalidArgument(
+        fmt::format("matmul: operands need at least 2 dims, got a {} and b {} (unsqueeze a vector)",
+                    a.shape(), b.shape()));
   }
   Dims shape = broadcast_shapes(batch_dims(a), batch_dims(b));
   shape.push_back(a.size(-2));
@@ -101,15 +108,15 @@ void matmul_out(const Tensor& out, const Tensor& a_in, const Tensor& b_in,
   detail::check_same_dtype(kOp, {{"a", a_in}, {"b", b_in}});
   detail::check_same_device(kOp, {{"a", a_in}, {"b", b_in}, {"out", out}});
   if (a_in.ndim() < 2 || b_in.ndim() < 2) {
-    throw InvalidArgument(fmt::format(
-        "{}: operands need at least 2 dims, got a {} and b {} (unsqueeze a vector)", kOp,
-        a_in.shape(), b_in.shape()));
+    throw InvalidArgument(
+        fmt::format("{}: operands need at least 2 dims, got a {} and b {} (unsqueeze a vector)",
+                    kOp, a_in.shape(), b_in.shape()));
   }
   const int64_t m = a_in.size(-2), k = a_in.size(-1), n = b_in.size(-1);
   if (b_in.size(-2) != k) {
-    throw InvalidArgument(fmt::format(
-        "{}: a {} @ b {}: a has {} columns but b has {} rows (expected equal)", kOp, a_in.shape(),
-        b_in.shape(), k, b_in.size(-2)));
+    throw InvalidArgument(
+        fmt::format("{}: a {} @ b {}: a has {} columns but b has {} rows (expected equal)", kOp,
+                    a_in.shape(), b_in.shape(), k, b_in.size(-2)));
   }
   const Dims batch = broadcast_shapes(batch_dims(a_in), batch_dims(b_in));
   Dims out_shape = batch;
@@ -124,7 +131,8 @@ void matmul_out(const Tensor& out, const Tensor& a_in, const Tensor& b_in,
   }
   detail::check_writable(kOp, out, "out");
   if (detail::may_overlap(out, a_in) || detail::may_overlap(out, b_in)) {
-    throw InvalidArgument(fmt::format("{}: out overlaps an operand (expected separate storage)", kOp));
+    throw InvalidArgument(
+        fmt::format("{}: out overlaps an operand (expected separate storage)", kOp));
   }
   if (options.num_threads < 1) {
     throw InvalidArgument(
@@ -141,20 +149,22 @@ void matmul_out(const Tensor& out, const Tensor& a_in, const Tensor& b_in,
   }
 
   // Operands whose matrices have no unit stride are copied once (NOTE in matmul.h).
+  const bool cuda = out.device().is_cuda();
   Tensor a = a_in, b = b_in;
   int64_t a_rs = a.stride(-2), a_cs = a.stride(-1);
-  if (!gemm_strides(m, k, a_rs, a_cs)) {
+  if (!gemm_strides(m, k, a_rs, a_cs) || (cuda && !blas_leading_dim_ok(m, k, a_rs, a_cs))) {
     a = a.contiguous();
     a_rs = k, a_cs = 1;
   }
   int64_t b_rs = b.stride(-2), b_cs = b.stride(-1);
-  if (!gemm_strides(k, n, b_rs, b_cs)) {
+  if (!gemm_strides(k, n, b_rs, b_cs) || (cuda && !blas_leading_dim_ok(k, n, b_rs, b_cs))) {
     b = b.contiguous();
     b_rs = n, b_cs = 1;
   }
   Tensor c = out;
   int64_t c_rs = c.stride(-2), c_cs = c.stride(-1);
-  const bool c_direct = gemm_strides(m, n, c_rs, c_cs);
+  const bool c_direct =
+      gemm_strides(m, n, c_rs, c_cs) && (!cuda || blas_leading_dim_ok(m, n, c_rs, c_cs));
   if (!c_direct) {
     c = options.beta != 0.0 ? out.clone() : Tensor::empty(out.shape(), out.dtype(), out.device());
     c_rs = n, c_cs = 1;
@@ -174,7 +184,7 @@ void matmul_out(const Tensor& out, const Tensor& a_in, const Tensor& b_in,
   p.c_batch_strides = batch_strides(c, batch);
   fold_batch_into_rows(p);
 
-  if (out.device().is_cuda()) {
+  if (cuda) {
     detail::cuda_gemm(p, out.device().index);
   } else {
     detail::cpu_gemm(p, options.num_threads);

@@ -53,8 +53,8 @@ void check_disjoint(const char* op, std::initializer_list<detail::Named> outs,
   for (const auto& o : outs) {
     for (const auto& i : ins) {
       if (detail::may_overlap(o.t, i.t)) {
-        throw InvalidArgument(fmt::format("{}: {} overlaps {} (expected separate storage)", op,
-                                          o.name, i.name));
+        throw InvalidArgument(
+            fmt::format("{}: {} overlaps {} (expected separate storage)", op, o.name, i.name));
       }
     }
   }

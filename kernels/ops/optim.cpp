@@ -85,8 +85,9 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
                 const AdamWOptions& o) {
   constexpr const char* kOp = "adamw_step";
   if (o.amsgrad) {
-    check_operands(kOp, param, grad,
-                   {{"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq}, {"max_exp_avg_sq", max_exp_avg_sq}});
+    check_operands(
+        kOp, param, grad,
+        {{"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq}, {"max_exp_avg_sq", max_exp_avg_sq}});
   } else {
     if (max_exp_avg_sq.defined()) {
       throw InvalidArgument(fmt::format("{}: max_exp_avg_sq given but amsgrad is off", kOp));

@@ -4,6 +4,7 @@
 
 #include <array>
 #include <limits>
+#include <vector>
 
 #include "kernels/cpu/compute.h"
 #include "kernels/cuda/cuda_compute.h"
@@ -25,7 +26,8 @@ std::array<bool, kMaxDims> reduce_mask(const char* op, const Dims& dims, int ndi
   for (int64_t d : dims) {
     const int w = detail::wrap_dim(op, static_cast<int>(d), ndim);
     if (mask[w]) {
-      throw InvalidArgument(fmt::format("{}: dim {} appears more than once in dims {}", op, w, dims));
+      throw InvalidArgument(
+          fmt::format("{}: dim {} appears more than once in dims {}", op, w, dims));
     }
     mask[w] = true;
   }
@@ -75,7 +77,8 @@ void run_reduce(const char* op, const Tensor& out, const Tensor& x, const Dims& 
   if (out.numel() == 0) return;
   p.out = out.data_ptr();
   p.out_dtype = out.dtype();
-  p.scale = mean ? (count == 0 ? std::numeric_limits<double>::quiet_NaN() : 1.0 / static_cast<double>(count))
+  p.scale = mean ? (count == 0 ? std::numeric_limits<double>::quiet_NaN()
+                               : 1.0 / static_cast<double>(count))
                  : 1.0;
   p.accumulate = accumulate;
   if (x.device().is_cuda()) {
@@ -127,8 +130,9 @@ MaxResult max(const Tensor& x, int dim_in, bool keepdim) {
   detail::check_floating(kOp, x, "x");
   const int dim = detail::wrap_dim(kOp, dim_in, x.ndim());
   if (x.size(dim) == 0) {
-    throw InvalidArgument(fmt::format(
-        "{}: dim {} of x {} has size 0 (a max over no elements is undefined)", kOp, dim, x.shape()));
+    throw InvalidArgument(
+        fmt::format("{}: dim {} of x {} has size 0 (a max over no elements is undefined)", kOp, dim,
+                    x.shape()));
   }
   Dims outer = x.shape();
   outer.erase(dim);
@@ -173,6 +177,16 @@ Tensor max_backward(const Tensor& dy_in, const Tensor& indices_in, int dim_in,
   detail::check_shape(kOp, indices_in, "indices", expected);
   Tensor dx = Tensor::zeros(input_shape, dy_in.dtype(), dy_in.device());
   if (dx.numel() == 0) return dx;
+  if (dx.device().is_cuda()) {  // the CPU kernel checks inline
+    const std::vector<double> idx = indices_in.to_vector();
+    for (size_t o = 0; o < idx.size(); ++o) {
+      if (idx[o] < 0 || idx[o] >= static_cast<double>(input_shape[dim])) {
+        throw InvalidArgument(
+            fmt::format("{}: index {} at position {} is out of range for a dim of size {}", kOp,
+                        static_cast<int64_t>(idx[o]), o, input_shape[dim]));
+      }
+    }
+  }
   const Tensor dy = keepdim ? dy_in.select(dim, 0) : dy_in;
   const Tensor index = keepdim ? indices_in.select(dim, 0) : indices_in;
   DimPlan p;

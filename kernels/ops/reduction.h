@@ -11,9 +11,9 @@
 //
 // Rules (all functions): floating inputs (f32, f64, bf16, f16), any strided view, CPU or CUDA.
 // `dims` lists tensor dims (negative counts from the end) without repeats; the reduced dims are
-// removed, or kept with size 1 when keepdim. Sums accumulate in f64 on the CPU (in f32 for
-// non-f64 inputs on CUDA) and round once to the output dtype: the input's for the functional
-// forms; any floating dtype for an `out`. A sum over zero elements is 0, a mean over zero
+// removed, or kept with size 1 when keepdim. Sums accumulate in f64 (CPU and CUDA) and round
+// once to the output dtype: the input's for the functional forms; any floating dtype for an
+// `out`. A sum over zero elements is 0, a mean over zero
 // elements is NaN (as PyTorch); max over an empty dim throws InvalidArgument.
 #pragma once
 

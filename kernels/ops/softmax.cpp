@@ -30,8 +30,8 @@ void run_softmax(const char* op, const Tensor& out, const Tensor& in, const Tens
   detail::check_writable(op, out, "out");
   for (const Tensor* t : {&in, dy}) {
     if (t != nullptr && !detail::same_view(out, *t) && detail::may_overlap(out, *t)) {
-      throw InvalidArgument(fmt::format(
-          "{}: the output overlaps an input without being the same view", op));
+      throw InvalidArgument(
+          fmt::format("{}: the output overlaps an input without being the same view", op));
     }
   }
   if (out.numel() == 0) return;

@@ -89,9 +89,9 @@ TEST_CASE("attention forward/backward against f64 loops", "[kernels][ops][attent
     Dims lead;
     int64_t t, s, e, ev;
   };
-  const std::vector<Case> cases_list = {{{2, 3}, 5, 5, 4, 4}, {{}, 7, 7, 3, 5},  {{3}, 5, 3, 4, 2},
-                                        {{2}, 3, 6, 2, 3},    {{1, 2}, 4, 0, 3, 3}, {{2}, 0, 4, 3, 3},
-                                        {{2, 2}, 33, 33, 8, 8}};
+  const std::vector<Case> cases_list = {
+      {{2, 3}, 5, 5, 4, 4}, {{}, 7, 7, 3, 5},  {{3}, 5, 3, 4, 2},     {{2}, 3, 6, 2, 3},
+      {{1, 2}, 4, 0, 3, 3}, {{2}, 0, 4, 3, 3}, {{2, 2}, 33, 33, 8, 8}};
   int cases = 0;
   for (DType dt : float_dtypes()) {
     for (const Case& c : cases_list) {
@@ -112,9 +112,11 @@ TEST_CASE("attention forward/backward against f64 loops", "[kernels][ops][attent
         const double gt = dt == DType::kF32 ? 2e-5 : (dt == DType::kF64 ? 1e-10 : 0.03);
         for (int layout = 0; layout < kLayouts; ++layout) {
           const Tensor q = relayout(q0, layout), k = relayout(k0, (layout + 1) % kLayouts),
-                       v = relayout(v0, (layout + 2) % kLayouts), g = relayout(g0, (layout + 3) % kLayouts);
+                       v = relayout(v0, (layout + 2) % kLayouts),
+                       g = relayout(g0, (layout + 3) % kLayouts);
           INFO("q " << describe(q) << " k " << describe(k) << " causal " << causal);
-          const AttentionOutput a = attention(q, k, v, {.causal = causal, .num_threads = layout % 2 + 1});
+          const AttentionOutput a =
+              attention(q, k, v, {.causal = causal, .num_threads = layout % 2 + 1});
           REQUIRE(a.lse.dtype() == stats_dtype_of(dt));
           check_close(a.out, ref.out, tol.rtol, tol.atol, "out");
           check_close(a.lse, ref.lse, 1e-5, dt == DType::kF64 ? 1e-12 : 1e-5, "lse");
@@ -126,7 +128,8 @@ TEST_CASE("attention forward/backward against f64 loops", "[kernels][ops][attent
           check_close(dq, ref.dq, 1e-4, gt, "dq");
           check_close(dk, ref.dk, 1e-4, gt, "dk");
           check_close(dv, ref.dv, 1e-4, gt, "dv");
-          const AttentionGrads fg = attention_backward(g, q, k, v, a.out, a.lse, {.causal = causal});
+          const AttentionGrads fg =
+              attention_backward(g, q, k, v, a.out, a.lse, {.causal = causal});
           REQUIRE(fg.dq.dtype() == dt);
           check_close(fg.dv, ref.dv, 1e-2, gt * 2, "dv functional");
           ++cases;
@@ -148,15 +151,18 @@ TEST_CASE("attention on heads sliced from a fused QKV projection", "[kernels][op
   check_close(a.out, ref.out, 1e-5, 1e-6, "out");
   Tensor dqkv = Tensor::zeros({b, t, 3, h, e}, DType::kF32);
   attention_backward_out(dqkv.select(2, 0).transpose(1, 2), dqkv.select(2, 1).transpose(1, 2),
-                         dqkv.select(2, 2).transpose(1, 2), g, q, k, v, a.out, a.lse, {.scale = 0.5});
+                         dqkv.select(2, 2).transpose(1, 2), g, q, k, v, a.out, a.lse,
+                         {.scale = 0.5});
   check_close(dqkv.select(2, 0).transpose(1, 2), ref.dq, 1e-4, 1e-5, "dq slice");
   check_close(dqkv.select(2, 1).transpose(1, 2), ref.dk, 1e-4, 1e-5, "dk slice");
   check_close(dqkv.select(2, 2).transpose(1, 2), ref.dv, 1e-4, 1e-5, "dv slice");
 }
 
 TEST_CASE("attention backward matches finite differences (f64)", "[kernels][ops][attention]") {
-  const Tensor q = random_tensor({2, 4, 3}, DType::kF64, 141), k = random_tensor({2, 5, 3}, DType::kF64, 142),
-               v = random_tensor({2, 5, 2}, DType::kF64, 143), r = random_tensor({2, 4, 2}, DType::kF64, 144);
+  const Tensor q = random_tensor({2, 4, 3}, DType::kF64, 141),
+               k = random_tensor({2, 5, 3}, DType::kF64, 142),
+               v = random_tensor({2, 5, 2}, DType::kF64, 143),
+               r = random_tensor({2, 4, 2}, DType::kF64, 144);
   for (bool causal : {true, false}) {
     const AttentionOptions o{.causal = causal};
     const AttentionOutput a = attention(q, k, v, o);
@@ -178,9 +184,12 @@ TEST_CASE("attention backward matches finite differences (f64)", "[kernels][ops]
       }
       return out;
     };
-    check_close(g.dq, fd(q, [&](const Tensor& x) { return attention(x, k, v, o).out; }), 1e-6, 1e-8, "dq fd");
-    check_close(g.dk, fd(k, [&](const Tensor& x) { return attention(q, x, v, o).out; }), 1e-6, 1e-8, "dk fd");
-    check_close(g.dv, fd(v, [&](const Tensor& x) { return attention(q, k, x, o).out; }), 1e-6, 1e-8, "dv fd");
+    check_close(g.dq, fd(q, [&](const Tensor& x) { return attention(x, k, v, o).out; }), 1e-6, 1e-8,
+                "dq fd");
+    check_close(g.dk, fd(k, [&](const Tensor& x) { return attention(q, x, v, o).out; }), 1e-6, 1e-8,
+                "dk fd");
+    check_close(g.dv, fd(v, [&](const Tensor& x) { return attention(q, k, x, o).out; }), 1e-6, 1e-8,
+                "dv fd");
   }
 }
 
@@ -188,11 +197,15 @@ TEST_CASE("attention rejects bad arguments", "[kernels][ops][attention]") {
   const Tensor q = Tensor::zeros({2, 4, 3}, DType::kF32);
   REQUIRE_THROWS_WITH(attention(q, Tensor::zeros({2, 4, 2}, DType::kF32), q),
                       Contains("do not fit [..., T, E], [..., S, E], [..., S, Ev]"));
-  REQUIRE_THROWS_WITH(attention(q, q, Tensor::zeros({2, 4, 3}, DType::kBF16)), Contains("v has dtype bf16 but q has f32"));
-  REQUIRE_THROWS_WITH(attention(q, q, Tensor::zeros({4, 3}, DType::kF32)), Contains("same number of dims"));
+  REQUIRE_THROWS_WITH(attention(q, q, Tensor::zeros({2, 4, 3}, DType::kBF16)),
+                      Contains("v has dtype bf16 but q has f32"));
+  REQUIRE_THROWS_WITH(attention(q, q, Tensor::zeros({4, 3}, DType::kF32)),
+                      Contains("same number of dims"));
   const AttentionOutput a = attention(q, q, q);
-  REQUIRE_THROWS_WITH(attention_backward(q, q, q, q, a.out, a.lse.to(DType::kF64)), Contains("lse has dtype f64, expected f32"));
+  REQUIRE_THROWS_WITH(attention_backward(q, q, q, q, a.out, a.lse.to(DType::kF64)),
+                      Contains("lse has dtype f64, expected f32"));
   Tensor d = Tensor::zeros({2, 4, 3}, DType::kF32);
-  REQUIRE_THROWS_WITH(attention_backward_out(d, d, Tensor::zeros({2, 4, 3}, DType::kF32), q, q, q, q, a.out, a.lse),
-                      Contains("dq overlaps dk"));
+  REQUIRE_THROWS_WITH(
+      attention_backward_out(d, d, Tensor::zeros({2, 4, 3}, DType::kF32), q, q, q, q, a.out, a.lse),
+      Contains("dq overlaps dk"));
 }

@@ -29,7 +29,8 @@ double gelu_grad_ref(double x, bool tanh_form) {
     const double t = std::tanh(u);
     return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x);
   }
-  return 0.5 * (1 + std::erf(x / std::sqrt(2.0))) + x * std::exp(-0.5 * x * x) / std::sqrt(2 * M_PI);
+  return 0.5 * (1 + std::erf(x / std::sqrt(2.0))) +
+         x * std::exp(-0.5 * x * x) / std::sqrt(2 * M_PI);
 }
 double sigmoid(double x) { return 1 / (1 + std::exp(-x)); }
 
@@ -108,7 +109,9 @@ TEST_CASE("element-wise backward ops: GELU (both forms) and SiLU", "[kernels][op
        [](const Tensor& dx, const Tensor& dy, const Tensor& x) { gelu_backward_out(dx, dy, x); },
        [](double dy, double x) { return dy * gelu_grad_ref(x, false); }},
       {"gelu_backward tanh",
-       [](const Tensor& dy, const Tensor& x) { return gelu_backward(dy, x, GeluApproximation::kTanh); },
+       [](const Tensor& dy, const Tensor& x) {
+         return gelu_backward(dy, x, GeluApproximation::kTanh);
+       },
        [](const Tensor& dx, const Tensor& dy, const Tensor& x) {
          gelu_backward_out(dx, dy, x, GeluApproximation::kTanh);
        },
@@ -153,7 +156,7 @@ TEST_CASE("element-wise binary ops broadcast: add, mul", "[kernels][ops][element
   struct Case {
     Dims a, b;
   };
-  const std::vector<Case> cases_list = {{{4, 5}, {4, 5}}, {{4, 5}, {5}},     {{4, 1}, {1, 5}},
+  const std::vector<Case> cases_list = {{{4, 5}, {4, 5}}, {{4, 5}, {5}},       {{4, 1}, {1, 5}},
                                         {{3}, {}},        {{2, 3, 4}, {3, 1}}, {{0, 5}, {5}},
                                         {{1}, {6, 1}},    {{2, 1, 130}, {130}}};
   int cases = 0;
@@ -199,7 +202,8 @@ TEST_CASE("element-wise binary ops broadcast: add, mul", "[kernels][ops][element
       std::vector<double> expected;
       for (size_t i = 0; i < av.size(); ++i) expected.push_back(av[i] + 2.0 * bv[i]);
       const Tensor r = add(a, b, 2.0);
-      const DType want = da == db ? da : (da == DType::kF64 || db == DType::kF64 ? DType::kF64 : DType::kF32);
+      const DType want =
+          da == db ? da : (da == DType::kF64 || db == DType::kF64 ? DType::kF64 : DType::kF32);
       REQUIRE(r.dtype() == want);
       const Tol tol = tol_for(want);
       check_close(r, expected, tol.rtol, tol.atol, "mixed add");
@@ -231,7 +235,8 @@ TEST_CASE("expand and broadcast_shapes follow torch", "[kernels][ops][elementwis
 TEST_CASE("element-wise ops reject bad arguments", "[kernels][ops][elementwise]") {
   const Tensor a = Tensor::zeros({4, 5}, DType::kF32);
   REQUIRE(add(a, Tensor::zeros({4, 5}, DType::kBF16)).dtype() == DType::kF32);
-  REQUIRE(mul(Tensor::zeros({1}, DType::kF16), Tensor::zeros({1}, DType::kBF16)).dtype() == DType::kF32);
+  REQUIRE(mul(Tensor::zeros({1}, DType::kF16), Tensor::zeros({1}, DType::kBF16)).dtype() ==
+          DType::kF32);
   REQUIRE(add(a, Tensor::zeros({1}, DType::kF64)).dtype() == DType::kF64);
   REQUIRE_THROWS_WITH(gelu_backward(a, Tensor::zeros({4, 5}, DType::kBF16)),
                       Contains("x has dtype bf16 but dy has f32"));
@@ -252,6 +257,7 @@ TEST_CASE("element-wise ops reject bad arguments", "[kernels][ops][elementwise]"
   Tensor big = Tensor::zeros({8}, DType::kF32);
   REQUIRE_THROWS_WITH(add_out(big.narrow(0, 1, 4), big.narrow(0, 0, 4), big.narrow(0, 0, 4)),
                       Contains("out overlaps an input without being the same view"));
-  REQUIRE_THROWS_WITH(scale_out(expand(Tensor::zeros({1}, DType::kF32), {3}), Tensor::zeros({3}, DType::kF32), 2.0),
-                      Contains("out has stride 0 on dim 0"));
+  REQUIRE_THROWS_WITH(
+      scale_out(expand(Tensor::zeros({1}, DType::kF32), {3}), Tensor::zeros({3}, DType::kF32), 2.0),
+      Contains("out has stride 0 on dim 0"));
 }

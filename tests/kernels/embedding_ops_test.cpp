@@ -16,7 +16,8 @@ namespace {
 
 std::vector<int64_t> make_ids(int64_t n, int64_t vocab, uint64_t seed) {
   std::vector<int64_t> ids;
-  for (int64_t i = 0; i < n; ++i) ids.push_back(static_cast<int64_t>(hash_uniform(seed, i, 0, vocab)));
+  for (int64_t i = 0; i < n; ++i)
+    ids.push_back(static_cast<int64_t>(hash_uniform(seed, i, 0, vocab)));
   return ids;
 }
 
@@ -25,7 +26,8 @@ std::vector<int64_t> make_ids(int64_t n, int64_t vocab, uint64_t seed) {
 TEST_CASE("embedding forward and backward against loops", "[kernels][ops][embedding]") {
   int cases = 0;
   for (DType dt : float_dtypes()) {
-    for (auto [vocab, d] : std::vector<std::pair<int64_t, int64_t>>{{11, 7}, {5, 1}, {3, 0}, {40, 33}}) {
+    for (auto [vocab, d] :
+         std::vector<std::pair<int64_t, int64_t>>{{11, 7}, {5, 1}, {3, 0}, {40, 33}}) {
       for (const Dims& ids_shape : std::vector<Dims>{{6}, {2, 9}, {0}, {3, 1, 4}}) {
         const auto ids_v = make_ids(ids_shape.product(), vocab, 91 + d);
         const std::vector<double> ids_d(ids_v.begin(), ids_v.end());
@@ -77,14 +79,16 @@ TEST_CASE("embedding on row shards sums to the full lookup", "[kernels][ops][emb
   const int64_t vocab = 13, d = 5;
   const Tensor table = random_tensor({vocab, d}, DType::kF32, 101);
   const auto ids_v = make_ids(20, vocab, 102);
-  const Tensor ids = Tensor::from_vector(std::vector<double>(ids_v.begin(), ids_v.end()), {4, 5}, DType::kI64);
+  const Tensor ids =
+      Tensor::from_vector(std::vector<double>(ids_v.begin(), ids_v.end()), {4, 5}, DType::kI64);
   const Tensor dy = random_tensor({4, 5, d}, DType::kF32, 103);
   const Tensor full = embedding(table, ids);
   const Tensor full_dw = embedding_backward(dy, ids, vocab);
   Tensor sum = Tensor::zeros({4, 5, d}, DType::kF32);
   int shards = 0;
   // Uneven shards, one empty: [0,5) [5,5) [5,10) [10,13)
-  for (auto [start, rows] : std::vector<std::pair<int64_t, int64_t>>{{0, 5}, {5, 0}, {5, 5}, {10, 3}}) {
+  for (auto [start, rows] :
+       std::vector<std::pair<int64_t, int64_t>>{{0, 5}, {5, 0}, {5, 5}, {10, 3}}) {
     const EmbeddingOptions o{.row_start = start, .num_embeddings = vocab};
     add_out(sum, sum, embedding(table.narrow(0, start, rows), ids, o));
     const Tensor dw = embedding_backward(dy, ids, rows, o);
@@ -98,7 +102,8 @@ TEST_CASE("embedding on row shards sums to the full lookup", "[kernels][ops][emb
 TEST_CASE("embedding backward is deterministic and rejects bad ids", "[kernels][ops][embedding]") {
   // Many repeats of a few ids: bitwise identical results on every run.
   const auto ids_v = make_ids(5000, 3, 111);
-  const Tensor ids = Tensor::from_vector(std::vector<double>(ids_v.begin(), ids_v.end()), {5000}, DType::kI64);
+  const Tensor ids =
+      Tensor::from_vector(std::vector<double>(ids_v.begin(), ids_v.end()), {5000}, DType::kI64);
   const Tensor dy = random_tensor({5000, 8}, DType::kF32, 112);
   const Tensor a = embedding_backward(dy, ids, 3), b = embedding_backward(dy, ids, 3);
   REQUIRE(std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0);
@@ -107,15 +112,19 @@ TEST_CASE("embedding backward is deterministic and rejects bad ids", "[kernels][
                       Contains("id 4 at position 1 is out of range (expected 0..3)"));
   REQUIRE_THROWS_WITH(embedding(table, Tensor::from_vector({-1}, {1}, DType::kI32)),
                       Contains("id -1 at position 0"));
-  REQUIRE_THROWS_WITH(embedding(Tensor::zeros({4, 0}, DType::kF32), Tensor::from_vector({9}, {1}, DType::kI64)),
-                      Contains("id 9 at position 0"));
-  REQUIRE_THROWS_WITH(embedding(table, Tensor::zeros({2}, DType::kF32)), Contains("ids has dtype f32"));
-  REQUIRE_THROWS_WITH(embedding(table, Tensor::zeros({2}, DType::kI64), {.row_start = 2, .num_embeddings = 5}),
-                      Contains("the table holds rows [2, 6) but num_embeddings is 5"));
-  REQUIRE_THROWS_WITH(embedding_backward(Tensor::zeros({2, 3}, DType::kF32), Tensor::zeros({2}, DType::kI64), 4,
-                                         {.padding_idx = 4}),
+  REQUIRE_THROWS_WITH(
+      embedding(Tensor::zeros({4, 0}, DType::kF32), Tensor::from_vector({9}, {1}, DType::kI64)),
+      Contains("id 9 at position 0"));
+  REQUIRE_THROWS_WITH(embedding(table, Tensor::zeros({2}, DType::kF32)),
+                      Contains("ids has dtype f32"));
+  REQUIRE_THROWS_WITH(
+      embedding(table, Tensor::zeros({2}, DType::kI64), {.row_start = 2, .num_embeddings = 5}),
+      Contains("the table holds rows [2, 6) but num_embeddings is 5"));
+  REQUIRE_THROWS_WITH(embedding_backward(Tensor::zeros({2, 3}, DType::kF32),
+                                         Tensor::zeros({2}, DType::kI64), 4, {.padding_idx = 4}),
                       Contains("padding_idx 4 out of range for 4 embeddings"));
-  REQUIRE_THROWS_WITH(embedding_backward_out(Tensor::zeros({4, 3}, DType::kF32), Tensor::zeros({2, 2}, DType::kF32),
-                                             Tensor::zeros({2}, DType::kI64)),
-                      Contains("dy has shape [2,2], expected [2,3]"));
+  REQUIRE_THROWS_WITH(
+      embedding_backward_out(Tensor::zeros({4, 3}, DType::kF32), Tensor::zeros({2, 2}, DType::kF32),
+                             Tensor::zeros({2}, DType::kI64)),
+      Contains("dy has shape [2,2], expected [2,3]"));
 }

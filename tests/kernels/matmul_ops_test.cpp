@@ -3,6 +3,7 @@
 #include <array>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -18,8 +19,8 @@ using Catch::Contains;
 namespace {
 
 // Batch-broadcast reference: out = alpha * a @ b + beta * c0 (c0 may be empty for beta == 0).
-std::vector<double> reference(const Tensor& a, const Tensor& b, const Dims& out_shape,
-                              double alpha, double beta, const std::vector<double>& c0) {
+std::vector<double> reference(const Tensor& a, const Tensor& b, const Dims& out_shape, double alpha,
+                              double beta, const std::vector<double>& c0) {
   const int nd = out_shape.size();
   const int64_t m = out_shape[nd - 2], n = out_shape[nd - 1], k = a.size(-1);
   std::vector<double> av = a.to_vector(), bv = b.to_vector();
@@ -72,9 +73,11 @@ Dims out_shape_of(const Tensor& a, const Tensor& b) {
 
 }  // namespace
 
-TEST_CASE("matmul: 2-D products, every dtype, layout and odd or empty shape", "[kernels][ops][matmul]") {
-  const std::vector<std::array<int64_t, 3>> shapes = {
-      {0, 3, 4}, {3, 4, 0}, {1, 1, 1}, {5, 7, 3}, {17, 33, 9}, {2, 1, 5}, {64, 48, 40}, {130, 70, 3}};
+TEST_CASE("matmul: 2-D products, every dtype, layout and odd or empty shape",
+          "[kernels][ops][matmul]") {
+  const std::vector<std::array<int64_t, 3>> shapes = {{0, 3, 4},    {3, 4, 0},   {1, 1, 1},
+                                                      {5, 7, 3},    {17, 33, 9}, {2, 1, 5},
+                                                      {64, 48, 40}, {130, 70, 3}};
   int cases = 0;
   for (DType dt : float_dtypes()) {
     for (const auto& s : shapes) {
@@ -102,7 +105,8 @@ TEST_CASE("matmul_out: alpha, beta accumulation and strided outputs", "[kernels]
     std::vector<DType> out_dtypes = {dt};
     if (narrow) out_dtypes.push_back(DType::kF32);
     for (DType out_dt : out_dtypes) {
-      for (auto [alpha, beta] : std::vector<std::pair<double, double>>{{1, 0}, {0.5, 1}, {-2, 0.25}}) {
+      for (auto [alpha, beta] :
+           std::vector<std::pair<double, double>>{{1, 0}, {0.5, 1}, {-2, 0.25}}) {
         for (auto k : {int64_t{0}, int64_t{1}, int64_t{19}}) {
           const Tensor a = relayout(random_tensor({13, k}, dt, 5), 1);
           const Tensor b = random_tensor({k, 6}, dt, 6);
@@ -131,7 +135,8 @@ TEST_CASE("matmul_out: alpha, beta accumulation and strided outputs", "[kernels]
   REQUIRE(cases == (4 + 2) * 3 * 3 * (kLayouts + 1));
 }
 
-TEST_CASE("matmul: broadcast batches, folded rows and attention-style views", "[kernels][ops][matmul]") {
+TEST_CASE("matmul: broadcast batches, folded rows and attention-style views",
+          "[kernels][ops][matmul]") {
   int cases = 0;
   for (DType dt : float_dtypes()) {
     const Tol tol = tol_for(dt, 16);
@@ -139,13 +144,11 @@ TEST_CASE("matmul: broadcast batches, folded rows and attention-style views", "[
       Dims a, b;
     };
     const std::vector<Case> cases_list = {
-        {{2, 3, 5, 4}, {3, 4, 6}},     // b broadcast over the leading dim
-        {{2, 1, 5, 4}, {1, 3, 4, 6}},  // both broadcast
-        {{4, 7, 16}, {16, 9}},         // a Linear: rows fold into one GEMM
-        {{3, 5, 4}, {4, 6}},
-        {{0, 5, 4}, {4, 6}},           // empty batch
-        {{2, 5, 4}, {2, 4, 6}},
-        {{1, 1, 4}, {3, 4, 1}}};
+        {{2, 3, 5, 4}, {3, 4, 6}},                          // b broadcast over the leading dim
+        {{2, 1, 5, 4}, {1, 3, 4, 6}},                       // both broadcast
+        {{4, 7, 16}, {16, 9}},                              // a Linear: rows fold into one GEMM
+        {{3, 5, 4}, {4, 6}},          {{0, 5, 4}, {4, 6}},  // empty batch
+        {{2, 5, 4}, {2, 4, 6}},       {{1, 1, 4}, {3, 4, 1}}};
     for (const Case& c : cases_list) {
       const Tensor a0 = random_tensor(c.a, dt, 31), b0 = random_tensor(c.b, dt, 32);
       const Dims os = out_shape_of(a0, b0);
@@ -173,6 +176,12 @@ TEST_CASE("matmul: broadcast batches, folded rows and attention-style views", "[
     cases += 2;
   }
   REQUIRE(cases == 4 * (7 * kLayouts + 2));
+  // Broadcast rows (stride 0) read in place.
+  const Tensor row = random_tensor({1, 6}, DType::kF32, 4),
+               w = random_tensor({6, 5}, DType::kF32, 5);
+  const Tensor e = expand(row, {7, 6});
+  check_close(matmul(e, w), reference(e.contiguous(), w, {7, 5}, 1.0, 0.0, {}), 1e-5, 1e-6,
+              "expanded rows");
 }
 
 TEST_CASE("matmul: num_threads splits give the same product", "[kernels][ops][matmul]") {
@@ -196,7 +205,8 @@ TEST_CASE("matmul: num_threads splits give the same product", "[kernels][ops][ma
   REQUIRE(cases == 4 * 4 * 3);
 }
 
-TEST_CASE("matmul: every ISA variant of this CPU gives the same product", "[kernels][ops][matmul]") {
+TEST_CASE("matmul: every ISA variant of this CPU gives the same product",
+          "[kernels][ops][matmul]") {
   using detail::Isa;
   int variants = 0;
   for (Isa isa : {Isa::kBaseline, Isa::kAvx2, Isa::kAvx512}) {
@@ -225,24 +235,57 @@ TEST_CASE("matmul: invalid arguments are named", "[kernels][ops][matmul]") {
   REQUIRE_THROWS_WITH(matmul(a, Tensor::zeros({4, 2}, DType::kF64)),
                       Contains("b has dtype f64 but a has f32"));
   REQUIRE_THROWS_WITH(matmul(a, Tensor::zeros({4}, DType::kF32)), Contains("at least 2 dims"));
-  REQUIRE_THROWS_WITH(matmul(Tensor::zeros({2, 3, 4}, DType::kF32), Tensor::zeros({3, 4, 2}, DType::kF32)),
-                      Contains("do not broadcast"));
-  REQUIRE_THROWS_WITH(matmul(Tensor::zeros({3, 4}, DType::kI32), Tensor::zeros({4, 2}, DType::kI32)),
-                      Contains("a has dtype i32, expected f32, f64, bf16 or f16"));
+  REQUIRE_THROWS_WITH(
+      matmul(Tensor::zeros({2, 3, 4}, DType::kF32), Tensor::zeros({3, 4, 2}, DType::kF32)),
+      Contains("do not broadcast"));
+  REQUIRE_THROWS_WITH(
+      matmul(Tensor::zeros({3, 4}, DType::kI32), Tensor::zeros({4, 2}, DType::kI32)),
+      Contains("a has dtype i32, expected f32, f64, bf16 or f16"));
   REQUIRE_THROWS_AS(matmul(Tensor::zeros({3, 4}, DType::kI32), Tensor::zeros({4, 2}, DType::kI32)),
                     Unsupported);
-  REQUIRE_THROWS_WITH(matmul_out(Tensor::zeros({3, 3}, DType::kF32), a, Tensor::zeros({4, 2}, DType::kF32)),
-                      Contains("out has shape [3,3], expected [3,2]"));
-  REQUIRE_THROWS_WITH(matmul_out(Tensor::zeros({3, 2}, DType::kF64), a, Tensor::zeros({4, 2}, DType::kF32)),
-                      Contains("out has dtype f64, expected f32"));
-  REQUIRE_THROWS_WITH(matmul_out(Tensor::zeros({3, 2}, DType::kF16), Tensor::zeros({3, 4}, DType::kBF16),
-                                 Tensor::zeros({4, 2}, DType::kBF16)),
-                      Contains("expected bf16 or f32"));
+  REQUIRE_THROWS_WITH(
+      matmul_out(Tensor::zeros({3, 3}, DType::kF32), a, Tensor::zeros({4, 2}, DType::kF32)),
+      Contains("out has shape [3,3], expected [3,2]"));
+  REQUIRE_THROWS_WITH(
+      matmul_out(Tensor::zeros({3, 2}, DType::kF64), a, Tensor::zeros({4, 2}, DType::kF32)),
+      Contains("out has dtype f64, expected f32"));
+  REQUIRE_THROWS_WITH(
+      matmul_out(Tensor::zeros({3, 2}, DType::kF16), Tensor::zeros({3, 4}, DType::kBF16),
+                 Tensor::zeros({4, 2}, DType::kBF16)),
+      Contains("expected bf16 or f32"));
   Tensor big = Tensor::zeros({4, 4}, DType::kF32);
   REQUIRE_THROWS_WITH(matmul_out(big, big, big), Contains("out overlaps an operand"));
   REQUIRE_THROWS_WITH(matmul(a, Tensor::zeros({4, 2}, DType::kF32), {.beta = 1.0}),
                       Contains("use matmul_out"));
-  REQUIRE_THROWS_WITH(matmul_out(Tensor::zeros({3, 2}, DType::kF32), a, Tensor::zeros({4, 2}, DType::kF32),
-                                 {.num_threads = 0}),
+  REQUIRE_THROWS_WITH(matmul_out(Tensor::zeros({3, 2}, DType::kF32), a,
+                                 Tensor::zeros({4, 2}, DType::kF32), {.num_threads = 0}),
                       Contains("num_threads is 0"));
+}
+
+TEST_CASE("bf16 conversions of every ISA variant match the scalar casts bit for bit",
+          "[kernels][ops][matmul]") {
+  using detail::Isa;
+  // Ties, carries into the exponent, overflow to inf, subnormals, NaN of both signs.
+  std::vector<float> values = {0.0f, -0.0f, 1.0f, 1.00390625f, 1.01171875f, 3.3895314e38f,
+                               3.4028235e38f, 1e-40f, -1e-39f, std::nanf(""), -std::nanf(""),
+                               INFINITY, -INFINITY, 0.1f, -2.5f, 65504.0f};
+  for (int i = 0; i < 300; ++i) values.push_back(static_cast<float>(hash_uniform(5, i, -1e6, 1e6)));
+  const auto n = static_cast<int64_t>(values.size());
+  int variants = 0;
+  for (Isa isa : {Isa::kBaseline, Isa::kAvx2, Isa::kAvx512}) {
+    const detail::VecKernels* k = detail::vec_kernels_for(isa);
+    if (k == nullptr) continue;
+    ++variants;
+    INFO(detail::to_string(isa));
+    std::vector<uint16_t> bits(values.size());
+    k->f32.narrow_bf16(bits.data(), values.data(), n);
+    std::vector<float> back(values.size());
+    k->f32.widen_bf16(back.data(), bits.data(), n);
+    for (size_t i = 0; i < values.size(); ++i) {
+      REQUIRE(bits[i] == float_to_bf16_bits(values[i]));
+      const float expected = bf16_bits_to_float(bits[i]);
+      REQUIRE(std::memcmp(&back[i], &expected, sizeof(float)) == 0);
+    }
+  }
+  REQUIRE(variants >= 1);
 }

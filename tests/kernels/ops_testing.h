@@ -40,10 +40,14 @@ inline Tensor random_tensor(const Dims& shape, DType dtype, uint64_t seed, doubl
 inline constexpr int kLayouts = 4;
 inline const char* layout_name(int kind) {
   switch (kind) {
-    case 0: return "contiguous";
-    case 1: return "transposed storage";
-    case 2: return "padded window";
-    default: return "reversed dims";
+    case 0:
+      return "contiguous";
+    case 1:
+      return "transposed storage";
+    case 2:
+      return "padded window";
+    default:
+      return "reversed dims";
   }
 }
 
@@ -115,15 +119,22 @@ struct Tol {
 };
 inline Tol tol_for(DType dtype, double terms = 1) {
   switch (dtype) {
-    case DType::kF64: return {1e-12, 1e-12 * terms};
-    case DType::kF32: return {2e-5, 2e-6 * terms};
-    case DType::kBF16: return {1e-2, 1e-2 + 2e-6 * terms};
-    case DType::kF16: return {2e-3, 1e-3 + 2e-6 * terms};
-    default: return {0, 0};
+    case DType::kF64:
+      return {1e-12, 1e-12 * terms};
+    case DType::kF32:
+      return {2e-5, 2e-6 * terms};
+    case DType::kBF16:
+      return {1e-2, 1e-2 + 2e-6 * terms};
+    case DType::kF16:
+      return {2e-3, 1e-3 + 2e-6 * terms};
+    default:
+      return {0, 0};
   }
 }
 
-inline DType stats_dtype_of(DType dtype) { return dtype == DType::kF64 ? DType::kF64 : DType::kF32; }
+inline DType stats_dtype_of(DType dtype) {
+  return dtype == DType::kF64 ? DType::kF64 : DType::kF32;
+}
 
 inline const std::vector<DType>& float_dtypes() {
   static const std::vector<DType> d = {DType::kF32, DType::kF64, DType::kBF16, DType::kF16};

@@ -54,16 +54,34 @@ std::vector<Case> cases() {
   using namespace optim_vectors;
   return {
       {"adamw_default", true, {.lr = 1e-2}, {}, adamw_default},
-      {"adamw_wd_amsgrad_maximize", true,
-       {.lr = 3e-2, .beta1 = 0.8, .beta2 = 0.95, .eps = 1e-6, .weight_decay = 0.1, .amsgrad = true, .maximize = true},
-       {}, adamw_wd_amsgrad_maximize},
-      {"adam_l2", true, {.lr = 2e-2, .weight_decay = 0.1, .decoupled_weight_decay = false}, {}, adam_l2},
+      {"adamw_wd_amsgrad_maximize",
+       true,
+       {.lr = 3e-2,
+        .beta1 = 0.8,
+        .beta2 = 0.95,
+        .eps = 1e-6,
+        .weight_decay = 0.1,
+        .amsgrad = true,
+        .maximize = true},
+       {},
+       adamw_wd_amsgrad_maximize},
+      {"adam_l2",
+       true,
+       {.lr = 2e-2, .weight_decay = 0.1, .decoupled_weight_decay = false},
+       {},
+       adam_l2},
       {"adamw_beta1_small", true, {.lr = 1e-2, .beta1 = 0.3, .beta2 = 0.9}, {}, adamw_beta1_small},
       {"sgd_plain", false, {}, {.lr = 0.1}, sgd_plain},
-      {"sgd_momentum_dampening_wd", false, {}, {.lr = 0.05, .momentum = 0.9, .dampening = 0.2, .weight_decay = 0.01},
+      {"sgd_momentum_dampening_wd",
+       false,
+       {},
+       {.lr = 0.05, .momentum = 0.9, .dampening = 0.2, .weight_decay = 0.01},
        sgd_momentum_dampening_wd},
-      {"sgd_nesterov_maximize", false, {},
-       {.lr = 0.05, .momentum = 0.8, .weight_decay = 0.02, .nesterov = true, .maximize = true}, sgd_nesterov_maximize},
+      {"sgd_nesterov_maximize",
+       false,
+       {},
+       {.lr = 0.05, .momentum = 0.8, .weight_decay = 0.02, .nesterov = true, .maximize = true},
+       sgd_nesterov_maximize},
   };
 }
 
@@ -74,7 +92,8 @@ void run(const Case& c, DType dtype, DType grad_dtype, int64_t stride,
   const std::vector<double> zeros(kN, 0.0);
   Tensor m = vec(zeros, dtype, stride + 1), v = vec(zeros, dtype, 1), vmax = vec(zeros, dtype, 2);
   for (int step = 1; step <= kSteps; ++step) {
-    const Tensor g = vec(values([&](int i) { return grad_value(step, i); }), grad_dtype, stride == 1 ? 1 : 5);
+    const Tensor g =
+        vec(values([&](int i) { return grad_value(step, i); }), grad_dtype, stride == 1 ? 1 : 5);
     if (c.adamw) {
       adamw_step(p, g, m, v, c.a.amsgrad ? vmax : Tensor(), step, c.a);
     } else {
@@ -90,7 +109,8 @@ std::vector<std::vector<double>> reference(const Case& c, DType grad_dtype) {
   std::vector<std::vector<double>> out;
   for (int step = 1; step <= kSteps; ++step) {
     const std::vector<double> g0 =
-        Tensor::from_vector(values([&](int i) { return grad_value(step, i); }), {kN}, grad_dtype).to_vector();
+        Tensor::from_vector(values([&](int i) { return grad_value(step, i); }), {kN}, grad_dtype)
+            .to_vector();
     for (int i = 0; i < kN; ++i) {
       double g = g0[i];
       if (c.adamw) {
@@ -141,7 +161,8 @@ TEST_CASE("optimizer steps match torch.optim (float32)", "[kernels][ops][optim]"
   REQUIRE(checked == 7 * 2 * kSteps);
 }
 
-TEST_CASE("optimizer steps: f64 params, bf16 grads, against f64 formulas", "[kernels][ops][optim]") {
+TEST_CASE("optimizer steps: f64 params, bf16 grads, against f64 formulas",
+          "[kernels][ops][optim]") {
   int checked = 0;
   for (const Case& c : cases()) {
     for (DType dtype : {DType::kF64, DType::kF32}) {
@@ -149,8 +170,10 @@ TEST_CASE("optimizer steps: f64 params, bf16 grads, against f64 formulas", "[ker
         if (dtype == DType::kF32 && gdt == DType::kF64) continue;
         const auto ref = reference(c, gdt);
         run(c, dtype, gdt, 2, [&](int step, const Tensor& p) {
-          INFO(c.name << " " << to_string(dtype) << " grads " << to_string(gdt) << " step " << step);
-          check_close(p, ref[static_cast<size_t>(step - 1)], dtype == DType::kF64 ? 1e-12 : 2e-6, 1e-7, "vs f64");
+          INFO(c.name << " " << to_string(dtype) << " grads " << to_string(gdt) << " step "
+                      << step);
+          check_close(p, ref[static_cast<size_t>(step - 1)], dtype == DType::kF64 ? 1e-12 : 2e-6,
+                      1e-7, "vs f64");
           ++checked;
         });
       }
@@ -162,23 +185,29 @@ TEST_CASE("optimizer steps: f64 params, bf16 grads, against f64 formulas", "[ker
 TEST_CASE("optimizer steps reject bad arguments", "[kernels][ops][optim]") {
   const Tensor p = Tensor::zeros({4}, DType::kF32), g = Tensor::zeros({4}, DType::kF32);
   const Tensor m = Tensor::zeros({4}, DType::kF32), v = Tensor::zeros({4}, DType::kF32);
-  REQUIRE_THROWS_WITH(adamw_step(p, g, m, v, Tensor(), 0, {}), Contains("step is 0, expected 1 or more"));
+  REQUIRE_THROWS_WITH(adamw_step(p, g, m, v, Tensor(), 0, {}),
+                      Contains("step is 0, expected 1 or more"));
   REQUIRE_THROWS_WITH(adamw_step(p, g, m, v, Tensor(), 1, {.beta1 = 1.0}),
                       Contains("invalid beta parameter at index 0 1"));
-  REQUIRE_THROWS_WITH(adamw_step(p, g, m, v, Tensor(), 1, {.lr = -1}), Contains("invalid learning rate -1"));
-  REQUIRE_THROWS_WITH(adamw_step(p, g, m, v, Tensor(), 1, {.amsgrad = true}), Contains("max_exp_avg_sq is undefined"));
+  REQUIRE_THROWS_WITH(adamw_step(p, g, m, v, Tensor(), 1, {.lr = -1}),
+                      Contains("invalid learning rate -1"));
+  REQUIRE_THROWS_WITH(adamw_step(p, g, m, v, Tensor(), 1, {.amsgrad = true}),
+                      Contains("max_exp_avg_sq is undefined"));
   REQUIRE_THROWS_WITH(adamw_step(p, g, m, Tensor::zeros({4}, DType::kF64), Tensor(), 1, {}),
                       Contains("exp_avg_sq has dtype f64, expected f32"));
-  REQUIRE_THROWS_WITH(adamw_step(p, g, m, m, Tensor(), 1, {}), Contains("exp_avg overlaps exp_avg_sq"));
+  REQUIRE_THROWS_WITH(adamw_step(p, g, m, m, Tensor(), 1, {}),
+                      Contains("exp_avg overlaps exp_avg_sq"));
   REQUIRE_THROWS_WITH(adamw_step(Tensor::zeros({4}, DType::kBF16), g, m, v, Tensor(), 1, {}),
                       Contains("param has dtype bf16, expected f32 or f64"));
   REQUIRE_THROWS_WITH(sgd_step(p, g, Tensor(), true, {.nesterov = true}),
                       Contains("Nesterov momentum requires a momentum and zero dampening"));
-  REQUIRE_THROWS_WITH(sgd_step(p, g, Tensor(), true, {.momentum = 0.9}), Contains("momentum_buffer is undefined"));
+  REQUIRE_THROWS_WITH(sgd_step(p, g, Tensor(), true, {.momentum = 0.9}),
+                      Contains("momentum_buffer is undefined"));
   REQUIRE_THROWS_WITH(sgd_step(p, Tensor::zeros({5}, DType::kF32), Tensor(), true, {}),
                       Contains("grad has shape [5], expected [4]"));
   // Empty ranges are a no-op.
   const Tensor e = Tensor::zeros({0}, DType::kF32);
-  adamw_step(e, e, Tensor::zeros({0}, DType::kF32), Tensor::zeros({0}, DType::kF32), Tensor(), 1, {});
+  adamw_step(e, e, Tensor::zeros({0}, DType::kF32), Tensor::zeros({0}, DType::kF32), Tensor(), 1,
+             {});
   sgd_step(e, Tensor::zeros({0}, DType::kBF16), Tensor(), true, {});
 }

@@ -47,8 +47,10 @@ Dims mask_dims(unsigned mask, int ndim) {
 Dims out_shape(const Dims& shape, unsigned mask, bool keepdim) {
   Dims s;
   for (int d = 0; d < shape.size(); ++d) {
-    if (!(mask >> d & 1)) s.push_back(shape[d]);
-    else if (keepdim) s.push_back(1);
+    if (!(mask >> d & 1))
+      s.push_back(shape[d]);
+    else if (keepdim)
+      s.push_back(1);
   }
   return s;
 }
@@ -80,7 +82,8 @@ TEST_CASE("sum and mean over every subset of dims", "[kernels][ops][reduction]")
             check_close(s, sums, tol.rtol, tol.atol, "sum");
             check_close(mean(x, dims, keepdim), means, tol.rtol, tol.atol, "mean");
             // Into a strided f32 / f64 out, accumulating.
-            Tensor out = relayout(random_tensor(out_shape(shape, mask, keepdim), stats_dtype_of(dt), 3), layout);
+            Tensor out = relayout(
+                random_tensor(out_shape(shape, mask, keepdim), stats_dtype_of(dt), 3), layout);
             const auto before = out.to_vector();
             sum_out(out, x, dims, keepdim, /*accumulate=*/true);
             std::vector<double> acc;
@@ -105,11 +108,13 @@ TEST_CASE("max with argmax, and its backward", "[kernels][ops][reduction]") {
     for (const Dims& shape : std::vector<Dims>{{7}, {5, 13}, {3, 4, 6}, {2, 0, 3}}) {
       // Few distinct values so ties occur: the first index must win.
       Tensor x0 = random_tensor(shape, DType::kF64, 19, 0, 4);
-      x0 = Tensor::from_vector([&] {
-        std::vector<double> v = x0.to_vector();
-        for (double& e : v) e = std::floor(e);
-        return v;
-      }(), shape, dt);
+      x0 = Tensor::from_vector(
+          [&] {
+            std::vector<double> v = x0.to_vector();
+            for (double& e : v) e = std::floor(e);
+            return v;
+          }(),
+          shape, dt);
       for (int dim = 0; dim < shape.size(); ++dim) {
         if (shape[dim] == 0) continue;
         Dims outer = shape;
@@ -141,7 +146,8 @@ TEST_CASE("max with argmax, and its backward", "[kernels][ops][reduction]") {
             check_close(r.values, values, 0, 0, "values");
             REQUIRE(r.indices.dtype() == DType::kI64);
             check_close(r.indices, indices, 0, 0, "indices");
-            const Tensor dy = keepdim ? relayout(dy0, layout).unsqueeze(dim) : relayout(dy0, layout);
+            const Tensor dy =
+                keepdim ? relayout(dy0, layout).unsqueeze(dim) : relayout(dy0, layout);
             const Tensor dx = max_backward(dy, r.indices, dim, shape, keepdim);
             REQUIRE(dx.shape() == shape);
             check_close(dx, grad, 0, 0, "max_backward");
@@ -157,9 +163,11 @@ TEST_CASE("max with argmax, and its backward", "[kernels][ops][reduction]") {
   const MaxResult r = max(n, 0);
   CHECK(std::isnan(r.values.item({})));
   CHECK(r.indices.item({}) == 1.0);
-  REQUIRE_THROWS_WITH(max(Tensor::zeros({3, 0}, DType::kF32), 1), Contains("dim 1 of x [3,0] has size 0"));
-  REQUIRE_THROWS_WITH(max_backward(Tensor::zeros({2}, DType::kF32), Tensor::full({2}, 5, DType::kI64), 1, {2, 3}),
-                      Contains("index 5 at position 0 is out of range for a dim of size 3"));
+  REQUIRE_THROWS_WITH(max(Tensor::zeros({3, 0}, DType::kF32), 1),
+                      Contains("dim 1 of x [3,0] has size 0"));
+  REQUIRE_THROWS_WITH(
+      max_backward(Tensor::zeros({2}, DType::kF32), Tensor::full({2}, 5, DType::kI64), 1, {2, 3}),
+      Contains("index 5 at position 0 is out of range for a dim of size 3"));
 }
 
 TEST_CASE("sum_to_shape reduces a broadcast gradient", "[kernels][ops][reduction]") {
@@ -170,7 +178,8 @@ TEST_CASE("sum_to_shape reduces a broadcast gradient", "[kernels][ops][reduction
   check_close(sum_to_shape(g, {1, 2, 3}), ref_sum(g, 0b001), 1e-6, 1e-6, "to [1,2,3]");
   check_close(sum_to_shape(g, {4, 2, 3}), v, 0, 0, "identity");
   REQUIRE(sum_to_shape(g, {}).shape() == Dims{});
-  REQUIRE_THROWS_WITH(sum_to_shape(g, {2}), Contains("shape [2] does not broadcast to x's shape [4,2,3]"));
+  REQUIRE_THROWS_WITH(sum_to_shape(g, {2}),
+                      Contains("shape [2] does not broadcast to x's shape [4,2,3]"));
 }
 
 TEST_CASE("sum_of_squares accumulates in f64", "[kernels][ops][reduction]") {
@@ -194,6 +203,7 @@ TEST_CASE("reductions reject bad arguments", "[kernels][ops][reduction]") {
   const Tensor x = Tensor::zeros({3, 4}, DType::kF32);
   REQUIRE_THROWS_WITH(sum(x, {2}), Contains("dim 2 out of range for a 2-d tensor"));
   REQUIRE_THROWS_WITH(sum(x, {1, -1}), Contains("dim 1 appears more than once"));
-  REQUIRE_THROWS_WITH(sum_out(Tensor::zeros({4}, DType::kF32), x, {1}), Contains("out has shape [4], expected [3]"));
+  REQUIRE_THROWS_WITH(sum_out(Tensor::zeros({4}, DType::kF32), x, {1}),
+                      Contains("out has shape [4], expected [3]"));
   REQUIRE_THROWS_WITH(sum(Tensor::zeros({3}, DType::kI32), {0}), Contains("x has dtype i32"));
 }

@@ -29,9 +29,11 @@ void for_rows(const Dims& shape, int dim, std::vector<double>& data,
   std::vector<double> row(static_cast<size_t>(len));
   for (int64_t o = 0; o < outer; ++o) {
     for (int64_t i = 0; i < inner; ++i) {
-      for (int64_t j = 0; j < len; ++j) row[j] = data[static_cast<size_t>((o * len + j) * inner + i)];
+      for (int64_t j = 0; j < len; ++j)
+        row[j] = data[static_cast<size_t>((o * len + j) * inner + i)];
       fn(row);
-      for (int64_t j = 0; j < len; ++j) data[static_cast<size_t>((o * len + j) * inner + i)] = row[j];
+      for (int64_t j = 0; j < len; ++j)
+        data[static_cast<size_t>((o * len + j) * inner + i)] = row[j];
     }
   }
 }
@@ -90,34 +92,39 @@ TEST_CASE("softmax and log_softmax: every dim, dtype and layout", "[kernels][ops
             int64_t inner = 1;
             for (int d = dim + 1; d < shape.size(); ++d) inner *= shape[d];
             const int64_t len = shape[dim];
-            const int64_t outer = len * inner == 0 ? 0 : static_cast<int64_t>(yv.size()) / (len * inner);
+            const int64_t outer =
+                len * inner == 0 ? 0 : static_cast<int64_t>(yv.size()) / (len * inner);
             for (int64_t o = 0; o < outer; ++o) {
               for (int64_t i = 0; i < inner; ++i) {
                 auto at = [&](int64_t j) { return static_cast<size_t>((o * len + j) * inner + i); };
                 double s = 0;
                 for (int64_t j = 0; j < len; ++j) s += log ? dyv[at(j)] : dyv[at(j)] * yv[at(j)];
                 for (int64_t j = 0; j < len; ++j) {
-                  dx_ref[at(j)] = log ? dyv[at(j)] - std::exp(yv[at(j)]) * s
-                                      : yv[at(j)] * (dyv[at(j)] - s);
+                  dx_ref[at(j)] =
+                      log ? dyv[at(j)] - std::exp(yv[at(j)]) * s : yv[at(j)] * (dyv[at(j)] - s);
                 }
               }
             }
           }
           Tol tol = tol_for(dt, 4);
-          if (log && dt != DType::kF64) tol.atol = std::max(tol.atol, dt == DType::kF32 ? 1e-5 : 0.05);
+          if (log && dt != DType::kF64)
+            tol.atol = std::max(tol.atol, dt == DType::kF32 ? 1e-5 : 0.05);
           for (int layout = 0; layout < kLayouts; ++layout) {
             const Tensor x = relayout(x0, layout);
             INFO(describe(x) << " dim " << dim << (log ? " log" : ""));
-            check_close(log ? log_softmax(x, dim) : softmax(x, dim), y_ref, tol.rtol, tol.atol, "forward");
+            check_close(log ? log_softmax(x, dim) : softmax(x, dim), y_ref, tol.rtol, tol.atol,
+                        "forward");
             Tensor out = relayout(Tensor::zeros(shape, dt), (layout + 1) % kLayouts);
-            log ? log_softmax_out(out, x, dim - static_cast<int>(shape.size())) : softmax_out(out, x, dim);
+            log ? log_softmax_out(out, x, dim - static_cast<int>(shape.size()))
+                : softmax_out(out, x, dim);
             check_close(out, y_ref, tol.rtol, tol.atol, "forward out");
             const Tensor y = relayout(y0, layout), dy = relayout(dy0, (layout + 2) % kLayouts);
             const Tol btol{tol.rtol, tol.atol * 4 + (dt == DType::kF32 ? 2e-6 : 0)};
-            check_close(log ? log_softmax_backward(dy, y, dim) : softmax_backward(dy, y, dim), dx_ref,
-                        btol.rtol, btol.atol, "backward");
+            check_close(log ? log_softmax_backward(dy, y, dim) : softmax_backward(dy, y, dim),
+                        dx_ref, btol.rtol, btol.atol, "backward");
             Tensor inplace = relayout(dy0, layout);  // dx over dy
-            log ? log_softmax_backward_out(inplace, inplace, y, dim) : softmax_backward_out(inplace, inplace, y, dim);
+            log ? log_softmax_backward_out(inplace, inplace, y, dim)
+                : softmax_backward_out(inplace, inplace, y, dim);
             check_close(inplace, dx_ref, btol.rtol, btol.atol, "backward in place");
             ++cases;
           }
@@ -199,7 +206,8 @@ NormRef ref_norm(bool rms, const Tensor& x, const Tensor& w, const Tensor& b, co
 
 }  // namespace
 
-TEST_CASE("RMSNorm and LayerNorm forward/backward: dtypes, layouts, affine or not", "[kernels][ops][norm]") {
+TEST_CASE("RMSNorm and LayerNorm forward/backward: dtypes, layouts, affine or not",
+          "[kernels][ops][norm]") {
   const std::vector<Dims> shapes = {{5, 13}, {2, 3, 37}, {0, 8}, {4, 1}, {1, 300}, {9}};
   int cases = 0;
   for (DType dt : float_dtypes()) {
@@ -233,8 +241,10 @@ TEST_CASE("RMSNorm and LayerNorm forward/backward: dtypes, layouts, affine or no
             check_close(y, ref.y, tol.rtol, tol.atol, "y");
             // Backward into strided outs with accumulation of the parameter gradients.
             Tensor dx = relayout(Tensor::zeros(shape, dt), (layout + 2) % kLayouts);
-            Tensor dw = affine >= 1 ? relayout(Tensor::full({d}, 1.0, DType::kF32), layout) : Tensor();
-            Tensor db = affine == 2 ? relayout(Tensor::full({d}, 1.0, DType::kF32), layout) : Tensor();
+            Tensor dw =
+                affine >= 1 ? relayout(Tensor::full({d}, 1.0, DType::kF32), layout) : Tensor();
+            Tensor db =
+                affine == 2 ? relayout(Tensor::full({d}, 1.0, DType::kF32), layout) : Tensor();
             if (rms) {
               rms_norm_backward_out(dx, dw, dy, x, w, rstd, /*accumulate=*/true);
             } else {
@@ -245,14 +255,18 @@ TEST_CASE("RMSNorm and LayerNorm forward/backward: dtypes, layouts, affine or no
               for (double& e : v) e += 1;
               return v;
             };
-            if (dw.defined()) check_close(dw, plus1(ref.dw), 1e-4, gtol * 10, "dweight (accumulated)");
-            if (db.defined()) check_close(db, plus1(ref.db), 1e-4, gtol * 10, "dbias (accumulated)");
+            if (dw.defined())
+              check_close(dw, plus1(ref.dw), 1e-4, gtol * 10, "dweight (accumulated)");
+            if (db.defined())
+              check_close(db, plus1(ref.db), 1e-4, gtol * 10, "dbias (accumulated)");
             // The functional backward.
             if (rms) {
               RmsNormGrads g = rms_norm_backward(dy, x, w, rstd);
               check_close(g.dx, ref.dx, tol.rtol * 4, gtol, "dx functional");
               REQUIRE(g.dweight.defined() == w.defined());
-              if (w.defined()) check_close(g.dweight, ref.dw, 1e-2, gtol * 10 + (dt == DType::kBF16 ? 0.05 : 0), "dweight functional");
+              if (w.defined())
+                check_close(g.dweight, ref.dw, 1e-2, gtol * 10 + (dt == DType::kBF16 ? 0.05 : 0),
+                            "dweight functional");
             } else {
               LayerNormGrads g = layer_norm_backward(dy, x, w, b, mean, rstd);
               check_close(g.dx, ref.dx, tol.rtol * 4, gtol, "dx functional");
@@ -276,29 +290,48 @@ TEST_CASE("norm backward matches finite differences (f64)", "[kernels][ops][norm
   {
     const RmsNormOutput f = rms_norm(x, w, eps);
     const RmsNormGrads g = rms_norm_backward(r, x, w, f.rstd);
-    check_close(g.dx, numeric_grad(x, [&](const Tensor& t) { return rms_norm(t, w, eps).y; }, r), 1e-6, 1e-8, "rms dx");
-    check_close(g.dweight, numeric_grad(w, [&](const Tensor& t) { return rms_norm(x, t, eps).y; }, r), 1e-6, 1e-8, "rms dw");
+    check_close(g.dx,
+                numeric_grad(
+                    x, [&](const Tensor& t) { return rms_norm(t, w, eps).y; }, r),
+                1e-6, 1e-8, "rms dx");
+    check_close(g.dweight,
+                numeric_grad(
+                    w, [&](const Tensor& t) { return rms_norm(x, t, eps).y; }, r),
+                1e-6, 1e-8, "rms dw");
   }
   {
     const LayerNormOutput f = layer_norm(x, w, b, eps);
     const LayerNormGrads g = layer_norm_backward(r, x, w, b, f.mean, f.rstd);
-    check_close(g.dx, numeric_grad(x, [&](const Tensor& t) { return layer_norm(t, w, b, eps).y; }, r), 1e-6, 1e-8, "ln dx");
-    check_close(g.dweight, numeric_grad(w, [&](const Tensor& t) { return layer_norm(x, t, b, eps).y; }, r), 1e-6, 1e-8, "ln dw");
-    check_close(g.dbias, numeric_grad(b, [&](const Tensor& t) { return layer_norm(x, w, t, eps).y; }, r), 1e-6, 1e-8, "ln db");
+    check_close(g.dx,
+                numeric_grad(
+                    x, [&](const Tensor& t) { return layer_norm(t, w, b, eps).y; }, r),
+                1e-6, 1e-8, "ln dx");
+    check_close(g.dweight,
+                numeric_grad(
+                    w, [&](const Tensor& t) { return layer_norm(x, t, b, eps).y; }, r),
+                1e-6, 1e-8, "ln dw");
+    check_close(g.dbias,
+                numeric_grad(
+                    b, [&](const Tensor& t) { return layer_norm(x, w, t, eps).y; }, r),
+                1e-6, 1e-8, "ln db");
   }
 }
 
 TEST_CASE("norms reject bad arguments", "[kernels][ops][norm]") {
   const Tensor x = Tensor::zeros({3, 4}, DType::kF32);
-  REQUIRE_THROWS_WITH(rms_norm(x, Tensor::zeros({5}, DType::kF32), 1e-6), Contains("weight has shape [5], expected [4]"));
+  REQUIRE_THROWS_WITH(rms_norm(x, Tensor::zeros({5}, DType::kF32), 1e-6),
+                      Contains("weight has shape [5], expected [4]"));
   REQUIRE_THROWS_WITH(rms_norm(x, Tensor(), -1.0), Contains("eps is -1"));
   REQUIRE_THROWS_WITH(rms_norm_backward(x, x, Tensor(), Tensor::zeros({3}, DType::kBF16)),
                       Contains("rstd has dtype bf16, expected f32"));
-  REQUIRE_THROWS_WITH(layer_norm_backward(x, x, Tensor(), Tensor(), Tensor::zeros({4}, DType::kF32), Tensor::zeros({3}, DType::kF32)),
+  REQUIRE_THROWS_WITH(layer_norm_backward(x, x, Tensor(), Tensor(), Tensor::zeros({4}, DType::kF32),
+                                          Tensor::zeros({3}, DType::kF32)),
                       Contains("mean has shape [4], expected [3]"));
-  REQUIRE_THROWS_WITH(rms_norm(Tensor::zeros({}, DType::kF32), Tensor(), 1e-6), Contains("x is 0-d"));
+  REQUIRE_THROWS_WITH(rms_norm(Tensor::zeros({}, DType::kF32), Tensor(), 1e-6),
+                      Contains("x is 0-d"));
   Tensor y = x.clone();
-  REQUIRE_THROWS_WITH(rms_norm_out(y, y.select(1, 0), x, Tensor(), 1e-6), Contains("y overlaps rstd"));
+  REQUIRE_THROWS_WITH(rms_norm_out(y, y.select(1, 0), x, Tensor(), 1e-6),
+                      Contains("y overlaps rstd"));
 }
 
 namespace {
@@ -309,7 +342,8 @@ struct CeRef {
   int64_t count = 0;
 };
 
-CeRef ref_ce(const Tensor& logits, const std::vector<int64_t>& targets, int64_t ignore, double g_mean_scale) {
+CeRef ref_ce(const Tensor& logits, const std::vector<int64_t>& targets, int64_t ignore,
+             double g_mean_scale) {
   const int64_t n = logits.size(0), v = logits.size(1);
   const auto x = logits.to_vector();
   CeRef r;
@@ -325,17 +359,20 @@ CeRef ref_ce(const Tensor& logits, const std::vector<int64_t>& targets, int64_t 
     r.row_loss[i] = std::log(s) + m - x[i * v + targets[i]];
     r.loss_sum += r.row_loss[i];
     for (int64_t j = 0; j < v; ++j)
-      r.dlogits[i * v + j] = (std::exp(x[i * v + j] - m) / s - (j == targets[i] ? 1 : 0)) * g_mean_scale;
+      r.dlogits[i * v + j] =
+          (std::exp(x[i * v + j] - m) / s - (j == targets[i] ? 1 : 0)) * g_mean_scale;
   }
   return r;
 }
 
 }  // namespace
 
-TEST_CASE("cross_entropy: fused loss and dlogits, reductions, ignore_index", "[kernels][ops][cross_entropy]") {
+TEST_CASE("cross_entropy: fused loss and dlogits, reductions, ignore_index",
+          "[kernels][ops][cross_entropy]") {
   int cases = 0;
   for (DType dt : float_dtypes()) {
-    for (auto [n, v] : std::vector<std::pair<int64_t, int64_t>>{{6, 11}, {1, 1}, {0, 5}, {17, 257}}) {
+    for (auto [n, v] :
+         std::vector<std::pair<int64_t, int64_t>>{{6, 11}, {1, 1}, {0, 5}, {17, 257}}) {
       std::vector<int64_t> t;
       for (int64_t i = 0; i < n; ++i) t.push_back(i % 4 == 1 ? -100 : (i * 7 + 3) % v);
       std::vector<double> td(t.begin(), t.end());
@@ -343,13 +380,16 @@ TEST_CASE("cross_entropy: fused loss and dlogits, reductions, ignore_index", "[k
       for (DType tdt : {DType::kI64, DType::kI32}) {
         const Tensor targets = relayout(Tensor::from_vector(td, {n}, tdt), 2);
         const CeRef base = ref_ce(logits0, t, -100, 1.0);
-        for (LossReduction red : {LossReduction::kMean, LossReduction::kSum, LossReduction::kNone}) {
-          const double g = red == LossReduction::kMean ? 0.5 / std::max<int64_t>(base.count, 1) : 0.5;
+        for (LossReduction red :
+             {LossReduction::kMean, LossReduction::kSum, LossReduction::kNone}) {
+          const double g =
+              red == LossReduction::kMean ? 0.5 / std::max<int64_t>(base.count, 1) : 0.5;
           const CeRef ref = ref_ce(logits0, t, -100, g);
           for (int layout = 0; layout < kLayouts; ++layout) {
             const Tensor logits = relayout(logits0, layout);
             INFO(describe(logits) << " reduction " << static_cast<int>(red));
-            const CrossEntropyOutput out = cross_entropy(logits, targets, {.reduction = red, .grad_scale = 0.5});
+            const CrossEntropyOutput out =
+                cross_entropy(logits, targets, {.reduction = red, .grad_scale = 0.5});
             REQUIRE(out.loss.dtype() == stats_dtype_of(dt));
             const double tl = dt == DType::kF64 ? 1e-12 : 1e-5;
             if (red == LossReduction::kNone) {
@@ -357,7 +397,8 @@ TEST_CASE("cross_entropy: fused loss and dlogits, reductions, ignore_index", "[k
             } else if (red == LossReduction::kSum) {
               check_close(out.loss, {ref.loss_sum}, tl, tl * n, "sum loss");
             } else {
-              check_close(out.loss, {ref.count == 0 ? NAN : ref.loss_sum / ref.count}, tl, tl, "mean loss");
+              check_close(out.loss, {ref.count == 0 ? NAN : ref.loss_sum / ref.count}, tl, tl,
+                          "mean loss");
             }
             const Tol tol = tol_for(dt);
             check_close(out.dlogits, ref.dlogits, tol.rtol, tol.atol + 1e-7, "dlogits");
@@ -374,19 +415,24 @@ TEST_CASE("cross_entropy: fused loss and dlogits, reductions, ignore_index", "[k
   }
   REQUIRE(cases == 4 * 4 * 2 * 3 * kLayouts);
   // All rows ignored: the mean is NaN (0/0), as PyTorch; the gradient is zero.
-  const CrossEntropyOutput all = cross_entropy(Tensor::zeros({2, 3}, DType::kF32),
-                                               Tensor::full({2}, -100, DType::kI64));
+  const CrossEntropyOutput all =
+      cross_entropy(Tensor::zeros({2, 3}, DType::kF32), Tensor::full({2}, -100, DType::kI64));
   CHECK(std::isnan(all.loss.item({})));
   CHECK(all.dlogits.to_vector() == std::vector<double>(6, 0.0));
   // A custom ignore_index, and the range check naming the row.
-  CHECK(cross_entropy(Tensor::zeros({2, 3}, DType::kF32), Tensor::from_vector({7, 0}, {2}, DType::kI64),
-                      {.ignore_index = 7}).loss.item({}) == Approx(std::log(3.0)));
-  REQUIRE_THROWS_WITH(cross_entropy(Tensor::zeros({2, 3}, DType::kF32), Tensor::from_vector({1, 3}, {2}, DType::kI64)),
-                      Contains("target 3 at row 1 is out of range (expected 0..2 or ignore_index -100)"));
-  REQUIRE_THROWS_WITH(cross_entropy(Tensor::zeros({2, 3, 1}, DType::kF32), Tensor::zeros({2}, DType::kI64)),
-                      Contains("expected 2 dims [N, V]"));
-  REQUIRE_THROWS_WITH(cross_entropy(Tensor::zeros({2, 3}, DType::kF32), Tensor::zeros({2}, DType::kF32)),
-                      Contains("targets has dtype f32, expected i64 or i32"));
+  CHECK(cross_entropy(Tensor::zeros({2, 3}, DType::kF32),
+                      Tensor::from_vector({7, 0}, {2}, DType::kI64), {.ignore_index = 7})
+            .loss.item({}) == Approx(std::log(3.0)));
+  REQUIRE_THROWS_WITH(
+      cross_entropy(Tensor::zeros({2, 3}, DType::kF32),
+                    Tensor::from_vector({1, 3}, {2}, DType::kI64)),
+      Contains("target 3 at row 1 is out of range (expected 0..2 or ignore_index -100)"));
+  REQUIRE_THROWS_WITH(
+      cross_entropy(Tensor::zeros({2, 3, 1}, DType::kF32), Tensor::zeros({2}, DType::kI64)),
+      Contains("expected 2 dims [N, V]"));
+  REQUIRE_THROWS_WITH(
+      cross_entropy(Tensor::zeros({2, 3}, DType::kF32), Tensor::zeros({2}, DType::kF32)),
+      Contains("targets has dtype f32, expected i64 or i32"));
 }
 
 TEST_CASE("cross_entropy on vocab shards equals the full loss", "[kernels][ops][cross_entropy]") {
@@ -410,7 +456,8 @@ TEST_CASE("cross_entropy on vocab shards equals the full loss", "[kernels][ops][
         const auto m = stats.back().max.to_vector();
         for (int64_t i = 0; i < n; ++i) gmax.set_item({i}, std::max(gmax.item({i}), m[i]));
       }
-      Tensor gsum = Tensor::zeros({n}, stats_dtype_of(dt)), gtarget = Tensor::zeros({n}, stats_dtype_of(dt));
+      Tensor gsum = Tensor::zeros({n}, stats_dtype_of(dt)),
+             gtarget = Tensor::zeros({n}, stats_dtype_of(dt));
       for (auto& s : stats) {
         rescale_sum_exp_(s.sum_exp, s.max, gmax);
         add_out(gsum, gsum, s.sum_exp);  // all_reduce(sum)
@@ -421,8 +468,9 @@ TEST_CASE("cross_entropy on vocab shards equals the full loss", "[kernels][ops][
       check_close(loss, full.loss, tl, tl, "sharded loss");
       Tensor dlogits = Tensor::zeros({n, v}, dt);
       for (auto [start, len] : shards) {
-        cross_entropy_shard_backward_out(dlogits.narrow(1, start, len), logits.narrow(1, start, len),
-                                         targets, start, gmax, gsum, opts);
+        cross_entropy_shard_backward_out(dlogits.narrow(1, start, len),
+                                         logits.narrow(1, start, len), targets, start, gmax, gsum,
+                                         opts);
       }
       const Tol tol = tol_for(dt);
       check_close(dlogits, full.dlogits, tol.rtol, tol.atol + 1e-7, "sharded dlogits");
@@ -435,16 +483,20 @@ TEST_CASE("cross_entropy on vocab shards equals the full loss", "[kernels][ops][
                                                            Tensor::zeros({2}, DType::kI64), 3, 3);
   CHECK(e.max.to_vector() == std::vector<double>(2, -INFINITY));
   CHECK(e.sum_exp.to_vector() == std::vector<double>(2, 0.0));
-  REQUIRE_THROWS_WITH(cross_entropy_shard_stats(Tensor::zeros({2, 4}, DType::kF32), Tensor::zeros({2}, DType::kI64), 3, 6),
+  REQUIRE_THROWS_WITH(cross_entropy_shard_stats(Tensor::zeros({2, 4}, DType::kF32),
+                                                Tensor::zeros({2}, DType::kI64), 3, 6),
                       Contains("the shard holds columns [3, 7) but the vocab has 6"));
 }
 
-TEST_CASE("cross_entropy dlogits matches finite differences (f64)", "[kernels][ops][cross_entropy]") {
+TEST_CASE("cross_entropy dlogits matches finite differences (f64)",
+          "[kernels][ops][cross_entropy]") {
   const Tensor logits = random_tensor({4, 5}, DType::kF64, 81, -2, 2);
   const Tensor targets = Tensor::from_vector({1, -100, 4, 0}, {4}, DType::kI64);
   const CrossEntropyOutput out = cross_entropy(logits, targets);
   const Tensor one = Tensor::full({}, 1.0, DType::kF64);
-  check_close(out.dlogits,
-              numeric_grad(logits, [&](const Tensor& t) { return cross_entropy(t, targets, {}, false).loss; }, one),
-              1e-6, 1e-9, "fd");
+  check_close(
+      out.dlogits,
+      numeric_grad(
+          logits, [&](const Tensor& t) { return cross_entropy(t, targets, {}, false).loss; }, one),
+      1e-6, 1e-9, "fd");
 }
