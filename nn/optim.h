@@ -1,0 +1,82 @@
+// Optimizers over DTensor parameters, gradient reduction and clipping.
+//
+//   auto params = model.named_parameters();
+//   AdamW opt(params, {.lr = 1e-3, .weight_decay = 0.1});
+//   model.backward(ctx, dlogits);
+//   reduce_gradients(params);                      // Partial gradients -> the parameters' placements
+//   double norm = clip_grad_norm_(params, 1.0);    // the true global norm, on every rank
+//   opt.step();                                    // each rank steps its own shard (fused kernel)
+//   opt.zero_grad();
+//
+// Each optimizer keeps its state as DTensors of the parameter's placements (created on the
+// first step), so a sharded parameter has sharded state and a step needs no communication. A
+// gradient must have the parameter's placements by then (reduce_gradients, or FSDP's
+// reduce-scatter); otherwise step() throws InvalidArgument naming the parameter.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/ops/optim.h"
+#include "nn/module.h"
+
+namespace nn {
+
+using NamedParameters = std::vector<std::pair<std::string, std::shared_ptr<Parameter>>>;
+
+class Optimizer {
+ public:
+  explicit Optimizer(NamedParameters params);
+  virtual ~Optimizer() = default;
+  // Steps every parameter that has a gradient.
+  virtual void step() = 0;
+  void zero_grad(bool set_to_none = true);
+  const NamedParameters& parameters() const { return params_; }
+  // A state tensor of parameter `name` ("exp_avg", "exp_avg_sq", "momentum_buffer"); throws
+  // InvalidArgument when absent.
+  const DTensor& state(std::string_view name, std::string_view key) const;
+
+ protected:
+  struct State {
+    std::vector<std::pair<std::string, DTensor>> tensors;
+    int64_t step = 0;
+  };
+  // The gradient of params_[i], checked against the parameter (placements, shape, mesh).
+  const DTensor* checked_grad(size_t i) const;
+  DTensor& state_tensor(size_t i, const std::string& key);  // zeros like the parameter on first use
+  NamedParameters params_;
+  std::vector<State> state_;
+};
+
+class SGD : public Optimizer {
+ public:
+  SGD(NamedParameters params, kernels::SgdOptions options);
+  void step() override;
+  kernels::SgdOptions options;
+};
+
+class AdamW : public Optimizer {
+ public:
+  AdamW(NamedParameters params, kernels::AdamWOptions options);
+  void step() override;
+  kernels::AdamWOptions options;
+};
+
+// Redistributes every gradient whose placements differ from its parameter's (Partial sums over
+// the batch-splitting or sequence-parallel mesh dims) to the parameter's placements; gradients
+// moving alike are batched into one collective per step. Collective over the mesh.
+void reduce_gradients(const NamedParameters& params);
+
+// Scales the gradients so their global norm is at most max_norm (PyTorch's clip_grad_norm_:
+// coefficient max_norm / (norm + 1e-6), clamped to 1) and returns the global norm before
+// clipping, identical on every rank. The norm covers every element of every gradient once:
+// each rank sums the squares of its shards (a replicated gradient counts on one rank per
+// replica group) and ONE reduction over the mesh dims that shard a gradient makes the total.
+// norm_type: 2 or infinity. max_norm <= 0 only measures. Throws InvalidArgument for a gradient
+// still Partial (reduce it first) or a non-finite norm with error_if_nonfinite. Collective.
+double clip_grad_norm_(const NamedParameters& params, double max_norm, double norm_type = 2.0,
+                       bool error_if_nonfinite = false);
+
+}  // namespace nn

@@ -1,0 +1,185 @@
+#include "nn/parameter.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <numbers>
+#include <vector>
+
+#include "kernels/error.h"
+#include "kernels/format.h"
+
+namespace nn {
+
+using kernels::InvalidArgument;
+
+namespace {
+
+// splitmix64's finaliser: a bijective 64-bit mix.
+uint64_t mix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+uint64_t fnv1a(std::string_view s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+// A uniform value in (0, 1] with 53 random bits.
+double unit(uint64_t bits) { return (static_cast<double>(bits >> 11) + 1.0) * 0x1.0p-53; }
+
+}  // namespace
+
+double Init::value(uint64_t seed, std::string_view name, int64_t index) const {
+  switch (kind) {
+    case Kind::kZeros:
+      return 0.0;
+    case Kind::kOnes:
+      return 1.0;
+    case Kind::kConstant:
+      return a;
+    case Kind::kUniform:
+    case Kind::kNormal: {
+      const uint64_t key = mix64(seed ^ mix64(fnv1a(name)));
+      const uint64_t i = static_cast<uint64_t>(index);
+      const double u1 = unit(mix64(key + 2 * i)), u2 = unit(mix64(key + 2 * i + 1));
+      if (kind == Kind::kUniform) return a + (b - a) * (u1 - 0x1.0p-53);
+      // Box-Muller: u1 in (0, 1] keeps the logarithm finite.
+      return a + b * std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
+    }
+  }
+  return 0.0;
+}
+
+std::string to_string(const Init& init) {
+  switch (init.kind) {
+    case Init::Kind::kZeros:
+      return "zeros";
+    case Init::Kind::kOnes:
+      return "ones";
+    case Init::Kind::kConstant:
+      return fmt::format("constant({})", init.a);
+    case Init::Kind::kNormal:
+      return fmt::format("normal(mean={}, std={})", init.a, init.b);
+    case Init::Kind::kUniform:
+      return fmt::format("uniform({}, {})", init.a, init.b);
+  }
+  return "?";
+}
+
+Parameter::Parameter(std::shared_ptr<const MeshComms> comms, Dims shape, DType dtype, Init init,
+                     std::optional<Placements> placements, kernels::Device device)
+    : comms_(std::move(comms)), shape_(shape), dtype_(dtype), init_(init), device_(device) {
+  if (!comms_) throw InvalidArgument("Parameter: the mesh communicators are null");
+  placements_ = placements ? *placements : Placements(comms_->mesh().ndim(), dtensor::Replicate{});
+  placements_ = dtensor::normalize_placements(placements_, comms_->mesh().ndim(), shape_.size());
+  if (!kernels::is_floating_point(dtype_))
+    throw InvalidArgument(fmt::format("Parameter: dtype {} is not a floating dtype", dtype_));
+}
+
+const DTensor& Parameter::data() const {
+  if (!data_)
+    throw InvalidArgument(fmt::format("Parameter of shape {}: still meta (call materialize first)", shape_));
+  return *data_;
+}
+
+void Parameter::set_data(DTensor value) {
+  if (!(value.shape() == shape_) || value.dtype() != dtype_)
+    throw InvalidArgument(fmt::format("Parameter::set_data: a {} {} tensor for a {} {} parameter",
+                                      value.shape(), value.dtype(), shape_, dtype_));
+  placements_ = value.placements();
+  data_ = std::move(value);
+}
+
+void Parameter::set_placements(const Placements& placements) {
+  const Placements p = dtensor::normalize_placements(placements, comms_->mesh().ndim(), shape_.size());
+  for (size_t m = 0; m < p.size(); ++m)
+    if (dtensor::is_partial(p[m]))
+      throw InvalidArgument(
+          fmt::format("Parameter::set_placements: {} on mesh dim {}: a parameter holds a value, "
+                      "not a partial sum",
+                      dtensor::to_string(p[m]), m));
+  if (data_ && !(p == placements_)) {
+    data_ = data_->redistribute(p);
+    grad_.reset();
+  }
+  placements_ = p;
+}
+
+void Parameter::set_dtype(DType dtype) {
+  if (!kernels::is_floating_point(dtype))
+    throw InvalidArgument(fmt::format("Parameter::set_dtype: {} is not a floating dtype", dtype));
+  if (data_ && dtype != dtype_) {
+    DTensor& d = *data_;
+    dtensor::DTensorSpec spec = d.spec();
+    spec.dtype = dtype;
+    data_ = DTensor(d.comms(), spec, d.to_local().to(dtype));
+    grad_.reset();
+  }
+  dtype_ = dtype;
+}
+
+void Parameter::materialize(uint64_t seed, std::string_view name) {
+  dtensor::DTensorSpec spec = dtensor::make_spec(
+      std::shared_ptr<const dtensor::DeviceMesh>(comms_, &comms_->mesh()), placements_, shape_, dtype_);
+  if (!comms_->in_mesh()) {
+    data_ = DTensor(comms_, spec, Tensor::empty({0}, dtype_, device_));
+    return;
+  }
+  const dtensor::ShardLayout layout = *spec.layout(comms_->rank());
+  const int nd = shape_.size();
+  std::vector<std::vector<int64_t>> idx;
+  for (int t = 0; t < nd; ++t) idx.push_back(layout.indices(t));
+  std::vector<double> values(static_cast<size_t>(layout.local_shape.product()));
+  Dims pos = Dims::filled(nd, 0);
+  for (double& v : values) {
+    int64_t flat = 0;
+    for (int t = 0; t < nd; ++t) flat = flat * shape_[t] + idx[t][pos[t]];
+    v = init_.value(seed, name, flat);
+    for (int t = nd - 1; t >= 0; --t) {
+      if (++pos[t] < layout.local_shape[t]) break;
+      pos[t] = 0;
+    }
+  }
+  Tensor local = Tensor::empty(layout.local_shape, dtype_, device_, comms_->allocator());
+  if (local.numel() > 0) local.copy_(Tensor::from_vector(values, layout.local_shape, dtype_));
+  data_ = DTensor(comms_, spec, local);
+  grad_.reset();
+}
+
+void Parameter::zero_grad(bool set_to_none) {
+  if (set_to_none) {
+    grad_.reset();
+    accumulate_next_ = true;
+    return;
+  }
+  if (grad_ && comms_->in_mesh()) {
+    Tensor g = grad_->to_local();
+    g.fill_(0.0);
+  }
+  accumulate_next_ = true;
+}
+
+void Parameter::set_grad_buffer(DTensor buffer, bool accumulate) {
+  if (!(buffer.shape() == shape_))
+    throw InvalidArgument(
+        fmt::format("Parameter::set_grad_buffer: a buffer of shape {} for a parameter of shape {}",
+                    buffer.shape(), shape_));
+  grad_ = std::move(buffer);
+  accumulate_next_ = accumulate;
+}
+
+dtensor::ops::GradSink Parameter::grad_sink() {
+  dtensor::ops::GradSink sink;
+  sink.needed = requires_grad;
+  sink.into = &grad_;
+  sink.accumulate = accumulate_next_;
+  accumulate_next_ = true;
+  return sink;
+}
+
+}  // namespace nn

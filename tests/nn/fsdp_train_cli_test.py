@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""fsdp-train's contract: flags, the progress lines, the last JSON line (exactly its keys), exit
+statuses, and the --dump-init safetensors file (parsed here without the safetensors package:
+8-byte little-endian header length, JSON header, raw little-endian data).
+
+usage: fsdp_train_cli_test.py path/to/fsdp-train
+"""
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+import tempfile
+
+exe = sys.argv[1]
+failures = []
+checks = 0
+SMALL = ["--layers", "1", "--dim", "16", "--heads", "2", "--vocab", "24", "--seq", "8", "--batch", "4"]
+KEYS = ["steps", "first_loss", "last_loss", "parity", "max_rel_loss_diff", "max_param_diff", "tokens_per_s",
+        "peak_bytes"]
+
+
+def check(ok, what):
+    global checks
+    checks += 1
+    if not ok:
+        failures.append(what)
+
+
+def run(args):
+    return subprocess.run([exe] + args, capture_output=True, text=True, timeout=120)
+
+
+# Defaults of the contract: the loss halves in the default run (and it is quick).
+r = run([])
+check(r.returncode == 0, f"default run exit {r.returncode}: {r.stderr}")
+lines = r.stdout.strip().splitlines()
+last = json.loads(lines[-1])
+check(list(last.keys()) == KEYS, f"JSON keys {list(last.keys())}")
+check(last["steps"] == 30 and last["parity"] == "skipped", f"defaults: {last}")
+check(last["max_rel_loss_diff"] is None and last["max_param_diff"] is None, "skipped parity diffs are null")
+check(last["last_loss"] <= last["first_loss"] / 2, f"the default run does not halve the loss: {last}")
+check(last["tokens_per_s"] > 0 and last["peak_bytes"] > 0, "throughput and memory reported")
+progress = [l for l in lines[:-1] if l.startswith("step ")]
+check(len(progress) == 30, f"{len(progress)} progress lines for 30 steps")
+pat = re.compile(r"^step (\d+)/30 loss (\S+) ms (\S+) tokens/s (\S+) peak_bytes (\d+)$")
+check(all(pat.match(l) for l in progress), f"progress line format: {progress[:1]}")
+check(abs(float(pat.match(progress[0]).group(2)) - last["first_loss"]) < 1e-6, "first progress loss = first_loss")
+
+# --log-every, --check-parity on tp 2, gradient accumulation.
+r = run(SMALL + ["--tp", "2", "--steps", "6", "--log-every", "3", "--check-parity", "--grad-accum", "2"])
+check(r.returncode == 0, f"tp 2 parity exit {r.returncode}: {r.stderr}")
+out = r.stdout.strip().splitlines()
+check(len([l for l in out if l.startswith("step ")]) == 2, "--log-every 3 over 6 steps: 2 lines")
+last = json.loads(out[-1])
+check(last["parity"] == "ok" and last["max_rel_loss_diff"] <= 1e-5 and last["max_param_diff"] <= 1e-5,
+      f"parity: {last}")
+
+# --dump-init: a safetensors file with every parameter.
+with tempfile.TemporaryDirectory() as d:
+    path = os.path.join(d, "init.safetensors")
+    r = run(SMALL + ["--steps", "1", "--dump-init", path])
+    check(r.returncode == 0, f"dump exit {r.returncode}: {r.stderr}")
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    check(n % 8 == 0, "header padded to 8 bytes")
+    meta = header.pop("__metadata__", {})
+    check(json.loads(meta.get("config", "{}")).get("dim") == 16, f"config metadata {meta}")
+    check("tok_emb.weight" in header and "blocks.0.attn.wq.weight" in header and "lm_head.weight" in header,
+          f"names {sorted(header)}")
+    end = 0
+    for name, t in header.items():
+        b, e = t["data_offsets"]
+        count = 1
+        for s in t["shape"]:
+            count *= s
+        check(t["dtype"] == "F32" and e - b == 4 * count, f"{name}: {t}")
+        end = max(end, e)
+    check(end == len(data), f"data section {len(data)} bytes, offsets end at {end}")
+    ln = header["blocks.0.ln1.weight"]
+    vals = struct.unpack(f"<{ln['shape'][0]}f", data[ln["data_offsets"][0]:ln["data_offsets"][1]])
+    check(all(v == 1.0 for v in vals), "LayerNorm weights start at 1")
+
+# Invalid input: exit 2 with a message naming the value.
+for args, text in [(["--dp-shard", "2"], "--dp-shard 2"), (["--tp", "3"], "3 ranks"),
+                   (["--heads", "5"], "--heads 5"), (["--grad-accum", "3"], "--grad-accum 3"),
+                   (["--mp", "fp16"], "fp16"), (["--backend", "gloo"], "gloo"), (["--world", "3"], "--world 3")]:
+    r = run(args + ["--steps", "2"])
+    check(r.returncode == 2 and text in r.stderr, f"{args}: exit {r.returncode}, stderr {r.stderr.strip()}")
+
+for f in failures:
+    print("FAIL:", f)
+print(f"fsdp_train_cli_test: {checks} checks, {len(failures)} failures")
+sys.exit(1 if failures or checks < 30 else 0)

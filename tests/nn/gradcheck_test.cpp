@@ -1,0 +1,245 @@
+// Every layer's backward against central finite differences, in f64, on a mesh of one rank:
+// the loss sum(forward(x) * r) for a fixed r, differentiated in every parameter (all elements of
+// small ones, 40 spread over large ones) and in the input.
+#include <catch2/catch.hpp>
+
+#include "nn/layers.h"
+#include "nn/transformer.h"
+#include "nn_support.h"
+#include "support/checks.h"
+
+using namespace nn;
+using namespace nn_test;
+
+namespace {
+
+constexpr double kEps = 1e-6;
+
+double dot(const DTensor& y, const Tensor& r) {
+  const std::vector<double> a = y.full_tensor().to_vector(), b = r.to_vector();
+  double s = 0;
+  for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
+  return s;
+}
+
+std::vector<int64_t> sample(int64_t n) {
+  std::vector<int64_t> out;
+  if (n <= 40) {
+    for (int64_t i = 0; i < n; ++i) out.push_back(i);
+  } else {
+    for (int64_t k = 0; k < 40; ++k) out.push_back(k * n / 40 + (k % 3));
+  }
+  return out;
+}
+
+void compare(double numeric, double analytic, const std::string& what, testing_support::Checks& checks,
+             int& count) {
+  ++count;
+  const double tol = 1e-7 + 1e-5 * std::max(std::abs(numeric), std::abs(analytic));
+  checks.check(std::abs(numeric - analytic) <= tol,
+               fmt::format("{}: finite difference {:.10g}, backward {:.10g}", what, numeric, analytic));
+}
+
+// loss(): the scalar at the current parameter and input values (no gradients);
+// analytic(): runs forward + backward, leaving parameter gradients, returns the input gradient.
+struct Problem {
+  std::function<double()> loss;
+  std::function<std::optional<DTensor>()> analytic;
+  DTensor* input = nullptr;  // perturbed for the input gradient (nullptr: none)
+};
+
+// Returns the number of elements checked.
+int gradcheck(Module& m, const Problem& pb, const std::string& what, testing_support::Checks& checks) {
+  m.zero_grad();
+  const std::optional<DTensor> dx = pb.analytic();
+  int count = 0;
+  auto perturb = [&](const Tensor& local, int64_t i) {
+    double* d = local.data<double>();
+    const double keep = d[i];
+    d[i] = keep + kEps;
+    const double up = pb.loss();
+    d[i] = keep - kEps;
+    const double down = pb.loss();
+    d[i] = keep;
+    return (up - down) / (2 * kEps);
+  };
+  for (auto& [name, p] : m.named_parameters()) {
+    if (!p->grad()) {
+      checks.add(fmt::format("{}: no gradient for {}", what, name));
+      continue;
+    }
+    const Tensor local = p->data().to_local();
+    const std::vector<double> g = p->grad()->full_tensor().to_vector();
+    for (int64_t i : sample(local.numel()))
+      compare(perturb(local, i), g[i], fmt::format("{} d/d{}[{}]", what, name, i), checks, count);
+  }
+  if (pb.input) {
+    if (!dx) {
+      checks.add(what + ": no input gradient");
+    } else {
+      const Tensor local = pb.input->to_local();
+      const std::vector<double> g = dx->full_tensor().to_vector();
+      for (int64_t i : sample(local.numel()))
+        compare(perturb(local, i), g[i], fmt::format("{} d/dx[{}]", what, i), checks, count);
+    }
+  }
+  return count;
+}
+
+// The module's forward on x, against r of the output's shape.
+Problem module_problem(Module& m, DTensor& x, int salt, bool input_grad = true) {
+  Problem pb;
+  auto r = std::make_shared<Tensor>();
+  {
+    Ctx ctx;
+    *r = values(m.forward(ctx, x).shape(), salt);
+  }
+  pb.loss = [&m, &x, r] {
+    Ctx ctx;
+    return dot(m.forward(ctx, x), *r);
+  };
+  pb.analytic = [&m, &x, r] {
+    Ctx ctx;
+    DTensor y = m.forward(ctx, x);
+    return m.backward(ctx, replicated(*r, y.comms()));
+  };
+  if (input_grad) pb.input = &x;
+  return pb;
+}
+
+ModuleOptions f64(const std::shared_ptr<MeshComms>& comms) { return ModuleOptions{comms, DType::kF64}; }
+
+void run_check(const std::string& what, int expected_min,
+               const std::function<int(std::shared_ptr<MeshComms>, testing_support::Checks&)>& body) {
+  testing_support::Checks checks;
+  int count = 0;
+  on_mesh({1}, [&](std::shared_ptr<MeshComms> comms, Communicator&) { count = body(comms, checks); });
+  INFO(what);
+  CHECK(count >= expected_min);
+  checks.report();
+}
+
+}  // namespace
+
+TEST_CASE("gradcheck: Linear, with and without bias", "[nn][gradcheck]") {
+  for (bool bias : {true, false})
+    run_check(fmt::format("Linear bias={}", bias), bias ? 35 + 7 + 30 : 35 + 30,
+              [&](auto comms, auto& checks) {
+                Linear l(f64(comms), 5, 7, bias);
+                materialize(l, 1);
+                randomize(l, 3);
+                DTensor x = replicated(values({2, 3, 5}, 7), comms);
+                return gradcheck(l, module_problem(l, x, 11), "Linear", checks);
+              });
+}
+
+TEST_CASE("gradcheck: Embedding", "[nn][gradcheck]") {
+  run_check("Embedding", 36, [](auto comms, auto& checks) {
+    Embedding e(f64(comms), 9, 4);
+    materialize(e, 1);
+    DTensor x = replicated(ids({3, 5}, 9, 1), comms);
+    return gradcheck(e, module_problem(e, x, 5, false), "Embedding", checks);
+  });
+}
+
+TEST_CASE("gradcheck: RMSNorm and LayerNorm", "[nn][gradcheck]") {
+  run_check("RMSNorm", 6 + 40, [](auto comms, auto& checks) {
+    RMSNorm n(f64(comms), 6, 1e-6);
+    materialize(n, 1);
+    randomize(n, 2, 1.0);
+    DTensor x = replicated(values({2, 4, 6}, 3), comms);
+    return gradcheck(n, module_problem(n, x, 4), "RMSNorm", checks);
+  });
+  run_check("LayerNorm", 12 + 40, [](auto comms, auto& checks) {
+    LayerNorm n(f64(comms), 6, 1e-5);
+    materialize(n, 1);
+    randomize(n, 2, 1.0);
+    DTensor x = replicated(values({2, 4, 6}, 3), comms);
+    return gradcheck(n, module_problem(n, x, 4), "LayerNorm", checks);
+  });
+  run_check("LayerNorm without affine", 40, [](auto comms, auto& checks) {
+    LayerNorm n(f64(comms), 6, 1e-5, false);
+    DTensor x = replicated(values({2, 4, 6}, 3), comms);
+    return gradcheck(n, module_problem(n, x, 4), "LayerNorm(no affine)", checks);
+  });
+}
+
+TEST_CASE("gradcheck: MLP (both GELU forms), attention, block", "[nn][gradcheck]") {
+  for (auto approx : {kernels::GeluApproximation::kTanh, kernels::GeluApproximation::kNone})
+    run_check("MLP", 80, [&](auto comms, auto& checks) {
+      MLP m(f64(comms), 6, 10, true, approx);
+      materialize(m, 1);
+      randomize(m, 5);
+      DTensor x = replicated(values({2, 3, 6}, 3), comms);
+      return gradcheck(m, module_problem(m, x, 4), "MLP", checks);
+    });
+  run_check("CausalSelfAttention", 160, [](auto comms, auto& checks) {
+    CausalSelfAttention a(f64(comms), 8, 2, true);
+    materialize(a, 1);
+    randomize(a, 5);
+    DTensor x = replicated(values({2, 5, 8}, 3), comms);
+    return gradcheck(a, module_problem(a, x, 4), "attention", checks);
+  });
+  for (NormKind norm : {NormKind::kLayerNorm, NormKind::kRMSNorm})
+    run_check("TransformerBlock", 200, [&](auto comms, auto& checks) {
+      GPTConfig cfg;
+      cfg.dim = 8;
+      cfg.heads = 2;
+      cfg.norm = norm;
+      cfg.bias = true;
+      TransformerBlock b(f64(comms), cfg);
+      materialize(b, 1);
+      randomize(b, 5);
+      DTensor x = replicated(values({2, 5, 8}, 3), comms);
+      return gradcheck(b, module_problem(b, x, 4), "block", checks);
+    });
+}
+
+TEST_CASE("gradcheck: checkpointed block equals the plain block's gradients", "[nn][gradcheck]") {
+  run_check("Checkpoint", 200, [](auto comms, auto& checks) {
+    GPTConfig cfg;
+    cfg.dim = 8;
+    cfg.heads = 2;
+    auto inner = std::make_shared<TransformerBlock>(f64(comms), cfg);
+    Checkpoint c(inner);
+    materialize(c, 1);
+    randomize(c, 5);
+    DTensor x = replicated(values({2, 5, 8}, 3), comms);
+    return gradcheck(c, module_problem(c, x, 4), "checkpoint(block)", checks);
+  });
+}
+
+TEST_CASE("gradcheck: GPT with the cross-entropy loss", "[nn][gradcheck]") {
+  for (bool tie : {false, true})
+    run_check(fmt::format("GPT tie={}", tie), 300, [&](auto comms, auto& checks) {
+      GPTConfig cfg;
+      cfg.vocab = 11;
+      cfg.dim = 8;
+      cfg.heads = 2;
+      cfg.layers = 2;
+      cfg.max_seq = 6;
+      cfg.tie_embeddings = tie;
+      cfg.checkpoint_blocks = tie;  // one of the two runs recomputes its blocks
+      GPT model(f64(comms), cfg);
+      materialize(model, 1);
+      randomize(model, 5);
+      DTensor x = replicated(ids({2, 5}, 11, 1), comms);
+      Tensor tfull = ids({2, 5}, 11, 2);
+      tfull.set_item({1, 2}, -100);  // an ignored position
+      DTensor targets = replicated(tfull, comms);
+      CrossEntropyLoss ce;
+      Problem pb;
+      pb.loss = [&] {
+        Ctx ctx, lctx;
+        return ce.forward(lctx, model.forward(ctx, x), targets).full_tensor().item({});
+      };
+      pb.analytic = [&]() -> std::optional<DTensor> {
+        Ctx ctx, lctx;
+        DTensor logits = model.forward(ctx, x);
+        ce.forward(lctx, logits, targets);
+        model.backward(ctx, ce.backward(lctx));
+        return std::nullopt;
+      };
+      return gradcheck(model, pb, "GPT", checks);
+    });
+}

@@ -1,0 +1,207 @@
+// Optimizers over sharded parameters equal the same steps on full parameters; their state has
+// the parameters' placements; clip_grad_norm_ returns the true global norm (mixtures of sharded
+// and replicated gradients, 2-D meshes) and scales like PyTorch; reduce_gradients; safetensors.
+#include <catch2/catch.hpp>
+
+#include <cstdio>
+#include <fstream>
+
+#include "kernels/format.h"
+#include "nn/optim.h"
+#include "nn/safetensors.h"
+#include "nn/tensor_parallel.h"
+#include "nn_support.h"
+#include "support/checks.h"
+
+using namespace nn;
+using namespace nn_test;
+
+namespace {
+
+GPTConfig config() {
+  GPTConfig c;
+  c.vocab = 13;
+  c.dim = 8;
+  c.heads = 4;
+  c.layers = 1;
+  c.max_seq = 6;
+  return c;
+}
+
+struct Trained {
+  std::vector<Tensor> params;
+  std::vector<double> norms;
+  std::vector<std::string> state_placements;
+};
+
+// Three steps of `optimizer` with clipping at `clip` on the GPT (tp over the last mesh dim).
+Trained train(const Dims& mesh_shape, const std::string& optimizer, double clip) {
+  Trained out;
+  std::mutex mu;
+  on_mesh(mesh_shape, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+    const GPTConfig cfg = config();
+    GPT model(ModuleOptions{comms, DType::kF64}, cfg);
+    const int tp_dim = mesh_shape.size() - 1;
+    if (mesh_shape.back() > 1) parallelize_module(model, tp_dim, gpt_tensor_parallel_plan(cfg));
+    materialize(model, 5);
+    const NamedParameters params = model.named_parameters();
+    std::unique_ptr<Optimizer> opt;
+    if (optimizer == "adamw") {
+      kernels::AdamWOptions o;
+      o.lr = 1e-2;
+      o.weight_decay = 0.1;
+      opt = std::make_unique<AdamW>(params, o);
+    } else {
+      kernels::SgdOptions o;
+      o.lr = 0.1;
+      o.momentum = 0.9;
+      o.nesterov = true;
+      o.weight_decay = 0.01;
+      opt = std::make_unique<SGD>(params, o);
+    }
+    const char* data_pl = mesh_shape.size() == 2 ? "S(0),R" : "R";
+    std::vector<double> norms;
+    for (int step = 0; step < 3; ++step) {
+      DTensor x = place(ids({4, 6}, cfg.vocab, step), comms, data_pl);
+      DTensor t = place(ids({4, 6}, cfg.vocab, step + 10), comms, data_pl);
+      CrossEntropyLoss ce;
+      Ctx ctx, lctx;
+      ce.forward(lctx, model.forward(ctx, x), t);
+      model.backward(ctx, ce.backward(lctx));
+      reduce_gradients(params);
+      norms.push_back(clip_grad_norm_(params, clip));
+      opt->step();
+      opt->zero_grad();
+    }
+    std::vector<Tensor> full;
+    for (auto& [n, p] : params) full.push_back(p->data().full_tensor().clone());
+    std::vector<std::string> states;
+    for (auto& [n, p] : params) {
+      const DTensor& s = opt->state(n, optimizer == "adamw" ? "exp_avg" : "momentum_buffer");
+      states.push_back(s.placements() == p->placements() ? "same"
+                                                         : n + ": " + dtensor::to_string(s.placements()));
+    }
+    if (world.rank() == 0) {
+      std::lock_guard lk(mu);
+      out.params = full;
+      out.norms = norms;
+      out.state_placements = states;
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("optim: AdamW and SGD on sharded parameters equal full ones; state is sharded alike",
+          "[nn][optim]") {
+  for (const std::string opt : {"adamw", "sgd"}) {
+    INFO(opt);
+    const Trained ref = train({1}, opt, 0.5);
+    REQUIRE(ref.norms.size() == 3);
+    CHECK(ref.norms[0] > 0.5);  // clipping was active
+    for (const Dims& mesh : {Dims{2}, Dims{4}, Dims{2, 2}}) {
+      INFO(fmt::format("mesh {}", mesh));
+      const Trained got = train(mesh, opt, 0.5);
+      REQUIRE(got.params.size() == ref.params.size());
+      for (size_t i = 0; i < ref.params.size(); ++i)
+        CHECK(max_abs_diff(got.params[i], ref.params[i]) < 1e-12);
+      for (int s = 0; s < 3; ++s) CHECK(got.norms[s] == Approx(ref.norms[s]).epsilon(1e-12));
+      for (const std::string& s : got.state_placements) CHECK(s == "same");
+    }
+  }
+}
+
+TEST_CASE("optim: clip_grad_norm_ counts every element once, on every rank", "[nn][optim]") {
+  testing_support::Checks checks;
+  // Gradients with known values: a sharded one S(0) over dim 0, a replicated one, and on the
+  // 2x2 mesh one sharded over both dims.
+  on_mesh({2, 2}, [&](std::shared_ptr<MeshComms> comms, Communicator&) {
+    auto a = std::make_shared<Parameter>(comms, Dims{5, 3}, DType::kF64, Init::zeros(),
+                                         dtensor::parse_placements("S(0),R"));
+    auto b = std::make_shared<Parameter>(comms, Dims{4}, DType::kF64, Init::zeros(),
+                                         dtensor::parse_placements("R,R"));
+    auto c = std::make_shared<Parameter>(comms, Dims{7, 2}, DType::kF64, Init::zeros(),
+                                         dtensor::parse_placements("S(0),S(1)"));
+    NamedParameters params{{"a", a}, {"b", b}, {"c", c}};
+    double want = 0;
+    for (auto& [n, p] : params) {
+      p->materialize(0, n);
+      Tensor full = values(p->shape(), static_cast<int>(n[0]));
+      for (double v : full.to_vector()) want += v * v;
+      p->grad() = dtensor::distribute_tensor(full, comms, p->placements(), std::nullopt);
+    }
+    want = std::sqrt(want);
+    const double norm = clip_grad_norm_(params, 0.0);
+    checks.check(std::abs(norm - want) < 1e-12, fmt::format("norm {} vs {}", norm, want));
+    // Clipping to half the norm halves every gradient (coefficient max / (norm + 1e-6)).
+    const double clipped = clip_grad_norm_(params, want / 2);
+    checks.check(std::abs(clipped - want) < 1e-12, "returns the norm before clipping");
+    checks.check(std::abs(clip_grad_norm_(params, 0.0) - want / 2 * want / (want + 1e-6)) < 1e-9,
+                 "clipped norm");
+    // The infinity norm.
+    double inf = 0;
+    for (auto& [n, p] : params)
+      for (double v : p->grad()->full_tensor().to_vector()) inf = std::max(inf, std::abs(v));
+    checks.check(std::abs(clip_grad_norm_(params, 0.0, INFINITY) - inf) < 1e-15, "infinity norm");
+    // A Partial gradient is refused, naming the parameter.
+    b->grad() = DTensor(
+        comms, dtensor::make_spec(b->data().spec().mesh, dtensor::parse_placements("P,R"), {4}, DType::kF64),
+        Tensor::zeros({4}, DType::kF64));
+    checks.throws<kernels::InvalidArgument>([&] { clip_grad_norm_(params, 1.0); },
+                                            "gradient of 'b' is still P", "partial gradient");
+    checks.throws<kernels::InvalidArgument>([&] { clip_grad_norm_(params, 1.0, 3.0); }, "norm_type 3",
+                                            "norm type");
+    // An optimizer refuses a gradient that is not in the parameter's placements.
+    SGD sgd({{"b", b}}, kernels::SgdOptions{});
+    checks.throws<kernels::InvalidArgument>([&] { sgd.step(); }, "reduce the gradients first",
+                                            "unreduced gradient");
+    // reduce_gradients sums it.
+    b->grad() = DTensor(
+        comms, dtensor::make_spec(b->data().spec().mesh, dtensor::parse_placements("P,R"), {4}, DType::kF64),
+        Tensor::full({4}, 1.5, DType::kF64));
+    reduce_gradients(params);
+    checks.check(to_string(b->grad()->placements()) == "R,R", "reduced placements");
+    checks.check(b->grad()->to_local().to_vector() == std::vector<double>(4, 3.0), "reduced values");
+  });
+  checks.report();
+}
+
+TEST_CASE("safetensors: round trip, alignment, metadata, errors", "[nn][safetensors]") {
+  const std::string path = "nn_test_roundtrip.safetensors";
+  NamedTensors in = {{"a.weight", values({3, 4}, 1, DType::kF32)},
+                     {"b", values({5}, 2, DType::kF64)},
+                     {"c", values({2, 2}, 3, DType::kBF16)},
+                     {"ids", ids({6}, 100, 1)},
+                     {"empty", Tensor::empty({0, 3}, DType::kF32)},
+                     {"view", values({4, 6}, 4, DType::kF32).narrow(1, 1, 3).transpose(0, 1)}};
+  save_safetensors(path, in, {{"format", "pt"}, {"config", "{\"dim\": 4}"}});
+  std::ifstream f(path, std::ios::binary);
+  uint64_t n = 0;
+  f.read(reinterpret_cast<char*>(&n), 8);
+  CHECK(n % 8 == 0);
+  std::string header(n, ' ');
+  f.read(header.data(), static_cast<std::streamsize>(n));
+  CHECK(header.find("\"a.weight\":{\"dtype\":\"F32\",\"shape\":[3,4],\"data_offsets\":[0,48]}") !=
+        std::string::npos);
+  std::map<std::string, std::string> meta;
+  const NamedTensors out = load_safetensors(path, &meta);
+  CHECK(meta["config"] == "{\"dim\": 4}");
+  REQUIRE(out.size() == in.size());
+  for (size_t i = 0; i < in.size(); ++i) {
+    CHECK(out[i].first == in[i].first);
+    CHECK(out[i].second.dtype() == in[i].second.dtype());
+    CHECK(kernels::equal(out[i].second, in[i].second));
+  }
+  CHECK_THROWS_WITH(save_safetensors(path, {{"x", values({1}, 1)}, {"x", values({1}, 1)}}),
+                    Catch::Contains("twice"));
+  CHECK_THROWS_WITH(load_safetensors("no/such/file.safetensors"), Catch::Contains("cannot open"));
+  {
+    std::ofstream bad(path, std::ios::binary);
+    const uint64_t len = 4;
+    bad.write(reinterpret_cast<const char*>(&len), 8);
+    bad << "{{{{";
+  }
+  CHECK_THROWS_WITH(load_safetensors(path), Catch::Contains("malformed header"));
+  std::remove(path.c_str());
+}
