@@ -40,23 +40,28 @@ class LayoutCache {
 
 // NOTE [step validity] for every shape a plan must serve; the first is the spec's own (its
 // layouts also serve the traffic and cost computations).
+bool shards_within(const Placements& placements, int tensor_ndim) {
+  for (const Placement& p : placements)
+    if (auto d = shard_dim(p); d && *d >= tensor_ndim) return false;
+  return true;
+}
+
 class Validity {
  public:
+  // The extra shapes may have another ndim (a batch of weights and biases moving with one plan):
+  // a state that shards a dim a shape lacks is simply not valid for it.
   Validity(const DTensorSpec& spec, const std::vector<Dims>& also_valid_for) : mesh_shape_(spec.mesh->shape()) {
     shapes_.push_back(spec.shape);
-    for (const Dims& s : also_valid_for) {
-      if (s.size() != spec.shape.size())
-        throw InvalidArgument(fmt::format("plan_redistribute: shape [{}] has {} dims, the tensor [{}] has {}",
-                                          fmt::join(s, ","), s.size(), fmt::join(spec.shape, ","),
-                                          spec.shape.size()));
+    for (const Dims& s : also_valid_for)
       if (std::find(shapes_.begin(), shapes_.end(), s) == shapes_.end()) shapes_.push_back(s);
-    }
     for (const Dims& s : shapes_) caches_.emplace_back(s, mesh_shape_);
   }
 
   bool valid(const Step& step, const Placements& before) {
-    if (is_plain_step(step, before, mesh_shape_)) return true;
     const Placements after = apply_step(step, before);
+    for (const Dims& s : shapes_)
+      if (!shards_within(before, s.size()) || !shards_within(after, s.size())) return false;
+    if (is_plain_step(step, before, mesh_shape_)) return true;
     for (LayoutCache& c : caches_)
       if (!is_valid_step(step, before, c.get(before), c.get(after), mesh_shape_)) return false;
     return true;

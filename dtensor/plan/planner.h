@@ -75,7 +75,7 @@ std::string to_string(const Plan& plan);
 // new Partial target from Replicate unless allow_partial_target) and InvalidArgument for
 // malformed placements (mesh ndim, shard dims). S(d) -> P(sum) is allowed (PyTorch 2.15: a
 // local zero-fill). allow_partial_target: R -> P(op) local partition is allowed
-// (distribute_tensor uses it). also_valid_for: more global shapes (same tensor ndim) the plan
+// (distribute_tensor uses it). also_valid_for: more global shapes (any ndim) the plan
 // must be valid for (a batch moving tensors of several shapes with one plan); the cost is
 // that of src.shape.
 Plan plan_redistribute(const DTensorSpec& src, const Placements& dst, PlannerKind kind,
