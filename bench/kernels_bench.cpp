@@ -6,6 +6,7 @@
 //
 // Exit status: 0; 1 when --check finds a GEMM variant that disagrees with the reference; 2 on
 // bad options.
+#include <dlfcn.h>
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -40,8 +41,24 @@ struct Options {
   int64_t seq = 256;
   std::string json;
   bool check = true;
-  std::string only;  // comma list of sections
+  std::string only;      // comma list of sections
+  std::string openblas;  // path of a libopenblas.so to time cblas_sgemm beside Eigen
 };
+
+// cblas_sgemm, looked up at run time so the build needs no BLAS (bench/README.md "OpenBLAS").
+using SgemmFn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int,
+                         float, float*, int);
+SgemmFn load_sgemm(const std::string& path) {
+  if (path.empty()) return nullptr;
+  void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (h == nullptr) throw kernels::InvalidArgument(fmt::format("--openblas: {}", dlerror()));
+  auto fn = reinterpret_cast<SgemmFn>(dlsym(h, "cblas_sgemm"));
+  if (fn == nullptr)
+    throw kernels::InvalidArgument(fmt::format("--openblas: {} has no cblas_sgemm", path));
+  // A serial OpenBLAS is the fair comparison (one thread per rank); the threaded one would
+  // use every core: set OPENBLAS_NUM_THREADS=1 when timing it.
+  return fn;
+}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -151,6 +168,17 @@ int run_gemm(const Options& o, Recorder& rec) {
             ++bad;
           }
         }
+      }
+      if (SgemmFn sgemm = load_sgemm(o.openblas)) {
+        Tensor c = Tensor::empty({s.m, s.n}, DType::kF32);
+        // Row-major (101); A / B stored [k, m] / [n, k] when transposed (112, else 111).
+        report("openblas sgemm", 1, time_it(o, [&] {
+                 sgemm(101, s.trans_a ? 112 : 111, s.trans_b ? 112 : 111, static_cast<int>(s.m),
+                       static_cast<int>(s.n), static_cast<int>(s.k), 1.0f, a_store.data<float>(),
+                       static_cast<int>(s.trans_a ? s.m : s.k), b_store.data<float>(),
+                       static_cast<int>(s.trans_b ? s.k : s.n), 0.0f, c.data<float>(),
+                       static_cast<int>(s.n));
+               }));
       }
       for (int threads : o.threads) {
         Tensor c = Tensor::empty({s.m, s.n}, DType::kF32);
@@ -311,6 +339,8 @@ int main(int argc, char** argv) {
   app.add_option("--seq", o.seq, "sequence length T of the attention case");
   app.add_option("--only", o.only, "comma list of sections: gemm, elementwise, rows, attention");
   app.add_option("--json", o.json, "also write every row as JSON to this file");
+  app.add_option("--openblas", o.openblas,
+                 "libopenblas.so to time cblas_sgemm beside Eigen (gemm)");
   app.add_flag("!--no-check", o.check, "skip the check of each GEMM variant against f64");
   try {
     app.parse(argc, argv);

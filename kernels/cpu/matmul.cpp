@@ -30,7 +30,8 @@ void widen_block(float* dst, const void* src, DType dtype, int64_t rows, int64_t
                  int64_t cs) {
   if (dtype == DType::kBF16 && cs == 1) {
     const auto* s = static_cast<const uint16_t*>(src);
-    for (int64_t i = 0; i < rows; ++i) vec_ops<float>().widen_bf16(dst + i * cols, s + i * rs, cols);
+    for (int64_t i = 0; i < rows; ++i)
+      vec_ops<float>().widen_bf16(dst + i * cols, s + i * rs, cols);
     return;
   }
   dispatch_dtype(dtype, [&](auto tag) {
@@ -57,7 +58,8 @@ void narrow_block(void* dst, DType dtype, int64_t rs, int64_t cs, const float* s
                   int64_t cols) {
   if (dtype == DType::kBF16 && cs == 1) {
     auto* d = static_cast<uint16_t*>(dst);
-    for (int64_t i = 0; i < rows; ++i) vec_ops<float>().narrow_bf16(d + i * rs, src + i * cols, cols);
+    for (int64_t i = 0; i < rows; ++i)
+      vec_ops<float>().narrow_bf16(d + i * rs, src + i * cols, cols);
     return;
   }
   dispatch_dtype(dtype, [&](auto tag) {
@@ -98,6 +100,26 @@ void gemm_one(const VecOps<T>& ops, int64_t m, int64_t n, int64_t k, T alpha, T 
     g.c = c, g.c_rs = c_cs;
   }
   ops.gemm(g);
+}
+
+// The native bf16 product (AVX512-BF16) into an f32 C that may be column-major.
+void gemm_bf16_one(GemmBf16Fn fn, int64_t m, int64_t n, int64_t k, float alpha, float beta,
+                   const uint16_t* a, int64_t a_rs, int64_t a_cs, const uint16_t* b, int64_t b_rs,
+                   int64_t b_cs, float* c, int64_t c_rs, int64_t c_cs) {
+  GemmBf16Args g;
+  g.k = k, g.alpha = alpha, g.beta = beta;
+  if (c_cs == 1) {
+    g.m = m, g.n = n;
+    g.a = a, g.a_rs = a_rs, g.a_cs = a_cs;
+    g.b = b, g.b_rs = b_rs, g.b_cs = b_cs;
+    g.c = c, g.c_rs = c_rs;
+  } else {  // C^T = B^T A^T, as gemm_one
+    g.m = n, g.n = m;
+    g.a = b, g.a_rs = b_cs, g.a_cs = b_rs;
+    g.b = a, g.b_rs = a_cs, g.b_cs = a_rs;
+    g.c = c, g.c_rs = c_cs;
+  }
+  fn(g);
 }
 
 // A task: one batch entry, rows [m0, m1) and columns [n0, n1) of it.
@@ -150,7 +172,8 @@ void run_direct(const GemmPlan& p, const std::vector<Task>& tasks, int threads) 
 }
 
 // bf16 / f16 inputs (and any output dtype): f32 blocks per task.
-void run_widened(const GemmPlan& p, const std::vector<Task>& tasks, int threads) {
+void run_widened(const GemmPlan& p, const std::vector<Task>& tasks, int threads,
+                 bool use_native_bf16) {
   const VecOps<float>& ops = vec_ops<float>();
   const size_t in_size = itemsize(p.dtype);
   const size_t out_size = itemsize(p.out_dtype);
@@ -167,10 +190,32 @@ void run_widened(const GemmPlan& p, const std::vector<Task>& tasks, int threads)
     int64_t b_n0 = -1, b_n1 = -1;
   };
   std::vector<Scratch> scratch(static_cast<size_t>(std::max<int64_t>(workers, 1)));
+  const GemmBf16Fn native = p.dtype == DType::kBF16 && use_native_bf16 ? ops.gemm_bf16 : nullptr;
   parallel_tasks(threads, static_cast<int64_t>(tasks.size()), [&](int64_t t, int64_t worker) {
     Scratch& s = scratch[static_cast<size_t>(worker)];
     const Task& task = tasks[static_cast<size_t>(t)];
     const int64_t rows = task.m1 - task.m0, cols = task.n1 - task.n0;
+    if (native) {  // bf16 operands straight from their strided storage
+      const auto* ai = reinterpret_cast<const uint16_t*>(
+          a + (batch_offset(task.batch, p.batch_shape, p.a_batch_strides) + task.m0 * p.a_rs) * 2);
+      const auto* bi = reinterpret_cast<const uint16_t*>(
+          b + (batch_offset(task.batch, p.batch_shape, p.b_batch_strides) + task.n0 * p.b_cs) * 2);
+      char* ci = c + (batch_offset(task.batch, p.batch_shape, p.c_batch_strides) +
+                      task.m0 * p.c_rs + task.n0 * p.c_cs) *
+                         static_cast<int64_t>(out_size);
+      const auto alpha = static_cast<float>(p.alpha), beta = static_cast<float>(p.beta);
+      if (p.out_dtype == DType::kF32) {
+        gemm_bf16_one(native, rows, cols, p.k, alpha, beta, ai, p.a_rs, p.a_cs, bi, p.b_rs, p.b_cs,
+                      reinterpret_cast<float*>(ci), p.c_rs, p.c_cs);
+        return;
+      }
+      s.c.resize(static_cast<size_t>(rows * cols));
+      if (beta != 0.0f) widen_block(s.c.data(), ci, p.out_dtype, rows, cols, p.c_rs, p.c_cs);
+      gemm_bf16_one(native, rows, cols, p.k, alpha, beta, ai, p.a_rs, p.a_cs, bi, p.b_rs, p.b_cs,
+                    s.c.data(), cols, 1);
+      narrow_block(ci, p.out_dtype, p.c_rs, p.c_cs, s.c.data(), rows, cols);
+      return;
+    }
     const char* ai =
         a + (batch_offset(task.batch, p.batch_shape, p.a_batch_strides) + task.m0 * p.a_rs) *
                 static_cast<int64_t>(in_size);
@@ -213,7 +258,7 @@ void cpu_gemm(const GemmPlan& p, int num_threads) {
   } else if (p.dtype == DType::kF64 && p.out_dtype == DType::kF64) {
     run_direct<double>(p, tasks, num_threads);
   } else if (p.dtype == DType::kBF16 || p.dtype == DType::kF16) {
-    run_widened(p, tasks, num_threads);
+    run_widened(p, tasks, num_threads, true);
   } else {
     throw InternalError("cpu_gemm: unexpected dtypes");
   }

@@ -107,8 +107,9 @@ void softmax_impl(const SoftmaxPlan& p) {
     lse_rows.stride = 1;
     std::array<int64_t, 4> rs{};
     const bool stats_ok = !p.lse.defined() || p.lse.dtype == dtype_of_v<C>;
-    if (stats_ok && uniform_rows<C, 4>(p.outer_shape, {&p.x, p.backward ? &p.dy : nullptr, &p.out,
-                                                       p.lse.defined() ? &lse_rows : nullptr},
+    if (stats_ok && uniform_rows<C, 4>(p.outer_shape,
+                                       {&p.x, p.backward ? &p.dy : nullptr, &p.out,
+                                        p.lse.defined() ? &lse_rows : nullptr},
                                        rs)) {
       RowsArgs<C> a;
       a.rows = rows, a.len = len;
@@ -258,10 +259,9 @@ void norm_backward_impl(const NormPlan& p) {
     mean.stride = rstd.stride = 1;
     std::array<int64_t, 5> rs{};
     if (len > 0 && direct_stat<C>(p.mean) && direct_stat<C>(p.rstd) &&
-        uniform_rows<C, 5>(p.outer_shape,
-                           {&p.x, &p.dy, p.dx.defined() ? &p.dx : nullptr, &rstd,
-                            p.rms ? nullptr : &mean},
-                           rs) &&
+        uniform_rows<C, 5>(
+            p.outer_shape,
+            {&p.x, &p.dy, p.dx.defined() ? &p.dx : nullptr, &rstd, p.rms ? nullptr : &mean}, rs) &&
         (p.rms || rs[3] == rs[4])) {
       RowsArgs<C> a;
       a.rows = rows, a.len = len;

@@ -11,6 +11,9 @@ const VecOps<float>* vec_f32_avx2() { return nullptr; }
 #if !defined(KERNELS_VEC_AVX512)
 const VecOps<float>* vec_f32_avx512() { return nullptr; }
 #endif
+#if !defined(KERNELS_VEC_AVX512BF16)
+GemmBf16Fn vec_gemm_bf16_avx512() { return nullptr; }
+#endif
 
 namespace {
 
@@ -33,6 +36,14 @@ bool cpu_has(Isa isa) {
   return false;
 #else
   return isa == Isa::kBaseline;
+#endif
+}
+
+bool cpu_has_avx512_bf16() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
 #endif
 }
 
@@ -75,6 +86,9 @@ const VecKernels* vec_kernels_for(Isa isa) {
       const VecOps<float>* f32 = cpu_has(isa) ? f32_table(isa) : nullptr;
       ts.ok[i] = f32 != nullptr;
       if (f32 != nullptr) ts.t[i] = VecKernels{isa, *f32, vec_f64_baseline()};
+      if (f32 != nullptr && isa == Isa::kAvx512 && cpu_has_avx512_bf16()) {
+        ts.t[i].f32.gemm_bf16 = vec_gemm_bf16_avx512();
+      }
     }
     return ts;
   }();

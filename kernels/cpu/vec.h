@@ -41,6 +41,20 @@ struct GemmArgs {
   int64_t c_rs = 0;
 };
 
+// C [m, n] (f32, row stride c_rs, column stride 1) = alpha * A @ B + beta * C for bf16 A [m, k]
+// and B [k, n] (raw bits) with any element strides; f32 accumulation. beta == 0 ignores C.
+struct GemmBf16Args {
+  int64_t m = 0, n = 0, k = 0;
+  float alpha = 1, beta = 0;
+  const uint16_t* a = nullptr;
+  int64_t a_rs = 0, a_cs = 1;
+  const uint16_t* b = nullptr;
+  int64_t b_rs = 0, b_cs = 1;
+  float* c = nullptr;
+  int64_t c_rs = 0;
+};
+using GemmBf16Fn = void (*)(const GemmBf16Args&);
+
 // Hyper-parameters of one optimizer step in the compute type, as PyTorch's single-tensor code
 // rounds them (Python floats, then the tensor's dtype at each op).
 template <class T>
@@ -85,10 +99,10 @@ struct RowsArgs {
   double* db = nullptr;
   double eps = 0;
   bool rms = false;
-  bool log = false;            // log_softmax
-  int64_t causal_period = 0;   // softmax: row r sees columns <= (row0 + r) % causal_period
+  bool log = false;           // log_softmax
+  int64_t causal_period = 0;  // softmax: row r sees columns <= (row0 + r) % causal_period
   int64_t row0 = 0;
-  bool from_lse = false;       // softmax: out = exp(x - lse) on the visible columns
+  bool from_lse = false;  // softmax: out = exp(x - lse) on the visible columns
 };
 
 // Every pointer is to n contiguous elements; `out` may be the same array as an input (never a
@@ -133,6 +147,8 @@ struct VecOps {
   void (*softmax_backward_rows)(const RowsArgs<T>& a);
   // bf16 <-> T conversions of n contiguous values (bf16 as raw bits), rounding to nearest even
   // with NaN kept NaN: bit-identical to kernels/detail/convert.h's, vectorised.
+  // A native bf16 GEMM (AVX512-BF16), or nullptr: matmul then widens bf16 blocks to f32.
+  GemmBf16Fn gemm_bf16;
   void (*widen_bf16)(T* dst, const uint16_t* src, int64_t n);
   void (*narrow_bf16)(uint16_t* dst, const T* src, int64_t n);
 };
@@ -162,5 +178,6 @@ const VecOps<float>& vec_f32_baseline();
 const VecOps<double>& vec_f64_baseline();
 const VecOps<float>* vec_f32_avx2();    // nullptr when not compiled in
 const VecOps<float>* vec_f32_avx512();  // nullptr when not compiled in
+GemmBf16Fn vec_gemm_bf16_avx512();      // nullptr when not compiled in
 
 }  // namespace kernels::detail

@@ -192,7 +192,6 @@ double dot_d(const T* x, const T* y, int64_t n) {
 
 // ---- row reductions ----
 
-
 template <class T>
 T max(const T* x, int64_t n) {
   if (n == 0) return -std::numeric_limits<T>::infinity();
@@ -317,7 +316,8 @@ void norm_forward_rows(const RowsArgs<T>& a) {
         const double d = static_cast<double>(x[i] - mean);
         acc[k] += d * d;
       }
-      const double q = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+      const double q =
+          ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
       rstd = 1.0 / std::sqrt(q * inv + a.eps);
       a.mean[r * a.stat_rs] = static_cast<T>(m);
     }
@@ -395,7 +395,8 @@ void softmax_rows(const RowsArgs<T>& a) {
         y = (x - m).exp();  // in place is fine: element i reads x[i] before writing y[i]
         const double s = sum_d(y.data(), valid);
         y *= static_cast<T>(1.0 / s);
-        if (a.lse != nullptr) a.lse[r * a.stat_rs] = static_cast<T>(static_cast<double>(m) + std::log(s));
+        if (a.lse != nullptr)
+          a.lse[r * a.stat_rs] = static_cast<T>(static_cast<double>(m) + std::log(s));
       }
     }
     for (int64_t j = valid; j < a.len; ++j) yr[j] = T(0);
@@ -469,6 +470,7 @@ VecOps<T> make_ops() {
   o.norm_backward_rows = &norm_backward_rows<T>;
   o.softmax_rows = &softmax_rows<T>;
   o.softmax_backward_rows = &softmax_backward_rows<T>;
+  o.gemm_bf16 = nullptr;  // set by vec.cpp where the CPU has AVX512-BF16
   o.widen_bf16 = &widen_bf16<T>;
   o.narrow_bf16 = &narrow_bf16<T>;
   return o;

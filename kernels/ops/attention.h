@@ -30,7 +30,8 @@ namespace kernels {
 struct AttentionOptions {
   bool causal = true;
   std::optional<double> scale;  // default 1 / sqrt(E)
-  // CPU: split the (batch, head) pairs over this many threads (see MatmulOptions::num_threads).
+  // CPU: passed to the products (MatmulOptions::num_threads), which split their batch of
+  // (batch, head) matrices over this many threads.
   int num_threads = 1;
 };
 

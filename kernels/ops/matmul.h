@@ -18,8 +18,9 @@
 // unsqueeze.
 //
 // dtypes: a and b share one of f32, f64, bf16, f16. bf16 and f16 products accumulate in f32
-// (operands widened exactly to f32 on the CPU; cuBLAS with f32 compute on CUDA) and round once
-// on the store. `out` has a's dtype, or f32 when a is bf16/f16 (gradients kept in f32).
+// and round once on the store: on a CPU with AVX512-BF16 bf16 runs a native kernel (vdpbf16ps,
+// which reads bf16 subnormals as zero, as oneDNN does); otherwise the operands are widened exactly
+// to f32 blocks; on CUDA cuBLAS computes in f32. `out` has a's dtype, or f32 when a is bf16/f16 (gradients kept in f32).
 // Devices: all operands on one device; CPU through Eigen (vectorised for the best of SSE2,
 // AVX2+FMA and AVX-512 the CPU supports, chosen at run time), CUDA through cuBLAS.
 // Threads: the CPU product runs on the calling thread unless num_threads > 1; no thread pool is

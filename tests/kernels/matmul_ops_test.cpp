@@ -266,9 +266,10 @@ TEST_CASE("bf16 conversions of every ISA variant match the scalar casts bit for 
           "[kernels][ops][matmul]") {
   using detail::Isa;
   // Ties, carries into the exponent, overflow to inf, subnormals, NaN of both signs.
-  std::vector<float> values = {0.0f, -0.0f, 1.0f, 1.00390625f, 1.01171875f, 3.3895314e38f,
-                               3.4028235e38f, 1e-40f, -1e-39f, std::nanf(""), -std::nanf(""),
-                               INFINITY, -INFINITY, 0.1f, -2.5f, 65504.0f};
+  std::vector<float> values = {0.0f,        -0.0f,         1.0f,           1.00390625f,
+                               1.01171875f, 3.3895314e38f, 3.4028235e38f,  1e-40f,
+                               -1e-39f,     std::nanf(""), -std::nanf(""), INFINITY,
+                               -INFINITY,   0.1f,          -2.5f,          65504.0f};
   for (int i = 0; i < 300; ++i) values.push_back(static_cast<float>(hash_uniform(5, i, -1e6, 1e6)));
   const auto n = static_cast<int64_t>(values.size());
   int variants = 0;
@@ -288,4 +289,32 @@ TEST_CASE("bf16 conversions of every ISA variant match the scalar casts bit for 
     }
   }
   REQUIRE(variants >= 1);
+}
+
+TEST_CASE("bf16 products past the native kernel's blocking (k > 512, n > 256, odd tails)",
+          "[kernels][ops][matmul]") {
+  // On a CPU with AVX512-BF16 these run the native kernel (k blocks of 512, n blocks of 256,
+  // 8 x 32 tiles); elsewhere the widened f32 path. Either way: f32 accumulation of exact products.
+  const bool native = detail::vec_kernels().f32.gemm_bf16 != nullptr;
+  INFO("native bf16 GEMM: " << native);
+  int cases = 0;
+  for (auto s : std::vector<std::array<int64_t, 3>>{
+           {9, 1025, 33}, {17, 3, 300}, {1, 1, 1}, {40, 600, 257}}) {
+    const Tensor a0 = random_tensor({s[0], s[1]}, DType::kBF16, 61);
+    const Tensor b0 = random_tensor({s[1], s[2]}, DType::kBF16, 62);
+    const Tensor c0 = random_tensor({s[0], s[2]}, DType::kF32, 63);
+    const auto expected = reference(a0, b0, {s[0], s[2]}, 0.5, 1.0, c0.to_vector());
+    for (int la = 0; la < kLayouts; ++la) {
+      for (int lc = 0; lc < 2; ++lc) {
+        Tensor c = relayout(c0, lc);
+        matmul_out(c, relayout(a0, la), relayout(b0, (la + 1) % kLayouts),
+                   {.alpha = 0.5, .beta = 1.0});
+        check_close(c, expected, 1e-5, 2e-6 * static_cast<double>(s[1]), "bf16 -> f32 out");
+        ++cases;
+      }
+      const Tensor r = matmul(relayout(a0, la), b0);
+      check_close(r, reference(a0, b0, {s[0], s[2]}, 1.0, 0.0, {}), 1e-2, 1e-2, "bf16 -> bf16 out");
+    }
+  }
+  REQUIRE(cases == 4 * kLayouts * 2);
 }
