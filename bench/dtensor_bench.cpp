@@ -6,7 +6,7 @@
 //   dtensor-bench --backend local --world 8                       # the default suite, 1K:256M
 //   dtensor-bench --backend local --world 4 --mesh 2x2 --from 'S(0),S(1)' --to 'S(1),S(0)'
 //   mpirun --allow-run-as-root --oversubscribe -np 4 dtensor-bench --backend mpi --sizes 1K:64M
-//   dtensor-bench --backend local --world 1 --host-cost            # host cost of a cached plan
+//   dtensor-bench --host-cost                                       # framework cost per call, 1-8 ranks
 //
 // Definitions (bench/README.md has the full table):
 //   bytes       the global tensor (a Partial source: every rank holds a full-size partial)
@@ -465,48 +465,76 @@ std::vector<Row> run_sweep(Env& env, const std::vector<Case>& cases) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Host cost: a cached plan on a tiny tensor, on one rank (every step is local), so the time is
-// the framework's own: validation, plan lookup, spec and result construction.
+// Host cost: a cached-plan S(0) -> R of a tiny tensor on N local ranks, which really communicates
+// (one all_gather), against the same all_gather called directly on preallocated buffers of the
+// same bytes, in the same run. framework = redistribute - raw: what the DTensor layer (plan
+// lookup, issue, result DTensor) costs on top of the engine.
 
 struct HostRow {
   std::string transition, mesh;
+  int world = 1;
   Dims shape;
   int64_t bytes = 0;
   int calls = 0, repeats = 0;
-  Stats per_call;  // microseconds per redistribute
+  Stats per_call;  // microseconds per redistribute (max over ranks per repeat)
+  Stats raw;       // microseconds per raw all_gather
+  double framework_us = 0;  // per_call.median_us - raw.median_us
 };
 
-std::vector<HostRow> run_host_cost(Env& env) {
+// The tiny global tensor of --host-cost on n ranks: 8x4 f32 (128 bytes) when n divides 8, else
+// (2n)x4, so every rank holds whole equal rows and the all_gather runs straight into the result.
+Dims host_shape(int n) { return Dims{8 % n == 0 ? 8 : 2 * n, 4}; }
+
+HostRow run_host_cost(Env& env) {
   const Options& opt = env.opt;
-  if (env.world.size() != 1)
-    throw kernels::InvalidArgument(fmt::format("--host-cost runs on one rank (--world 1), not {}", env.world.size()));
-  std::vector<Case> cases;
-  for (auto [s, d] : {std::pair{"S(0)", "R"}, {"R", "S(0)"}, {"P", "R"}, {"S(0)", "S(1)"}})
-    cases.push_back(make_case({1}, s, d));
-  cases.push_back(make_case({1, 1}, "S(0),S(1)", "S(1),S(0)"));
+  Communicator& world = env.world;
+  const int n = world.size();
+  const Case c = make_case({n}, "S(0)", "R");
+  auto comms = env.comms_for(c.mesh_shape);
+  const Dims shape = host_shape(n);
   const dtensor::RedistributeOptions ropt{opt.planner};
-  std::vector<HostRow> rows;
-  for (const Case& c : cases) {
-    auto comms = env.comms_for(c.mesh_shape);
-    const Dims shape{4, 4};
-    DTensor x = make_source(c, shape, opt.dtype, env.device, comms);
-    (void)x.plan_to(c.dst, ropt);  // cached from here on
-    HostRow r{c.name(), mesh_text(c.mesh_shape), shape, shape.product() * static_cast<int64_t>(kernels::itemsize(opt.dtype)),
-              opt.host_calls, std::max(opt.iters, 1), {}};
-    std::vector<double> per_call;
-    for (int rep = 0; rep < opt.warmup + r.repeats; ++rep) {
-      const double t0 = bench::now_us();
-      for (int i = 0; i < r.calls; ++i) {
-        DTensor y = x.redistribute(c.dst, ropt);
-        if (y.to_local().numel() < 0) std::abort();  // keeps the call observable
-      }
-      const double t1 = bench::now_us();
-      if (rep >= opt.warmup) per_call.push_back((t1 - t0) / r.calls);
+  DTensor x = make_source(c, shape, opt.dtype, env.device, comms);
+  (void)x.plan_to(c.dst, ropt);  // cached from here on
+  HostRow r;
+  r.transition = c.name();
+  r.mesh = mesh_text(c.mesh_shape);
+  r.world = n;
+  r.shape = shape;
+  r.bytes = shape.product() * static_cast<int64_t>(kernels::itemsize(opt.dtype));
+  r.calls = opt.host_calls;
+  r.repeats = std::max(opt.iters, 1);
+  Communicator& group = comms->dim(0);
+  const Tensor in = x.to_local().contiguous().view({x.to_local().numel()});
+  const Tensor out = Tensor::empty({in.numel() * n}, opt.dtype, env.device);
+  std::vector<double> ours, raw;
+  for (int rep = 0; rep < opt.warmup + r.repeats; ++rep) {
+    const bool timed = rep >= opt.warmup;
+    world.wait(world.barrier());
+    double t0 = bench::now_us();
+    for (int i = 0; i < r.calls; ++i) {
+      DTensor y = x.redistribute(c.dst, ropt);
+      if (y.to_local().numel() < 0) std::abort();  // keeps the call observable
     }
-    r.per_call = stats_of(per_call);
-    rows.push_back(r);
+    double t1 = bench::now_us();
+    if (timed) ours.push_back((t1 - t0) / r.calls);
+    world.wait(world.barrier());
+    t0 = bench::now_us();
+    for (int i = 0; i < r.calls; ++i) group.wait(group.all_gather(in, out));
+    t1 = bench::now_us();
+    if (timed) raw.push_back((t1 - t0) / r.calls);
   }
-  return rows;
+  if (opt.check) {
+    const bool ok = check_result(c, x.redistribute(c.dst, ropt), comms);
+    if (bench::reduce_over_ranks(world, {ok ? 0.0 : 1.0}, ReduceOp::kSum)[0] > 0)
+      throw kernels::InternalError("--host-cost: the redistributed tensor is wrong on some rank");
+  }
+  std::vector<double> v = ours;
+  v.insert(v.end(), raw.begin(), raw.end());
+  v = bench::reduce_over_ranks(world, v, ReduceOp::kMax);
+  r.per_call = stats_of({v.begin(), v.begin() + static_cast<long>(ours.size())});
+  r.raw = stats_of({v.begin() + static_cast<long>(ours.size()), v.end()});
+  r.framework_us = r.per_call.median_us - r.raw.median_us;
+  return r;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -586,18 +614,36 @@ class Printer {
     std::fflush(stdout);
   }
 
-  void host_rows(const std::vector<HostRow>& rows) const {
-    fmt::print("#\n# host cost: redistribute with a cached plan on a {} tensor, one rank (no data moves "
-               "between ranks), {} calls per repeat\n",
-               rows.empty() ? "" : fmt::format("{}", fmt::join(rows[0].shape, "x")), opt_.host_calls);
-    fmt::print("# {:<28}  {:>6}  {:>8}  {:>12}  {:>10}  {:>10}\n", "transition", "mesh", "repeats", "us/call",
-               "min", "max");
+  void host_header() const {
+    fmt::print("# dtensor-bench --host-cost  backend: local (ranks as threads, {} hardware threads)  dtype: {}  "
+               "planner: {}\n",
+               std::thread::hardware_concurrency(), kernels::to_string(opt_.dtype), dtensor::to_string(opt_.planner));
+    fmt::print("# per repeat: a barrier, then {} cached-plan S(0)->R redistributes of the tiny tensor on every rank; "
+               "then a barrier and {} all_gathers of the same bytes on preallocated buffers (raw)\n",
+               opt_.host_calls, opt_.host_calls);
+    fmt::print("# us per call: the max over ranks per repeat, median (min, max) over {} repeats after {} warm-up "
+               "ones; framework = redistribute - raw\n",
+               std::max(opt_.iters, 1), opt_.warmup);
+    fmt::print("# command: {}\n", opt_.command_line);
+    fmt::print("# load average at start: {}\n", bench::load_average());
+    fmt::print("# {:>5}  {:<10}  {:>6}  {:>15}  {:>10}  {:>10}  {:>10}  {:>12}\n", "world", "transition", "shape",
+               "redistribute_us", "min", "max", "raw_us", "framework_us");
+    std::fflush(stdout);
+  }
+
+  void host_row(const HostRow& r) const {
+    fmt::print("  {:>5}  {:<10}  {:>6}  {:>15.3f}  {:>10.3f}  {:>10.3f}  {:>10.3f}  {:>12.3f}\n", r.world, r.transition,
+               fmt::format("{}", fmt::join(r.shape, "x")), r.per_call.median_us, r.per_call.min_us, r.per_call.max_us,
+               r.raw.median_us, r.framework_us);
+    std::fflush(stdout);
+  }
+
+  void host_footer(const std::vector<HostRow>& rows) const {
     for (const HostRow& r : rows)
-      fmt::print("  {:<28}  {:>6}  {:>8}  {:>12.3f}  {:>10.3f}  {:>10.3f}\n", r.transition, r.mesh, r.repeats,
-                 r.per_call.median_us, r.per_call.min_us, r.per_call.max_us);
-    double worst = 0;
-    for (const HostRow& r : rows) worst = std::max(worst, r.per_call.median_us);
-    fmt::print("# worst median {:.3f} us per call (target < 5 us; PyTorch's DTensor dispatch is ~25 us)\n", worst);
+      if (r.world == 2 || r.world == 4)
+        fmt::print("# world {}: framework {:.3f} us per call (target <= 2 us: {})\n", r.world, r.framework_us,
+                   r.framework_us <= 2.0 ? "met" : "missed");
+    fmt::print("# load average at end: {}\n", bench::load_average());
     std::fflush(stdout);
   }
 
@@ -662,15 +708,21 @@ void write_json(const Options& opt, const std::string& desc, int world, const st
     o["transition"] = r.transition;
     o["mesh"] = r.mesh;
     common(o);
+    o["world"] = r.world;
     o["bytes"] = r.bytes;
     o["shape"] = r.shape.vec();
     o["calls"] = r.calls;
     o["iters"] = r.repeats;
+    o["redistribute_us"] = r.per_call.median_us;
+    o["raw_us"] = r.raw.median_us;
+    o["framework_us"] = r.framework_us;
     o["time_us"] = r.per_call.median_us;
     o["time_min_us"] = r.per_call.min_us;
     o["time_max_us"] = r.per_call.max_us;
-    o["raw_time_us"] = nullptr;
-    o["overhead"] = nullptr;
+    o["raw_time_us"] = r.raw.median_us;
+    o["raw_min_us"] = r.raw.min_us;
+    o["raw_max_us"] = r.raw.max_us;
+    o["overhead"] = r.raw.median_us > 0 ? json(r.per_call.median_us / r.raw.median_us) : json(nullptr);
     o["bytes_per_rank"] = 0;
     o["lower_bound_bytes"] = 0;
     arr.push_back(o);
@@ -694,23 +746,46 @@ Result run_rank(Env& env, Printer* printer, const std::vector<Case>& cases) {
     env.on_row = [printer](const Row& r) { printer->row(r); };
   }
   Result res;
-  if (env.opt.host_cost) res.host = run_host_cost(env);
-  else res.rows = run_sweep(env, cases);
+  res.rows = run_sweep(env, cases);
   return res;
 }
 
 int64_t finish(const Options& opt, const Printer& printer, const std::string& desc, int world, const Result& res) {
-  if (opt.host_cost) printer.host_rows(res.host);
-  else printer.footer(res.rows);
+  printer.footer(res.rows);
   if (!opt.json_path.empty()) write_json(opt, desc, world, res.rows, res.host);
   int64_t wrong = 0;
   for (const Row& r : res.rows) wrong += std::max<int64_t>(r.wrong, 0);
   return wrong;
 }
 
+// --host-cost: one local world per N (1, 2, 4, 8, or the --world given).
+void run_host_costs(const Options& opt) {
+  const std::vector<int> worlds = opt.world_given ? std::vector<int>{opt.world} : std::vector<int>{1, 2, 4, 8};
+  Printer printer(opt, "local", worlds.back());
+  printer.host_header();
+  std::vector<HostRow> rows;
+  for (int n : worlds) {
+    HostRow row;
+    collectives::run_ranks(
+        n,
+        [&](Communicator& world) {
+          Env env{world, Device::cpu(), opt, {}, {}, {}};
+          HostRow mine = run_host_cost(env);
+          if (world.rank() == 0) row = std::move(mine);
+        },
+        Milliseconds{opt.timeout_ms});
+    printer.host_row(row);
+    rows.push_back(row);
+  }
+  printer.host_footer(rows);
+  if (!opt.json_path.empty())
+    write_json(opt, fmt::format("local (ranks as threads, {} hardware threads)", std::thread::hardware_concurrency()),
+               worlds.back(), {}, rows);
+}
+
 int64_t run_local(const Options& opt) {
-  const int n = opt.host_cost && !opt.world_given ? 1 : opt.world;
-  const std::vector<Case> cases = opt.host_cost ? std::vector<Case>{} : suite_cases(opt, n);
+  const int n = opt.world;
+  const std::vector<Case> cases = suite_cases(opt, n);
   const std::string desc = fmt::format("local ({} ranks as threads, {} hardware threads)", n,
                                        std::thread::hardware_concurrency());
   Printer printer(opt, desc, n);
@@ -731,7 +806,7 @@ int64_t run_mpi(const Options& opt, int* argc, char*** argv) {
   collectives::MpiWorld mpi(argc, argv);
   std::unique_ptr<Communicator> world = mpi.communicator(Milliseconds{opt.timeout_ms});
   const int n = world->size();
-  const std::vector<Case> cases = opt.host_cost ? std::vector<Case>{} : suite_cases(opt, n);
+  const std::vector<Case> cases = suite_cases(opt, n);
   const std::string desc = fmt::format("mpi ({} processes)", n);
   Printer printer(opt, desc, n);
   if (world->rank() == 0) printer.header();
@@ -791,8 +866,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--check,!--no-check", opt.check, "check every rank's result once per size; exit 1 on a mismatch")
       ->capture_default_str();
-  app.add_flag("--host-cost", opt.host_cost, "time redistribute with a cached plan on a 4x4 tensor, one rank "
-                                             "(local backend, --world 1)");
+  app.add_flag("--host-cost", opt.host_cost, "host cost of a cached-plan S(0)->R of a tiny tensor vs the raw "
+                                             "all_gather, on 1, 2, 4 and 8 local ranks (or --world)");
   app.add_option("--host-calls", opt.host_calls, "calls per timed repeat of --host-cost")
       ->check(CLI::Range(1, 100000000))
       ->capture_default_str();
@@ -820,7 +895,8 @@ int main(int argc, char** argv) {
       throw kernels::InvalidArgument(fmt::format("--host-cost runs on the local backend, not {}", opt.backend));
 
     int64_t wrong = 0;
-    if (opt.backend == "local") wrong = run_local(opt);
+    if (opt.host_cost) run_host_costs(opt);
+    else if (opt.backend == "local") wrong = run_local(opt);
     else if (opt.backend == "mpi") wrong = run_mpi(opt, &argc, &argv);
     else wrong = run_nccl(opt, &argc, &argv);
     if (wrong > 0) {
