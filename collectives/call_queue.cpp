@@ -60,7 +60,7 @@ class QueueWork final : public Work {
   bool completed() override { return queue_->poll(call_); }
   bool settle(Milliseconds timeout) override { return queue_->settle(call_, deadline_after(timeout)); }
   std::string describe() const override { return queue_->status(call_); }
-  void give_up(const std::string& why) { queue_->give_up(call_, why); }
+  void give_up(const std::string& why) override { queue_->give_up(call_, why); }
 
  private:
   std::shared_ptr<CallQueue> queue_;
@@ -470,8 +470,7 @@ void GroupWork::wait(Milliseconds timeout) {
       works_[k]->wait(remaining(deadline));
     } catch (const std::exception& e) {
       for (size_t j = k + 1; j < works_.size(); ++j)
-        if (auto* q = dynamic_cast<QueueWork*>(works_[j].get()))
-          q->give_up(fmt::format("abandoned: an earlier call of the same batch failed: {}", e.what()));
+        works_[j]->give_up(fmt::format("abandoned: an earlier call of the same batch failed: {}", e.what()));
       throw;
     }
   }
@@ -488,6 +487,10 @@ bool GroupWork::settle(Milliseconds timeout) {
   for (auto& w : works_)
     if (!w->settle(remaining(deadline))) return false;
   return true;
+}
+
+void GroupWork::give_up(const std::string& why) {
+  for (auto& w : works_) w->give_up(why);
 }
 
 std::string GroupWork::describe() const {

@@ -218,6 +218,7 @@ class GroupWork final : public Work {
   bool completed() override;
   bool settle(Milliseconds timeout) override;
   std::string describe() const override;
+  void give_up(const std::string& why) override;
 
  private:
   std::vector<WorkPtr> works_;

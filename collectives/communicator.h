@@ -90,6 +90,9 @@ class Work {
   // "all_gather on group 'world' [0,1] (call #3)"; while the call waits for something, what
   // ("ranks [1] never joined"), so a call that depends on it can say why it never started.
   virtual std::string describe() const { return "a call"; }
+  // Fails a pending call with `why` as a timed-out wait() would (the caller stops waiting for
+  // it; the members waiting for this rank in it learn why). No effect once it has finished.
+  virtual void give_up(const std::string& why) = 0;
 };
 using WorkPtr = std::shared_ptr<Work>;
 

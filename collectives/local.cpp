@@ -107,6 +107,8 @@ struct Slot {
   std::vector<Tensor> partial;               // all_reduce: member i's reduced chunk
   std::shared_ptr<LocalGroup> split_result;  // unused by non-split calls
   std::vector<std::shared_ptr<LocalGroup>> split_groups;
+  std::vector<int> gave_up;  // global ranks whose waiter gave the call up after posting it
+  std::string gave_up_why;   // the first of their reasons
 };
 
 class LocalGroup {
@@ -356,6 +358,19 @@ class LocalCall final : public QueuedCall {
     return true;
   }
 
+  // A waiter gave the posted call up: the members still waiting for this rank fail at once.
+  void abandon(const std::string& why) override {
+    const int64_t seq = seq_.load();
+    if (seq < 0) return;
+    std::lock_guard lk(g_->mu);
+    const auto it = g_->slots.find(static_cast<uint64_t>(seq));
+    if (it == g_->slots.end()) return;
+    Slot& slot = it->second;
+    if (slot.gave_up.empty()) slot.gave_up_why = why;
+    slot.gave_up.push_back(g_->ranks[rank_]);
+    g_->cv.notify_all();
+  }
+
   std::string pending_text() override {
     const int64_t seq = seq_.load();
     std::lock_guard lk(g_->mu);
@@ -400,7 +415,7 @@ class LocalCall final : public QueuedCall {
         if (!slot.calls[i].posted && w.exited[g_->ranks[i]].load()) return true;
       return false;
     };
-    auto stop = [&] { return w.aborted.load() || member_gone() || m_->closing.load(); };
+    auto stop = [&] { return w.aborted.load() || member_gone() || m_->closing.load() || !slot.gave_up.empty(); };
     if (!pred() && !stop() && Clock::now() < until) {
       // Yield a few times before sleeping: with more ranks than cores the member being waited
       // for usually needs this core, and a condition-variable sleep costs far more than a yield.
@@ -416,6 +431,9 @@ class LocalCall final : public QueuedCall {
       lk.unlock();
       throw CommError(fmt::format("{} on group '{}' abandoned: {}", name_, g_->name, w.abort_text()));
     }
+    if (!slot.gave_up.empty())
+      throw CommError(fmt::format("{} on {} (call #{}): ranks [{}] gave the call up: {}", name_, group_text(*g_), seq_.load(),
+                                  fmt::join(slot.gave_up, ","), slot.gave_up_why));
     if (member_gone()) {
       std::vector<int> gone;
       for (size_t i = 0; i < slot.calls.size(); ++i)

@@ -626,6 +626,12 @@ class NcclWork final : public Work {
     return fmt::format("{} on {}", completion_->describe(), state_->where());
   }
 
+  // As a timed-out wait(): NCCL cannot cancel one call, so the communicator is aborted.
+  void give_up(const std::string& why) override {
+    std::lock_guard lk(state_->mu);
+    if (!completion_->final() && completion_->state != Completion::State::kOpen) state_->fail(*completion_, why);
+  }
+
   // The completion's event, once recorded on a stream (for wait_for); null otherwise.
   cudaEvent_t recorded_event() const {
     std::lock_guard lk(state_->mu);

@@ -1007,15 +1007,23 @@ bool ExecHandle::ready() {
 const std::vector<Tensor>& ExecHandle::wait(Milliseconds timeout) {
   if (done_ == works_.size() && !failed_) return results_;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
-  for (size_t i = 0; i < works_.size(); ++i) {
+  for (size_t i = done_; i < works_.size(); ++i) {
     const auto left = std::max(Milliseconds{0}, std::chrono::duration_cast<Milliseconds>(deadline - std::chrono::steady_clock::now()));
-    try {
-      works_[i]->wait(i < done_ ? Milliseconds{0} : left);  // a finished call returns (or rethrows) at once
-    } catch (...) {
+    if (!works_[i]->settle(left)) {
+      // Out of time: name the call that holds the transition up and where it stands (which ranks
+      // never joined it, or what it waits for), then give it up.
+      const std::string why = fmt::format("redistribute timed out after {} ms: {}", timeout.count(), works_[i]->describe());
+      works_[i]->give_up(why);
       failed_ = true;  // the later calls may never finish: do not wait for them again
+      throw kernels::CommError(why);
+    }
+    try {
+      works_[i]->wait(Milliseconds{0});  // finished: returns, or rethrows its failure
+    } catch (...) {
+      failed_ = true;
       throw;
     }
-    done_ = std::max(done_, i + 1);
+    done_ = i + 1;
   }
   return results_;
 }
