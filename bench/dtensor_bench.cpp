@@ -84,6 +84,8 @@ struct Options {
   bool check = true;
   bool host_cost = false;
   int host_calls = 2000;
+  bool overlap = false;
+  std::string overlap_min_text = "4M";
   double target = 1.10;
   std::string target_min_text = "1M";
   int64_t timeout_ms = 300'000;
@@ -94,6 +96,7 @@ struct Options {
   dtensor::PlannerKind planner = dtensor::PlannerKind::kSearch;
   std::vector<int64_t> size_list;
   int64_t target_min = int64_t{1} << 20;
+  int64_t overlap_min = int64_t{4} << 20;
   std::string command_line;
 };
 
@@ -538,6 +541,85 @@ HostRow run_host_cost(Env& env) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Overlap: per transition and size, the transition alone (issued with redistribute_async and
+// waited at once), a stand-in for compute alone (a sleep of the transition's median time: it uses
+// no CPU, as GPU kernels or a wait for data would not), and both: the transition issued
+// asynchronously, the compute, then the wait. exposed = (overlapped - compute) / comm: the share
+// of the transition the compute did not hide (0 when fully hidden, 1 when not at all).
+
+struct OverlapRow {
+  std::string transition, src, dst, mesh, route;
+  Dims shape;
+  int64_t bytes = 0, local_bytes = 0;
+  int collectives = 0, iters = 0;
+  Stats comm, compute, overlapped;
+  double exposed = 0;
+  int64_t wrong = -1;
+};
+
+OverlapRow run_overlap_one(Env& env, const Case& c, int64_t requested_bytes) {
+  const Options& opt = env.opt;
+  auto comms = env.comms_for(c.mesh_shape);
+  const Dims shape = shape_for(c, requested_bytes, opt.dtype);
+  const int64_t item = static_cast<int64_t>(kernels::itemsize(opt.dtype));
+  const dtensor::RedistributeOptions ropt{opt.planner};
+  DTensor x = make_source(c, shape, opt.dtype, env.device, comms);
+  const dtensor::Plan& plan = x.plan_to(c.dst, ropt);
+  OverlapRow row;
+  row.transition = c.name();
+  row.src = c.src_text;
+  row.dst = c.dst_text;
+  row.mesh = mesh_text(c.mesh_shape);
+  row.shape = shape;
+  row.bytes = shape.product() * item;
+  row.route = dtensor::to_string(plan);
+  row.collectives = plan.collectives();
+  row.iters = opt.iters;
+  for (int rank : x.spec().mesh->ranks())
+    row.local_bytes = std::max(row.local_bytes, x.spec().layout(rank)->local_shape.product() * item);
+  Communicator& world = env.world;
+  auto timed = [&](const std::function<void()>& body) {
+    world.wait(world.barrier());
+    const double t0 = bench::now_us();
+    body();
+    return bench::now_us() - t0;
+  };
+  auto transition = [&] { (void)dtensor::redistribute_async(x, c.dst, ropt).wait(); };
+  // The compute's duration: the transition's median time alone (max over ranks), measured in
+  // the warm-up so every rank sleeps the same.
+  std::vector<double> warm;
+  for (int it = 0; it < std::max(opt.warmup, 1) + 2; ++it) warm.push_back(timed(transition));
+  const double compute_target = bench::reduce_over_ranks(world, {bench::median(warm)}, ReduceOp::kMax)[0];
+  const auto compute = [&] { std::this_thread::sleep_for(std::chrono::duration<double, std::micro>(compute_target)); };
+  std::vector<double> comm, alone, both;
+  for (int it = 0; it < opt.iters; ++it) {
+    comm.push_back(timed(transition));
+    alone.push_back(timed(compute));
+    both.push_back(timed([&] {
+      dtensor::RedistributeHandle h = dtensor::redistribute_async(x, c.dst, ropt);
+      compute();
+      (void)h.wait();
+    }));
+  }
+  if (opt.check) {
+    dtensor::RedistributeHandle h = dtensor::redistribute_async(x, c.dst, ropt);
+    compute();
+    const bool ok = check_result(c, h.wait(), comms);
+    row.wrong = static_cast<int64_t>(bench::reduce_over_ranks(world, {ok ? 0.0 : 1.0}, ReduceOp::kSum)[0]);
+  }
+  std::vector<double> v = comm;
+  v.insert(v.end(), alone.begin(), alone.end());
+  v.insert(v.end(), both.begin(), both.end());
+  v = bench::reduce_over_ranks(world, v, ReduceOp::kMax);
+  const auto n = static_cast<long>(comm.size());
+  row.comm = stats_of({v.begin(), v.begin() + n});
+  row.compute = stats_of({v.begin() + n, v.begin() + 2 * n});
+  row.overlapped = stats_of({v.begin() + 2 * n, v.end()});
+  row.exposed = row.comm.median_us > 0 ? (row.overlapped.median_us - row.compute.median_us) / row.comm.median_us : 0;
+  return row;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Output
 
 class Printer {
@@ -647,6 +729,57 @@ class Printer {
     std::fflush(stdout);
   }
 
+  void overlap_header() const {
+    fmt::print("# dtensor-bench --overlap  backend: {}  world: {}  dtype: {}  planner: {}\n", desc_, world_,
+               kernels::to_string(opt_.dtype), dtensor::to_string(opt_.planner));
+    fmt::print("# per iteration (max over ranks; medians over {} iterations after {} warm-up ones):\n", opt_.iters,
+               std::max(opt_.warmup, 1) + 2);
+    fmt::print("#   comm: redistribute_async + wait; compute: a sleep of comm's warm-up median (no CPU);\n");
+    fmt::print("#   overlapped: redistribute_async, the compute, then wait; exposed = (overlapped - compute) / comm\n");
+    fmt::print("# command: {}\n", opt_.command_line);
+    fmt::print("# load average at start: {}\n", bench::load_average());
+    std::fflush(stdout);
+  }
+
+  void overlap_section(const Case& c) {
+    route_.clear();
+    fmt::print("#\n# {}  on mesh {}\n", c.name(), mesh_text(c.mesh_shape));
+    fmt::print("# {:>10}  {:>11}  {:>16}  {:>10}  {:>10}  {:>13}  {:>8}  {:>6}\n", "bytes", "local_bytes", "shape",
+               "comm_us", "compute_us", "overlapped_us", "exposed", "#wrong");
+    std::fflush(stdout);
+  }
+
+  void overlap_row(const OverlapRow& r) {
+    if (r.route != route_) {
+      route_ = r.route;
+      fmt::print("#   route: {}\n", r.route);
+    }
+    fmt::print("  {:>10}  {:>11}  {:>16}  {:>10.1f}  {:>10.1f}  {:>13.1f}  {:>8.3f}  {:>6}\n", r.bytes, r.local_bytes,
+               fmt::format("{}", fmt::join(r.shape, "x")), r.comm.median_us, r.compute.median_us, r.overlapped.median_us,
+               r.exposed, r.wrong < 0 ? "N/A" : std::to_string(r.wrong));
+    std::fflush(stdout);
+  }
+
+  void overlap_footer(const std::vector<OverlapRow>& rows) const {
+    fmt::print("#\n# Summary: exposed at a local shard >= {} (target <= 0.10; reported, not enforced)\n",
+               human_bytes(opt_.overlap_min));
+    int met = 0, total = 0;
+    double worst = 0;
+    for (const OverlapRow& r : rows) {
+      if (r.local_bytes < opt_.overlap_min || r.collectives == 0) continue;
+      ++total;
+      met += r.exposed <= 0.10;
+      worst = std::max(worst, r.exposed);
+    }
+    if (total == 0) fmt::print("#   (no size in range)\n");
+    else fmt::print("#   {} of {} rows within 0.10; worst {:.3f}\n", met, total, worst);
+    int64_t wrong = 0;
+    for (const OverlapRow& r : rows) wrong += std::max<int64_t>(r.wrong, 0);
+    fmt::print("# load average at end: {}\n", bench::load_average());
+    fmt::print("# #wrong total: {}{}\n", wrong, opt_.check ? "" : " (check off)");
+    std::fflush(stdout);
+  }
+
  private:
   const Options& opt_;
   std::string desc_;
@@ -655,7 +788,7 @@ class Printer {
 };
 
 void write_json(const Options& opt, const std::string& desc, int world, const std::vector<Row>& rows,
-                const std::vector<HostRow>& host) {
+                const std::vector<HostRow>& host, const std::vector<OverlapRow>& overlap = {}) {
   json arr = json::array();
   auto common = [&](json& o) {
     o["backend"] = opt.backend;
@@ -727,6 +860,31 @@ void write_json(const Options& opt, const std::string& desc, int world, const st
     o["lower_bound_bytes"] = 0;
     arr.push_back(o);
   }
+  for (const OverlapRow& r : overlap) {
+    json o;
+    o["kind"] = "overlap";
+    o["transition"] = r.transition;
+    o["src"] = r.src;
+    o["dst"] = r.dst;
+    o["mesh"] = r.mesh;
+    common(o);
+    o["bytes"] = r.bytes;
+    o["local_bytes"] = r.local_bytes;
+    o["shape"] = r.shape.vec();
+    o["route"] = r.route;
+    o["collectives"] = r.collectives;
+    o["iters"] = r.iters;
+    o["comm_us"] = r.comm.median_us;
+    o["compute_us"] = r.compute.median_us;
+    o["overlapped_us"] = r.overlapped.median_us;
+    o["exposed"] = r.exposed;
+    o["comm_min_us"] = r.comm.min_us;
+    o["comm_max_us"] = r.comm.max_us;
+    o["overlapped_min_us"] = r.overlapped.min_us;
+    o["overlapped_max_us"] = r.overlapped.max_us;
+    o["wrong"] = r.wrong < 0 ? json(nullptr) : json(r.wrong);
+    arr.push_back(o);
+  }
   std::ofstream f(opt.json_path);
   if (!f) throw kernels::InvalidArgument(fmt::format("--json: cannot write '{}'", opt.json_path));
   f << arr.dump(1) << "\n";
@@ -738,24 +896,45 @@ void write_json(const Options& opt, const std::string& desc, int world, const st
 struct Result {
   std::vector<Row> rows;
   std::vector<HostRow> host;
+  std::vector<OverlapRow> overlap;
+  int64_t wrong() const {
+    int64_t w = 0;
+    for (const Row& r : rows) w += std::max<int64_t>(r.wrong, 0);
+    for (const OverlapRow& r : overlap) w += std::max<int64_t>(r.wrong, 0);
+    return w;
+  }
 };
 
 Result run_rank(Env& env, Printer* printer, const std::vector<Case>& cases) {
+  Result res;
+  if (env.opt.overlap) {
+    for (const Case& c : cases) {
+      if (printer) printer->overlap_section(c);
+      for (int64_t size : env.opt.size_list) {
+        res.overlap.push_back(run_overlap_one(env, c, size));
+        if (printer) printer->overlap_row(res.overlap.back());
+      }
+    }
+    return res;
+  }
   if (printer) {
     env.on_case = [printer](const Case& c) { printer->section(c); };
     env.on_row = [printer](const Row& r) { printer->row(r); };
   }
-  Result res;
   res.rows = run_sweep(env, cases);
   return res;
 }
 
+void print_header(const Options& opt, const Printer& printer) {
+  if (opt.overlap) printer.overlap_header();
+  else printer.header();
+}
+
 int64_t finish(const Options& opt, const Printer& printer, const std::string& desc, int world, const Result& res) {
-  printer.footer(res.rows);
-  if (!opt.json_path.empty()) write_json(opt, desc, world, res.rows, res.host);
-  int64_t wrong = 0;
-  for (const Row& r : res.rows) wrong += std::max<int64_t>(r.wrong, 0);
-  return wrong;
+  if (opt.overlap) printer.overlap_footer(res.overlap);
+  else printer.footer(res.rows);
+  if (!opt.json_path.empty()) write_json(opt, desc, world, res.rows, res.host, res.overlap);
+  return res.wrong();
 }
 
 // --host-cost: one local world per N (1, 2, 4, 8, or the --world given).
@@ -789,7 +968,7 @@ int64_t run_local(const Options& opt) {
   const std::string desc = fmt::format("local ({} ranks as threads, {} hardware threads)", n,
                                        std::thread::hardware_concurrency());
   Printer printer(opt, desc, n);
-  printer.header();
+  print_header(opt, printer);
   Result res;
   collectives::run_ranks(
       n,
@@ -809,14 +988,11 @@ int64_t run_mpi(const Options& opt, int* argc, char*** argv) {
   const std::vector<Case> cases = suite_cases(opt, n);
   const std::string desc = fmt::format("mpi ({} processes)", n);
   Printer printer(opt, desc, n);
-  if (world->rank() == 0) printer.header();
+  if (world->rank() == 0) print_header(opt, printer);
   Env env{*world, Device::cpu(), opt, {}, {}, {}};
   Result res = run_rank(env, world->rank() == 0 ? &printer : nullptr, cases);
-  int64_t wrong = 0;
-  if (world->rank() == 0) wrong = finish(opt, printer, desc, n, res);
-  else
-    for (const Row& r : res.rows) wrong += std::max<int64_t>(r.wrong, 0);  // every rank holds the sums
-  return wrong;
+  if (world->rank() == 0) return finish(opt, printer, desc, n, res);
+  return res.wrong();  // every rank holds the sums
 }
 
 int64_t run_nccl(const Options& opt, int* argc, char*** argv) {
@@ -825,7 +1001,7 @@ int64_t run_nccl(const Options& opt, int* argc, char*** argv) {
       opt.world, opt.world_given, opt.bootstrap, Milliseconds{opt.timeout_ms}, argc, argv,
       [&](int n, const std::string& desc) {
         printer.emplace(opt, desc, n);
-        printer->header();
+        print_header(opt, *printer);
       },
       [&](Communicator& world, Communicator& boot, Device device, bool) {
         const std::vector<Case> mine = suite_cases(opt, boot.size());
@@ -833,9 +1009,7 @@ int64_t run_nccl(const Options& opt, int* argc, char*** argv) {
         return run_rank(env, boot.rank() == 0 ? &*printer : nullptr, mine);
       });
   if (run.reporting) return finish(opt, *printer, run.desc, run.world, run.result);
-  int64_t wrong = 0;
-  for (const Row& r : run.result.rows) wrong += std::max<int64_t>(r.wrong, 0);  // every rank holds the sums
-  return wrong;
+  return run.result.wrong();  // every rank holds the sums
 }
 
 }  // namespace
@@ -871,6 +1045,11 @@ int main(int argc, char** argv) {
   app.add_option("--host-calls", opt.host_calls, "calls per timed repeat of --host-cost")
       ->check(CLI::Range(1, 100000000))
       ->capture_default_str();
+  app.add_flag("--overlap", opt.overlap, "per transition and size: the transition alone, a compute stand-in (sleep) "
+                                       "alone, and both overlapped (redistribute_async, compute, wait); default "
+                                       "sizes 256K:64M");
+  app.add_option("--overlap-min-size", opt.overlap_min_text, "smallest local shard counted in the --overlap summary")
+      ->capture_default_str();
   app.add_option("--target", opt.target, "overhead target of the summary")->capture_default_str();
   app.add_option("--target-min-size", opt.target_min_text, "smallest local shard counted in the summary")
       ->capture_default_str();
@@ -889,7 +1068,10 @@ int main(int argc, char** argv) {
       throw kernels::InvalidArgument(fmt::format("--dtype {}: fp8 is storage-only, collectives do not move it",
                                                  opt.dtype_name));
     opt.planner = dtensor::parse_planner(opt.planner_name);
+    if (opt.overlap && app.count("--sizes") == 0) opt.sizes = "256K:64M";
     opt.size_list = bench::parse_sizes(opt.sizes);
+    opt.overlap_min = bench::parse_bytes(opt.overlap_min_text);
+    if (opt.overlap && opt.host_cost) throw kernels::InvalidArgument("--overlap and --host-cost go one at a time");
     opt.target_min = bench::parse_bytes(opt.target_min_text);
     if (opt.host_cost && opt.backend != "local")
       throw kernels::InvalidArgument(fmt::format("--host-cost runs on the local backend, not {}", opt.backend));

@@ -213,7 +213,9 @@ def merge(ours_records, torch_records):
     """
     ours_t = {transition_key(r): r for r in ours_records if record_kind(r) == "transition"}
     torch_t = {transition_key(r): r for r in torch_records if record_kind(r) == "transition"}
-    ours_h = {host_key(r): r for r in ours_records if record_kind(r) == "host"}
+    # Host cost: torch runs on one process, so only our one-rank records (--host-cost --world 1)
+    # have a counterpart.
+    ours_h = {host_key(r): r for r in ours_records if record_kind(r) == "host" and int(r.get("world", 1)) == 1}
     torch_h = {host_key(r): r for r in torch_records if record_kind(r) == "host"}
 
     torch_version = next((r.get("torch_version") for r in torch_records if r.get("torch_version")), None)
@@ -594,7 +596,7 @@ def host_cases_from(ours_records):
     cases = [{"transition": r["transition"], "mesh": str(r.get("mesh", "1")), "shape": r["shape"],
               "bytes": r.get("bytes"), "dtype": r.get("dtype", "f32"), "calls": r.get("calls"),
               "repeats": r.get("iters")}
-             for r in ours_records if record_kind(r) == "host"]
+             for r in ours_records if record_kind(r) == "host" and int(r.get("world", 1)) == 1]
     if cases:
         return cases
     return [dict(c, mesh="x".join("1" * len(parse_placements(split_transition(c["transition"])[0]))),

@@ -97,7 +97,8 @@ std::shared_ptr<Work> CallQueue::push(std::shared_ptr<QueuedCall> call, Millisec
   }
   if (!holding_) {
     hold();
-    run(lk, Clock::now(), [] { return false; });  // one pass, never blocks
+    (void)start_ready(lk, /*run_tasks=*/false);
+    while (!calls_.empty() && is_finished(*calls_.front())) calls_.pop_front();
     let_go();
   }
   return work;
@@ -119,6 +120,11 @@ void CallQueue::let_go() {
   } else {
     signal_->idle_since.store(0);
   }
+}
+
+void CallQueue::kick() {
+  std::lock_guard lk(mu_);
+  if (has_worker() && !holding_ && has_unfinished()) signal_->cv.notify_one();
 }
 
 void CallQueue::add_dependency(WorkPtr work) {
@@ -149,7 +155,7 @@ void CallQueue::fail_locked(QueuedCall& c, std::string why, std::vector<WorkPtr>
   cv_.notify_all();
 }
 
-std::shared_ptr<QueuedCall> CallQueue::start_ready(std::unique_lock<std::mutex>& lk) {
+std::shared_ptr<QueuedCall> CallQueue::start_ready(std::unique_lock<std::mutex>& lk, bool run_tasks) {
   for (;;) {
     // The first entry not yet started; every entry before it has started (or finished).
     size_t i = 0;
@@ -160,7 +166,7 @@ std::shared_ptr<QueuedCall> CallQueue::start_ready(std::unique_lock<std::mutex>&
     }
     if (i == calls_.size()) return nullptr;
     std::shared_ptr<QueuedCall> c = calls_[i];
-    if (c->is_host_task() && !earlier_finished) return nullptr;
+    if (c->is_host_task() && (!earlier_finished || !run_tasks)) return nullptr;
     // Dependencies are checked without this queue's lock (they may belong to other queues); the
     // references taken here are dropped before it is locked again, so no Work of another queue
     // is ever destroyed under it.

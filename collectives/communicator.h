@@ -168,6 +168,12 @@ class Communicator {
   // kernels layer's copies do).
   virtual WorkPtr host_task(std::function<void()> fn) = 0;
 
+  // A hint that the caller will not wait for its pending calls soon (it issued them to overlap
+  // them with other work): the communicator's worker starts on them now, instead of after the
+  // short delay that lets a caller who waits at once run its calls itself (NOTE [call queue] in
+  // collectives/call_queue.h). Calls progress either way. No effect on nccl (the GPU runs them).
+  virtual void kick() {}
+
   // Batching (NCCL group semantics): calls between begin_batch() and end_batch() are issued as
   // one operation; their Works complete together, and end_batch() returns a Work for all of them.
   virtual void begin_batch() = 0;

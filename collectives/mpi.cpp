@@ -1122,6 +1122,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   void wait_for(const WorkPtr& work) override { queue_->add_dependency(work); }
+  void kick() override { queue_->kick(); }
   WorkPtr host_task(std::function<void()> fn) override {
     if (batching_)
       throw InvalidArgument(fmt::format("host_task on group '{}': not allowed inside a batch", name()));

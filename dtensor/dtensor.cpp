@@ -464,6 +464,7 @@ RedistributeHandle redistribute_async(const DTensor& tensor, const Placements& p
   // Plans (and validates) here, so bad input throws on the caller, not from wait().
   h.exec_ = issue_to(tensor.spec(), placements, options.planner, tensor.to_local(), *h.comms_, options.reduce_policy(),
                      out, &h.spec_.placements);
+  h.exec_.kick();  // the caller overlaps it with other work: progress starts now
   return h;
 }
 

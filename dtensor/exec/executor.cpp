@@ -510,7 +510,7 @@ class Issuer {
       results.push_back(outs_[j]);
     }
     return ExecHandle(std::move(works_), std::move(results),
-                      comms_.mesh().ndim() > 0 ? comms_.dim(0).timeout() : collectives::kDefaultTimeout);
+                      comms_.mesh().ndim() > 0 ? comms_.dim(0).timeout() : collectives::kDefaultTimeout, std::move(used_));
   }
 
  private:
@@ -530,6 +530,7 @@ class Issuer {
   Communicator& on(Communicator& c) {
     if (stream_ != nullptr && stream_ != &c) c.wait_for(last_);
     stream_ = &c;
+    if (std::find(used_.begin(), used_.end(), &c) == used_.end()) used_.push_back(&c);
     return c;
   }
   void call(WorkPtr w) {
@@ -909,6 +910,7 @@ class Issuer {
   Communicator* stream_ = nullptr;
   WorkPtr last_;
   std::vector<WorkPtr> works_;
+  std::vector<Communicator*> used_;
 };
 
 std::string shape_text(const Dims& d) { return fmt::format("[{}]", fmt::join(d, ",")); }
@@ -975,11 +977,16 @@ void check_out(const Tensor& out, const Tensor& local, const Dims& want, int ran
 
 // ---- ExecHandle ----
 
+void ExecHandle::kick() const {
+  for (Communicator* c : used_) c->kick();
+}
+
 ExecHandle& ExecHandle::operator=(ExecHandle&& other) noexcept {
   if (this != &other) {
     finish_quietly();
     works_ = std::move(other.works_);
     results_ = std::move(other.results_);
+    used_ = std::move(other.used_);
     default_timeout_ = other.default_timeout_;
     done_ = other.done_;
     failed_ = other.failed_;

@@ -83,8 +83,9 @@ struct ReducePolicy {
 class ExecHandle {
  public:
   ExecHandle() = default;
-  ExecHandle(std::vector<collectives::WorkPtr> works, std::vector<Tensor> results, Milliseconds default_timeout)
-      : works_(std::move(works)), results_(std::move(results)), default_timeout_(default_timeout) {}
+  ExecHandle(std::vector<collectives::WorkPtr> works, std::vector<Tensor> results, Milliseconds default_timeout,
+             std::vector<collectives::Communicator*> used = {})
+      : works_(std::move(works)), results_(std::move(results)), default_timeout_(default_timeout), used_(std::move(used)) {}
   ExecHandle(ExecHandle&&) noexcept = default;
   ExecHandle& operator=(ExecHandle&& other) noexcept;
   ExecHandle(const ExecHandle&) = delete;
@@ -101,12 +102,16 @@ class ExecHandle {
   const std::vector<Tensor>& results() const { return results_; }
   // Calls made on the communicators (0 when every step was local).
   size_t calls() const { return works_.size(); }
+  // The caller will not wait soon: the communicators' workers start on the calls now
+  // (Communicator::kick).
+  void kick() const;
 
  private:
   void finish_quietly() noexcept;
   std::vector<collectives::WorkPtr> works_;
   std::vector<Tensor> results_;
   Milliseconds default_timeout_{collectives::kDefaultTimeout};
+  std::vector<collectives::Communicator*> used_;  // the communicators of the calls
   size_t done_ = 0;     // works_[0, done_) have completed
   bool failed_ = false;  // wait() threw
 };
