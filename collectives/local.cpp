@@ -31,7 +31,7 @@ namespace detail {
 class LocalGroup;
 
 // Shared by every rank of one LocalWorld. Each group has its own lock and condition variable;
-// the world keeps a list of its groups so that an abort (or a rank returning) wakes every waiter.
+// the world keeps a list of its groups so that aborting it, or a rank returning, wakes every waiter.
 class LocalWorldState {
  public:
   LocalWorldState(int size_, Milliseconds timeout_)

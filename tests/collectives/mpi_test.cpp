@@ -592,11 +592,11 @@ TEST_CASE("mpi: a member that never joins is named after the timeout", "[mpi]") 
   W().wait(W().barrier());
   if (me != late) {
     WorkPtr w = sub->all_reduce(x, x, ReduceOp::kSum);
-    REQUIRE_THROWS_WITH(w->wait(2000ms),
+    REQUIRE_THROWS_WITH(w->wait(300ms),
                         Contains(fmt::format("all_reduce on group 'straggler' [{}] (call #0) timed "
-                                             "out after 2000 ms: ranks [{}] never joined",
+                                             "out after 300 ms: ranks [{}] never joined",
                                              fmt::join(all, ","), late)));
-    REQUIRE_THROWS_WITH(w->wait(2000ms), Contains("never joined"));  // the failure sticks
+    REQUIRE_THROWS_WITH(w->wait(300ms), Contains("never joined"));  // the failure sticks
     REQUIRE_THROWS_WITH(sub->barrier(), Contains("all_reduce on group 'straggler'") &&
                                             Contains("unusable after an earlier failure"));
     W().wait(W().barrier());
@@ -622,9 +622,9 @@ TEST_CASE("mpi: a member that joined but cannot finish is told apart from a miss
   WorkPtr w = fresh->send_recv(ops);
   if (me == 1)
     REQUIRE_THROWS_WITH(
-        w->wait(2000ms),
+        w->wait(300ms),
         Contains(
-            fmt::format("send_recv on group 'world' [{}] (call #0) timed out after 2000 ms: every "
+            fmt::format("send_recv on group 'world' [{}] (call #0) timed out after 300 ms: every "
                         "member joined, ranks [1] have not completed it; collective mismatch: rank "
                         "1 called send_recv(1 ops) but rank 0 called send_recv(0 ops)",
                         fmt::join(std::vector<int>(W().ranks()), ","))));
@@ -649,12 +649,12 @@ TEST_CASE("mpi: a split that a member never joins is named after the timeout", "
   const int n = W().size(), me = W().rank();
   if (n < 2) return;
   auto fresh = mpi_test::mpi->communicator(30'000ms);
-  fresh->set_timeout(2000ms);
+  fresh->set_timeout(300ms);
   if (me != n - 1) {
     std::vector<int> self = {me};
     REQUIRE_THROWS_WITH(
         fresh->split(self, "never"),
-        Contains(fmt::format("split on group 'world' [{}] (call #0) timed out after 2000 ms: ranks "
+        Contains(fmt::format("split on group 'world' [{}] (call #0) timed out after 300 ms: ranks "
                              "[{}] never joined",
                              fmt::join(std::vector<int>(W().ranks()), ","), n - 1)));
   }
