@@ -59,7 +59,9 @@ How torch is measured (mirrors dtensor-bench, see bench/README.md):
     all_reduce (in place: torch has no out-of-place all_reduce) and all_to_all_single on
     buffers allocated once, on mesh.get_group(mesh_dim);
   * host cost: one process, a mesh of ones (1 or 1x1, as our host record), the tiny tensor of
-    our host records (4x4 f32); per call = the time of `calls` consecutive redistributes / calls,
+    our one-rank host records (`--host-cost --world 1`: 8x4 f32 S(0)->R; the records of larger
+    worlds have no torch counterpart and are left out); per call = the time of `calls`
+    consecutive redistributes / calls,
     after one untimed batch; median, min and max over the repeats. `calls` and the repeats are
     those of our record unless --host-calls / --host-repeats say otherwise (2000 and 20 if
     neither does).
