@@ -97,7 +97,7 @@ std::shared_ptr<Work> CallQueue::push(std::shared_ptr<QueuedCall> call, Millisec
   }
   if (!holding_) {
     hold();
-    (void)start_ready(lk, /*run_tasks=*/false);
+    (void)start_ready(lk, /*on_push=*/true);
     while (!calls_.empty() && is_finished(*calls_.front())) calls_.pop_front();
     let_go();
   }
@@ -155,7 +155,7 @@ void CallQueue::fail_locked(QueuedCall& c, std::string why, std::vector<WorkPtr>
   cv_.notify_all();
 }
 
-std::shared_ptr<QueuedCall> CallQueue::start_ready(std::unique_lock<std::mutex>& lk, bool run_tasks) {
+std::shared_ptr<QueuedCall> CallQueue::start_ready(std::unique_lock<std::mutex>& lk, bool on_push) {
   for (;;) {
     // The first entry not yet started; every entry before it has started (or finished).
     size_t i = 0;
@@ -166,7 +166,8 @@ std::shared_ptr<QueuedCall> CallQueue::start_ready(std::unique_lock<std::mutex>&
     }
     if (i == calls_.size()) return nullptr;
     std::shared_ptr<QueuedCall> c = calls_[i];
-    if (c->is_host_task() && (!earlier_finished || !run_tasks)) return nullptr;
+    if (c->is_host_task() && (!earlier_finished || on_push)) return nullptr;
+    if (on_push && !c->cheap_start()) return nullptr;
     // Dependencies are checked without this queue's lock (they may belong to other queues); the
     // references taken here are dropped before it is locked again, so no Work of another queue
     // is ever destroyed under it.

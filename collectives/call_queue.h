@@ -66,6 +66,10 @@ class QueuedCall {
   virtual std::string describe() const = 0;
   // Host tasks start only once every earlier entry has finished.
   virtual bool is_host_task() const { return false; }
+  // Whether push() may start the call on the caller's thread: only when start() moves no data
+  // (local: it only posts the buffers), so a caller overlapping the call with its own work does
+  // none of it (MPI's nonblocking collectives may copy or reduce while they are started).
+  virtual bool cheap_start() const { return true; }
   // Completed or failed (no lock needed).
   bool has_finished() const { return finished_.load(); }
 
@@ -155,9 +159,10 @@ class CallQueue : public std::enable_shared_from_this<CallQueue> {
   // Appends `call`, with the dependencies of the wait_for()s since the last push, and returns its
   // Work (whose destructor completes the call if it is still pending, bounded by
   // `default_timeout`). When no other thread progresses the queue, this thread starts the
-  // collectives that can start at once (posts them: the call itself when nothing is ahead of it),
-  // without blocking and without moving data or running host tasks: the caller may be issuing
-  // work to overlap with its own, so the data moves on the worker (or in wait()).
+  // collectives whose start is cheap (QueuedCall::cheap_start: posting them; the call itself
+  // when nothing is ahead of it), without blocking, moving data or running host tasks: the
+  // caller may be issuing work to overlap with its own, so the data moves on the worker (or in
+  // wait()).
   std::shared_ptr<Work> push(std::shared_ptr<QueuedCall> call, Milliseconds default_timeout);
   void add_dependency(WorkPtr work);
   // Wakes the worker now when calls are pending and nobody progresses them (Communicator::kick).
@@ -191,10 +196,10 @@ class CallQueue : public std::enable_shared_from_this<CallQueue> {
   // Progresses the queue as the holder until stop() or the deadline (at least one pass).
   // REQUIRES: lk holds mu_ and this thread set holding_.
   void run(std::unique_lock<std::mutex>& lk, Clock::time_point deadline, const std::function<bool()>& stop);
-  // Starts every entry that may start, in order (host tasks only with `run_tasks`). REQUIRES: as
-  // run(). Returns the first queued entry whose dependencies have not finished, if it is the head
-  // (the caller waits for them).
-  std::shared_ptr<QueuedCall> start_ready(std::unique_lock<std::mutex>& lk, bool run_tasks = true);
+  // Starts every entry that may start, in order (on push, only those with a cheap start: no host
+  // tasks). REQUIRES: as run(). Returns the first queued entry whose dependencies have not
+  // finished, if it is the head (the caller waits for them).
+  std::shared_ptr<QueuedCall> start_ready(std::unique_lock<std::mutex>& lk, bool on_push = false);
   void finish(QueuedCall& c, std::exception_ptr error);  // REQUIRES: mu_ held
   void worker_main();
   // "it never started: it waits for ..." for a queued call.

@@ -792,6 +792,10 @@ class MpiCall final : public QueuedCall {
     return false;
   }
 
+  // MPI_I* calls may copy or reduce before they return, and check_calls exchanges: never on the
+  // caller's push.
+  bool cheap_start() const override { return false; }
+
   std::string pending_text() override {
     const int64_t seq = seq_.load();
     if (seq < 0) return "it is being issued";

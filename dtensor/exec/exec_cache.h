@@ -12,9 +12,11 @@
 // Thread-safe. Bounded: past kMaxEntries the cache starts over.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <unordered_map>
 #include <vector>
 
@@ -30,7 +32,7 @@ class ExecCache {
 
   // Whole redistributes of one tensor: the plan, the dtypes of every step and their schedules
   // (one look-up per call).
-  std::shared_ptr<const Recipe> find_recipe(const Key& key) const {
+  std::shared_ptr<const Recipe> find_recipe(std::span<const int64_t> key) const {
     std::lock_guard lk(mu_);
     const auto it = recipes_.find(key);
     return it == recipes_.end() ? nullptr : it->second;
@@ -57,8 +59,10 @@ class ExecCache {
   }
 
  private:
+  // Looked up by a span as well (no vector built per look-up).
   struct Hash {
-    size_t operator()(const Key& key) const {
+    using is_transparent = void;
+    size_t operator()(std::span<const int64_t> key) const {
       uint64_t h = 1469598103934665603ull;  // FNV-1a over the words
       for (int64_t v : key) {
         h ^= static_cast<uint64_t>(v);
@@ -66,10 +70,20 @@ class ExecCache {
       }
       return static_cast<size_t>(h);
     }
+    size_t operator()(const Key& key) const { return (*this)(std::span<const int64_t>(key)); }
+  };
+  struct Equal {
+    using is_transparent = void;
+    static bool same(std::span<const int64_t> a, std::span<const int64_t> b) {
+      return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
+    }
+    bool operator()(const Key& a, const Key& b) const { return a == b; }
+    bool operator()(std::span<const int64_t> a, const Key& b) const { return same(a, b); }
+    bool operator()(const Key& a, std::span<const int64_t> b) const { return same(a, b); }
   };
   mutable std::mutex mu_;
-  std::unordered_map<Key, std::shared_ptr<const StepSchedule>, Hash> map_;
-  std::unordered_map<Key, std::shared_ptr<const Recipe>, Hash> recipes_;
+  std::unordered_map<Key, std::shared_ptr<const StepSchedule>, Hash, Equal> map_;
+  std::unordered_map<Key, std::shared_ptr<const Recipe>, Hash, Equal> recipes_;
 };
 
 }  // namespace dtensor

@@ -84,6 +84,9 @@ struct View {
   int64_t numel() const { return length.product(); }
 };
 
+// A contiguous tensor as 1-D, without view()'s shape inference.
+Tensor flat(const Tensor& t) { return t.as_strided(Dims{t.numel()}, Dims{1}, t.storage_offset()); }
+
 // The view of `base` (any strides) that `v` selects.
 Tensor at(const Tensor& base, const View& v) {
   int64_t offset = base.storage_offset();
@@ -474,6 +477,7 @@ class Issuer {
   }
 
   ExecHandle run() {
+    works_.reserve(plan_.steps.size());
     for (size_t i = 0; i < plan_.steps.size(); ++i) {
       const Placements& before = plan_.states[i];
       const Step& step = plan_.steps[i];
@@ -530,7 +534,10 @@ class Issuer {
   Communicator& on(Communicator& c) {
     if (stream_ != nullptr && stream_ != &c) c.wait_for(last_);
     stream_ = &c;
-    if (std::find(used_.begin(), used_.end(), &c) == used_.end()) used_.push_back(&c);
+    if (used_.empty() || (used_.back() != &c && std::find(used_.begin(), used_.end(), &c) == used_.end())) {
+      if (used_.empty()) used_.reserve(static_cast<size_t>(comms_.mesh().ndim()));
+      used_.push_back(&c);
+    }
     return c;
   }
   void call(WorkPtr w) {
@@ -585,6 +592,16 @@ class Issuer {
   // ---- all-gather ----
   std::vector<Tensor> run_step(const AllGather& s) {
     bool direct = s.tensor_dim == 0;
+    if (items_.size() == 1 && direct) {
+      // Straight from the local tensor into the result (the caller's out when contiguous).
+      const std::shared_ptr<const StepSchedule> sc = sched(0, Path::kAllGather);
+      if (sc->post_shape[0] % k_ == 0 && items_[0].local.is_contiguous()) {
+        Tensor out = result(0, sc->post_shape, sp().work, true);
+        call(on(comm()).all_gather(flat(items_[0].local), flat(out)));
+        return {out};
+      }
+      return exchange();
+    }
     std::vector<std::shared_ptr<const StepSchedule>> scheds;
     for (size_t j = 0; j < items_.size() && direct; ++j) {
       scheds.push_back(sched(j, Path::kAllGather));
@@ -593,13 +610,6 @@ class Issuer {
     if (!direct) return exchange();
     const DType dt = sp().work;
     Communicator& c = on(comm());
-    if (items_.size() == 1) {
-      // Straight from the local tensor into the result (the caller's out when contiguous).
-      Tensor out = result(0, scheds[0]->post_shape, dt, true);
-      const Tensor& in = items_[0].local;
-      call(c.all_gather(in.view({in.numel()}), out.view({out.numel()})));
-      return {out};
-    }
     int64_t total = 0;
     for (const Item& it : items_) total += it.local.numel();
     Tensor send = alloc({total}, dt), recv = alloc({k_ * total}, dt);
@@ -739,7 +749,7 @@ class Issuer {
     // Member chunks that are consecutive flat ranges of one contiguous input: reduce-scatter
     // straight from it (a cast copy first when the reduce dtype differs) into the result.
     if (items_.size() == 1 && sc[0]->flat && ins[0].is_contiguous()) {
-      Tensor in = ins[0].view({ins[0].numel()});
+      Tensor in = flat(ins[0]);
       if (p.in != p.work) {
         Tensor cast = alloc({ins[0].numel()}, p.work);
         local([=]() mutable { cast.copy_(in); });
@@ -748,7 +758,7 @@ class Issuer {
       Tensor o = result(0, sc[0]->post_shape, p.out, true);
       const bool into_out = o.dtype() == p.work;
       Tensor acc = into_out ? o : alloc(sc[0]->post_shape, p.work);
-      call(c.reduce_scatter(in, acc.view({acc.numel()}), p.reduction));
+      call(c.reduce_scatter(in, flat(acc), p.reduction));
       if (!into_out || p.post_scale != 1.0) local([=] { finish_reduced(acc, p.post_scale, o); });
       return {o};
     }
@@ -1015,7 +1025,9 @@ const std::vector<Tensor>& ExecHandle::wait(Milliseconds timeout) {
   if (done_ == works_.size() && !failed_) return results_;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (size_t i = done_; i < works_.size(); ++i) {
-    const auto left = std::max(Milliseconds{0}, std::chrono::duration_cast<Milliseconds>(deadline - std::chrono::steady_clock::now()));
+    const auto left = i == done_ ? timeout
+                                 : std::max(Milliseconds{0}, std::chrono::duration_cast<Milliseconds>(
+                                                                 deadline - std::chrono::steady_clock::now()));
     if (!works_[i]->settle(left)) {
       // Out of time: name the call that holds the transition up and where it stands (which ranks
       // never joined it, or what it waits for), then give it up.
@@ -1099,8 +1111,12 @@ ExecHandle issue(const Plan& plan, const DTensorSpec& src, const Tensor& local, 
 
 ExecHandle issue_to(const DTensorSpec& src, const Placements& dst, PlannerKind planner, const Tensor& local,
                     const MeshComms& comms, const ReducePolicy& policy, const Tensor& out, Placements* normalized) {
-  ExecCache::Key key(9 + static_cast<size_t>(src.shape.size()) + 3 * (src.placements.size() + dst.size()));
-  int64_t* k = key.data();
+  // The key in a buffer on the stack: a cached call builds no vector.
+  std::array<int64_t, 9 + kernels::kMaxDims + 6 * 3 * kernels::kMaxDims> buffer;
+  const size_t words = 9 + static_cast<size_t>(src.shape.size()) + 3 * (src.placements.size() + dst.size());
+  std::vector<int64_t> heap;
+  int64_t* k = words <= buffer.size() ? buffer.data() : (heap.resize(words), heap.data());
+  const std::span<const int64_t> key(k, words);
   *k++ = static_cast<int64_t>(src.dtype);
   *k++ = out.defined() ? static_cast<int64_t>(out.dtype()) : -1;
   *k++ = static_cast<int64_t>(planner);
@@ -1129,7 +1145,7 @@ ExecHandle issue_to(const DTensorSpec& src, const Placements& dst, PlannerKind p
       return ExecHandle({}, {out.defined() ? out : local}, collectives::kDefaultTimeout);
     }
     recipe = make_recipe(comms, plan, src, out.defined() ? out.dtype() : src.dtype, policy);
-    cache.insert_recipe(std::move(key), recipe);
+    cache.insert_recipe(ExecCache::Key(key.begin(), key.end()), recipe);
   }
   if (normalized) *normalized = recipe->plan.dst;
   if (!(local.shape() == recipe->src_local))
