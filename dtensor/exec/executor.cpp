@@ -362,6 +362,19 @@ std::shared_ptr<const StepSchedule> schedule_for(const MeshComms& comms, const D
     case Path::kCount:
       break;
   }
+  // An exchange on one group must deliver every element of this rank's result: a step whose
+  // data comes from outside the group would leave holes, so it is refused loudly.
+  if (path == Path::kViews || path == Path::kPacked) {
+    int64_t received = 0;
+    for (const StepSchedule::Message& msg : s->messages)
+      if (!msg.send) received += msg.view.numel();
+    for (int64_t n : s->recv_n) received += n;
+    if (received != s->post_shape.product())
+      throw InternalError(fmt::format(
+          "execute: the step [{}] -> [{}] on mesh dim {} is not one exchange on its group: rank {} would receive "
+          "{} of the {} elements it holds after it",
+          to_string(before), to_string(after), m, comms.rank(), received, s->post_shape.product()));
+  }
   cache.insert(std::move(key), s);
   return s;
 }
