@@ -780,10 +780,12 @@ class MpiCall final : public QueuedCall {
 
   bool advance(Clock::time_point until) override {
     if (req_->poll()) return true;
-    // MPI advances nonblocking calls only inside MPI calls, so the holder keeps polling: yielding
-    // the core for the first 20 ms of the call (another rank on this core may be the one needed),
-    // then sleeping 20 us doubling to 200 us between polls, so a long wait costs little CPU.
-    if (Clock::now() - started_at_ < std::chrono::milliseconds(20)) {
+    // MPI advances nonblocking calls only inside MPI calls (and every round of a collective
+    // needs every member to poll), so the holder keeps polling: yielding the core between polls
+    // for the first 100 ms of the call (another rank on this core may be the one needed; MPI's
+    // own blocking waits spin the whole time), then sleeping 20 us doubling to 200 us between
+    // polls, so a long wait for a late member costs little CPU.
+    if (Clock::now() - started_at_ < std::chrono::milliseconds(100)) {
       sched_yield();
     } else if (Clock::now() < until) {
       std::this_thread::sleep_for(std::min<Clock::duration>(sleep_, until - Clock::now()));

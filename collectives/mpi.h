@@ -59,8 +59,9 @@
 // Progress (NOTE [call queue] in collectives/call_queue.h): every call is an entry of the
 // communicator's in-order queue. A worker thread of the communicator, or a thread waiting on one
 // of its Works, starts the calls in order and polls them (MPI_Testall): it yields the core for
-// the first 20 ms of a call and then sleeps 20-200 us between polls, so calls complete while the
-// caller computes. The worker calls MPI from its own thread, so it runs only under
+// the first 100 ms of a call and then sleeps 20-200 us between polls, so calls complete while the
+// caller computes. Calls are started by the worker or a waiter, not on the caller's thread when
+// they are made (MPI's nonblocking collectives may copy and reduce as they start). The worker calls MPI from its own thread, so it runs only under
 // MPI_THREAD_MULTIPLE, which MpiWorld asks for; when the caller initialised MPI with a lower
 // level, that level stands and calls progress only inside wait() and completed() (a rank that
 // then never waits on its Works may stall the others).
