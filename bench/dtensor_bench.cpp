@@ -585,15 +585,15 @@ OverlapRow run_overlap_one(Env& env, const Case& c, int64_t requested_bytes) {
     return bench::now_us() - t0;
   };
   auto transition = [&] { (void)dtensor::redistribute_async(x, c.dst, ropt).wait(); };
-  // The compute's duration: the transition's median time alone (max over ranks), measured in
-  // the warm-up so every rank sleeps the same.
-  std::vector<double> warm;
-  for (int it = 0; it < std::max(opt.warmup, 1) + 2; ++it) warm.push_back(timed(transition));
-  const double compute_target = bench::reduce_over_ranks(world, {bench::median(warm)}, ReduceOp::kMax)[0];
-  const auto compute = [&] { std::this_thread::sleep_for(std::chrono::duration<double, std::micro>(compute_target)); };
+  // First the transition alone, iters times: its median (max over ranks) is the compute's
+  // length, the same on every rank. Then, iters times, the compute alone and both overlapped.
+  for (int it = 0; it < opt.warmup; ++it) (void)timed(transition);
   std::vector<double> comm, alone, both;
+  for (int it = 0; it < opt.iters; ++it) comm.push_back(timed(transition));
+  const std::vector<double> comm_max = bench::reduce_over_ranks(world, comm, ReduceOp::kMax);
+  const double compute_target = bench::median(comm_max);
+  const auto compute = [&] { std::this_thread::sleep_for(std::chrono::duration<double, std::micro>(compute_target)); };
   for (int it = 0; it < opt.iters; ++it) {
-    comm.push_back(timed(transition));
     alone.push_back(timed(compute));
     both.push_back(timed([&] {
       dtensor::RedistributeHandle h = dtensor::redistribute_async(x, c.dst, ropt);
@@ -607,14 +607,13 @@ OverlapRow run_overlap_one(Env& env, const Case& c, int64_t requested_bytes) {
     const bool ok = check_result(c, h.wait(), comms);
     row.wrong = static_cast<int64_t>(bench::reduce_over_ranks(world, {ok ? 0.0 : 1.0}, ReduceOp::kSum)[0]);
   }
-  std::vector<double> v = comm;
-  v.insert(v.end(), alone.begin(), alone.end());
+  std::vector<double> v = alone;
   v.insert(v.end(), both.begin(), both.end());
   v = bench::reduce_over_ranks(world, v, ReduceOp::kMax);
-  const auto n = static_cast<long>(comm.size());
-  row.comm = stats_of({v.begin(), v.begin() + n});
-  row.compute = stats_of({v.begin() + n, v.begin() + 2 * n});
-  row.overlapped = stats_of({v.begin() + 2 * n, v.end()});
+  const auto n = static_cast<long>(alone.size());
+  row.comm = stats_of(comm_max);
+  row.compute = stats_of({v.begin(), v.begin() + n});
+  row.overlapped = stats_of({v.begin() + n, v.end()});
   row.exposed = row.comm.median_us > 0 ? (row.overlapped.median_us - row.compute.median_us) / row.comm.median_us : 0;
   return row;
 }
@@ -732,10 +731,10 @@ class Printer {
   void overlap_header() const {
     fmt::print("# dtensor-bench --overlap  backend: {}  world: {}  dtype: {}  planner: {}\n", desc_, world_,
                kernels::to_string(opt_.dtype), dtensor::to_string(opt_.planner));
-    fmt::print("# per iteration (max over ranks; medians over {} iterations after {} warm-up ones):\n", opt_.iters,
-               std::max(opt_.warmup, 1) + 2);
-    fmt::print("#   comm: redistribute_async + wait; compute: a sleep of comm's warm-up median (no CPU);\n");
-    fmt::print("#   overlapped: redistribute_async, the compute, then wait; exposed = (overlapped - compute) / comm\n");
+    fmt::print("# per size: {} warm-up transitions, then {} x comm (redistribute_async + wait), then {} x (compute: a "
+               "sleep of comm's median, no CPU; overlapped: redistribute_async, the compute, wait);\n",
+               opt_.warmup, opt_.iters, opt_.iters);
+    fmt::print("#   each after a barrier, max over ranks, medians; exposed = (overlapped - compute) / comm\n");
     fmt::print("# command: {}\n", opt_.command_line);
     fmt::print("# load average at start: {}\n", bench::load_average());
     std::fflush(stdout);

@@ -61,12 +61,20 @@ class QueueWork final : public Work {
   bool settle(Milliseconds timeout) override { return queue_->settle(call_, deadline_after(timeout)); }
   std::string describe() const override { return queue_->status(call_); }
   void give_up(const std::string& why) override { queue_->give_up(call_, why); }
+  bool has_finished() const { return call_->has_finished(); }
 
  private:
   std::shared_ptr<CallQueue> queue_;
   std::shared_ptr<QueuedCall> call_;
   Milliseconds default_timeout_;
 };
+
+// Whether a dependency has finished, without advancing it (a call of another of this process's
+// queues is only looked at: checking must not move its data on this thread).
+bool dep_finished(const WorkPtr& w) {
+  if (const auto* q = dynamic_cast<const QueueWork*>(w.get())) return q->has_finished();
+  return w->completed();
+}
 
 }  // namespace
 
@@ -176,7 +184,7 @@ std::shared_ptr<QueuedCall> CallQueue::start_ready(std::unique_lock<std::mutex>&
       std::vector<WorkPtr> deps = c->deps_;
       lk.unlock();
       for (const WorkPtr& d : deps)
-        if (!d->completed()) {
+        if (!dep_finished(d)) {
           ready = false;
           break;
         }
