@@ -6,7 +6,7 @@
 //   dtensor-bench --backend local --world 8                       # the default suite, 1K:256M
 //   dtensor-bench --backend local --world 4 --mesh 2x2 --from 'S(0),S(1)' --to 'S(1),S(0)'
 //   mpirun --allow-run-as-root --oversubscribe -np 4 dtensor-bench --backend mpi --sizes 1K:64M
-//   dtensor-bench --backend local --world 1 --host-cost            # host cost of a cached plan
+//   dtensor-bench --host-cost                                       # framework cost per call, 1-8 ranks
 //
 // Definitions (bench/README.md has the full table):
 //   bytes       the global tensor (a Partial source: every rank holds a full-size partial)
@@ -84,6 +84,8 @@ struct Options {
   bool check = true;
   bool host_cost = false;
   int host_calls = 2000;
+  bool overlap = false;
+  std::string overlap_min_text = "4M";
   double target = 1.10;
   std::string target_min_text = "1M";
   int64_t timeout_ms = 300'000;
@@ -94,6 +96,7 @@ struct Options {
   dtensor::PlannerKind planner = dtensor::PlannerKind::kSearch;
   std::vector<int64_t> size_list;
   int64_t target_min = int64_t{1} << 20;
+  int64_t overlap_min = int64_t{4} << 20;
   std::string command_line;
 };
 
@@ -465,48 +468,154 @@ std::vector<Row> run_sweep(Env& env, const std::vector<Case>& cases) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Host cost: a cached plan on a tiny tensor, on one rank (every step is local), so the time is
-// the framework's own: validation, plan lookup, spec and result construction.
+// Host cost: a cached-plan S(0) -> R of a tiny tensor on N local ranks, which really communicates
+// (one all_gather), against the same all_gather called directly on preallocated buffers of the
+// same bytes, in the same run. framework = redistribute - raw: what the DTensor layer (plan
+// lookup, issue, result DTensor) costs on top of the engine.
 
 struct HostRow {
   std::string transition, mesh;
+  int world = 1;
   Dims shape;
   int64_t bytes = 0;
   int calls = 0, repeats = 0;
-  Stats per_call;  // microseconds per redistribute
+  Stats per_call;  // microseconds per redistribute (max over ranks per repeat)
+  Stats raw;       // microseconds per raw all_gather
+  double framework_us = 0;  // per_call.median_us - raw.median_us
 };
 
-std::vector<HostRow> run_host_cost(Env& env) {
+// The tiny global tensor of --host-cost on n ranks: 8x4 f32 (128 bytes) when n divides 8, else
+// (2n)x4, so every rank holds whole equal rows and the all_gather runs straight into the result.
+Dims host_shape(int n) { return Dims{8 % n == 0 ? 8 : 2 * n, 4}; }
+
+HostRow run_host_cost(Env& env) {
   const Options& opt = env.opt;
-  if (env.world.size() != 1)
-    throw kernels::InvalidArgument(fmt::format("--host-cost runs on one rank (--world 1), not {}", env.world.size()));
-  std::vector<Case> cases;
-  for (auto [s, d] : {std::pair{"S(0)", "R"}, {"R", "S(0)"}, {"P", "R"}, {"S(0)", "S(1)"}})
-    cases.push_back(make_case({1}, s, d));
-  cases.push_back(make_case({1, 1}, "S(0),S(1)", "S(1),S(0)"));
+  Communicator& world = env.world;
+  const int n = world.size();
+  const Case c = make_case({n}, "S(0)", "R");
+  auto comms = env.comms_for(c.mesh_shape);
+  const Dims shape = host_shape(n);
   const dtensor::RedistributeOptions ropt{opt.planner};
-  std::vector<HostRow> rows;
-  for (const Case& c : cases) {
-    auto comms = env.comms_for(c.mesh_shape);
-    const Dims shape{4, 4};
-    DTensor x = make_source(c, shape, opt.dtype, env.device, comms);
-    (void)x.plan_to(c.dst, ropt);  // cached from here on
-    HostRow r{c.name(), mesh_text(c.mesh_shape), shape, shape.product() * static_cast<int64_t>(kernels::itemsize(opt.dtype)),
-              opt.host_calls, std::max(opt.iters, 1), {}};
-    std::vector<double> per_call;
-    for (int rep = 0; rep < opt.warmup + r.repeats; ++rep) {
-      const double t0 = bench::now_us();
-      for (int i = 0; i < r.calls; ++i) {
-        DTensor y = x.redistribute(c.dst, ropt);
-        if (y.to_local().numel() < 0) std::abort();  // keeps the call observable
-      }
-      const double t1 = bench::now_us();
-      if (rep >= opt.warmup) per_call.push_back((t1 - t0) / r.calls);
+  DTensor x = make_source(c, shape, opt.dtype, env.device, comms);
+  (void)x.plan_to(c.dst, ropt);  // cached from here on
+  HostRow r;
+  r.transition = c.name();
+  r.mesh = mesh_text(c.mesh_shape);
+  r.world = n;
+  r.shape = shape;
+  r.bytes = shape.product() * static_cast<int64_t>(kernels::itemsize(opt.dtype));
+  r.calls = opt.host_calls;
+  r.repeats = std::max(opt.iters, 1);
+  Communicator& group = comms->dim(0);
+  const Tensor in = x.to_local().contiguous().view({x.to_local().numel()});
+  const Tensor out = Tensor::empty({in.numel() * n}, opt.dtype, env.device);
+  std::vector<double> ours, raw;
+  for (int rep = 0; rep < opt.warmup + r.repeats; ++rep) {
+    const bool timed = rep >= opt.warmup;
+    world.wait(world.barrier());
+    double t0 = bench::now_us();
+    for (int i = 0; i < r.calls; ++i) {
+      DTensor y = x.redistribute(c.dst, ropt);
+      if (y.to_local().numel() < 0) std::abort();  // keeps the call observable
     }
-    r.per_call = stats_of(per_call);
-    rows.push_back(r);
+    double t1 = bench::now_us();
+    if (timed) ours.push_back((t1 - t0) / r.calls);
+    world.wait(world.barrier());
+    t0 = bench::now_us();
+    for (int i = 0; i < r.calls; ++i) group.wait(group.all_gather(in, out));
+    t1 = bench::now_us();
+    if (timed) raw.push_back((t1 - t0) / r.calls);
   }
-  return rows;
+  if (opt.check) {
+    const bool ok = check_result(c, x.redistribute(c.dst, ropt), comms);
+    if (bench::reduce_over_ranks(world, {ok ? 0.0 : 1.0}, ReduceOp::kSum)[0] > 0)
+      throw kernels::InternalError("--host-cost: the redistributed tensor is wrong on some rank");
+  }
+  std::vector<double> v = ours;
+  v.insert(v.end(), raw.begin(), raw.end());
+  v = bench::reduce_over_ranks(world, v, ReduceOp::kMax);
+  r.per_call = stats_of({v.begin(), v.begin() + static_cast<long>(ours.size())});
+  r.raw = stats_of({v.begin() + static_cast<long>(ours.size()), v.end()});
+  r.framework_us = r.per_call.median_us - r.raw.median_us;
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Overlap: per transition and size, the transition alone (issued with redistribute_async and
+// waited at once), a stand-in for compute alone (a sleep of the transition's median time: it uses
+// no CPU, as GPU kernels or a wait for data would not), and both: the transition issued
+// asynchronously, the compute, then the wait. exposed = (overlapped - compute) / comm: the share
+// of the transition the compute did not hide (0 when fully hidden, 1 when not at all).
+
+struct OverlapRow {
+  std::string transition, src, dst, mesh, route;
+  Dims shape;
+  int64_t bytes = 0, local_bytes = 0;
+  int collectives = 0, iters = 0;
+  Stats comm, compute, overlapped;
+  double exposed = 0;
+  int64_t wrong = -1;
+};
+
+OverlapRow run_overlap_one(Env& env, const Case& c, int64_t requested_bytes) {
+  const Options& opt = env.opt;
+  auto comms = env.comms_for(c.mesh_shape);
+  const Dims shape = shape_for(c, requested_bytes, opt.dtype);
+  const int64_t item = static_cast<int64_t>(kernels::itemsize(opt.dtype));
+  const dtensor::RedistributeOptions ropt{opt.planner};
+  DTensor x = make_source(c, shape, opt.dtype, env.device, comms);
+  const dtensor::Plan& plan = x.plan_to(c.dst, ropt);
+  OverlapRow row;
+  row.transition = c.name();
+  row.src = c.src_text;
+  row.dst = c.dst_text;
+  row.mesh = mesh_text(c.mesh_shape);
+  row.shape = shape;
+  row.bytes = shape.product() * item;
+  row.route = dtensor::to_string(plan);
+  row.collectives = plan.collectives();
+  row.iters = opt.iters;
+  for (int rank : x.spec().mesh->ranks())
+    row.local_bytes = std::max(row.local_bytes, x.spec().layout(rank)->local_shape.product() * item);
+  Communicator& world = env.world;
+  auto timed = [&](const std::function<void()>& body) {
+    world.wait(world.barrier());
+    const double t0 = bench::now_us();
+    body();
+    return bench::now_us() - t0;
+  };
+  auto transition = [&] { (void)dtensor::redistribute_async(x, c.dst, ropt).wait(); };
+  // First the transition alone, iters times: its median (max over ranks) is the compute's
+  // length, the same on every rank. Then, iters times, the compute alone and both overlapped.
+  for (int it = 0; it < opt.warmup; ++it) (void)timed(transition);
+  std::vector<double> comm, alone, both;
+  for (int it = 0; it < opt.iters; ++it) comm.push_back(timed(transition));
+  const std::vector<double> comm_max = bench::reduce_over_ranks(world, comm, ReduceOp::kMax);
+  const double compute_target = bench::median(comm_max);
+  const auto compute = [&] { std::this_thread::sleep_for(std::chrono::duration<double, std::micro>(compute_target)); };
+  for (int it = 0; it < opt.iters; ++it) {
+    alone.push_back(timed(compute));
+    both.push_back(timed([&] {
+      dtensor::RedistributeHandle h = dtensor::redistribute_async(x, c.dst, ropt);
+      compute();
+      (void)h.wait();
+    }));
+  }
+  if (opt.check) {
+    dtensor::RedistributeHandle h = dtensor::redistribute_async(x, c.dst, ropt);
+    compute();
+    const bool ok = check_result(c, h.wait(), comms);
+    row.wrong = static_cast<int64_t>(bench::reduce_over_ranks(world, {ok ? 0.0 : 1.0}, ReduceOp::kSum)[0]);
+  }
+  std::vector<double> v = alone;
+  v.insert(v.end(), both.begin(), both.end());
+  v = bench::reduce_over_ranks(world, v, ReduceOp::kMax);
+  const auto n = static_cast<long>(alone.size());
+  row.comm = stats_of(comm_max);
+  row.compute = stats_of({v.begin(), v.begin() + n});
+  row.overlapped = stats_of({v.begin() + n, v.end()});
+  row.exposed = row.comm.median_us > 0 ? (row.overlapped.median_us - row.compute.median_us) / row.comm.median_us : 0;
+  return row;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -586,18 +695,87 @@ class Printer {
     std::fflush(stdout);
   }
 
-  void host_rows(const std::vector<HostRow>& rows) const {
-    fmt::print("#\n# host cost: redistribute with a cached plan on a {} tensor, one rank (no data moves "
-               "between ranks), {} calls per repeat\n",
-               rows.empty() ? "" : fmt::format("{}", fmt::join(rows[0].shape, "x")), opt_.host_calls);
-    fmt::print("# {:<28}  {:>6}  {:>8}  {:>12}  {:>10}  {:>10}\n", "transition", "mesh", "repeats", "us/call",
-               "min", "max");
+  void host_header() const {
+    fmt::print("# dtensor-bench --host-cost  backend: local (ranks as threads, {} hardware threads)  dtype: {}  "
+               "planner: {}\n",
+               std::thread::hardware_concurrency(), kernels::to_string(opt_.dtype), dtensor::to_string(opt_.planner));
+    fmt::print("# per repeat: a barrier, then {} cached-plan S(0)->R redistributes of the tiny tensor on every rank; "
+               "then a barrier and {} all_gathers of the same bytes on preallocated buffers (raw)\n",
+               opt_.host_calls, opt_.host_calls);
+    fmt::print("# us per call: the max over ranks per repeat, median (min, max) over {} repeats after {} warm-up "
+               "ones; framework = redistribute - raw\n",
+               std::max(opt_.iters, 1), opt_.warmup);
+    fmt::print("# command: {}\n", opt_.command_line);
+    fmt::print("# load average at start: {}\n", bench::load_average());
+    fmt::print("# {:>5}  {:<10}  {:>6}  {:>15}  {:>10}  {:>10}  {:>10}  {:>12}\n", "world", "transition", "shape",
+               "redistribute_us", "min", "max", "raw_us", "framework_us");
+    std::fflush(stdout);
+  }
+
+  void host_row(const HostRow& r) const {
+    fmt::print("  {:>5}  {:<10}  {:>6}  {:>15.3f}  {:>10.3f}  {:>10.3f}  {:>10.3f}  {:>12.3f}\n", r.world, r.transition,
+               fmt::format("{}", fmt::join(r.shape, "x")), r.per_call.median_us, r.per_call.min_us, r.per_call.max_us,
+               r.raw.median_us, r.framework_us);
+    std::fflush(stdout);
+  }
+
+  void host_footer(const std::vector<HostRow>& rows) const {
     for (const HostRow& r : rows)
-      fmt::print("  {:<28}  {:>6}  {:>8}  {:>12.3f}  {:>10.3f}  {:>10.3f}\n", r.transition, r.mesh, r.repeats,
-                 r.per_call.median_us, r.per_call.min_us, r.per_call.max_us);
+      if (r.world == 2 || r.world == 4)
+        fmt::print("# world {}: framework {:.3f} us per call (target <= 2 us: {})\n", r.world, r.framework_us,
+                   r.framework_us <= 2.0 ? "met" : "missed");
+    fmt::print("# load average at end: {}\n", bench::load_average());
+    std::fflush(stdout);
+  }
+
+  void overlap_header() const {
+    fmt::print("# dtensor-bench --overlap  backend: {}  world: {}  dtype: {}  planner: {}\n", desc_, world_,
+               kernels::to_string(opt_.dtype), dtensor::to_string(opt_.planner));
+    fmt::print("# per size: {} warm-up transitions, then {} x comm (redistribute_async + wait), then {} x (compute: a "
+               "sleep of comm's median, no CPU; overlapped: redistribute_async, the compute, wait);\n",
+               opt_.warmup, opt_.iters, opt_.iters);
+    fmt::print("#   each after a barrier, max over ranks, medians; exposed = (overlapped - compute) / comm\n");
+    fmt::print("# command: {}\n", opt_.command_line);
+    fmt::print("# load average at start: {}\n", bench::load_average());
+    std::fflush(stdout);
+  }
+
+  void overlap_section(const Case& c) {
+    route_.clear();
+    fmt::print("#\n# {}  on mesh {}\n", c.name(), mesh_text(c.mesh_shape));
+    fmt::print("# {:>10}  {:>11}  {:>16}  {:>10}  {:>10}  {:>13}  {:>8}  {:>6}\n", "bytes", "local_bytes", "shape",
+               "comm_us", "compute_us", "overlapped_us", "exposed", "#wrong");
+    std::fflush(stdout);
+  }
+
+  void overlap_row(const OverlapRow& r) {
+    if (r.route != route_) {
+      route_ = r.route;
+      fmt::print("#   route: {}\n", r.route);
+    }
+    fmt::print("  {:>10}  {:>11}  {:>16}  {:>10.1f}  {:>10.1f}  {:>13.1f}  {:>8.3f}  {:>6}\n", r.bytes, r.local_bytes,
+               fmt::format("{}", fmt::join(r.shape, "x")), r.comm.median_us, r.compute.median_us, r.overlapped.median_us,
+               r.exposed, r.wrong < 0 ? "N/A" : std::to_string(r.wrong));
+    std::fflush(stdout);
+  }
+
+  void overlap_footer(const std::vector<OverlapRow>& rows) const {
+    fmt::print("#\n# Summary: exposed at a local shard >= {} (target <= 0.10; reported, not enforced)\n",
+               human_bytes(opt_.overlap_min));
+    int met = 0, total = 0;
     double worst = 0;
-    for (const HostRow& r : rows) worst = std::max(worst, r.per_call.median_us);
-    fmt::print("# worst median {:.3f} us per call (target < 5 us; PyTorch's DTensor dispatch is ~25 us)\n", worst);
+    for (const OverlapRow& r : rows) {
+      if (r.local_bytes < opt_.overlap_min || r.collectives == 0) continue;
+      ++total;
+      met += r.exposed <= 0.10;
+      worst = std::max(worst, r.exposed);
+    }
+    if (total == 0) fmt::print("#   (no size in range)\n");
+    else fmt::print("#   {} of {} rows within 0.10; worst {:.3f}\n", met, total, worst);
+    int64_t wrong = 0;
+    for (const OverlapRow& r : rows) wrong += std::max<int64_t>(r.wrong, 0);
+    fmt::print("# load average at end: {}\n", bench::load_average());
+    fmt::print("# #wrong total: {}{}\n", wrong, opt_.check ? "" : " (check off)");
     std::fflush(stdout);
   }
 
@@ -609,7 +787,7 @@ class Printer {
 };
 
 void write_json(const Options& opt, const std::string& desc, int world, const std::vector<Row>& rows,
-                const std::vector<HostRow>& host) {
+                const std::vector<HostRow>& host, const std::vector<OverlapRow>& overlap = {}) {
   json arr = json::array();
   auto common = [&](json& o) {
     o["backend"] = opt.backend;
@@ -662,17 +840,48 @@ void write_json(const Options& opt, const std::string& desc, int world, const st
     o["transition"] = r.transition;
     o["mesh"] = r.mesh;
     common(o);
+    o["world"] = r.world;
     o["bytes"] = r.bytes;
     o["shape"] = r.shape.vec();
     o["calls"] = r.calls;
     o["iters"] = r.repeats;
+    o["redistribute_us"] = r.per_call.median_us;
+    o["raw_us"] = r.raw.median_us;
+    o["framework_us"] = r.framework_us;
     o["time_us"] = r.per_call.median_us;
     o["time_min_us"] = r.per_call.min_us;
     o["time_max_us"] = r.per_call.max_us;
-    o["raw_time_us"] = nullptr;
-    o["overhead"] = nullptr;
+    o["raw_time_us"] = r.raw.median_us;
+    o["raw_min_us"] = r.raw.min_us;
+    o["raw_max_us"] = r.raw.max_us;
+    o["overhead"] = r.raw.median_us > 0 ? json(r.per_call.median_us / r.raw.median_us) : json(nullptr);
     o["bytes_per_rank"] = 0;
     o["lower_bound_bytes"] = 0;
+    arr.push_back(o);
+  }
+  for (const OverlapRow& r : overlap) {
+    json o;
+    o["kind"] = "overlap";
+    o["transition"] = r.transition;
+    o["src"] = r.src;
+    o["dst"] = r.dst;
+    o["mesh"] = r.mesh;
+    common(o);
+    o["bytes"] = r.bytes;
+    o["local_bytes"] = r.local_bytes;
+    o["shape"] = r.shape.vec();
+    o["route"] = r.route;
+    o["collectives"] = r.collectives;
+    o["iters"] = r.iters;
+    o["comm_us"] = r.comm.median_us;
+    o["compute_us"] = r.compute.median_us;
+    o["overlapped_us"] = r.overlapped.median_us;
+    o["exposed"] = r.exposed;
+    o["comm_min_us"] = r.comm.min_us;
+    o["comm_max_us"] = r.comm.max_us;
+    o["overlapped_min_us"] = r.overlapped.min_us;
+    o["overlapped_max_us"] = r.overlapped.max_us;
+    o["wrong"] = r.wrong < 0 ? json(nullptr) : json(r.wrong);
     arr.push_back(o);
   }
   std::ofstream f(opt.json_path);
@@ -686,35 +895,79 @@ void write_json(const Options& opt, const std::string& desc, int world, const st
 struct Result {
   std::vector<Row> rows;
   std::vector<HostRow> host;
+  std::vector<OverlapRow> overlap;
+  int64_t wrong() const {
+    int64_t w = 0;
+    for (const Row& r : rows) w += std::max<int64_t>(r.wrong, 0);
+    for (const OverlapRow& r : overlap) w += std::max<int64_t>(r.wrong, 0);
+    return w;
+  }
 };
 
 Result run_rank(Env& env, Printer* printer, const std::vector<Case>& cases) {
+  Result res;
+  if (env.opt.overlap) {
+    for (const Case& c : cases) {
+      if (printer) printer->overlap_section(c);
+      for (int64_t size : env.opt.size_list) {
+        res.overlap.push_back(run_overlap_one(env, c, size));
+        if (printer) printer->overlap_row(res.overlap.back());
+      }
+    }
+    return res;
+  }
   if (printer) {
     env.on_case = [printer](const Case& c) { printer->section(c); };
     env.on_row = [printer](const Row& r) { printer->row(r); };
   }
-  Result res;
-  if (env.opt.host_cost) res.host = run_host_cost(env);
-  else res.rows = run_sweep(env, cases);
+  res.rows = run_sweep(env, cases);
   return res;
 }
 
+void print_header(const Options& opt, const Printer& printer) {
+  if (opt.overlap) printer.overlap_header();
+  else printer.header();
+}
+
 int64_t finish(const Options& opt, const Printer& printer, const std::string& desc, int world, const Result& res) {
-  if (opt.host_cost) printer.host_rows(res.host);
+  if (opt.overlap) printer.overlap_footer(res.overlap);
   else printer.footer(res.rows);
-  if (!opt.json_path.empty()) write_json(opt, desc, world, res.rows, res.host);
-  int64_t wrong = 0;
-  for (const Row& r : res.rows) wrong += std::max<int64_t>(r.wrong, 0);
-  return wrong;
+  if (!opt.json_path.empty()) write_json(opt, desc, world, res.rows, res.host, res.overlap);
+  return res.wrong();
+}
+
+// --host-cost: one local world per N (1, 2, 4, 8, or the --world given).
+void run_host_costs(const Options& opt) {
+  const std::vector<int> worlds = opt.world_given ? std::vector<int>{opt.world} : std::vector<int>{1, 2, 4, 8};
+  Printer printer(opt, "local", worlds.back());
+  printer.host_header();
+  std::vector<HostRow> rows;
+  for (int n : worlds) {
+    HostRow row;
+    collectives::run_ranks(
+        n,
+        [&](Communicator& world) {
+          Env env{world, Device::cpu(), opt, {}, {}, {}};
+          HostRow mine = run_host_cost(env);
+          if (world.rank() == 0) row = std::move(mine);
+        },
+        Milliseconds{opt.timeout_ms});
+    printer.host_row(row);
+    rows.push_back(row);
+  }
+  printer.host_footer(rows);
+  if (!opt.json_path.empty())
+    write_json(opt, fmt::format("local (ranks as threads, {} hardware threads)", std::thread::hardware_concurrency()),
+               worlds.back(), {}, rows);
 }
 
 int64_t run_local(const Options& opt) {
-  const int n = opt.host_cost && !opt.world_given ? 1 : opt.world;
-  const std::vector<Case> cases = opt.host_cost ? std::vector<Case>{} : suite_cases(opt, n);
+  const int n = opt.world;
+  const std::vector<Case> cases = suite_cases(opt, n);
   const std::string desc = fmt::format("local ({} ranks as threads, {} hardware threads)", n,
                                        std::thread::hardware_concurrency());
   Printer printer(opt, desc, n);
-  printer.header();
+  print_header(opt, printer);
   Result res;
   collectives::run_ranks(
       n,
@@ -731,17 +984,14 @@ int64_t run_mpi(const Options& opt, int* argc, char*** argv) {
   collectives::MpiWorld mpi(argc, argv);
   std::unique_ptr<Communicator> world = mpi.communicator(Milliseconds{opt.timeout_ms});
   const int n = world->size();
-  const std::vector<Case> cases = opt.host_cost ? std::vector<Case>{} : suite_cases(opt, n);
+  const std::vector<Case> cases = suite_cases(opt, n);
   const std::string desc = fmt::format("mpi ({} processes)", n);
   Printer printer(opt, desc, n);
-  if (world->rank() == 0) printer.header();
+  if (world->rank() == 0) print_header(opt, printer);
   Env env{*world, Device::cpu(), opt, {}, {}, {}};
   Result res = run_rank(env, world->rank() == 0 ? &printer : nullptr, cases);
-  int64_t wrong = 0;
-  if (world->rank() == 0) wrong = finish(opt, printer, desc, n, res);
-  else
-    for (const Row& r : res.rows) wrong += std::max<int64_t>(r.wrong, 0);  // every rank holds the sums
-  return wrong;
+  if (world->rank() == 0) return finish(opt, printer, desc, n, res);
+  return res.wrong();  // every rank holds the sums
 }
 
 int64_t run_nccl(const Options& opt, int* argc, char*** argv) {
@@ -750,7 +1000,7 @@ int64_t run_nccl(const Options& opt, int* argc, char*** argv) {
       opt.world, opt.world_given, opt.bootstrap, Milliseconds{opt.timeout_ms}, argc, argv,
       [&](int n, const std::string& desc) {
         printer.emplace(opt, desc, n);
-        printer->header();
+        print_header(opt, *printer);
       },
       [&](Communicator& world, Communicator& boot, Device device, bool) {
         const std::vector<Case> mine = suite_cases(opt, boot.size());
@@ -758,9 +1008,7 @@ int64_t run_nccl(const Options& opt, int* argc, char*** argv) {
         return run_rank(env, boot.rank() == 0 ? &*printer : nullptr, mine);
       });
   if (run.reporting) return finish(opt, *printer, run.desc, run.world, run.result);
-  int64_t wrong = 0;
-  for (const Row& r : run.result.rows) wrong += std::max<int64_t>(r.wrong, 0);  // every rank holds the sums
-  return wrong;
+  return run.result.wrong();  // every rank holds the sums
 }
 
 }  // namespace
@@ -791,10 +1039,15 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--check,!--no-check", opt.check, "check every rank's result once per size; exit 1 on a mismatch")
       ->capture_default_str();
-  app.add_flag("--host-cost", opt.host_cost, "time redistribute with a cached plan on a 4x4 tensor, one rank "
-                                             "(local backend, --world 1)");
+  app.add_flag("--host-cost", opt.host_cost, "host cost of a cached-plan S(0)->R of a tiny tensor vs the raw "
+                                             "all_gather, on 1, 2, 4 and 8 local ranks (or --world)");
   app.add_option("--host-calls", opt.host_calls, "calls per timed repeat of --host-cost")
       ->check(CLI::Range(1, 100000000))
+      ->capture_default_str();
+  app.add_flag("--overlap", opt.overlap, "per transition and size: the transition alone, a compute stand-in (sleep) "
+                                       "alone, and both overlapped (redistribute_async, compute, wait); default "
+                                       "sizes 256K:64M");
+  app.add_option("--overlap-min-size", opt.overlap_min_text, "smallest local shard counted in the --overlap summary")
       ->capture_default_str();
   app.add_option("--target", opt.target, "overhead target of the summary")->capture_default_str();
   app.add_option("--target-min-size", opt.target_min_text, "smallest local shard counted in the summary")
@@ -814,13 +1067,17 @@ int main(int argc, char** argv) {
       throw kernels::InvalidArgument(fmt::format("--dtype {}: fp8 is storage-only, collectives do not move it",
                                                  opt.dtype_name));
     opt.planner = dtensor::parse_planner(opt.planner_name);
+    if (opt.overlap && app.count("--sizes") == 0) opt.sizes = "256K:64M";
     opt.size_list = bench::parse_sizes(opt.sizes);
+    opt.overlap_min = bench::parse_bytes(opt.overlap_min_text);
+    if (opt.overlap && opt.host_cost) throw kernels::InvalidArgument("--overlap and --host-cost go one at a time");
     opt.target_min = bench::parse_bytes(opt.target_min_text);
     if (opt.host_cost && opt.backend != "local")
       throw kernels::InvalidArgument(fmt::format("--host-cost runs on the local backend, not {}", opt.backend));
 
     int64_t wrong = 0;
-    if (opt.backend == "local") wrong = run_local(opt);
+    if (opt.host_cost) run_host_costs(opt);
+    else if (opt.backend == "local") wrong = run_local(opt);
     else if (opt.backend == "mpi") wrong = run_mpi(opt, &argc, &argv);
     else wrong = run_nccl(opt, &argc, &argv);
     if (wrong > 0) {

@@ -9,7 +9,11 @@ Each FILE.json is what `dtensor-bench --json FILE` writes: a JSON list of record
   dtensor_<backend><world>_busbw.png     busbw (GB/s) vs global tensor size, one line per transition
   dtensor_<backend><world>_overhead.png  time / raw collective time vs size (1.0 and 1.10 target lines)
 with one axes per mesh shape. Records with "kind": "host" (host-side costs) are kept out of those
-and drawn, when present, as a bar chart dtensor_<backend><world>_host.png. With --torch, the
+and drawn, when present: those of `--host-cost` (redistribute_us, raw_us and framework_us per
+world) as dtensor_<backend>_host.png, bars per world with the 2 us framework target; older ones
+(time_us only) as dtensor_<backend><world>_host.png. Records with "kind": "overlap"
+(`--overlap`) give dtensor_<backend><world>_overlap.png: exposed vs the local shard size, one line
+per transition, the 0.10 target marked. With --torch, the
 transition records of bench/torch_compare.py (torch_compare.json) give torch_compare.png: overhead
 vs size, ours vs torch, one subplot per transition; its "kind": "host" records, if any, give
 torch_compare_host.png (host time per call, ours vs torch). The paths written are printed, one a
@@ -45,6 +49,9 @@ OVERHEAD_TARGET = 1.10
 TRANSITION_KEYS = ("transition", "mesh", "backend", "world", "dtype", "bytes", "busbw_gbps", "overhead")
 TORCH_KEYS = ("transition", "mesh", "bytes", "ours_overhead", "torch_overhead", "torch_supported")
 TORCH_HOST_KEYS = ("transition", "mesh", "ours_time_us", "torch_time_us", "torch_supported")
+OVERLAP_KEYS = ("transition", "mesh", "backend", "world", "local_bytes", "exposed")
+FRAMEWORK_TARGET_US = 2.0
+EXPOSED_TARGET = 0.10
 
 BUSBW_NOTE = ("busbw = lower-bound bytes per rank / time; the lower bound is what the busiest rank must receive:\n"
               "the elements it needs and does not hold, or for a reduction over k ranks (k-1)/k of its data "
@@ -94,8 +101,8 @@ def _check_record(path, i, rec, keys, numeric, nullable):
 
 
 def load_bench(path):
-    """Returns (transition records, host records) of one dtensor-bench JSON file."""
-    transitions, hosts = [], []
+    """Returns (transition records, host records, overlap records) of one dtensor-bench JSON file."""
+    transitions, hosts, overlaps = [], [], []
     for i, rec in enumerate(_load_list(path)):
         if not isinstance(rec, dict):
             raise InputError(f"{path}: record {i} is a JSON {type(rec).__name__}, expected an object")
@@ -114,8 +121,11 @@ def load_bench(path):
             r = dict(rec)
             r["_file"] = path
             hosts.append(r)
+        elif kind == "overlap":
+            _check_record(path, i, rec, OVERLAP_KEYS, ("local_bytes", "exposed"), nullable=())
+            overlaps.append(dict(rec))
         # other kinds (headers, summaries) are not plotted
-    return transitions, hosts
+    return transitions, hosts, overlaps
 
 
 def load_torch(path):
@@ -402,26 +412,95 @@ def plot_host(hosts, title, out_dir, name, written):
     return True
 
 
+def plot_host_cost(hosts, title, out_dir, name, written):
+    """`--host-cost` records: per world, the redistribute and the raw all_gather (us per call) as
+    bars side by side, framework_us = their difference written above, the 2 us target in the
+    title's note."""
+    rows = sorted((r for r in hosts if _is_number(r.get("redistribute_us")) and _is_number(r.get("raw_us"))),
+                  key=lambda r: int(r.get("world", 0)))
+    if not rows:
+        return False
+    fig, ax = plt.subplots(figsize=(7.5, 4.2), layout="constrained")
+    x = list(range(len(rows)))
+    red = [r["redistribute_us"] for r in rows]
+    raw = [r["raw_us"] for r in rows]
+    ax.bar([i - 0.2 for i in x], red, width=0.4, color="tab:blue", label="cached-plan S(0)->R redistribute")
+    ax.bar([i + 0.2 for i in x], raw, width=0.4, color="tab:gray", label="raw all_gather, same bytes")
+    top = max(red + raw)
+    for i, r in zip(x, rows):
+        fw = r.get("framework_us", r["redistribute_us"] - r["raw_us"])
+        ok = fw <= FRAMEWORK_TARGET_US
+        ax.text(i, max(r["redistribute_us"], r["raw_us"]) + top * 0.02, f"framework {fw:+.2f} us",
+                ha="center", va="bottom", fontsize=8.5, color="tab:green" if ok else "tab:red")
+    ax.set_xticks(x)
+    ax.set_xticklabels([f"{r.get('world')} ranks" for r in rows])
+    ax.set_ylim(0, top * 1.2)
+    ax.set_ylabel("us per call (median over repeats)")
+    ax.grid(True, axis="y", alpha=0.35)
+    ax.legend(loc="upper left", fontsize=8.5)
+    ax.set_title(title + f"\nframework = redistribute - raw (target <= {FRAMEWORK_TARGET_US:g} us at 2 and 4 ranks)",
+                 fontsize=10, loc="left")
+    savefig(fig, out_dir, name, written)
+    return True
+
+
+def plot_overlap(recs, title, out_dir, name, written):
+    """`--overlap` records: exposed = (overlapped - compute) / comm vs the local shard size, one
+    line per transition (transitions without a collective are left out)."""
+    series = OrderedDict()
+    for r in recs:
+        if r.get("collectives") == 0:
+            continue
+        series.setdefault(f"{r['transition']} ({r['mesh']})", []).append(r)
+    if not series:
+        return False
+    fig, ax = plt.subplots(figsize=(9, 4.8), layout="constrained")
+    sizes = []
+    for i, (label, rows) in enumerate(series.items()):
+        rows = sorted(rows, key=lambda r: r["local_bytes"])
+        xs = [r["local_bytes"] for r in rows]
+        sizes += xs
+        ax.plot(xs, [r["exposed"] for r in rows], label=label, **style(i, len(series)))
+    ax.set_xscale("log", base=2)
+    set_size_axis(ax, sorted(set(sizes)))
+    ax.axhline(EXPOSED_TARGET, color="tab:red", ls="--", lw=1.2)
+    ax.axhline(0, color="0.5", lw=0.8)
+    ax.set_xlabel("local shard (bytes per rank)")
+    ax.set_ylabel("exposed = (overlapped - compute) / comm")
+    ax.grid(True, alpha=0.35)
+    ax.legend(fontsize=7.5, loc="upper right", ncol=2)
+    ax.set_title(title + f"\n0 = the transition fully hidden behind the compute; target <= {EXPOSED_TARGET:g} (dashed)",
+                 fontsize=10, loc="left")
+    savefig(fig, out_dir, name, written)
+    return True
+
+
 def group_key(r):
     return (str(r["backend"]), str(r["world"]))
 
 
 def plot_bench(files, out_dir, written):
-    transitions, hosts = [], []
+    transitions, hosts, overlaps = [], [], []
     for path in files:
-        t, h = load_bench(path)
-        if not t and not h:
-            print(f"warning: {path}: no transition or host records", file=sys.stderr)
+        t, h, o = load_bench(path)
+        if not t and not h and not o:
+            print(f"warning: {path}: no transition, host or overlap records", file=sys.stderr)
         transitions += t
         hosts += h
+        overlaps += o
 
     groups = OrderedDict()
     for r in transitions:
         groups.setdefault(group_key(r), []).append(r)
-    host_groups = OrderedDict()
+    host_groups, host_cost_groups, overlap_groups = OrderedDict(), OrderedDict(), OrderedDict()
     for r in hosts:
+        if "framework_us" in r:
+            host_cost_groups.setdefault(str(r.get("backend", "")), []).append(r)
+            continue
         k = (str(r.get("backend", "")), str(r.get("world", "")))
         host_groups.setdefault(k, []).append(r)
+    for r in overlaps:
+        overlap_groups.setdefault(group_key(r), []).append(r)
 
     for (backend, world), recs in groups.items():
         stem = f"dtensor_{backend}{world}"
@@ -433,6 +512,12 @@ def plot_bench(files, out_dir, written):
         title = (f"dtensor-bench host cost: backend {backend or '?'}, world {world or '?'}\n"
                  "redistribute with a cached plan on a tiny tensor, one rank (no data moves between ranks)")
         plot_host(recs, title, out_dir, stem + "_host.png", written)
+    for backend, recs in host_cost_groups.items():
+        title = f"dtensor-bench --host-cost: backend {backend or '?'}, tiny tensor (8x4 f32), plan cached"
+        plot_host_cost(recs, title, out_dir, f"dtensor_{backend or 'local'}_host.png", written)
+    for (backend, world), recs in overlap_groups.items():
+        title = f"dtensor-bench --overlap: backend {backend}, world {world}"
+        plot_overlap(recs, title, out_dir, f"dtensor_{backend}{world}_overlap.png", written)
 
 
 # --------------------------------------------------------------------------------------------

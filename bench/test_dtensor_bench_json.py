@@ -3,11 +3,13 @@
 
     python3 bench/test_dtensor_bench_json.py build/bench/dtensor-bench [--plot bench/plot_dtensor_bench.py]
 
-Runs a tiny sweep of the default suite on 4 local ranks and the host-cost mode, then checks every
-record: the documented keys and types, every rank's result correct (wrong == 0), overhead ==
-time / raw, algbw / busbw from bytes and the lower bound, the lower bound never above what the
-plan moves, single-collective transitions with a raw op of the same kind, and no raw op where the
-plan has no collective. With --plot it also draws the real records (PNG files must appear).
+Runs a tiny sweep of the default suite on 4 local ranks, the host-cost mode (worlds 1, 2, 4, 8)
+and the overlap mode, then checks every record: the documented keys and types, every rank's
+result correct (wrong == 0), overhead == time / raw, algbw / busbw from bytes and the lower
+bound, the lower bound never above what the plan moves, single-collective transitions with a raw
+op of the same kind, no raw op where the plan has no collective; host records one per world with
+framework_us == redistribute_us - raw_us; overlap records with exposed == (overlapped_us -
+compute_us) / comm_us. With --plot it also draws the real records (PNG files must appear).
 """
 import argparse
 import json
@@ -27,7 +29,11 @@ TRANSITION_KEYS = {
 }
 NULLABLE = {"raw_time_us": float, "raw_min_us": float, "raw_max_us": float, "overhead": float}
 HOST_KEYS = {"kind": str, "transition": str, "mesh": str, "bytes": int, "shape": list, "calls": int,
+             "world": int, "redistribute_us": float, "raw_us": float, "framework_us": float,
              "time_us": float, "time_min_us": float, "time_max_us": float}
+OVERLAP_KEYS = {"kind": str, "transition": str, "src": str, "dst": str, "mesh": str, "backend": str, "world": int,
+                "bytes": int, "local_bytes": int, "shape": list, "route": str, "collectives": int, "iters": int,
+                "comm_us": float, "compute_us": float, "overlapped_us": float, "exposed": float, "wrong": int}
 
 failures = []
 
@@ -93,10 +99,14 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         sweep = os.path.join(tmp, "sweep.json")
         host = os.path.join(tmp, "host.json")
+        host1 = os.path.join(tmp, "host1.json")
+        overlap = os.path.join(tmp, "overlap.json")
         run([args.bench, "--backend", "local", "--world", "4", "--sizes", "1K:8K", "--iters", "2",
              "--warmup", "1", "--json", sweep])
-        run([args.bench, "--backend", "local", "--world", "1", "--host-cost", "--iters", "2",
-             "--host-calls", "50", "--json", host])
+        run([args.bench, "--host-cost", "--iters", "2", "--host-calls", "50", "--json", host])
+        run([args.bench, "--host-cost", "--world", "1", "--iters", "2", "--host-calls", "50", "--json", host1])
+        run([args.bench, "--backend", "local", "--world", "4", "--overlap", "--suite", "single", "--sizes", "16K,64K",
+             "--iters", "2", "--warmup", "1", "--json", overlap])
         records = json.load(open(sweep))
         check(isinstance(records, list) and records, "sweep JSON is not a non-empty list")
         names = {r["transition"] for r in records}
@@ -108,18 +118,41 @@ def main():
             check(r.get("kind") == "transition", f"record kind {r.get('kind')}")
             check_transition(r)
         host_records = json.load(open(host))
-        check(len(host_records) == 5, f"{len(host_records)} host records (expected 5)")
+        check([r.get("world") for r in host_records] == [1, 2, 4, 8],
+              f"host records for worlds {[r.get('world') for r in host_records]} (expected 1, 2, 4, 8)")
+        check(len(json.load(open(host1))) == 1, "--host-cost --world 1 writes one record")
         for r in host_records:
             for key, kind in HOST_KEYS.items():
                 check(key in r and typed(r[key], kind), f"host {r.get('transition')}: key {key}")
-            check(r.get("kind") == "host" and r.get("raw_time_us") is None, "host record kind / raw")
+            if failures:
+                break
+            check(r["kind"] == "host" and r["transition"] == "S(0)->R", "host record kind / transition")
+            check(math.isclose(r["framework_us"], r["redistribute_us"] - r["raw_us"], rel_tol=1e-9, abs_tol=1e-9),
+                  f"host world {r['world']}: framework_us != redistribute_us - raw_us")
+            check(r["time_us"] == r["redistribute_us"] and r["mesh"] == str(r["world"]),
+                  f"host world {r['world']}: time_us / mesh")
+        overlap_records = json.load(open(overlap))
+        names = {r.get("transition") for r in overlap_records}
+        check(names == {"S(0)->R", "R->S(0)", "P->R", "P->S(0)", "S(0)->S(1)"}, f"overlap transitions {names}")
+        check(len(overlap_records) == 2 * len(names), f"{len(overlap_records)} overlap records for {len(names)} x 2 sizes")
+        for r in overlap_records:
+            name = f"overlap {r.get('transition')} {r.get('bytes')}"
+            for key, kind in OVERLAP_KEYS.items():
+                check(key in r and typed(r[key], kind), f"{name}: key {key} missing or not {kind.__name__}")
+            if failures:
+                break
+            check(r["kind"] == "overlap" and r["wrong"] == 0, f"{name}: kind / wrong")
+            check(math.isclose(r["exposed"], (r["overlapped_us"] - r["compute_us"]) / r["comm_us"], rel_tol=1e-6),
+                  f"{name}: exposed != (overlapped - compute) / comm")
+            check(r["comm_us"] > 0 and r["compute_us"] > 0 and r["overlapped_us"] > 0, f"{name}: times")
         if args.plot and not failures:
             out = os.path.join(tmp, "figures")
-            proc = subprocess.run([sys.executable, args.plot, sweep, host, "--out", out],
+            proc = subprocess.run([sys.executable, args.plot, sweep, host, overlap, "--out", out],
                                   capture_output=True, text=True, timeout=300)
             check(proc.returncode == 0, f"plot exited {proc.returncode}: {proc.stderr[-2000:]}")
             pngs = [f for f in os.listdir(out) if f.endswith(".png")] if os.path.isdir(out) else []
-            check(len(pngs) >= 3, f"plot wrote {pngs}")
+            check(len(pngs) >= 4 and "dtensor_local_host.png" in pngs and "dtensor_local4_overlap.png" in pngs,
+                  f"plot wrote {pngs}")
     for f in failures[:40]:
         print("FAIL:", f)
     print(f"{len(failures)} failures")

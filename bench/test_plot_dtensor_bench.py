@@ -57,6 +57,16 @@ def bench_records():
     recs[0]["raw_time_us"] = None
     recs.append({"kind": "host", "transition": "S(0)->R", "backend": "local", "world": 4, "time_us": 3.5,
                  "what": "plan (cached)"})
+    # --host-cost records (one per world) and --overlap records
+    for world, red, raw in ((1, 0.4, 0.6), (2, 6.0, 5.0), (4, 15.0, 12.0), (8, 35.0, 30.0)):
+        recs.append({"kind": "host", "transition": "S(0)->R", "mesh": str(world), "backend": "local",
+                     "world": world, "redistribute_us": red, "raw_us": raw, "framework_us": red - raw,
+                     "time_us": red})
+    for tr, base in (("S(0)->R", 0.02), ("P->S(0)", 0.3)):
+        for local in (1 << 20, 1 << 22, 1 << 24):
+            recs.append({"kind": "overlap", "transition": tr, "mesh": "4", "backend": "local", "world": 4,
+                         "bytes": local * 4, "local_bytes": local, "collectives": 1, "comm_us": 100.0,
+                         "compute_us": 100.0, "overlapped_us": 100.0 + 100 * base, "exposed": base})
     return recs
 
 
@@ -112,7 +122,8 @@ def main():
         check(r.returncode == 0, f"plot exits 0 (rc {r.returncode}; stderr: {r.stderr.strip()})")
         printed = [line.strip() for line in r.stdout.splitlines() if line.strip()]
         expected = ["dtensor_local4_busbw.png", "dtensor_local4_overhead.png", "dtensor_local4_host.png",
-                    "torch_compare.png", "torch_compare_host.png"]
+                    "dtensor_local_host.png", "dtensor_local4_overlap.png", "torch_compare.png",
+                    "torch_compare_host.png"]
         for name in expected:
             path = os.path.join(out, name)
             check(path in printed, f"{name} printed")

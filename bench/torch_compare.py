@@ -59,7 +59,9 @@ How torch is measured (mirrors dtensor-bench, see bench/README.md):
     all_reduce (in place: torch has no out-of-place all_reduce) and all_to_all_single on
     buffers allocated once, on mesh.get_group(mesh_dim);
   * host cost: one process, a mesh of ones (1 or 1x1, as our host record), the tiny tensor of
-    our host records (4x4 f32); per call = the time of `calls` consecutive redistributes / calls,
+    our one-rank host records (`--host-cost --world 1`: 8x4 f32 S(0)->R; the records of larger
+    worlds have no torch counterpart and are left out); per call = the time of `calls`
+    consecutive redistributes / calls,
     after one untimed batch; median, min and max over the repeats. `calls` and the repeats are
     those of our record unless --host-calls / --host-repeats say otherwise (2000 and 20 if
     neither does).
@@ -213,7 +215,9 @@ def merge(ours_records, torch_records):
     """
     ours_t = {transition_key(r): r for r in ours_records if record_kind(r) == "transition"}
     torch_t = {transition_key(r): r for r in torch_records if record_kind(r) == "transition"}
-    ours_h = {host_key(r): r for r in ours_records if record_kind(r) == "host"}
+    # Host cost: torch runs on one process, so only our one-rank records (--host-cost --world 1)
+    # have a counterpart.
+    ours_h = {host_key(r): r for r in ours_records if record_kind(r) == "host" and int(r.get("world", 1)) == 1}
     torch_h = {host_key(r): r for r in torch_records if record_kind(r) == "host"}
 
     torch_version = next((r.get("torch_version") for r in torch_records if r.get("torch_version")), None)
@@ -594,7 +598,7 @@ def host_cases_from(ours_records):
     cases = [{"transition": r["transition"], "mesh": str(r.get("mesh", "1")), "shape": r["shape"],
               "bytes": r.get("bytes"), "dtype": r.get("dtype", "f32"), "calls": r.get("calls"),
               "repeats": r.get("iters")}
-             for r in ours_records if record_kind(r) == "host"]
+             for r in ours_records if record_kind(r) == "host" and int(r.get("world", 1)) == 1]
     if cases:
         return cases
     return [dict(c, mesh="x".join("1" * len(parse_placements(split_transition(c["transition"])[0]))),

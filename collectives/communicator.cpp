@@ -24,6 +24,24 @@ std::string_view to_string(CollectiveKind kind) {
   return "unknown";
 }
 
+std::string to_string(const CollectiveCall& c) {
+  std::string what = fmt::format("{}(", to_string(c.kind));
+  switch (c.kind) {
+    case CollectiveKind::kBarrier: break;
+    case CollectiveKind::kSendRecv:
+      what += fmt::format("{} ops, {}, {} -> {} elements", c.ops, kernels::to_string(c.dtype), c.in_count, c.out_count);
+      break;
+    default:
+      what += fmt::format("{}, {} -> {} elements", kernels::to_string(c.dtype), c.in_count, c.out_count);
+  }
+  if (c.kind == CollectiveKind::kBroadcast || c.kind == CollectiveKind::kScatter) what += fmt::format(", root {}", c.root);
+  if (c.kind == CollectiveKind::kReduceScatter || c.kind == CollectiveKind::kAllReduce) {
+    what += fmt::format(", {}", kernels::to_string(c.op));
+    if (c.pre_multiplier != 1.0) what += fmt::format(" x {}", c.pre_multiplier);
+  }
+  return what + ")";
+}
+
 namespace detail {
 
 namespace {

@@ -2,7 +2,9 @@
 // local (ranks are threads of one process; collectives/local.h), mpi (collectives/mpi.h) and
 // nccl (collectives/nccl.h). Buffers are Tensors on the CPU or a CUDA device.
 //
-// Every call is asynchronous and returns a Work; wait() blocks until this rank's part is done:
+// Every call is asynchronous and returns a Work at once; the call makes progress without the
+// caller (local and mpi: a worker thread of the communicator, or a thread waiting on one of its
+// Works; nccl: the communicator's CUDA stream). wait() blocks until this rank's part is done:
 //   auto work = comm.all_gather(shard, full);   // issue
 //   work->wait();                                // full now holds every rank's shard in group order
 // Calls are matched across ranks by their order on the communicator (as NCCL does): every member
@@ -10,12 +12,28 @@
 // A member that never joins makes the others fail in wait() with a CommError naming the
 // collective, the group and the missing ranks, within the timeout.
 //
+// NOTE [in-order engine] Each communicator is an in-order queue, like a CUDA stream: calls start
+// in the order they were made (so they reach the group in program order, the same on every rank),
+// and two kinds of entries order work across communicators of one rank:
+//  - wait_for(work): the next call made on this communicator starts only once `work` (of any
+//    communicator) has finished; later calls start after that one (cudaStreamWaitEvent);
+//  - host_task(fn): fn runs on the communicator's progress once every earlier call has finished
+//    (copies into and out of collective buffers: cudaLaunchHostFunc).
+// So a caller issues a whole chain (step 2 on one group consuming step 1's result of another)
+// at once, and each call takes its place in its communicator's order at that moment, not when
+// its input is ready: chains issued in the same order on every rank can never interleave
+// differently on different ranks (see NOTE [deferred plans] in dtensor/exec/executor.h). A call
+// waiting for a dependency holds up the later calls of its communicator only (never another
+// communicator's), and dependencies always point to calls made earlier, so nothing waits in a
+// cycle. Calls made on one communicator complete in order on the CPU backends.
+//
 // Group rank vs global rank: rank() is this member's index in the group; ranks()[i] is the
 // global rank of member i. Mesh-dim groups are ordered by mesh coordinate (dtensor/mesh.h).
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -59,11 +77,22 @@ class Work {
  public:
   virtual ~Work() = default;
   // Blocks until this rank's part of the call (or batch) is complete. Throws CommError on a
-  // timeout (naming the collective, the group and the ranks that never joined), on a mismatch
-  // between ranks, or when another rank failed.
+  // timeout (naming the collective, the group and the ranks that never joined; the call is then
+  // given up), on a mismatch between ranks, or when another rank failed; a host task rethrows
+  // its exception.
   virtual void wait(Milliseconds timeout) = 0;
-  // Non-blocking: true once wait() would return at once.
+  // Non-blocking (it may advance the call a little): true once wait() would return at once.
   virtual bool completed() = 0;
+  // Blocks until the call has finished (completed, or failed: wait() then throws) or `timeout`
+  // has passed, and says whether it finished. Unlike wait(), running out of time does not give
+  // the call up: engines chain calls with it (Communicator::wait_for).
+  virtual bool settle(Milliseconds timeout) = 0;
+  // "all_gather on group 'world' [0,1] (call #3)"; while the call waits for something, what
+  // ("ranks [1] never joined"), so a call that depends on it can say why it never started.
+  virtual std::string describe() const { return "a call"; }
+  // Fails a pending call with `why` as a timed-out wait() would (the caller stops waiting for
+  // it; the members waiting for this rank in it learn why). No effect once it has finished.
+  virtual void give_up(const std::string& why) = 0;
 };
 using WorkPtr = std::shared_ptr<Work>;
 
@@ -126,6 +155,25 @@ class Communicator {
   // split bigger strided views into several messages (both sides split their equal shapes alike).
   virtual int64_t p2p_view_max_bytes() const { return 0; }
 
+  // NOTE [in-order engine]. The next call (collective, host task or split) starts only once
+  // `work` has finished; a failed `work` does not stop it (the members' sequences must stay in
+  // step: the caller learns of the failure from `work`). A null work is ignored.
+  virtual void wait_for(const WorkPtr& work) = 0;
+  // NOTE [in-order engine]. Runs fn once every earlier call on this communicator has finished;
+  // later calls start after fn returned. An exception from fn fails the returned Work (wait()
+  // rethrows it) and nothing else. fn runs on whichever thread progresses the communicator (its
+  // worker, or one waiting on it), never at the same time as another entry of this
+  // communicator. nccl: fn runs at once on the calling thread after the legacy default stream
+  // was made to wait for this communicator's stream, so fn must only enqueue device work (the
+  // kernels layer's copies do).
+  virtual WorkPtr host_task(std::function<void()> fn) = 0;
+
+  // A hint that the caller will not wait for its pending calls soon (it issued them to overlap
+  // them with other work): the communicator's worker starts on them now, instead of after the
+  // short delay that lets a caller who waits at once run its calls itself (NOTE [call queue] in
+  // collectives/call_queue.h). Calls progress either way. No effect on nccl (the GPU runs them).
+  virtual void kick() {}
+
   // Batching (NCCL group semantics): calls between begin_batch() and end_batch() are issued as
   // one operation; their Works complete together, and end_batch() returns a Work for all of them.
   virtual void begin_batch() = 0;
@@ -148,6 +196,23 @@ class Communicator {
 };
 
 // Checks shared by the backends; each throws InvalidArgument naming the call and the value.
+// One collective call as a value: what a RecordingCommunicator logs and what the backends
+// compare across members. For send_recv, in_count / out_count are the elements sent / received
+// in total and `ops` the number of sends and receives.
+struct CollectiveCall {
+  CollectiveKind kind = CollectiveKind::kBarrier;
+  kernels::DType dtype = kernels::DType::kF32;
+  int64_t in_count = 0, out_count = 0;
+  ReduceOp op = ReduceOp::kSum;
+  double pre_multiplier = 1.0;
+  int root = -1;
+  int ops = 0;
+  bool operator==(const CollectiveCall&) const = default;
+};
+// "all_gather(f32, 4 -> 16 elements)", "reduce_scatter(bf16, 16 -> 4 elements, sum x 0.25)",
+// "send_recv(3 ops, f32, 12 -> 8 elements)", "barrier()".
+std::string to_string(const CollectiveCall& call);
+
 namespace detail {
 // Defined, contiguous, and of a dtype the collectives move (fp8 is storage-only).
 void check_tensor(CollectiveKind kind, const Communicator& comm, const Tensor& t, const char* role);

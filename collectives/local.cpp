@@ -4,7 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
-#include <tuple>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -13,8 +13,10 @@
 #include <mutex>
 #include <numeric>
 #include <thread>
+#include <tuple>
 #include <utility>
 
+#include "collectives/call_queue.h"
 #include "kernels/error.h"
 #include "kernels/reduce.h"
 
@@ -28,21 +30,32 @@ namespace detail {
 
 class LocalGroup;
 
-// Shared by every rank of one LocalWorld. One mutex and condition variable serve all groups: the
-// rendezvous is coarse (one lock per phase per call), and an abort must wake every waiter.
+// Shared by every rank of one LocalWorld. Each group has its own lock and condition variable;
+// the world keeps a list of its groups so that aborting it, or a rank returning, wakes every waiter.
 class LocalWorldState {
  public:
-  LocalWorldState(int size, Milliseconds timeout) : size(size), timeout(timeout), exited(size, 0) {}
+  LocalWorldState(int size_, Milliseconds timeout_)
+      : size(size_), timeout(timeout_), exited(std::make_unique<std::atomic<bool>[]>(static_cast<size_t>(size_))) {}
   const int size;
   const Milliseconds timeout;
-  std::mutex mu;
-  std::condition_variable cv;
-  bool aborted = false;
-  std::vector<char> exited;  // by world rank: its run_ranks function returned
+  std::atomic<bool> aborted{false};
+  std::unique_ptr<std::atomic<bool>[]> exited;  // by world rank: its run_ranks function returned
+
+  std::mutex mu;  // guards the members below
   int aborted_rank = -1;
   std::string abort_reason;
   uint64_t next_group_id = 0;
   std::weak_ptr<LocalGroup> world_group;
+  std::vector<std::weak_ptr<LocalGroup>> groups;
+  // Wakes the workers of the world's communicators (NOTE [call queue]).
+  const std::shared_ptr<WorkerTicker> ticker = std::make_shared<WorkerTicker>();
+
+  // Wakes every waiter of every group (after aborted / exited changed).
+  void wake_all();
+  std::string abort_text() {
+    std::lock_guard lk(mu);
+    return fmt::format("rank {} failed: {}", aborted_rank, abort_reason);
+  }
 };
 
 // One member's posted call.
@@ -94,22 +107,57 @@ struct Slot {
   std::vector<Tensor> partial;               // all_reduce: member i's reduced chunk
   std::shared_ptr<LocalGroup> split_result;  // unused by non-split calls
   std::vector<std::shared_ptr<LocalGroup>> split_groups;
+  std::vector<int> gave_up;  // global ranks whose waiter gave the call up after posting it
+  std::string gave_up_why;   // the first of their reasons
 };
 
 class LocalGroup {
  public:
-  // REQUIRES: world->mu held (the id is drawn from the world).
-  LocalGroup(std::shared_ptr<LocalWorldState> world_, std::vector<int> ranks_, std::string name_)
-      : world(std::move(world_)), ranks(std::move(ranks_)), name(std::move(name_)),
-        id(world->next_group_id++) {}
-  std::shared_ptr<LocalWorldState> world;
+  LocalGroup(std::shared_ptr<LocalWorldState> world_, std::vector<int> ranks_, std::string name_, uint64_t id_)
+      : world(std::move(world_)), ranks(std::move(ranks_)), name(std::move(name_)), id(id_) {}
+  const std::shared_ptr<LocalWorldState> world;
   const std::vector<int> ranks;  // global ranks in group order
   const std::string name;
   const uint64_t id;
-  std::map<uint64_t, Slot> slots;  // guarded by world->mu
+  std::mutex mu;                   // guards slots and the Slot contents
+  std::condition_variable cv;      // a slot changed phase, or the world changed (abort, exit)
+  std::map<uint64_t, Slot> slots;
   // all_reduce scratch per member, reused across calls (each member touches only its own entry;
   // a previous call's readers still hold a reference, so reuse waits until they let go).
   std::vector<Tensor> scratch = std::vector<Tensor>(ranks.size());
+};
+
+std::shared_ptr<LocalGroup> make_group(const std::shared_ptr<LocalWorldState>& world, std::vector<int> ranks,
+                                       std::string name) {
+  std::lock_guard lk(world->mu);
+  auto g = std::make_shared<LocalGroup>(world, std::move(ranks), std::move(name), world->next_group_id++);
+  std::erase_if(world->groups, [](const std::weak_ptr<LocalGroup>& w) { return w.expired(); });
+  world->groups.push_back(g);
+  return g;
+}
+
+void LocalWorldState::wake_all() {
+  std::vector<std::shared_ptr<LocalGroup>> live;
+  {
+    std::lock_guard lk(mu);
+    for (const auto& w : groups)
+      if (auto g = w.lock()) live.push_back(std::move(g));
+  }
+  for (const auto& g : live) {
+    std::lock_guard lk(g->mu);  // a waiter between its check and its sleep still sees the change
+    g->cv.notify_all();
+  }
+}
+
+std::string group_text(const LocalGroup& g) { return fmt::format("group '{}' [{}]", g.name, fmt::join(g.ranks, ",")); }
+
+// One member's view of a group: what its calls share.
+struct LocalMember {
+  LocalMember(std::shared_ptr<LocalGroup> g, int r) : group(std::move(g)), rank(r) {}
+  const std::shared_ptr<LocalGroup> group;
+  const int rank;
+  uint64_t next_seq = 0;           // touched only by the queue's holder (one thread at a time)
+  std::atomic<bool> closing{false};  // the communicator is being destroyed
 };
 
 namespace {
@@ -250,14 +298,292 @@ std::string check_calls(const std::vector<PostedCall>& calls, const LocalGroup& 
   return {};
 }
 
-class LocalWork;
+// One call of a member (NOTE [local rendezvous]) as an entry of its communicator's queue.
+class LocalCall final : public QueuedCall {
+ public:
+  LocalCall(std::shared_ptr<LocalMember> member, PostedCall call)
+      : m_(std::move(member)), g_(m_->group), rank_(m_->rank), name_(call.name()), call_(std::move(call)) {}
+
+  void start() override {
+    const size_t n = g_->ranks.size();
+    std::lock_guard lk(g_->mu);
+    const uint64_t seq = m_->next_seq++;
+    Slot& slot = g_->slots[seq];
+    if (slot.calls.empty()) {
+      slot.calls.resize(n);
+      slot.read_done.resize(n);
+    }
+    call_.posted = true;
+    slot.calls[rank_] = std::move(call_);
+    seq_.store(static_cast<int64_t>(seq));
+    if (++slot.arrived == static_cast<int>(n)) g_->cv.notify_all();
+  }
+
+  // The two phases of NOTE [local rendezvous]; resumable: stops (returning false) where it would
+  // have to wait past `until`, and the next call continues from there.
+  bool advance(Clock::time_point until) override {
+    const int n = static_cast<int>(g_->ranks.size());
+    const uint64_t seq = static_cast<uint64_t>(seq_.load());
+    std::unique_lock lk(g_->mu);
+    Slot& slot = g_->slots.at(seq);
+    if (!read_done_) {
+      if (!reach(lk, slot, [&] { return slot.arrived == n; }, true, until)) return false;
+      if (!slot.checked) {
+        slot.mismatch = check_calls(slot.calls, *g_);
+        slot.checked = true;
+      }
+      if (!slot.mismatch.empty()) throw CommError(slot.mismatch);
+      const PostedCall& call = slot.calls[rank_];
+      if (!call.split_name.empty()) {
+        make_split_group(slot);
+        split_result_ = slot.split_groups[rank_];
+      }
+      lk.unlock();
+
+      staged_ = read_phase(slot);  // reads other members' buffers
+
+      lk.lock();
+      slot.read_done[rank_] = 1;
+      read_done_ = true;
+      if (++slot.phase_done == n) g_->cv.notify_all();  // only the last one can satisfy a waiter
+    }
+    if (!reach(lk, slot, [&] { return slot.phase_done == n; }, false, until)) return false;
+    lk.unlock();
+
+    write_phase(slot, staged_);  // only touches this rank's output and slot-owned partials
+    staged_ = Tensor();
+
+    lk.lock();
+    if (++slot.left == n) g_->slots.erase(seq);
+    return true;
+  }
+
+  // A waiter gave the posted call up: the members still waiting for this rank fail at once.
+  void abandon(const std::string& why) override {
+    const int64_t seq = seq_.load();
+    if (seq < 0) return;
+    std::lock_guard lk(g_->mu);
+    const auto it = g_->slots.find(static_cast<uint64_t>(seq));
+    if (it == g_->slots.end()) return;
+    Slot& slot = it->second;
+    if (slot.gave_up.empty()) slot.gave_up_why = why;
+    slot.gave_up.push_back(g_->ranks[rank_]);
+    g_->cv.notify_all();
+  }
+
+  std::string pending_text() override {
+    const int64_t seq = seq_.load();
+    std::lock_guard lk(g_->mu);
+    const auto it = seq < 0 ? g_->slots.end() : g_->slots.find(static_cast<uint64_t>(seq));
+    if (it == g_->slots.end()) return seq < 0 ? "it is being posted" : "it has just completed";
+    const Slot& slot = it->second;
+    const int n = static_cast<int>(g_->ranks.size());
+    std::vector<int> missing, gone;
+    if (slot.arrived < n) {
+      for (int i = 0; i < n; ++i)
+        if (!slot.calls[i].posted) {
+          missing.push_back(g_->ranks[i]);
+          if (g_->world->exited[g_->ranks[i]].load()) gone.push_back(g_->ranks[i]);
+        }
+      if (!gone.empty()) return fmt::format("ranks [{}] returned without joining it", fmt::join(gone, ","));
+      return fmt::format("ranks [{}] never joined", fmt::join(missing, ","));
+    }
+    for (int i = 0; i < n; ++i)
+      if (!slot.read_done[i]) missing.push_back(g_->ranks[i]);
+    return fmt::format("ranks [{}] joined but have not completed it (their earlier calls on the group, or "
+                       "calls this one waits for, hold them up)",
+                       fmt::join(missing, ","));
+  }
+
+  std::string describe() const override {
+    const int64_t seq = seq_.load();
+    return seq < 0 ? fmt::format("{} on {}", name_, group_text(*g_))
+                   : fmt::format("{} on {} (call #{})", name_, group_text(*g_), seq);
+  }
+
+  std::shared_ptr<LocalGroup> split_result() const { return split_result_; }
+
+ private:
+  // Waits until pred() holds or `until` (true when it holds). Throws CommError when the world was
+  // aborted, or, while joining, when a member that has not posted returned from run_ranks.
+  template <class Pred>
+  bool reach(std::unique_lock<std::mutex>& lk, Slot& slot, Pred pred, bool joining, Clock::time_point until) {
+    LocalWorldState& w = *g_->world;
+    auto member_gone = [&] {
+      if (!joining) return false;
+      for (size_t i = 0; i < slot.calls.size(); ++i)
+        if (!slot.calls[i].posted && w.exited[g_->ranks[i]].load()) return true;
+      return false;
+    };
+    auto stop = [&] { return w.aborted.load() || member_gone() || m_->closing.load() || !slot.gave_up.empty(); };
+    if (!pred() && !stop() && Clock::now() < until) {
+      // Yield a few times before sleeping: with more ranks than cores the member being waited
+      // for usually needs this core, and a condition-variable sleep costs far more than a yield.
+      for (int spin = 0; spin < 64 && !(pred() || stop()); ++spin) {
+        lk.unlock();
+        std::this_thread::yield();
+        lk.lock();
+      }
+      g_->cv.wait_until(lk, until, [&] { return pred() || stop(); });
+    }
+    if (pred()) return true;
+    if (w.aborted.load()) {
+      lk.unlock();
+      throw CommError(fmt::format("{} on group '{}' abandoned: {}", name_, g_->name, w.abort_text()));
+    }
+    if (!slot.gave_up.empty())
+      throw CommError(fmt::format("{} on {} (call #{}): ranks [{}] gave the call up: {}", name_, group_text(*g_), seq_.load(),
+                                  fmt::join(slot.gave_up, ","), slot.gave_up_why));
+    if (member_gone()) {
+      std::vector<int> gone;
+      for (size_t i = 0; i < slot.calls.size(); ++i)
+        if (!slot.calls[i].posted && w.exited[g_->ranks[i]].load()) gone.push_back(g_->ranks[i]);
+      throw CommError(fmt::format("{} on {} (call #{}): ranks [{}] returned without joining it", name_, group_text(*g_),
+                                  seq_.load(), fmt::join(gone, ",")));
+    }
+    return false;
+  }
+
+  // Builds (once per group) the sub-group objects of a split.
+  void make_split_group(Slot& slot) {
+    if (!slot.split_groups.empty()) return;
+    const int n = static_cast<int>(slot.calls.size());
+    slot.split_groups.resize(n);
+    for (int i = 0; i < n; ++i) {
+      if (slot.split_groups[i]) continue;
+      std::vector<int> global;
+      for (int m : slot.calls[i].split_group) global.push_back(g_->ranks[m]);
+      auto g = make_group(g_->world, global, slot.calls[i].split_name);
+      for (int m : slot.calls[i].split_group) slot.split_groups[m] = g;
+    }
+  }
+
+  // Reads from the other members; returns data to write into this rank's output later when the
+  // output may alias a buffer the others are still reading.
+  Tensor read_phase(Slot& slot) {
+    const int n = static_cast<int>(slot.calls.size());
+    const int r = rank_;
+    const PostedCall& me = slot.calls[r];
+    switch (me.kind) {
+      case CollectiveKind::kAllGather: {
+        const int64_t cnt = me.input.numel();
+        for (int i = 0; i < n; ++i)
+          if (i != r || !overlaps(me.output, me.input)) copy_elems(me.output, i * cnt, slot.calls[i].input, 0, cnt);
+        return {};
+      }
+      case CollectiveKind::kReduceScatter: {
+        const int64_t cnt = me.output.numel();
+        Tensor acc = overlaps(me.output, me.input) ? Tensor::empty({cnt}, me.dtype, me.output.device()) : me.output;
+        reduce_chunk(slot, acc, r * cnt, cnt);
+        return acc.shares_storage_with(me.output) ? Tensor() : acc;
+      }
+      case CollectiveKind::kAllReduce: {
+        auto [begin, len] = chunk_of(me.input.numel(), n, r);
+        Tensor& cache = g_->scratch[r];
+        if (!cache.defined() || cache.storage().use_count() > 1 || cache.numel() < len ||
+            cache.dtype() != me.dtype || !(cache.device() == me.output.device()))
+          cache = Tensor::empty({std::max<int64_t>(len, 1)}, me.dtype, me.output.device());
+        Tensor acc = cache.narrow(0, 0, len);
+        reduce_chunk(slot, acc, begin, len);
+        std::lock_guard lk(g_->mu);
+        if (slot.partial.empty()) slot.partial.resize(n);
+        slot.partial[r] = acc;
+        return {};
+      }
+      case CollectiveKind::kAllToAll:
+      case CollectiveKind::kAllToAllV: {
+        const bool v = me.kind == CollectiveKind::kAllToAllV;
+        const int64_t cnt = v ? 0 : me.input.numel() / n;
+        Tensor dst = overlaps(me.output, me.input)
+                         ? Tensor::empty({me.output.numel()}, me.dtype, me.output.device())
+                         : me.output;
+        int64_t recv_off = 0;
+        for (int i = 0; i < n; ++i) {
+          const PostedCall& src = slot.calls[i];
+          const int64_t send_off =
+              v ? std::accumulate(src.send_counts.begin(), src.send_counts.begin() + r, int64_t{0})
+                : r * cnt;
+          const int64_t len = v ? me.recv_counts[i] : cnt;
+          copy_elems(dst, recv_off, src.input, send_off, len);
+          recv_off += len;
+        }
+        return dst.shares_storage_with(me.output) ? Tensor() : dst;
+      }
+      case CollectiveKind::kBroadcast:
+        if (r != me.root) copy_elems(me.output, 0, slot.calls[me.root].input, 0, me.output.numel());
+        return {};
+      case CollectiveKind::kScatter: {
+        const int64_t cnt = me.output.numel();
+        // In place at the root (output = its slice of the input): nothing to move.
+        if (r != me.root || !overlaps(me.output, me.input))
+          copy_elems(me.output, 0, slot.calls[me.root].input, r * cnt, cnt);
+        return {};
+      }
+      case CollectiveKind::kSendRecv: {
+        // The k-th receive from p takes the k-th send from p to r.
+        std::vector<int> taken(n, 0);
+        for (const P2POp& op : me.ops) {
+          if (op.kind != P2POp::Kind::kRecv) continue;
+          int k = taken[op.peer]++;
+          for (const P2POp& s : slot.calls[op.peer].ops)
+            if (s.kind == P2POp::Kind::kSend && s.peer == r && k-- == 0) {
+              copy_p2p(op.buffer, s.buffer);
+              break;
+            }
+        }
+        return {};
+      }
+      case CollectiveKind::kBarrier: return {};
+    }
+    return {};
+  }
+
+  // acc = reduction over members of input[begin, begin+len), in group order.
+  void reduce_chunk(const Slot& slot, const Tensor& acc, int64_t begin, int64_t len) {
+    const PostedCall& me = slot.calls[rank_];
+    const int n = static_cast<int>(slot.calls.size());
+    const Reduction red = me.reduction;
+    copy_elems(acc, 0, slot.calls[0].input, begin, len);
+    if (red.pre_multiplier != 1.0) kernels::scale_(acc, red.pre_multiplier);
+    for (int i = 1; i < n; ++i)
+      kernels::reduce_into(acc, slot.calls[i].input.narrow(0, begin, len), red.op, red.pre_multiplier);
+    if (red.op == ReduceOp::kAvg) kernels::scale_(acc, 1.0 / n);
+  }
+
+  void write_phase(Slot& slot, const Tensor& staged) {
+    const PostedCall& me = slot.calls[rank_];
+    if (staged.defined()) copy_elems(me.output, 0, staged, 0, me.output.numel());
+    if (me.kind == CollectiveKind::kAllReduce) {
+      const int n = static_cast<int>(slot.calls.size());
+      for (int i = 0; i < n; ++i) {
+        auto [begin, len] = chunk_of(me.output.numel(), n, i);
+        copy_elems(me.output, begin, slot.partial[i], 0, len);
+      }
+    }
+  }
+
+  const std::shared_ptr<LocalMember> m_;
+  const std::shared_ptr<LocalGroup> g_;
+  const int rank_;
+  const std::string name_;
+  PostedCall call_;                 // moved into the slot by start()
+  std::atomic<int64_t> seq_{-1};    // the slot, once posted
+  bool read_done_ = false;          // this rank's read phase is over
+  Tensor staged_;                   // what read_phase() left for write_phase()
+  std::shared_ptr<LocalGroup> split_result_;
+};
 
 }  // namespace
 
 class LocalCommunicator final : public Communicator {
  public:
   LocalCommunicator(std::shared_ptr<LocalGroup> group, int rank, Milliseconds timeout)
-      : Communicator(rank, group->ranks, group->name, timeout), group_(std::move(group)) {}
+      : Communicator(rank, group->ranks, group->name, timeout),
+        member_(std::make_shared<LocalMember>(std::move(group), rank)),
+        queue_(std::make_shared<CallQueue>(CallQueue::Options{.ticker = member_->group->world->ticker})) {}
+  ~LocalCommunicator() override;
+  LocalCommunicator(const LocalCommunicator&) = delete;
+  LocalCommunicator& operator=(const LocalCommunicator&) = delete;
 
   std::string_view backend() const override { return "local"; }
 
@@ -355,6 +681,15 @@ class LocalCommunicator final : public Communicator {
     return post(std::move(c));
   }
 
+  void wait_for(const WorkPtr& work) override { queue_->add_dependency(work); }
+  void kick() override { queue_->kick(); }
+  WorkPtr host_task(std::function<void()> fn) override {
+    if (batching_)
+      throw InvalidArgument(fmt::format("host_task on group '{}': not allowed inside a batch", name()));
+    if (!fn) throw InvalidArgument(fmt::format("host_task on group '{}': the function is empty", name()));
+    return queue_->push(std::make_shared<HostTask>(std::move(fn), group_text(*member_->group)), timeout());
+  }
+
   void begin_batch() override {
     if (batching_) throw InvalidArgument(fmt::format("begin_batch on group '{}': already in a batch", name()));
     batching_ = true;
@@ -377,357 +712,37 @@ class LocalCommunicator final : public Communicator {
     c.output = flat(output);
     return c;
   }
-  WorkPtr post(PostedCall call);
+  WorkPtr post(PostedCall call) {
+    WorkPtr work = queue_->push(std::make_shared<LocalCall>(member_, std::move(call)), timeout());
+    if (batching_) batch_.push_back(work);
+    return work;
+  }
 
-  std::shared_ptr<LocalGroup> group_;
-  uint64_t next_seq_ = 0;
+  std::shared_ptr<LocalMember> member_;
+  std::shared_ptr<CallQueue> queue_;
   bool batching_ = false;
-  std::vector<std::shared_ptr<LocalWork>> batch_;
+  std::vector<WorkPtr> batch_;
 };
 
-namespace {
-
-class LocalWork final : public Work {
- public:
-  LocalWork(std::shared_ptr<LocalGroup> group, uint64_t seq, int rank, Milliseconds default_timeout)
-      : group_(std::move(group)), seq_(seq), rank_(rank), default_timeout_(default_timeout) {}
-  ~LocalWork() override {
-    // Complete this rank's part even if nobody waited (the call must not stall the others),
-    // unless the rank is unwinding from an exception: then run_ranks aborts the world. Bounded
-    // by the communicator's timeout at the time of the call.
-    if (state_ == State::kPending && std::uncaught_exceptions() == 0) {
-      try {
-        wait(default_timeout_);
-      } catch (...) {  // NOLINT: destructors never throw
-      }
-    }
-  }
-
-  void wait(Milliseconds timeout) override {
-    if (state_ == State::kDone) return;
-    if (state_ == State::kFailed) throw CommError(error_);
-    timeout_ = timeout;
-    deadline_ = Clock::now() + timeout;
-    advance(/*blocking=*/true);
-  }
-
-  // Progress happens in the members' own threads (NOTE [local rendezvous]), so completed() does
-  // this rank's part as far as it can without blocking: a rank that only polls still completes.
-  bool completed() override {
-    if (state_ == State::kPending) {
-      try {
-        advance(/*blocking=*/false);
-      } catch (const std::exception&) {  // recorded; wait() throws it
-      }
-    }
-    return state_ != State::kPending;
-  }
-
-  // Gives up on a call this rank will not wait for (the rest of a failed batch).
-  void abandon(const std::string& why) {
-    if (state_ != State::kPending) return;
-    state_ = State::kFailed;
-    error_ = why;
-  }
-
-  std::shared_ptr<LocalGroup> split_result() const { return split_result_; }
-
- private:
-  enum class State { kPending, kDone, kFailed };
-
-  [[noreturn]] void fail_locked(const Slot& slot, const char* waiting_for) {
-    LocalWorldState& w = *group_->world;
-    const PostedCall& mine = slot.calls[rank_];
-    if (w.aborted)
-      throw CommError(fmt::format("{} on group '{}' abandoned: rank {} failed: {}",
-                                  mine.name(), group_->name, w.aborted_rank,
-                                  w.abort_reason));
-    const bool joining = std::string_view(waiting_for) == "join";
-    std::vector<int> gone;
-    if (joining)
-      for (size_t i = 0; i < slot.calls.size(); ++i)
-        if (!slot.calls[i].posted && w.exited[group_->ranks[i]]) gone.push_back(group_->ranks[i]);
-    if (!gone.empty())
-      throw CommError(fmt::format("{} on group '{}' [{}] (call #{}): ranks [{}] returned without joining it",
-                                  mine.name(), group_->name, fmt::join(group_->ranks, ","), seq_,
-                                  fmt::join(gone, ",")));
-    std::vector<int> missing;
-    for (size_t i = 0; i < slot.calls.size(); ++i)
-      if (joining ? !slot.calls[i].posted : !slot.read_done[i]) missing.push_back(group_->ranks[i]);
-    throw CommError(fmt::format("{} on group '{}' [{}] (call #{}) timed out after {} ms: ranks [{}] {}",
-                                mine.name(), group_->name, fmt::join(group_->ranks, ","),
-                                seq_, timeout_.count(), fmt::join(missing, ","),
-                                joining ? "never joined" : "joined but never waited for it"));
-  }
-
-  // Whether pred() holds. Blocking: waits for it until the deadline or an abort and throws on
-  // those; non-blocking: throws only on an abort.
-  template <class Pred>
-  bool reach(std::unique_lock<std::mutex>& lk, Slot& slot, Pred pred, const char* waiting_for,
-             bool blocking) {
-    LocalWorldState& w = *group_->world;
-    // A member that will never post: its rank function already returned.
-    auto member_gone = [&] {
-      if (std::string_view(waiting_for) != "join") return false;
-      for (size_t i = 0; i < slot.calls.size(); ++i)
-        if (!slot.calls[i].posted && w.exited[group_->ranks[i]]) return true;
-      return false;
-    };
-    if (!blocking) {
-      if (pred()) return true;
-      if (w.aborted || member_gone()) fail_locked(slot, waiting_for);
-      return false;
-    }
-    // Yield a few times before sleeping: with more ranks than cores the member being waited for
-    // usually needs this core, and a condition-variable sleep costs far more than a yield.
-    for (int spin = 0; spin < 64 && !(pred() || w.aborted); ++spin) {
-      lk.unlock();
-      std::this_thread::yield();
-      lk.lock();
-    }
-    if (!w.cv.wait_until(lk, deadline_, [&] { return pred() || w.aborted || member_gone(); }) ||
-        ((w.aborted || member_gone()) && !pred()))
-      fail_locked(slot, waiting_for);
-    return true;
-  }
-
-  // Runs this rank's part as far as it goes; true (and kDone) once complete. Failures set
-  // kFailed and rethrow.
-  bool advance(bool blocking) {
-    try {
-      if (!run(blocking)) return false;
-      state_ = State::kDone;
-      return true;
-    } catch (const std::exception& e) {
-      state_ = State::kFailed;
-      error_ = e.what();
-      throw;
-    }
-  }
-
-  // The two phases of NOTE [local rendezvous]; resumable: a non-blocking call stops (returning
-  // false) where it would have to wait, and the next call continues from there.
-  bool run(bool blocking) {
-    LocalWorldState& w = *group_->world;
-    const int n = static_cast<int>(group_->ranks.size());
-    std::unique_lock lk(w.mu);
-    Slot& slot = group_->slots.at(seq_);
-    if (!read_done_) {
-      if (!reach(lk, slot, [&] { return slot.arrived == n; }, "join", blocking)) return false;
-      if (!slot.checked) {
-        slot.mismatch = check_calls(slot.calls, *group_);
-        slot.checked = true;
-      }
-      if (!slot.mismatch.empty()) throw CommError(slot.mismatch);
-      const PostedCall& call = slot.calls[rank_];
-      if (!call.split_name.empty()) {
-        make_split_group(slot);
-        split_result_ = slot.split_groups[rank_];
-      }
-      lk.unlock();
-
-      staged_ = read_phase(slot);  // reads other members' buffers
-
-      lk.lock();
-      slot.read_done[rank_] = 1;
-      read_done_ = true;
-      if (++slot.phase_done == n) w.cv.notify_all();  // only the last one can satisfy a waiter
-    }
-    if (!reach(lk, slot, [&] { return slot.phase_done == n; }, "complete", blocking)) return false;
-    lk.unlock();
-
-    write_phase(slot, staged_);  // only touches this rank's output and slot-owned partials
-    staged_ = Tensor();
-
-    lk.lock();
-    if (++slot.left == n) group_->slots.erase(seq_);
-    return true;
-  }
-
-  // Builds (once per group) the sub-group objects of a split.
-  void make_split_group(Slot& slot) {
-    if (!slot.split_groups.empty()) return;
-    const int n = static_cast<int>(slot.calls.size());
-    slot.split_groups.resize(n);
-    for (int i = 0; i < n; ++i) {
-      if (slot.split_groups[i]) continue;
-      std::vector<int> global;
-      for (int m : slot.calls[i].split_group) global.push_back(group_->ranks[m]);
-      auto g = std::make_shared<LocalGroup>(group_->world, global, slot.calls[i].split_name);
-      for (int m : slot.calls[i].split_group) slot.split_groups[m] = g;
-    }
-  }
-
-  // Reads from the other members; returns data to write into this rank's output later when the
-  // output may alias a buffer the others are still reading.
-  Tensor read_phase(Slot& slot) {
-    const int n = static_cast<int>(slot.calls.size());
-    const int r = rank_;
-    const PostedCall& me = slot.calls[r];
-    switch (me.kind) {
-      case CollectiveKind::kAllGather: {
-        const int64_t cnt = me.input.numel();
-        for (int i = 0; i < n; ++i)
-          if (i != r || !overlaps(me.output, me.input)) copy_elems(me.output, i * cnt, slot.calls[i].input, 0, cnt);
-        return {};
-      }
-      case CollectiveKind::kReduceScatter: {
-        const int64_t cnt = me.output.numel();
-        Tensor acc = overlaps(me.output, me.input) ? Tensor::empty({cnt}, me.dtype, me.output.device()) : me.output;
-        reduce_chunk(slot, acc, r * cnt, cnt);
-        return acc.shares_storage_with(me.output) ? Tensor() : acc;
-      }
-      case CollectiveKind::kAllReduce: {
-        auto [begin, len] = chunk_of(me.input.numel(), n, r);
-        Tensor& cache = group_->scratch[r];
-        if (!cache.defined() || cache.storage().use_count() > 1 || cache.numel() < len ||
-            cache.dtype() != me.dtype || !(cache.device() == me.output.device()))
-          cache = Tensor::empty({std::max<int64_t>(len, 1)}, me.dtype, me.output.device());
-        Tensor acc = cache.narrow(0, 0, len);
-        reduce_chunk(slot, acc, begin, len);
-        std::lock_guard lk(group_->world->mu);
-        if (slot.partial.empty()) slot.partial.resize(n);
-        slot.partial[r] = acc;
-        return {};
-      }
-      case CollectiveKind::kAllToAll:
-      case CollectiveKind::kAllToAllV: {
-        const bool v = me.kind == CollectiveKind::kAllToAllV;
-        const int64_t cnt = v ? 0 : me.input.numel() / n;
-        Tensor dst = overlaps(me.output, me.input)
-                         ? Tensor::empty({me.output.numel()}, me.dtype, me.output.device())
-                         : me.output;
-        int64_t recv_off = 0;
-        for (int i = 0; i < n; ++i) {
-          const PostedCall& src = slot.calls[i];
-          const int64_t send_off =
-              v ? std::accumulate(src.send_counts.begin(), src.send_counts.begin() + r, int64_t{0})
-                : r * cnt;
-          const int64_t len = v ? me.recv_counts[i] : cnt;
-          copy_elems(dst, recv_off, src.input, send_off, len);
-          recv_off += len;
-        }
-        return dst.shares_storage_with(me.output) ? Tensor() : dst;
-      }
-      case CollectiveKind::kBroadcast:
-        if (r != me.root) copy_elems(me.output, 0, slot.calls[me.root].input, 0, me.output.numel());
-        return {};
-      case CollectiveKind::kScatter: {
-        const int64_t cnt = me.output.numel();
-        // In place at the root (output = its slice of the input): nothing to move.
-        if (r != me.root || !overlaps(me.output, me.input))
-          copy_elems(me.output, 0, slot.calls[me.root].input, r * cnt, cnt);
-        return {};
-      }
-      case CollectiveKind::kSendRecv: {
-        // The k-th receive from p takes the k-th send from p to r.
-        std::vector<int> taken(n, 0);
-        for (const P2POp& op : me.ops) {
-          if (op.kind != P2POp::Kind::kRecv) continue;
-          int k = taken[op.peer]++;
-          for (const P2POp& s : slot.calls[op.peer].ops)
-            if (s.kind == P2POp::Kind::kSend && s.peer == r && k-- == 0) {
-              copy_p2p(op.buffer, s.buffer);
-              break;
-            }
-        }
-        return {};
-      }
-      case CollectiveKind::kBarrier: return {};
-    }
-    return {};
-  }
-
-  // acc = reduction over members of input[begin, begin+len), in group order.
-  void reduce_chunk(const Slot& slot, const Tensor& acc, int64_t begin, int64_t len) {
-    const PostedCall& me = slot.calls[rank_];
-    const int n = static_cast<int>(slot.calls.size());
-    const Reduction red = me.reduction;
-    copy_elems(acc, 0, slot.calls[0].input, begin, len);
-    if (red.pre_multiplier != 1.0) kernels::scale_(acc, red.pre_multiplier);
-    for (int i = 1; i < n; ++i)
-      kernels::reduce_into(acc, slot.calls[i].input.narrow(0, begin, len), red.op, red.pre_multiplier);
-    if (red.op == ReduceOp::kAvg) kernels::scale_(acc, 1.0 / n);
-  }
-
-  void write_phase(Slot& slot, const Tensor& staged) {
-    const PostedCall& me = slot.calls[rank_];
-    if (staged.defined()) copy_elems(me.output, 0, staged, 0, me.output.numel());
-    if (me.kind == CollectiveKind::kAllReduce) {
-      const int n = static_cast<int>(slot.calls.size());
-      for (int i = 0; i < n; ++i) {
-        auto [begin, len] = chunk_of(me.output.numel(), n, i);
-        copy_elems(me.output, begin, slot.partial[i], 0, len);
-      }
-    }
-  }
-
-  std::shared_ptr<LocalGroup> group_;
-  uint64_t seq_;
-  int rank_;
-  Milliseconds default_timeout_;
-  State state_ = State::kPending;
-  bool read_done_ = false;  // this rank's read phase is over
-  Tensor staged_;           // what read_phase() left for write_phase()
-  std::string error_;
-  Milliseconds timeout_{0};
-  Clock::time_point deadline_;
-  std::shared_ptr<LocalGroup> split_result_;
-};
-
-// Completes when every member Work does. The batch is one operation: when one call fails, the
-// rest are abandoned too (so dropping the batch does not wait for each of them again).
-class BatchWork final : public Work {
- public:
-  explicit BatchWork(std::vector<std::shared_ptr<LocalWork>> works) : works_(std::move(works)) {}
-  void wait(Milliseconds timeout) override {
-    const auto deadline = Clock::now() + timeout;
-    for (size_t k = 0; k < works_.size(); ++k) {
-      try {
-        works_[k]->wait(std::max(Milliseconds{0},
-                                 std::chrono::duration_cast<Milliseconds>(deadline - Clock::now())));
-      } catch (const std::exception& e) {
-        for (size_t j = k + 1; j < works_.size(); ++j)
-          works_[j]->abandon(fmt::format("abandoned: an earlier call of the same batch failed: {}", e.what()));
-        throw;
-      }
-    }
-  }
-  bool completed() override {
-    bool done = true;
-    for (auto& w : works_) done = w->completed() && done;  // each call makes progress
-    return done;
-  }
-
- private:
-  std::vector<std::shared_ptr<LocalWork>> works_;
-};
-
-}  // namespace
-
-WorkPtr LocalCommunicator::post(PostedCall call) {
-  const uint64_t seq = next_seq_++;
-  LocalWorldState& w = *group_->world;
-  {
-    std::lock_guard lk(w.mu);
-    Slot& slot = group_->slots[seq];
-    if (slot.calls.empty()) {
-      slot.calls.resize(group_->ranks.size());
-      slot.read_done.resize(group_->ranks.size());
-    }
-    call.posted = true;
-    slot.calls[rank()] = std::move(call);
-    if (++slot.arrived == static_cast<int>(group_->ranks.size())) w.cv.notify_all();
-  }
-  auto work = std::make_shared<LocalWork>(group_, seq, rank(), timeout());
-  if (batching_) batch_.push_back(work);
-  return work;
+LocalCommunicator::~LocalCommunicator() {
+  // Pending calls complete first (the peers expect this rank in them), bounded by the timeout,
+  // unless the thread unwinds an exception (run_ranks then aborts the world) or the world failed.
+  const bool unwinding = std::uncaught_exceptions() > 0;
+  const bool drain = !unwinding && !member_->group->world->aborted.load();
+  queue_->shutdown(drain, timeout(),
+                   unwinding ? "abandoned: the communicator was destroyed while its thread unwound an exception"
+                             : "abandoned: the communicator was destroyed",
+                   [m = member_] {
+                     m->closing.store(true);
+                     std::lock_guard lk(m->group->mu);
+                     m->group->cv.notify_all();
+                   });
 }
 
 WorkPtr LocalCommunicator::end_batch() {
   if (!batching_) throw InvalidArgument(fmt::format("end_batch on group '{}': no batch begun", name()));
   batching_ = false;
-  return std::make_shared<BatchWork>(std::exchange(batch_, {}));
+  return std::make_shared<GroupWork>(std::exchange(batch_, {}));
 }
 
 std::unique_ptr<Communicator> LocalCommunicator::split(std::span<const int> group,
@@ -750,9 +765,9 @@ std::unique_ptr<Communicator> LocalCommunicator::split(std::span<const int> grou
   c.kind = CollectiveKind::kBarrier;
   c.split_group.assign(group.begin(), group.end());
   c.split_name = new_name.empty() ? std::string("split") : std::move(new_name);
-  auto work = std::static_pointer_cast<LocalWork>(post(std::move(c)));
-  work->wait(timeout());
-  std::shared_ptr<LocalGroup> g = work->split_result();
+  auto call = std::make_shared<LocalCall>(member_, std::move(c));
+  queue_->push(call, timeout())->wait(timeout());
+  std::shared_ptr<LocalGroup> g = call->split_result();
   const auto it = std::find(g->ranks.begin(), g->ranks.end(), ranks()[rank()]);
   return std::make_unique<LocalCommunicator>(g, static_cast<int>(it - g->ranks.begin()), timeout());
 }
@@ -775,30 +790,33 @@ std::unique_ptr<Communicator> LocalWorld::communicator(int rank) {
   {
     std::lock_guard lk(state_->mu);
     world = state_->world_group.lock();
-    if (!world) {
-      std::vector<int> ranks(state_->size);
-      std::iota(ranks.begin(), ranks.end(), 0);
-      world = std::make_shared<detail::LocalGroup>(state_, ranks, "world");
-      state_->world_group = world;
-    }
+  }
+  if (!world) {
+    std::vector<int> ranks(state_->size);
+    std::iota(ranks.begin(), ranks.end(), 0);
+    auto made = detail::make_group(state_, ranks, "world");
+    std::lock_guard lk(state_->mu);
+    world = state_->world_group.lock();
+    if (!world) state_->world_group = world = made;
   }
   return std::make_unique<detail::LocalCommunicator>(world, rank, state_->timeout);
 }
 
 void LocalWorld::mark_returned(int rank) {
-  std::lock_guard lk(state_->mu);
-  state_->exited.at(rank) = 1;
-  state_->cv.notify_all();
+  state_->exited[rank].store(true);
+  state_->wake_all();
 }
 
 void LocalWorld::abort(int rank, const std::string& reason) {
-  std::lock_guard lk(state_->mu);
-  if (!state_->aborted) {
-    state_->aborted = true;
-    state_->aborted_rank = rank;
-    state_->abort_reason = reason;
+  {
+    std::lock_guard lk(state_->mu);
+    if (!state_->aborted.load()) {
+      state_->aborted_rank = rank;
+      state_->abort_reason = reason;
+      state_->aborted.store(true);
+    }
   }
-  state_->cv.notify_all();
+  state_->wake_all();
 }
 
 void run_ranks(int size, const std::function<void(Communicator& world)>& fn, Milliseconds timeout) {
@@ -810,8 +828,12 @@ void run_ranks(int size, const std::function<void(Communicator& world)>& fn, Mil
   for (int r = 0; r < size; ++r) {
     threads.emplace_back([&, r] {
       try {
-        std::unique_ptr<Communicator> comm = world.communicator(r);
-        fn(*comm);
+        {
+          // The communicator completes its pending calls when destroyed: before this rank is
+          // recorded as returned (after which peers stop waiting for its calls).
+          std::unique_ptr<Communicator> comm = world.communicator(r);
+          fn(*comm);
+        }
         world.mark_returned(r);
       } catch (...) {
         std::string what = "unknown exception";

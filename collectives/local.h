@@ -7,11 +7,15 @@
 //     world.wait(world.all_gather(x, all));      // all == [0,0,0,1,1,1,2,2,2,3,3,3]
 //   });
 //
-// NOTE [local rendezvous] A call posts this rank's buffers to a slot shared by the group (slots
-// are matched by call order) and returns at once; wait() blocks until every member posted,
-// checks that the calls agree (kind, dtype, counts, op, root), then each member pulls what it
-// needs from the others' buffers. Members leave together, so no buffer is reused while another
-// member still reads it. A member that never posts makes the others time out naming it.
+// NOTE [local rendezvous] A call is an entry of the communicator's in-order queue (NOTE [call
+// queue] in collectives/call_queue.h); the call returns at once. When the call starts it posts
+// this rank's buffers to a slot shared by the group (slots are matched by call order); the
+// queue's holder (the communicator's worker thread, or a thread waiting on one of its Works) then
+// waits until every member posted, checks that the calls agree (kind, dtype, counts, op, root),
+// and pulls what this rank needs from the others' buffers. Members leave a slot together, so no
+// buffer is reused while another member still reads it, and a call completes whether or not
+// anyone waits on it. A member that never posts makes the others' waits time out naming it; a
+// waiter that times out gives its call up (the later calls of the communicator still run).
 #pragma once
 
 #include <functional>

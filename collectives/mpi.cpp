@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <bit>
 #include <chrono>
 #include <climits>
@@ -22,6 +23,7 @@
 #include <thread>
 #include <utility>
 
+#include "collectives/call_queue.h"
 #include "kernels/error.h"
 #include "kernels/reduce.h"
 
@@ -271,6 +273,8 @@ class MpiWorldState {
   MPI_Op op_for(DType dtype, kernels::ReduceOp op) const;
 
   int rank = 0, size = 1;
+  bool thread_multiple = false;   // workers may call MPI (NOTE [call queue] in collectives/call_queue.h)
+  const std::shared_ptr<WorkerTicker> ticker = std::make_shared<WorkerTicker>();
   MPI_Comm comm = MPI_COMM_NULL;  // private duplicate of MPI_COMM_WORLD
   int tag_ub = 32767;
   std::shared_ptr<CommState> mgmt;  // slot 0: communicator() and the closing barrier
@@ -318,7 +322,7 @@ class CommState {
     // handle is leaked then (and after MPI_Finalize there is nothing left to free).
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (!owns_comm || finalized || !poison.empty()) return;
+    if (!owns_comm || finalized || !poisoned()) return;
     if (check_comm != MPI_COMM_NULL) MPI_Comm_free(&check_comm);
     MPI_Comm_free(&comm);
   }
@@ -330,15 +334,30 @@ class CommState {
   std::string unusable(const CallDesc& d) const {
     if (world->closed())
       return fmt::format("{} on group '{}': the MpiWorld was destroyed", d.name(), name);
-    if (!poison.empty())
+    if (const std::string why = poison(); !why.empty())
       return fmt::format(
           "{} on group '{}': the communicator is unusable after an earlier failure "
           "({})",
-          d.name(), name, poison);
+          d.name(), name, why);
     return {};
   }
+  // Where call `seq` stands, for a timeout: "ranks [3] never joined" (NOTE [mpi progress board]).
+  std::string pending_text(uint64_t seq, const CallDesc& mine, Milliseconds grace);
   // The CommError text for call `seq` that did not complete within `timeout`.
-  std::string timeout_message(uint64_t seq, const CallDesc& mine, Milliseconds timeout);
+  std::string timeout_message(uint64_t seq, const CallDesc& mine, Milliseconds timeout) {
+    return fmt::format("{} on {} (call #{}) timed out after {} ms: {}", mine.name(), group(), seq, timeout.count(),
+                       pending_text(seq, mine, std::min(timeout, Milliseconds{2000})));
+  }
+  // The first failure wins; once poisoned every later call throws (see the header comment).
+  void set_poison(const std::string& why) {
+    std::lock_guard lk(poison_mu_);
+    if (poison_.empty()) poison_ = why;
+  }
+  std::string poison() const {
+    std::lock_guard lk(poison_mu_);
+    return poison_;
+  }
+  bool poisoned() const { return !poison().empty(); }
 
   std::shared_ptr<MpiWorldState> world;
   MPI_Comm comm;
@@ -348,18 +367,26 @@ class CommState {
   const std::string name;
   const int slot;  // progress board slot
   const bool owns_comm;
-  uint64_t next_seq = 0;
-  std::string poison;  // the first failure; non-empty once poisoned
+  uint64_t next_seq = 0;  // touched by one thread at a time (the queue's holder)
+  // Progress from a thread other than a waiter's (the communicator's worker) needs
+  // MPI_THREAD_MULTIPLE; with a lower level calls progress only in wait() and completed().
+  bool worker = true;
+
+ private:
+  mutable std::mutex poison_mu_;
+  std::string poison_;  // the first failure; non-empty once poisoned
 };
 
 namespace {
 
-class MpiWork final : public Work {
+// One issued call's MPI requests, polled until complete (for the calls of the queue, and for
+// the internal exchanges that wait at once).
+class MpiRequests final {
  public:
   using Finish = std::function<void(std::span<MPI_Status>)>;
 
-  MpiWork(std::shared_ptr<CommState> comm, uint64_t seq, CallDesc desc,
-          Milliseconds default_timeout, bool marks_completion = true)
+  MpiRequests(std::shared_ptr<CommState> comm, uint64_t seq, CallDesc desc,
+              Milliseconds default_timeout, bool marks_completion = true)
       : p_(std::make_shared<Pending>()),
         seq_(seq),
         desc_(desc),
@@ -367,7 +394,7 @@ class MpiWork final : public Work {
         marks_completion_(marks_completion) {
     p_->comm = std::move(comm);
   }
-  ~MpiWork() override {
+  ~MpiRequests() {
     // Complete this rank's part if nobody waited (MPI may not touch freed buffers), unless the
     // rank is unwinding or the group already failed; then keep the buffers for MPI.
     CommState& c = *p_->comm;
@@ -387,7 +414,7 @@ class MpiWork final : public Work {
   void set_finish(Finish f) { finish_ = std::move(f); }
   uint64_t seq() const { return seq_; }
 
-  void wait(Milliseconds timeout) override {
+  void wait(Milliseconds timeout) {
     if (poll()) return;
     const auto deadline = Clock::now() + timeout;
     for (Pacer pacer;;) {
@@ -397,13 +424,6 @@ class MpiWork final : public Work {
     }
   }
 
-  bool completed() override {
-    try {
-      return poll();
-    } catch (const std::exception&) {
-      return true;  // wait() rethrows at once
-    }
-  }
 
   // One MPI_Testall; true when done; throws CommError when the call failed.
   bool poll() {
@@ -431,7 +451,7 @@ class MpiWork final : public Work {
     }
     if (!flag) {
       // Another call on this group timed out or failed: this one cannot be trusted to finish.
-      if (!c.poison.empty()) fail(c.unusable(desc_), false);
+      if (c.poisoned()) fail(c.unusable(desc_), false);
       return false;
     }
     if (finish_) {
@@ -453,6 +473,13 @@ class MpiWork final : public Work {
   [[noreturn]] void timed_out(Milliseconds timeout) {
     fail(p_->comm->timeout_message(seq_, desc_, timeout), true);
   }
+  // A waiter gave the call up: it fails, and the communicator is poisoned (MPI cannot cancel).
+  void give_up(const std::string& why) {
+    if (state_ != State::kPending) return;
+    state_ = State::kFailed;
+    error_ = why;
+    p_->comm->set_poison(why);
+  }
 
  private:
   enum class State { kPending, kDone, kFailed };
@@ -460,7 +487,7 @@ class MpiWork final : public Work {
   [[noreturn]] void fail(const std::string& why, bool poison) {
     state_ = State::kFailed;
     error_ = why;
-    if (poison && p_->comm->poison.empty()) p_->comm->poison = why;
+    if (poison) p_->comm->set_poison(why);
     throw CommError(why);
   }
 
@@ -472,29 +499,6 @@ class MpiWork final : public Work {
   Finish finish_;
   State state_ = State::kPending;
   std::string error_;
-};
-
-// The Work of a batch: completes when every call in it does (all polled together).
-class MpiBatchWork final : public Work {
- public:
-  explicit MpiBatchWork(std::vector<std::shared_ptr<MpiWork>> works) : works_(std::move(works)) {}
-
-  void wait(Milliseconds timeout) override {
-    const auto deadline = Clock::now() + timeout;
-    for (Pacer pacer;; pacer.pause()) {
-      MpiWork* pending = nullptr;
-      for (auto& w : works_)
-        if (!w->poll() && !pending) pending = w.get();
-      if (!pending) return;
-      if (Clock::now() >= deadline) pending->timed_out(timeout);
-    }
-  }
-  bool completed() override {
-    return std::all_of(works_.begin(), works_.end(), [](auto& w) { return w->completed(); });
-  }
-
- private:
-  std::vector<std::shared_ptr<MpiWork>> works_;
 };
 
 std::string join_ranks(const std::vector<int>& v) { return fmt::format("[{}]", fmt::join(v, ",")); }
@@ -513,6 +517,9 @@ MpiWorldState::MpiWorldState(int* argc, char*** argv, Milliseconds timeout) : ti
     mpi_check(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided), "MPI_Init_thread");
     owns_mpi_ = true;
   }
+  int level = MPI_THREAD_SINGLE;
+  MPI_Query_thread(&level);
+  thread_multiple = level == MPI_THREAD_MULTIPLE;
   mpi_check(MPI_Comm_dup(MPI_COMM_WORLD, &comm), "MPI_Comm_dup");
   MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
   MPI_Comm_rank(comm, &rank);
@@ -631,12 +638,12 @@ void MpiWorldState::shutdown() noexcept {
   if (closed_) return;
   bool in_step = false;
   try {
-    if (mgmt->poison.empty()) {
+    if (!mgmt->poisoned()) {
       CallDesc d;
       d.kind = kCloseCall;
       const uint64_t seq = mgmt->next_seq++;
       board_enter(0, seq, d);
-      MpiWork work(mgmt, seq, d, timeout_);
+      MpiRequests work(mgmt, seq, d, timeout_);
       post_request(work.requests(), "MPI_Ibarrier",
                    [&](MPI_Request* r) { return MPI_Ibarrier(comm, r); });
       work.wait(timeout_);
@@ -683,9 +690,8 @@ void MpiWorldState::shutdown() noexcept {
 
 // ---- CommState ----
 
-std::string CommState::timeout_message(uint64_t seq, const CallDesc& mine, Milliseconds timeout) {
-  std::string text = fmt::format("{} on {} (call #{}) timed out after {} ms: ", mine.name(),
-                                 group(), seq, timeout.count());
+std::string CommState::pending_text(uint64_t seq, const CallDesc& mine, Milliseconds grace) {
+  std::string text;
   if (!world->board_ok())
     return text + "the ranks that never joined are unknown (" + world->board_error() + ")";
   if (slot >= kMpiBoardSlots)
@@ -693,7 +699,7 @@ std::string CommState::timeout_message(uint64_t seq, const CallDesc& mine, Milli
                       "the ranks that never joined are unknown (more than {} communicators: "
                       "no progress board slot for this one)",
                       kMpiBoardSlots);
-  const auto entries = world->board_read(slot, ranks, std::min(timeout, Milliseconds{2000}));
+  const auto entries = world->board_read(slot, ranks, grace);
   const int64_t number = static_cast<int64_t>(seq) + 1;
   std::vector<int> missing, unanswered, inside;
   std::string mismatch;
@@ -732,6 +738,97 @@ std::string CommState::timeout_message(uint64_t seq, const CallDesc& mine, Milli
 
 namespace {
 
+void check_agreement(const std::shared_ptr<CommState>& st_, Milliseconds timeout, uint64_t seq,
+                     const CallDesc& d, std::span<const int64_t> send_counts,
+                     std::span<const int64_t> recv_counts);
+
+// One call of an MPI communicator as an entry of its queue (NOTE [call queue]): start() enters it
+// on the progress board, checks agreement (check_calls) and issues the MPI_I* calls; advance()
+// polls them (MPI_Testall), pacing itself like a waiter.
+class MpiCall final : public QueuedCall {
+ public:
+  using Issue = std::function<MpiRequests::Finish(std::vector<MPI_Request>&, Keep&)>;
+
+  MpiCall(std::shared_ptr<CommState> st, CallDesc d, std::vector<Tensor> buffers, Issue issue, bool check_calls,
+          std::span<const int64_t> send_counts, std::span<const int64_t> recv_counts, Milliseconds timeout)
+      : st_(std::move(st)), d_(d), buffers_(std::move(buffers)), issue_(std::move(issue)), check_calls_(check_calls),
+        send_counts_(send_counts.begin(), send_counts.end()), recv_counts_(recv_counts.begin(), recv_counts.end()),
+        timeout_(timeout) {}
+
+  void start() override {
+    CommState& c = *st_;
+    if (std::string why = c.unusable(d_); !why.empty()) throw CommError(why);
+    const uint64_t seq = c.next_seq++;
+    seq_.store(static_cast<int64_t>(seq));
+    c.world->board_enter(c.slot, seq, d_);
+    if (check_calls_) check_agreement(st_, timeout_, seq, d_, send_counts_, recv_counts_);
+    auto req = std::make_shared<MpiRequests>(st_, seq, d_, timeout_);
+    req->keep().tensors = std::move(buffers_);
+    try {
+      req->set_finish(issue_(req->requests(), req->keep()));
+    } catch (const CommError& e) {
+      // Members are out of step now (this rank issued nothing, or part of a batch of messages).
+      std::string why = fmt::format("{} on {} (call #{}) failed: {}", d_.describe(), c.group(), seq, e.what());
+      c.set_poison(why);
+      req_ = std::move(req);
+      throw CommError(why);
+    }
+    issue_ = nullptr;
+    req_ = std::move(req);
+    started_at_ = Clock::now();
+  }
+
+  bool advance(Clock::time_point until) override {
+    if (req_->poll()) return true;
+    // MPI advances nonblocking calls only inside MPI calls (and every round of a collective
+    // needs every member to poll), so the holder keeps polling: yielding the core between polls
+    // for the first 100 ms of the call (another rank on this core may be the one needed; MPI's
+    // own blocking waits spin the whole time), then sleeping 20 us doubling to 200 us between
+    // polls, so a long wait for a late member costs little CPU.
+    if (Clock::now() - started_at_ < std::chrono::milliseconds(100)) {
+      sched_yield();
+    } else if (Clock::now() < until) {
+      std::this_thread::sleep_for(std::min<Clock::duration>(sleep_, until - Clock::now()));
+      sleep_ = std::min(sleep_ * 2, std::chrono::microseconds(200));
+    }
+    return false;
+  }
+
+  // MPI_I* calls may copy or reduce before they return, and check_calls exchanges: never on the
+  // caller's push.
+  bool cheap_start() const override { return false; }
+
+  std::string pending_text() override {
+    const int64_t seq = seq_.load();
+    if (seq < 0) return "it is being issued";
+    return st_->pending_text(static_cast<uint64_t>(seq), d_, std::min(timeout_, Milliseconds{2000}));
+  }
+
+  void abandon(const std::string& why) override {
+    // MPI cannot cancel a collective: the communicator is unusable from now on.
+    st_->set_poison(why);
+  }
+
+  std::string describe() const override {
+    const int64_t seq = seq_.load();
+    return seq < 0 ? fmt::format("{} on {}", d_.name(), st_->group())
+                   : fmt::format("{} on {} (call #{})", d_.name(), st_->group(), seq);
+  }
+
+ private:
+  std::shared_ptr<CommState> st_;
+  CallDesc d_;
+  std::vector<Tensor> buffers_;
+  Issue issue_;
+  bool check_calls_;
+  std::vector<int64_t> send_counts_, recv_counts_;
+  Milliseconds timeout_;
+  std::atomic<int64_t> seq_{-1};
+  std::shared_ptr<MpiRequests> req_;  // its destructor keeps unfinished buffers for MPI
+  Clock::time_point started_at_;
+  std::chrono::microseconds sleep_{20};
+};
+
 // ---- MpiCommunicator ----
 
 class MpiCommunicator final : public Communicator {
@@ -739,7 +836,16 @@ class MpiCommunicator final : public Communicator {
   MpiCommunicator(std::shared_ptr<CommState> st, Milliseconds timeout, bool check_calls)
       : Communicator(st->rank, st->ranks, st->name, timeout),
         st_(std::move(st)),
-        check_calls_(check_calls) {}
+        check_calls_(check_calls),
+        queue_(std::make_shared<CallQueue>(CallQueue::Options{.worker = st_->worker, .ticker = st_->world->ticker})) {}
+  ~MpiCommunicator() override {
+    // Pending calls complete first, bounded by the timeout (MPI may not touch freed buffers),
+    // unless the thread unwinds an exception or the group already failed.
+    const bool drain = std::uncaught_exceptions() == 0 && !st_->poisoned() && !st_->world->closed();
+    queue_->shutdown(drain, timeout(), "abandoned: the communicator was destroyed");
+  }
+  MpiCommunicator(const MpiCommunicator&) = delete;
+  MpiCommunicator& operator=(const MpiCommunicator&) = delete;
 
   std::string_view backend() const override { return "mpi"; }
 
@@ -750,11 +856,10 @@ class MpiCommunicator final : public Communicator {
     const int count = int_count(kind, input.numel(), "the input");
     CallDesc d = desc(kind, output.dtype(), input.numel(), output.numel());
     const size_t item = kernels::itemsize(output.dtype());
-    char* slice =
-        static_cast<char*>(output.data_ptr()) + static_cast<size_t>(rank()) * count * item;
     // MPI_IN_PLACE is valid only when every member passes it, so every member works in place:
     // its own slice of the output is filled first (a no-op when the input is that slice).
-    return launch(d, {output}, [=, this](std::vector<MPI_Request>& reqs, Keep&) {
+    return launch(d, {input, output}, [=, this](std::vector<MPI_Request>& reqs, Keep&) {
+      char* slice = static_cast<char*>(output.data_ptr()) + static_cast<size_t>(rank()) * count * item;
       if (count > 0 && input.data_ptr() != slice)
         std::memmove(slice, input.data_ptr(), count * item);
       post_request(reqs, "MPI_Iallgather", [&](MPI_Request* r) {
@@ -991,7 +1096,7 @@ class MpiCommunicator final : public Communicator {
           });
       }
       // A receive longer than its send fails in MPI (truncation); a shorter one is caught here.
-      return MpiWork::Finish([this, mine](std::span<MPI_Status> statuses) {
+      return MpiRequests::Finish([this, mine](std::span<MPI_Status> statuses) {
         std::vector<int> nth(static_cast<size_t>(size()), 0);
         for (size_t i = 0; i < mine.size(); ++i) {
           const P2POp& op = mine[i];
@@ -1019,14 +1124,23 @@ class MpiCommunicator final : public Communicator {
     if (!batching_)
       throw InvalidArgument(fmt::format("end_batch on group '{}': no batch begun", name()));
     batching_ = false;
-    return std::make_shared<MpiBatchWork>(std::exchange(batch_, {}));
+    return std::make_shared<GroupWork>(std::exchange(batch_, {}));
+  }
+
+  void wait_for(const WorkPtr& work) override { queue_->add_dependency(work); }
+  void kick() override { queue_->kick(); }
+  WorkPtr host_task(std::function<void()> fn) override {
+    if (batching_)
+      throw InvalidArgument(fmt::format("host_task on group '{}': not allowed inside a batch", name()));
+    if (!fn) throw InvalidArgument(fmt::format("host_task on group '{}': the function is empty", name()));
+    return queue_->push(std::make_shared<HostTask>(std::move(fn), st_->group()), timeout());
   }
 
   std::unique_ptr<Communicator> split(std::span<const int> group, std::string new_name) override;
 
  private:
   // issue(requests, keep) posts the MPI calls; it may return a Finish to run on completion.
-  using Issue = std::function<MpiWork::Finish(std::vector<MPI_Request>&, Keep&)>;
+  using Issue = std::function<MpiRequests::Finish(std::vector<MPI_Request>&, Keep&)>;
 
   template <class F>
   WorkPtr launch(const CallDesc& d, std::vector<Tensor> buffers, F&& issue,
@@ -1036,18 +1150,20 @@ class MpiCommunicator final : public Communicator {
     if constexpr (std::is_void_v<std::invoke_result_t<F, std::vector<MPI_Request>&, Keep&>>)
       fn = [f = std::forward<F>(issue)](std::vector<MPI_Request>& r, Keep& k) {
         f(r, k);
-        return MpiWork::Finish{};
+        return MpiRequests::Finish{};
       };
     else
       fn = std::forward<F>(issue);
-    return start(d, std::move(buffers), fn, send_counts, recv_counts);
+    // A communicator known to be unusable refuses at once (a call already queued learns it when
+    // it starts).
+    if (std::string why = st_->unusable(d); !why.empty()) throw CommError(why);
+    WorkPtr work = queue_->push(std::make_shared<MpiCall>(st_, d, std::move(buffers), std::move(fn),
+                                                          check_calls_ && d.kind != kSplitCall, send_counts,
+                                                          recv_counts, timeout()),
+                                timeout());
+    if (batching_) batch_.push_back(work);
+    return work;
   }
-
-  std::shared_ptr<MpiWork> start(const CallDesc& d, std::vector<Tensor> buffers, const Issue& issue,
-                                 std::span<const int64_t> send_counts,
-                                 std::span<const int64_t> recv_counts);
-  void check_agreement(uint64_t seq, const CallDesc& d, std::span<const int64_t> send_counts,
-                       std::span<const int64_t> recv_counts);
 
   CallDesc desc(CollectiveKind kind, DType dtype, int64_t in, int64_t out, Reduction r = {}) const {
     CallDesc d;
@@ -1081,7 +1197,7 @@ class MpiCommunicator final : public Communicator {
       throw InvalidArgument(fmt::format("{} on group '{}': root {} out of range 0..{}",
                                         to_string(kind), name(), root, size() - 1));
   }
-  static MpiWork::Finish finish_reduce(const Tensor& output, const Tensor& result,
+  static MpiRequests::Finish finish_reduce(const Tensor& output, const Tensor& result,
                                        kernels::ReduceOp op, int n) {
     if (result.shares_storage_with(output) && result.data_ptr() == output.data_ptr() &&
         op != kernels::ReduceOp::kAvg)
@@ -1097,44 +1213,19 @@ class MpiCommunicator final : public Communicator {
 
   std::shared_ptr<CommState> st_;
   bool check_calls_;
+  std::shared_ptr<CallQueue> queue_;
   bool batching_ = false;
-  std::vector<std::shared_ptr<MpiWork>> batch_;
+  std::vector<WorkPtr> batch_;
 };
-
-// Records entry on the board, optionally checks agreement, then issues the MPI calls.
-std::shared_ptr<MpiWork> MpiCommunicator::start(const CallDesc& d, std::vector<Tensor> buffers,
-                                                const Issue& issue,
-                                                std::span<const int64_t> send_counts,
-                                                std::span<const int64_t> recv_counts) {
-  if (std::string why = st_->unusable(d); !why.empty()) throw CommError(why);
-  const uint64_t seq = st_->next_seq++;
-  st_->world->board_enter(st_->slot, seq, d);
-
-  if (check_calls_ && d.kind != kSplitCall) check_agreement(seq, d, send_counts, recv_counts);
-
-  auto work = std::make_shared<MpiWork>(st_, seq, d, timeout());
-  work->keep().tensors = std::move(buffers);
-  try {
-    MpiWork::Finish finish = issue(work->requests(), work->keep());
-    work->set_finish(std::move(finish));
-  } catch (const CommError& e) {
-    // Members are out of step now (this rank issued nothing, or part of a batch of messages).
-    std::string why =
-        fmt::format("{} on {} (call #{}) failed: {}", d.describe(), st_->group(), seq, e.what());
-    if (st_->poison.empty()) st_->poison = why;
-    throw CommError(why);
-  }
-  if (batching_) batch_.push_back(work);
-  return work;
-}
 
 // check_calls: every member exchanges its call's description (on a private communicator, so
 // the data calls keep their order) and all compare them the same way; a mismatch throws on
 // every member, before any data moves, with the local backend's wording.
-void MpiCommunicator::check_agreement(uint64_t seq, const CallDesc& d,
-                                      std::span<const int64_t> send_counts,
-                                      std::span<const int64_t> recv_counts) {
-  const int n = size();
+void check_agreement(const std::shared_ptr<CommState>& st_, Milliseconds timeout, uint64_t seq,
+                     const CallDesc& d, std::span<const int64_t> send_counts,
+                     std::span<const int64_t> recv_counts) {
+  const int n = static_cast<int>(st_->ranks.size());
+  const std::string& name = st_->name;
   const int pairs = n <= 256 ? 2 * n : 0;  // all_to_all_v counts, checked pairwise
   const int words = CallDesc::kWords + pairs;
   auto buf = std::make_shared<std::vector<int64_t>>(static_cast<size_t>(words) * (n + 1), 0);
@@ -1144,7 +1235,7 @@ void MpiCommunicator::check_agreement(uint64_t seq, const CallDesc& d,
     std::copy(send_counts.begin(), send_counts.end(), buf->begin() + CallDesc::kWords);
     std::copy(recv_counts.begin(), recv_counts.end(), buf->begin() + CallDesc::kWords + n);
   }
-  MpiWork work(st_, seq, d, timeout(), /*marks_completion=*/false);
+  MpiRequests work(st_, seq, d, timeout, /*marks_completion=*/false);
   work.keep().blobs.push_back(buf);
   try {
     post_request(work.requests(), "MPI_Iallgather", [&](MPI_Request* r) {
@@ -1154,10 +1245,10 @@ void MpiCommunicator::check_agreement(uint64_t seq, const CallDesc& d,
   } catch (const CommError& e) {
     std::string why =
         fmt::format("{} on {} (call #{}) failed: {}", d.describe(), st_->group(), seq, e.what());
-    if (st_->poison.empty()) st_->poison = why;
+    st_->set_poison(why);
     throw CommError(why);
   }
-  work.wait(timeout());
+  work.wait(timeout);
 
   auto at = [&](int i) { return buf->data() + static_cast<ptrdiff_t>(words) * (i + 1); };
   std::vector<CallDesc> calls;
@@ -1168,7 +1259,7 @@ void MpiCommunicator::check_agreement(uint64_t seq, const CallDesc& d,
     return fmt::format(
         "collective mismatch on group '{}' ({}): rank {} called {} but rank {} "
         "called {}",
-        name(), what, ranks()[0], c0.describe(), ranks()[static_cast<size_t>(i)],
+        name, what, st_->ranks[0], c0.describe(), st_->ranks[static_cast<size_t>(i)],
         calls[static_cast<size_t>(i)].describe());
   };
   for (int i = 1; i < n && mismatch.empty(); ++i) {
@@ -1197,12 +1288,12 @@ void MpiCommunicator::check_agreement(uint64_t seq, const CallDesc& d,
           mismatch = fmt::format(
               "all_to_all_v count mismatch on group '{}': rank {} sends {} elements to rank {}, "
               "which expects {}",
-              name(), ranks()[static_cast<size_t>(i)], sent, ranks()[static_cast<size_t>(j)],
+              name, st_->ranks[static_cast<size_t>(i)], sent, st_->ranks[static_cast<size_t>(j)],
               expected);
       }
   }
   if (!mismatch.empty()) {
-    if (st_->poison.empty()) st_->poison = mismatch;
+    st_->set_poison(mismatch);
     throw CommError(mismatch);
   }
 }
@@ -1325,13 +1416,14 @@ std::unique_ptr<Communicator> MpiCommunicator::split(std::span<const int> group,
     if (check_calls_) mpi_check(MPI_Comm_dup(comm, &check), "MPI_Comm_dup");
   } catch (const CommError& e) {
     std::string why = fmt::format("split on {} failed: {}", st_->group(), e.what());
-    if (st_->poison.empty()) st_->poison = why;
+    st_->set_poison(why);
     throw CommError(why);
   }
   auto st =
       std::make_shared<CommState>(st_->world, comm, static_cast<int>(key), std::move(new_ranks),
                                   std::move(new_name), static_cast<int>(slot), true);
   st->check_comm = check;
+  st->worker = st->world->thread_multiple;
   return std::make_unique<MpiCommunicator>(std::move(st), timeout(), check_calls_);
 }
 
@@ -1367,7 +1459,7 @@ std::unique_ptr<Communicator> MpiWorld::communicator(Milliseconds timeout, bool 
   auto slot = std::make_shared<std::array<int64_t, 2>>();
   (*slot)[0] = state_->slot_proposal();
   {
-    MpiWork work(mgmt, seq, d, timeout);
+    MpiRequests work(mgmt, seq, d, timeout);
     work.keep().blobs.push_back(slot);
     post_request(work.requests(), "MPI_Iallreduce", [&](MPI_Request* r) {
       return MPI_Iallreduce(slot->data(), slot->data() + 1, 1, MPI_INT64_T, MPI_MAX, state_->comm,
@@ -1383,6 +1475,7 @@ std::unique_ptr<Communicator> MpiWorld::communicator(Milliseconds timeout, bool 
   auto st = std::make_shared<CommState>(state_, comm, state_->rank, mgmt->ranks, "world",
                                         static_cast<int>((*slot)[1]), true);
   st->check_comm = check;
+  st->worker = state_->thread_multiple;
   return std::make_unique<MpiCommunicator>(std::move(st), timeout, check_calls);
 }
 

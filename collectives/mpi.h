@@ -37,8 +37,9 @@
 // NCCL). A mismatch may fail with an MPI error (a message longer than the receive), hang until
 // the timeout (reported with the members' calls from the board), or silently give wrong data.
 // With check_calls = true every call first exchanges a description of itself (an extra small
-// allgather on a private communicator, blocking at issue) and a mismatch throws CommError
-// naming both sides, as the local backend always does; all_to_all_v counts are checked pairwise
+// allgather on a private communicator, blocking when the call starts) and a mismatch fails the
+// call on every member before any data moves (wait() throws CommError naming both sides, as the
+// local backend does); all_to_all_v counts are checked pairwise
 // for groups of up to 256 members. send_recv always checks what each receive got: a message
 // longer than its receive fails in MPI, a shorter one throws CommError naming both ranks; a
 // dtype mismatch of equal element size goes unnoticed.
@@ -55,14 +56,18 @@
 // no-op when it is already there); reduce_scatter reduces into a temporary when the output lies
 // inside the input; the root of scatter uses MPI_IN_PLACE when its output is its own slice.
 //
-// Threads: MpiWorld asks for MPI_THREAD_MULTIPLE; one communicator is used by one thread at a
-// time (different communicators may be used from different threads), as with NCCL, and
-// communicators are created by one thread at a time. When the caller initialised MPI, its thread
-// level stands.
+// Progress (NOTE [call queue] in collectives/call_queue.h): every call is an entry of the
+// communicator's in-order queue. A worker thread of the communicator, or a thread waiting on one
+// of its Works, starts the calls in order and polls them (MPI_Testall): it yields the core for
+// the first 100 ms of a call and then sleeps 20-200 us between polls, so calls complete while the
+// caller computes. Calls are started by the worker or a waiter, not on the caller's thread when
+// they are made (MPI's nonblocking collectives may copy and reduce as they start). The worker calls MPI from its own thread, so it runs only under
+// MPI_THREAD_MULTIPLE, which MpiWorld asks for; when the caller initialised MPI with a lower
+// level, that level stands and calls progress only inside wait() and completed() (a rank that
+// then never waits on its Works may stall the others).
 //
-// Polling: MPI advances nonblocking collectives only inside MPI calls, so wait() polls
-// (MPI_Testall), yielding the core between polls for the first 2 ms and then sleeping 20 us to
-// 1 ms; a rank that never waits (or tests) on its Work may stall the others.
+// Threads: one communicator is used by one thread at a time (different communicators may be used
+// from different threads), as with NCCL, and communicators are created by one thread at a time.
 #pragma once
 
 #include <memory>

@@ -316,13 +316,19 @@ const Plan& DTensor::plan_to(const Placements& placements, const RedistributeOpt
 }
 
 DTensor DTensor::redistribute(const Placements& placements, const RedistributeOptions& options) const {
-  const Placements dst = normalize_placements(placements, spec_.mesh->ndim(), spec_.tensor_ndim());
-  if (dst == spec_.placements) return *this;  // shares the local tensor
-  const Plan& plan = plan_to(dst, options);   // validates (Unsupported for S -> P etc.)
+  if (placements == spec_.placements && options.divide_factor == 1.0) return *this;  // shares the local tensor
   DTensorSpec out = spec_;
-  out.placements = dst;
-  if (!comms_->in_mesh()) return DTensor(comms_, std::move(out), local_);
-  return DTensor(comms_, std::move(out), execute(plan, spec_, local_, *comms_));
+  ExecHandle h = issue_to(spec_, placements, options.planner, local_, *comms_, options.reduce_policy(), {},
+                          &out.placements);
+  if (out.placements == spec_.placements && options.divide_factor == 1.0) return *this;
+  Tensor result = h.wait()[0];
+  return DTensor(Trusted{}, comms_, std::move(out), std::move(result));
+}
+
+DTensor DTensor::redistribute(const Placements& placements, const Tensor& out,
+                              const RedistributeOptions& options) const {
+  RedistributeHandle h = redistribute_async(*this, placements, options, out);
+  return h.wait();
 }
 
 DTensor DTensor::view_on(std::shared_ptr<const MeshComms> comms, const Placements& placements) const {
@@ -472,17 +478,35 @@ DTensor from_local(const Tensor& local, std::shared_ptr<const MeshComms> comms,
   return DTensor(comms, std::move(spec), local);
 }
 
-std::future<DTensor> redistribute_async(const DTensor& tensor, const Placements& placements,
-                                        const RedistributeOptions& options) {
-  // Plan (and validate) on the caller's thread so bad input throws here, not from get().
-  (void)tensor.plan_to(placements, options);
-  return std::async(std::launch::async,
-                    [tensor, placements, options] { return tensor.redistribute(placements, options); });
+RedistributeHandle redistribute_async(const DTensor& tensor, const Placements& placements,
+                                      const RedistributeOptions& options, const Tensor& out) {
+  RedistributeHandle h;
+  h.comms_ = tensor.comms();
+  h.spec_ = tensor.spec();
+  if (out.defined()) h.spec_.dtype = out.dtype();
+  // Plans (and validates) here, so bad input throws on the caller, not from wait().
+  h.exec_ = issue_to(tensor.spec(), placements, options.planner, tensor.to_local(), *h.comms_, options.reduce_policy(),
+                     out, &h.spec_.placements);
+  h.exec_.kick();  // the caller overlaps it with other work: progress starts now
+  return h;
+}
+
+DTensor RedistributeHandle::wait(collectives::Milliseconds timeout) {
+  if (!comms_) throw InvalidArgument("RedistributeHandle::wait: the handle holds no redistribute");
+  return DTensor(DTensor::Trusted{}, comms_, spec_, exec_.wait(timeout)[0]);
+}
+
+DTensor RedistributeHandle::wait() {
+  if (!comms_) throw InvalidArgument("RedistributeHandle::wait: the handle holds no redistribute");
+  return DTensor(DTensor::Trusted{}, comms_, spec_, exec_.wait()[0]);
 }
 
 std::vector<DTensor> redistribute_batch(std::span<const DTensor> tensors, const Placements& placements,
-                                        const RedistributeOptions& options) {
+                                        const RedistributeOptions& options, std::span<const Tensor> outs) {
   if (tensors.empty()) return {};
+  if (!outs.empty() && outs.size() != tensors.size())
+    throw InvalidArgument(fmt::format("redistribute_batch: {} out tensors for {} tensors (give one per tensor, or none)",
+                                      outs.size(), tensors.size()));
   const DTensor& first = tensors[0];
   std::vector<Placements> dsts;
   size_t largest = 0;
@@ -509,7 +533,7 @@ std::vector<DTensor> redistribute_batch(std::span<const DTensor> tensors, const 
     if (t.spec().shape.product() > tensors[largest].spec().shape.product()) largest = i;
   }
   const Placements& dst = dsts[0];
-  if (dst == first.placements()) return {tensors.begin(), tensors.end()};
+  if (dst == first.placements() && outs.empty() && options.divide_factor == 1.0) return {tensors.begin(), tensors.end()};
   // One plan for the batch, costed for its largest tensor and valid for every shape in it
   // (NOTE [step validity]: validity can depend on the shape when sizes are uneven).
   std::vector<Dims> shapes;
@@ -522,12 +546,14 @@ std::vector<DTensor> redistribute_batch(std::span<const DTensor> tensors, const 
     locals.push_back(t.to_local());
   }
   const MeshComms& comms = *first.comms();
-  std::vector<Tensor> moved = comms.in_mesh() ? execute_batch(plan, specs, locals, comms) : locals;
+  std::vector<Tensor> moved = comms.in_mesh() ? execute_batch(plan, specs, locals, comms, options.reduce_policy(), outs)
+                                              : (outs.empty() ? locals : std::vector<Tensor>(outs.begin(), outs.end()));
   std::vector<DTensor> out;
   for (size_t i = 0; i < tensors.size(); ++i) {
     DTensorSpec s = specs[i];
     s.placements = dst;
-    out.emplace_back(first.comms(), std::move(s), std::move(moved[i]));
+    if (!outs.empty()) s.dtype = outs[i].dtype();
+    out.push_back(DTensor(DTensor::Trusted{}, first.comms(), std::move(s), std::move(moved[i])));
   }
   return out;
 }

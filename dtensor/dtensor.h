@@ -6,16 +6,19 @@
 //   DTensor x = distribute_tensor(full, comms, parse_placements("S(0),R"));  // scatter + broadcast
 //   DTensor y = x.redistribute(parse_placements("R,S(1)"));                  // planned, cached
 //   Tensor whole = y.full_tensor();                                          // == full
+//   RedistributeHandle h = redistribute_async(x, parse_placements("R,R"), {}, unsharded);
+//   ...                                                                      // compute meanwhile
+//   DTensor z = h.wait();                     // z.to_local() is `unsharded`, filled in place
 #pragma once
 
 #include <cstdint>
-#include <future>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "dtensor/exec/executor.h"
 #include "dtensor/mesh_comms.h"
 #include "dtensor/plan/planner.h"
 #include "dtensor/spec.h"
@@ -29,6 +32,15 @@ struct RedistributeOptions {
   // search by default: never costlier than greedy under the cost model (same data either way);
   // greedy reproduces PyTorch's collective sequence exactly.
   PlannerKind planner = PlannerKind::kSearch;
+  // One precision policy for every reduction of the transition (NOTE [reduce policy] in
+  // dtensor/exec/executor.h): the dtype the Partial reductions compute in (nullopt: the
+  // tensor's), the factor their result is divided by (FSDP's gradient divide factor; P(sum)
+  // only), and FSDP2's force-sum mode (sum on the wire, divide after).
+  std::optional<kernels::DType> reduce_dtype;
+  double divide_factor = 1.0;
+  bool force_sum = false;
+
+  ReducePolicy reduce_policy() const { return {reduce_dtype, divide_factor, force_sum}; }
 };
 
 class DTensor {
@@ -51,6 +63,14 @@ class DTensor {
   // Throws Unsupported for a new Partial target (except S(d) -> P(sum), a local zero-fill as in
   // PyTorch 2.15), _S -> P, P(a) -> P(b) (see plan_redistribute).
   DTensor redistribute(const Placements& placements, const RedistributeOptions& options = {}) const;
+  // The same, into the caller's tensor: `out` must have this rank's local shape under the
+  // target; any strides and any dtype (the result is cast to it: with a reduce dtype equal to
+  // out's, the reduction lands in out uncast). Its storage may have been freed and re-allocated
+  // in place (kernels/storage.h); it must be allocated now. The returned DTensor's local tensor
+  // is `out` (dtype out's). Where the collective allows, nothing is copied or allocated: S(0) -> R
+  // all-gathers straight into a contiguous out, P -> S(0) reduce-scatters straight from the local
+  // tensor into out, exchanges receive their pieces in place (NOTE [exchange]).
+  DTensor redistribute(const Placements& placements, const Tensor& out, const RedistributeOptions& options = {}) const;
   // The same tensor on another mesh over the same ranks (a flattening, an unflattening, a slice
   // view that covers the mesh: see MeshComms::flatten / unflatten) with no communication: the
   // local tensor is shared. Allowed exactly when NOTE [mesh view] (spec.h) holds; otherwise
@@ -71,9 +91,42 @@ class DTensor {
   std::string ownership() const;
 
  private:
+  friend class RedistributeHandle;
+  friend std::vector<DTensor> redistribute_batch(std::span<const DTensor>, const Placements&,
+                                                 const RedistributeOptions&, std::span<const Tensor>);
+  struct Trusted {};
+  // For results the executor produced: the local shape is right by construction.
+  DTensor(Trusted, std::shared_ptr<const MeshComms> comms, DTensorSpec spec, Tensor local)
+      : comms_(std::move(comms)), spec_(std::move(spec)), local_(std::move(local)) {}
+
   std::shared_ptr<const MeshComms> comms_;
   DTensorSpec spec_;
   Tensor local_;
+};
+
+// A redistribute in flight (redistribute_async): every collective of the plan is issued; the
+// calls progress without the caller (NOTE [in-order engine] in collectives/communicator.h).
+// Destroying a pending handle completes it first (bounded by the communicators' timeout).
+//   RedistributeHandle h = redistribute_async(x, parse_placements("R"));
+//   while (!h.ready()) do_something_else();   // or just h.wait()
+//   DTensor y = h.wait();
+class RedistributeHandle {
+ public:
+  RedistributeHandle() = default;
+  // Non-blocking: true once wait() returns at once.
+  bool ready() { return exec_.ready(); }
+  // Blocks until the transition has completed on this rank, within `timeout`, and returns the
+  // result. Throws CommError naming the collective, its group and the ranks that never joined
+  // (the transition is then given up), or the first failure of another kind.
+  DTensor wait(collectives::Milliseconds timeout);
+  DTensor wait();
+
+ private:
+  friend RedistributeHandle redistribute_async(const DTensor&, const Placements&, const RedistributeOptions&,
+                                               const Tensor&);
+  ExecHandle exec_;
+  std::shared_ptr<const MeshComms> comms_;
+  DTensorSpec spec_;  // the result's
 };
 
 // PyTorch's distribute_tensor: placements applied left to right over mesh dims: Shard /
@@ -93,16 +146,19 @@ DTensor from_local(const Tensor& local, std::shared_ptr<const MeshComms> comms,
                    const Placements& placements, std::optional<Dims> shape = std::nullopt,
                    std::optional<Dims> stride = std::nullopt, bool run_check = false);
 
-// Batched redistribute: every tensor on the same mesh, with the same placements and dtype,
-// moves to `placements` with one collective per step (flat buffers). Collective over the mesh.
-// Asynchronous redistribute (PyTorch's async_op=True): the plan runs on a helper thread and the
-// future yields the result. The caller must not issue other collectives on this mesh's
-// communicators until the future is ready (calls are matched by order on each communicator).
-std::future<DTensor> redistribute_async(const DTensor& tensor, const Placements& placements,
-                                        const RedistributeOptions& options = {});
+// Asynchronous redistribute (PyTorch's async_op=True): every step is issued at once, in the
+// communicators' order (NOTE [deferred plans] in dtensor/exec/executor.h), so any number may be
+// in flight on one mesh, and other collectives may be issued meanwhile; they complete in issue
+// order. Bad input throws here, not from wait(). `out` as for DTensor::redistribute.
+// Collective over the mesh.
+RedistributeHandle redistribute_async(const DTensor& tensor, const Placements& placements,
+                                      const RedistributeOptions& options = {}, const Tensor& out = {});
 
+// Batched redistribute: every tensor on the same mesh, with the same placements and dtype,
+// moves to `placements` with one collective per step (flat buffers). outs, when given (one per
+// tensor), receive the results as in DTensor::redistribute. Collective over the mesh.
 std::vector<DTensor> redistribute_batch(std::span<const DTensor> tensors, const Placements& placements,
-                                        const RedistributeOptions& options = {});
+                                        const RedistributeOptions& options = {}, std::span<const Tensor> outs = {});
 
 // Factories: each rank allocates only its local shard.
 DTensor empty(const Dims& shape, kernels::DType dtype, std::shared_ptr<const MeshComms> comms,

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "collectives/communicator.h"
+#include "dtensor/exec/exec_cache.h"
 #include "dtensor/mesh.h"
 #include "dtensor/plan/planner.h"
 #include "kernels/allocator.h"
@@ -82,6 +83,8 @@ class MeshComms {
   // Redistribute plans of tensors on this mesh, memoised (plans are rank-independent data).
   PlanCache& plans() const { return plans_; }
   const std::shared_ptr<kernels::Allocator>& allocator() const { return allocator_; }
+  // The executor's per-rank step schedules for these communicators (dtensor/exec/exec_cache.h).
+  ExecCache& exec_cache() const { return *exec_cache_; }
 
  private:
   using CommPtr = std::shared_ptr<collectives::Communicator>;
@@ -101,6 +104,7 @@ class MeshComms {
   std::vector<Split> unflat_;
   mutable PlanCache plans_;
   std::shared_ptr<kernels::Allocator> allocator_;
+  std::shared_ptr<ExecCache> exec_cache_ = std::make_shared<ExecCache>();
 };
 
 }  // namespace dtensor

@@ -2,13 +2,17 @@
 """Prints the closing line CI reads, 'N passed, N failed', from meson's testlog.json files.
 
 A Catch2 executable counts as its number of test cases (from its own summary line); any other
-test counts as one. A test that crashed or timed out before its summary counts as one failure."""
+test counts as one. A test that crashed or timed out before its summary counts as one failure.
+A test that reported itself skipped (exit status 77: the [gpu] programs without a GPU) counts as
+neither passed nor failed: the number skipped, and their names, are printed on lines before the
+closing line, which stays the last line."""
 import json
 import pathlib
 import re
 import sys
 
 passed = failed = 0
+skipped = []
 for build in sys.argv[1:]:
     log = pathlib.Path(build) / "meson-logs" / "testlog.json"
     if not log.exists():
@@ -17,7 +21,10 @@ for build in sys.argv[1:]:
         continue
     for line in log.read_text().splitlines():
         t = json.loads(line)
-        ok = t["result"] in ("OK", "EXPECTEDFAIL", "SKIP")
+        if t["result"] == "SKIP":
+            skipped.append(f"{build}: {t['name']}")
+            continue
+        ok = t["result"] in ("OK", "EXPECTEDFAIL")
         out = t.get("stdout") or ""
         m = re.search(r"All tests passed \(\d+ assertions? in (\d+) test cases?\)", out)
         f = re.search(r"test cases:\s*(\d+)(?:\s*\|\s*(\d+) passed)?(?:\s*\|\s*(\d+) failed)?", out)
@@ -31,5 +38,8 @@ for build in sys.argv[1:]:
         else:
             failed += 1
             print(f"test_summary: {build}: {t['name']} {t['result']}")
+if skipped:
+    print(f"test_summary: skipped: {', '.join(skipped)}")
+print(f"{len(skipped)} skipped")
 print(f"{passed} passed, {failed} failed")
 sys.exit(1 if failed else 0)

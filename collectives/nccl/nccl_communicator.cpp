@@ -26,6 +26,8 @@
 #include <cstdint>
 #include <cstring>
 #include <deque>
+#include <exception>
+#include <functional>
 #include <limits>
 #include <mutex>
 #include <optional>
@@ -239,6 +241,8 @@ struct Completion {
   std::vector<Tensor> keep_alive;    // buffers NCCL reads or writes, staged copies
   std::vector<ncclRedOp_t> red_ops;  // pre-multiplied sums, destroyed once enqueued
   std::string error;                 // kFailed: the CommError message
+  bool host_task = false;            // a host_task(): `done` is recorded on the legacy stream
+  std::exception_ptr exception;      // a host task's own exception, rethrown by wait()
 
   Completion() = default;
   Completion(const Completion&) = delete;
@@ -255,6 +259,7 @@ struct Completion {
 
   // "all_reduce (call #3)" or "batch of 2 calls (#3 all_gather, #4 all_reduce)".
   std::string describe() const {
+    if (host_task) return fmt::format("host task (call #{})", calls.empty() ? 0 : calls[0].first);
     if (!batch && calls.size() == 1)
       return fmt::format("{} (call #{})", to_string(calls[0].second), calls[0].first);
     std::vector<std::string> parts;
@@ -588,23 +593,17 @@ class NcclWork final : public Work {
   void wait(Milliseconds timeout) override {
     CommState& s = *state_;
     Completion& c = *completion_;
-    std::lock_guard lk(s.mu);
-    if (c.state == Completion::State::kOpen)
-      throw InvalidArgument(
-          fmt::format("wait on {} on {}: the batch is still open (call "
-                      "end_batch() first)",
-                      c.describe(), s.where()));
-    if (!c.final()) {
-      const Clock::time_point deadline = deadline_after(timeout);
-      try {
-        DeviceGuard guard(s.device, s.context(c));
-        if (!poll_until(deadline, [&] { return s.step(c); }))
-          s.fail(c, s.timeout_failure(c, timeout));
-      } catch (const std::exception& e) {  // the device guard failed
-        s.fail(c, e.what());
-      }
+    std::unique_lock lk(s.mu);
+    if (!advance(lk, deadline_after(timeout))) s.fail(c, s.timeout_failure(c, timeout));
+    if (c.state == Completion::State::kFailed) {
+      if (c.exception) std::rethrow_exception(c.exception);
+      throw CommError(c.error);
     }
-    if (c.state == Completion::State::kFailed) throw CommError(c.error);
+  }
+
+  bool settle(Milliseconds timeout) override {
+    std::unique_lock lk(state_->mu);
+    return advance(lk, deadline_after(timeout));
   }
 
   bool completed() override {
@@ -622,7 +621,45 @@ class NcclWork final : public Work {
     }
   }
 
+  std::string describe() const override {
+    std::lock_guard lk(state_->mu);
+    return fmt::format("{} on {}", completion_->describe(), state_->where());
+  }
+
+  // As a timed-out wait(): NCCL cannot cancel one call, so the communicator is aborted.
+  void give_up(const std::string& why) override {
+    std::lock_guard lk(state_->mu);
+    if (!completion_->final() && completion_->state != Completion::State::kOpen) state_->fail(*completion_, why);
+  }
+
+  // The completion's event, once recorded on a stream (for wait_for); null otherwise.
+  cudaEvent_t recorded_event() const {
+    std::lock_guard lk(state_->mu);
+    const Completion& c = *completion_;
+    return c.state == Completion::State::kEnqueued || c.state == Completion::State::kDone ? c.done : nullptr;
+  }
+  bool same_device(int device) const { return state_->device == device; }
+
  private:
+  // Polls until the completion is final or the deadline; true when final. REQUIRES: lk holds mu.
+  bool advance(std::unique_lock<std::mutex>&, Clock::time_point deadline) {
+    CommState& s = *state_;
+    Completion& c = *completion_;
+    if (c.state == Completion::State::kOpen)
+      throw InvalidArgument(
+          fmt::format("wait on {} on {}: the batch is still open (call "
+                      "end_batch() first)",
+                      c.describe(), s.where()));
+    if (c.final()) return true;
+    try {
+      DeviceGuard guard(s.device, s.context(c));
+      return poll_until(deadline, [&] { return s.step(c); });
+    } catch (const std::exception& e) {  // the device guard failed
+      s.fail(c, e.what());
+      return true;
+    }
+  }
+
   std::shared_ptr<CommState> state_;
   std::shared_ptr<Completion> completion_;
 };
@@ -862,6 +899,78 @@ class NcclCommunicator final : public Communicator {
         }
       });
     });
+  }
+
+  // NOTE [in-order engine] on NCCL: a dependency on an NCCL Work of this device becomes
+  // cudaStreamWaitEvent on this communicator's stream (nothing waits on the host); any other
+  // Work is waited for on the host here (bounded by the timeout) before the call returns.
+  void wait_for(const WorkPtr& work) override {
+    if (!work) return;
+    if (auto* w = dynamic_cast<NcclWork*>(work.get())) {
+      CommState& s = *state_;
+      if (w->same_device(s.device)) {
+        (void)w->completed();  // finishes its enqueue when NCCL reported it in progress
+        if (cudaEvent_t ev = w->recorded_event()) {
+          std::lock_guard lk(s.mu);
+          s.require_usable("wait_for");
+          DeviceGuard guard(s.device, s.where());
+          cuda_check(cudaStreamWaitEvent(s.stream, ev, 0), "cudaStreamWaitEvent", s.where());
+          return;
+        }
+      }
+    }
+    if (!work->settle(timeout()))
+      throw CommError(fmt::format("wait_for on {}: {} did not finish within {} ms", state_->where(),
+                                  work->describe(), timeout().count()));
+  }
+
+  // Runs fn now on this thread, after making the legacy default stream (where the kernels layer
+  // runs its copies) wait for everything queued on this communicator's stream; the Work
+  // completes when what fn queued on the default stream has run.
+  WorkPtr host_task(std::function<void()> fn) override {
+    if (!fn) throw InvalidArgument(fmt::format("host_task on group '{}': the function is empty", name()));
+    CommState& s = *state_;
+    std::shared_ptr<Completion> c;
+    {
+      std::lock_guard lk(s.mu);
+      if (s.batch != nullptr)
+        throw InvalidArgument(fmt::format("host_task on group '{}': not allowed inside a batch", name()));
+      s.require_usable("host_task");
+      DeviceGuard guard(s.device, s.where());
+      s.settle_pending(deadline_after(timeout()), timeout());
+      s.require_usable("host_task");
+      s.reap();
+      c = s.make_completion(/*is_batch=*/false);
+      c->host_task = true;
+      c->calls.emplace_back(s.next_call++, CollectiveKind::kBarrier);
+      cuda_check(cudaEventRecord(s.ready, s.stream), "cudaEventRecord", s.context(*c));
+      cuda_check(cudaStreamWaitEvent(cudaStreamLegacy, s.ready, 0), "cudaStreamWaitEvent(legacy default stream)",
+                 s.context(*c));
+    }
+    std::exception_ptr error;
+    try {
+      fn();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard lk(s.mu);
+    DeviceGuard guard(s.device, s.where());
+    if (error) {
+      c->state = Completion::State::kFailed;
+      c->exception = error;
+      try {
+        std::rethrow_exception(error);
+      } catch (const std::exception& e) {
+        c->error = e.what();
+      } catch (...) {
+        c->error = "unknown exception";
+      }
+      return std::make_shared<NcclWork>(state_, std::move(c));
+    }
+    cuda_check(cudaEventRecord(c->done, cudaStreamLegacy), "cudaEventRecord(legacy default stream)", s.context(*c));
+    c->state = Completion::State::kEnqueued;
+    s.in_flight.push_back(c);
+    return std::make_shared<NcclWork>(state_, std::move(c));
   }
 
   // NOTE [nccl batches] begin_batch() opens an NCCL group (ncclGroupStart) on this thread; the

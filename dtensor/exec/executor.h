@@ -1,21 +1,65 @@
 // Executes a Plan on this rank's local tensors through its MeshComms: one function per Step
-// kind; it decides how (buffers, which collective), never what.
+// kind; it decides how (buffers, which collective, casts), never what.
+//
+//   ExecHandle h = issue(plan, src_spec, local, comms);   // every step enqueued; returns at once
+//   ...                                                    // compute meanwhile
+//   Tensor result = h.wait(collectives::Milliseconds{60'000})[0];
+//   Tensor same = execute(plan, src_spec, local, comms);   // issue + wait
 //
 // NOTE [exchange] Every data-movement step among S/_S/R placements of one mesh dim is an
 // exchange on that mesh dim's group: member r sends member g the elements it holds that g holds
-// after the step (per tensor dim, the intersection of index sets), packed in increasing global
-// order, and g unpacks them in the same order. Uneven and strided shards need no padding: the
-// counts are exact, so the bytes moved equal what must move. Even all-gathers along the leading
-// dim use all_gather directly into the result, and Partial steps use all_reduce /
-// reduce_scatter (padding-free: uneven reduce-scatters become an exchange plus a local reduce).
+// after the step (per tensor dim, the intersection of index sets), and g receives them in the
+// same global order; the elements r keeps go from its input to its result the same way (a
+// message to itself, moved by the backend). Everything comes from the layouts before and after
+// the step, so any step a planner emits on one mesh dim works. Uneven and strided shards need no
+// padding: the counts are exact, so the bytes moved equal what must move. Where the backend
+// takes strided views (local, mpi) the pieces go straight from the input into the peer's result;
+// otherwise (nccl) they are packed per peer. Even all-gathers along the leading dim use
+// all_gather straight into the result, and Partial steps use all_reduce / reduce_scatter
+// (padding-free: uneven reduce-scatters become an exchange plus a local reduce). What a step
+// needs from the layouts (buffer shapes, pieces per peer) is computed once per (global shape,
+// element size, placements before, step, coordinate) and kept in MeshComms::exec_cache().
 //
-// Batched form: several tensors with the same placements, mesh and dtype (shapes may differ)
-// move with ONE collective per step through flat buffers (copy-in, collective, copy-out).
+// NOTE [deferred plans] issue() enqueues every step of a plan at once, each on the communicator
+// of its mesh dim (NOTE [in-order engine] in collectives/communicator.h), and returns;
+// ExecHandle::wait() waits for the calls. A step that consumes the previous step's result from
+// another communicator is preceded by wait_for(the previous step's last call), and the copies
+// around a collective (packing, unpacking, casts, the local reduce of an uneven reduce-scatter)
+// are host tasks of the collective's communicator, so they run once the data they read has
+// arrived. So every call takes its place in its communicator's order when the redistribute is
+// issued, not when its input is ready: two redistributes issued in the same order on every rank
+// reach every communicator as (the first one's calls, then the second's), whatever the timing,
+// and can never pair one rank's step of the first with another rank's step of the second (a
+// mismatch, or a deadlock when each waits for input the other has not produced). Any number of
+// redistributes may be in flight on one mesh; on each communicator they complete in issue order.
+// Buffers are allocated at issue, so issuing never waits for data. The inputs must stay
+// unchanged, and the outputs unread, until the handle is ready.
+//
+// NOTE [reduce policy] The reducing steps of a plan (all_reduce, reduce_scatter, and the
+// exchange + local reduce of an uneven reduce-scatter) compute in policy.reduce_dtype: the data
+// is cast once on its way into the first reducing step (fused into the copy that feeds the
+// collective) and cast back once after the last (fused into the copy out of it), so a bf16
+// tensor reduced in f32 is rounded once. Steps between them move the reduce dtype; steps after
+// them move the output's dtype. divide_factor f divides the result, the way FSDP2 divides
+// gradients (fsdp2-reference.md 2.6), with K the product of the reducing steps' group sizes:
+//  - reduce dtype f32 or bf16 (no overflow risk), without force_sum: f == K: every reducing step
+//    averages (avg), so P(sum) with f = K equals P(avg) bit for bit; f == size of the first
+//    reducing step's group: that step averages, the others sum; otherwise the first step is a
+//    pre-multiplied sum by 1/f (Reduction::premul_sum: NCCL's ncclRedOpCreatePreMulSum) and the
+//    others sum;
+//  - any other reduce dtype (f16: overflow risk) or force_sum: every step sums; with overflow
+//    risk the first step pre-divides by p (p doubles from 1 while p divides f and f/p > p: about
+//    sqrt(f)), and the result is post-divided by f/p after the last reducing step, in the reduce
+//    dtype, before the cast back (force_sum without overflow risk: p = 1, all after).
+// A divide factor needs every reducing step to be a sum (P(sum)); a plan that reduces nothing
+// takes none.
 #pragma once
 
+#include <optional>
 #include <span>
 #include <vector>
 
+#include "collectives/communicator.h"
 #include "dtensor/mesh_comms.h"
 #include "dtensor/plan/planner.h"
 #include "dtensor/spec.h"
@@ -23,16 +67,82 @@
 
 namespace dtensor {
 
+using collectives::Milliseconds;
 using kernels::Tensor;
 
-// REQUIRES: local is this rank's shard of src (local shape from src.layout(rank)); the plan
-// starts at src.placements. Returns the new local tensor (the input is never modified).
-Tensor execute(const Plan& plan, const DTensorSpec& src, const Tensor& local,
-               const MeshComms& comms);
+// How a plan's reductions compute (NOTE [reduce policy]).
+struct ReducePolicy {
+  std::optional<kernels::DType> reduce_dtype;  // nullopt: the tensor's dtype
+  double divide_factor = 1.0;                  // the reduced result is divided by it
+  bool force_sum = false;                      // FSDP2's force_sum_reduction_for_comms
+};
 
-// Batched: specs[i] / locals[i] describe tensor i; all specs have plan.src placements, the same
-// mesh and dtype. One collective per communicating step for the whole batch.
+// A redistribute in flight (NOTE [deferred plans]): its results and the calls producing them.
+// Destroying a pending handle completes its calls first (bounded by the communicators'
+// timeout), unless the thread unwinds an exception.
+class ExecHandle {
+ public:
+  ExecHandle() = default;
+  ExecHandle(std::vector<collectives::WorkPtr> works, std::vector<Tensor> results, Milliseconds default_timeout,
+             std::vector<collectives::Communicator*> used = {})
+      : works_(std::move(works)), results_(std::move(results)), default_timeout_(default_timeout), used_(std::move(used)) {}
+  ExecHandle(ExecHandle&&) noexcept = default;
+  ExecHandle& operator=(ExecHandle&& other) noexcept;
+  ExecHandle(const ExecHandle&) = delete;
+  ExecHandle& operator=(const ExecHandle&) = delete;
+  ~ExecHandle();
+
+  // Non-blocking (it may advance the calls a little): true once wait() returns at once.
+  bool ready();
+  // Blocks until every call finished, within `timeout` in all; rethrows the first failure (a
+  // timeout names the call, its group and the missing ranks). Then the results are valid.
+  const std::vector<Tensor>& wait(Milliseconds timeout);
+  const std::vector<Tensor>& wait() { return wait(default_timeout_); }
+  // The result tensors (valid once ready; allocated, or the caller's `out`, from issue on).
+  const std::vector<Tensor>& results() const { return results_; }
+  // Calls made on the communicators (0 when every step was local).
+  size_t calls() const { return works_.size(); }
+  // The caller will not wait soon: the communicators' workers start on the calls now
+  // (Communicator::kick).
+  void kick() const;
+
+ private:
+  void finish_quietly() noexcept;
+  std::vector<collectives::WorkPtr> works_;
+  std::vector<Tensor> results_;
+  Milliseconds default_timeout_{collectives::kDefaultTimeout};
+  std::vector<collectives::Communicator*> used_;  // the communicators of the calls
+  size_t done_ = 0;     // works_[0, done_) have completed
+  bool failed_ = false;  // wait() threw
+};
+
+// Issues every step of `plan` for a batch of tensors (NOTE [deferred plans]). specs[i] / locals[i]
+// describe tensor i: every spec has plan.src placements, the comms' mesh and one dtype; shapes
+// may differ. One collective per communicating step for the whole batch (flat buffers; copy-in,
+// collective, copy-out). outs, when given (one per tensor, or empty), receive the results: any
+// strides and dtype (the result is cast to it), the destination's local shape; a step writes
+// straight into them where it can (all_gather into a contiguous out, reduce_scatter, the pieces
+// of an exchange), else the result is copied in at the end.
+// REQUIRES: locals[i] has the local shape specs[i].layout(rank) gives (checked). The inputs are
+// never written.
+ExecHandle issue_batch(const Plan& plan, std::span<const DTensorSpec> specs, std::span<const Tensor> locals,
+                       const MeshComms& comms, const ReducePolicy& policy = {}, std::span<const Tensor> outs = {});
+ExecHandle issue(const Plan& plan, const DTensorSpec& src, const Tensor& local, const MeshComms& comms,
+                 const ReducePolicy& policy = {}, const Tensor& out = {});
+
+// The DTensor path (DTensor::redistribute, redistribute_async): plans `src` -> `dst` (as given,
+// normalised here) with comms.plans() and keeps the plan, the steps' dtypes and schedules in
+// comms.exec_cache(), so a repeated call costs one look-up; *normalized receives the target.
+// Ranks outside the mesh get a handle with no calls whose result is `out`, or `local`.
+ExecHandle issue_to(const DTensorSpec& src, const Placements& dst, PlannerKind planner, const Tensor& local,
+                    const MeshComms& comms, const ReducePolicy& policy = {}, const Tensor& out = {},
+                    Placements* normalized = nullptr);
+
+// issue + wait. Returns the new local tensor (or `out`).
+Tensor execute(const Plan& plan, const DTensorSpec& src, const Tensor& local, const MeshComms& comms,
+               const ReducePolicy& policy = {}, const Tensor& out = {});
 std::vector<Tensor> execute_batch(const Plan& plan, std::span<const DTensorSpec> specs,
-                                  std::span<const Tensor> locals, const MeshComms& comms);
+                                  std::span<const Tensor> locals, const MeshComms& comms,
+                                  const ReducePolicy& policy = {}, std::span<const Tensor> outs = {});
 
 }  // namespace dtensor

@@ -9,7 +9,9 @@
 // (p2p_views_cases.h, shared with the local test), split into sub-groups (2x2 on 4 ranks) in a
 // chosen order, argument errors, check_calls mismatches, a receive shorter than its buffer, a
 // straggler that never joins (the timeout names it, the group is poisoned, and the straggler
-// still completes later), and a split that a rank never joins.
+// still completes later), a split that a rank never joins, and the in-order engine (calls
+// complete while a rank makes no MPI call at all; chains across communicators through wait_for
+// and host tasks, issued at once; a call held up by a dependency names what it waits for).
 #include "collectives/mpi.h"
 
 #include <fmt/format.h>
@@ -19,7 +21,12 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <filesystem>
 #include <functional>
+#include <thread>
+
+#include <unistd.h>
 #include <limits>
 #include <numeric>
 #include <string>
@@ -569,7 +576,7 @@ TEST_CASE("mpi: check_calls reports mismatched calls on every member", "[mpi]") 
   std::vector<int64_t> send(static_cast<size_t>(n), 0), recv(static_cast<size_t>(n), 0);
   if (me == 0) send[1] = 1;
   Tensor in = Tensor::zeros({me == 0 ? 1 : 0}, DType::kI64), out = Tensor::zeros({0}, DType::kI64);
-  REQUIRE_THROWS_WITH(checked2->all_to_all_v(in, send, out, recv),
+  REQUIRE_THROWS_WITH(checked2->wait(checked2->all_to_all_v(in, send, out, recv)),
                       Contains("all_to_all_v count mismatch on group 'world': rank 0 sends 1 "
                                "elements to rank 1, which expects 0"));
 }
@@ -585,11 +592,11 @@ TEST_CASE("mpi: a member that never joins is named after the timeout", "[mpi]") 
   W().wait(W().barrier());
   if (me != late) {
     WorkPtr w = sub->all_reduce(x, x, ReduceOp::kSum);
-    REQUIRE_THROWS_WITH(w->wait(2000ms),
+    REQUIRE_THROWS_WITH(w->wait(300ms),
                         Contains(fmt::format("all_reduce on group 'straggler' [{}] (call #0) timed "
-                                             "out after 2000 ms: ranks [{}] never joined",
+                                             "out after 300 ms: ranks [{}] never joined",
                                              fmt::join(all, ","), late)));
-    REQUIRE_THROWS_WITH(w->wait(2000ms), Contains("never joined"));  // the failure sticks
+    REQUIRE_THROWS_WITH(w->wait(300ms), Contains("never joined"));  // the failure sticks
     REQUIRE_THROWS_WITH(sub->barrier(), Contains("all_reduce on group 'straggler'") &&
                                             Contains("unusable after an earlier failure"));
     W().wait(W().barrier());
@@ -615,9 +622,9 @@ TEST_CASE("mpi: a member that joined but cannot finish is told apart from a miss
   WorkPtr w = fresh->send_recv(ops);
   if (me == 1)
     REQUIRE_THROWS_WITH(
-        w->wait(2000ms),
+        w->wait(300ms),
         Contains(
-            fmt::format("send_recv on group 'world' [{}] (call #0) timed out after 2000 ms: every "
+            fmt::format("send_recv on group 'world' [{}] (call #0) timed out after 300 ms: every "
                         "member joined, ranks [1] have not completed it; collective mismatch: rank "
                         "1 called send_recv(1 ops) but rank 0 called send_recv(0 ops)",
                         fmt::join(std::vector<int>(W().ranks()), ","))));
@@ -642,14 +649,101 @@ TEST_CASE("mpi: a split that a member never joins is named after the timeout", "
   const int n = W().size(), me = W().rank();
   if (n < 2) return;
   auto fresh = mpi_test::mpi->communicator(30'000ms);
-  fresh->set_timeout(2000ms);
+  fresh->set_timeout(300ms);
   if (me != n - 1) {
     std::vector<int> self = {me};
     REQUIRE_THROWS_WITH(
         fresh->split(self, "never"),
-        Contains(fmt::format("split on group 'world' [{}] (call #0) timed out after 2000 ms: ranks "
+        Contains(fmt::format("split on group 'world' [{}] (call #0) timed out after 300 ms: ranks "
                              "[{}] never joined",
                              fmt::join(std::vector<int>(W().ranks()), ","), n - 1)));
+  }
+  W().wait(W().barrier());
+}
+
+TEST_CASE("mpi engine: calls complete while a rank makes no MPI call at all", "[mpi][engine]") {
+  const int n = W().size(), me = W().rank();
+  if (n < 2) return;
+  // A directory name from rank 0 (over MPI, before the test), where the others report through
+  // files: rank 0 must not call MPI (which would progress its call) until they are done.
+  Tensor token = Tensor::full({1}, me == 0 ? static_cast<double>(::getpid()) : 0, DType::kI64);
+  W().wait(W().broadcast(token, 0));
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / fmt::format("dtensor-mpi-engine-{}", static_cast<int64_t>(token.item({0})));
+  if (me == 0) std::filesystem::create_directories(dir);
+  W().wait(W().barrier());
+  auto fresh = mpi_test::mpi->communicator(30'000ms);
+  Tensor x = Tensor::full({1 << 16}, me + 1, DType::kF32);
+  WorkPtr w = fresh->all_reduce(x, x, ReduceOp::kSum);
+  bool others_done = true;
+  if (me == 0) {
+    const auto deadline = std::chrono::steady_clock::now() + 30s;
+    auto count = [&] {
+      return std::distance(std::filesystem::directory_iterator(dir), std::filesystem::directory_iterator{});
+    };
+    while (count() < n - 1 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(2ms);
+    others_done = count() == n - 1;
+  } else {
+    fresh->wait(w);
+    std::FILE* f = std::fopen((dir / fmt::format("rank{}", me)).c_str(), "w");
+    if (f) std::fclose(f);
+  }
+  fresh->wait(w);
+  expect_values(
+      x, [&](int64_t) { return n * (n + 1) / 2; }, "all_reduce");
+  W().wait(W().barrier());
+  if (me == 0) std::filesystem::remove_all(dir);
+  REQUIRE(others_done);
+}
+
+TEST_CASE("mpi engine: chains across communicators issued at once, in any timing", "[mpi][engine]") {
+  const int n = W().size(), me = W().rank();
+  std::vector<int> all(static_cast<size_t>(n));
+  std::iota(all.begin(), all.end(), 0);
+  auto a = W().split(all, "a");
+  auto b = W().split(all, "b");
+  if (me % 2) std::this_thread::sleep_for(30ms);
+  std::vector<Tensor> results;
+  std::vector<WorkPtr> lasts;
+  std::vector<int> order;
+  for (int chain = 0; chain < 3; ++chain) {
+    Tensor mine = Tensor::full({2}, me + 10 * chain, DType::kI64);
+    Tensor gathered = Tensor::empty({2 * n}, DType::kI64);
+    Tensor sum = Tensor::empty({1}, DType::kI64);
+    WorkPtr ag = a->all_gather(mine, gathered);
+    b->wait_for(ag);
+    b->host_task([=, &order]() mutable {
+      double total = 0;
+      for (double v : gathered.to_vector()) total += v;
+      sum.fill_(total);
+      order.push_back(chain);
+    });
+    lasts.push_back(b->all_reduce(sum, sum, ReduceOp::kMax));
+    results.push_back(sum);
+  }
+  if (me % 2 == 0) std::this_thread::sleep_for(30ms);
+  for (const WorkPtr& w : lasts) b->wait(w);
+  REQUIRE(order == std::vector<int>{0, 1, 2});
+  for (int chain = 0; chain < 3; ++chain)
+    REQUIRE(results[static_cast<size_t>(chain)].item({0}) == 2.0 * (n * (n - 1) / 2 + 10 * chain * n));
+}
+
+TEST_CASE("mpi engine: a call held up by a dependency times out naming what it waits for", "[mpi][engine]") {
+  const int n = W().size(), me = W().rank();
+  if (n < 2) return;
+  auto a = mpi_test::mpi->communicator(30'000ms);
+  auto b = mpi_test::mpi->communicator(30'000ms);
+  if (me != n - 1) {
+    Tensor x = Tensor::full({2}, 1, DType::kF32);
+    WorkPtr first = a->all_reduce(x, x, ReduceOp::kSum);  // rank n-1 never joins
+    b->wait_for(first);
+    Tensor y = Tensor::full({2}, 1, DType::kF32);
+    WorkPtr second = b->all_reduce(y, y, ReduceOp::kSum);
+    REQUIRE_THROWS_WITH(second->wait(300ms),
+                        Contains("all_reduce on group 'world'") && Contains("timed out after 300 ms: it never started: "
+                                                                            "it waits for all_reduce on group 'world'") &&
+                            Contains(fmt::format("ranks [{}] never joined", n - 1)));
+    REQUIRE_THROWS_WITH(first->wait(300ms), Contains(fmt::format("ranks [{}] never joined", n - 1)));
   }
   W().wait(W().barrier());
 }

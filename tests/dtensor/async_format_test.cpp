@@ -13,8 +13,8 @@ TEST_CASE("redistribute_async yields the same data; fmt prints dtensor types", "
     auto comms = std::make_shared<MeshComms>(mesh, world);
     DTensor x = distribute_tensor(Tensor::arange({7, 5}, kernels::DType::kF32), comms,
                                   parse_placements("S(0),S(1)"));
-    std::future<DTensor> pending = redistribute_async(x, parse_placements("S(1),R"));
-    DTensor y = pending.get();
+    RedistributeHandle pending = redistribute_async(x, parse_placements("S(1),R"));
+    DTensor y = pending.wait();
     DTensor z = x.redistribute(parse_placements("S(1),R"));
     if (!kernels::equal(y.to_local(), z.to_local())) errors[world.rank()] = "async result differs";
     if (fmt::format("{}", y.placements()[0]) != "S(1)") errors[world.rank()] = "placement format";

@@ -14,6 +14,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -218,6 +219,7 @@ TEST_CASE("packed exchange path: StridedShard pairs, uneven, with a first mesh d
 
 TEST_CASE("packed exchange path: batched redistribute (several tensors per buffer)", "[dtensor][redistribute][packed][batch]") {
   auto mesh = std::make_shared<const DeviceMesh>(DeviceMesh::from_shape({2, 2}));
+  std::atomic<int64_t> checked{0};
   for (const char* pair : {"S(0),S(0)|R,R", "P,S(0)|S(0),R", "R,R|S(1),S(0)", "S(0),S(1)|S(1),S(0)", "_S(0,2),S(0)|S(1),R"}) {
     const std::string text(pair);
     const Placements src = parse_placements(text.substr(0, text.find('|')));
@@ -241,12 +243,14 @@ TEST_CASE("packed exchange path: batched redistribute (several tensors per buffe
         for (size_t i = 0; i < out.size(); ++i) {
           const std::string err = testing_support::check_local(dsts[i], world.rank(), out[i]);
           if (!err.empty()) failures.add(fmt::format("{} tensor {} rank {}: {}", describe(specs[i], dst, planner), i, world.rank(), err));
+          ++checked;
         }
       }
     }, kTimeout);
     INFO(text);
     failures.report();
   }
+  CHECK(checked == 5 * 4 * 2 * 5);  // pairs x ranks x planners x tensors
 }
 
 TEST_CASE("views path and packed path give identical DTensors", "[dtensor][redistribute][packed]") {
@@ -270,11 +274,13 @@ TEST_CASE("views path and packed path give identical DTensors", "[dtensor][redis
       {{2, 2, 2}, {6, 7}, DType::kF64, "S(0),S(1),S(0)", "S(1),S(0),R"},
       {{2, 2, 2}, {9, 1}, DType::kI32, "S(0),S(0),S(0)", "R,S(0),R"},
   };
+  std::atomic<int64_t> compared{0};
   for (PlannerKind planner : {PlannerKind::kGreedy, PlannerKind::kSearch})
     for (const Case& c : cases) {
       Checks failures;
       const Placements src = parse_placements(c.src), dst = parse_placements(c.dst);
       on_two_paths(c.mesh, [&](Communicator& world, const TwoPaths& p) {
+        if (world.rank() == 0) ++compared;
         for (int d = 0; d < p.views->mesh().ndim(); ++d) failures.check(p.views->dim(d).p2p_views(), "views group without views");
         auto mesh = std::make_shared<const DeviceMesh>(p.views->mesh());
         const DTensorSpec spec = make_spec(mesh, src, c.shape, c.dtype);
@@ -297,6 +303,7 @@ TEST_CASE("views path and packed path give identical DTensors", "[dtensor][redis
       });
       failures.report();
     }
+  CHECK(compared == 2 * static_cast<int64_t>(cases.size()));
 }
 
 TEST_CASE("reduce-scatter fast path: no packing, same result as other routes", "[dtensor][redistribute][packed]") {
@@ -318,6 +325,7 @@ TEST_CASE("reduce-scatter fast path: no packing, same result as other routes", "
       {{4}, {7, 3}, DType::kF32, "P", "S(0)", false},      // uneven: exchange and local reduce
       {{3, 2}, {6, 4}, DType::kI32, "P,R", "_S(0,2),R", false},
   };
+  std::atomic<int64_t> compared{0};
   for (const Case& c : cases) {
     Checks failures;
     const Placements src = parse_placements(c.src), dst = parse_placements(c.dst);
@@ -329,6 +337,7 @@ TEST_CASE("reduce-scatter fast path: no packing, same result as other routes", "
       const DTensorSpec spec = make_spec(mesh, src, c.shape, c.dtype);
       const Tensor local = make_local(spec, world.rank());
       const std::string what = fmt::format("{} rank {}", describe(spec, dst, PlannerKind::kSearch), world.rank());
+      if (world.rank() == 0) ++compared;
       const DTensor x_packed(p.packed, spec, local);
       const size_t before = p.rs_inputs->size();
       const DTensor direct = x_packed.redistribute(dst);
@@ -353,6 +362,7 @@ TEST_CASE("reduce-scatter fast path: no packing, same result as other routes", "
     });
     failures.report();
   }
+  CHECK(compared == static_cast<int64_t>(cases.size()));
 }
 
 TEST_CASE("MeshComms' caching allocator serves repeated redistributes", "[dtensor][redistribute][allocator]") {

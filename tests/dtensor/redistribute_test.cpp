@@ -10,6 +10,7 @@
 #include "collectives/local.h"
 #include "dtensor/exec/executor.h"
 #include "kernels/error.h"
+#include "support/checks.h"
 #include "support/dtensor_data.h"
 
 using namespace dtensor;
@@ -79,6 +80,8 @@ TEST_CASE("StridedShard transitions, uneven and with a first mesh dim of 3", "[d
                 planner, kernels::DType::kF32, outcome);
     INFO(outcome.cases << " cases with planner " << to_string(planner));
     for (const auto& f : outcome.failures) FAIL_CHECK(f);
+    // 3 shapes x (25 x 25 pairs on each 2-D mesh, 5 x 5 on {4}).
+    CHECK(outcome.cases == 3 * (2 * 25 * 25 + 5 * 5));
   }
 }
 
@@ -93,15 +96,19 @@ TEST_CASE("other dtypes and Partial ops", "[dtensor][redistribute]") {
     run_pairs({2, 3}, {{5, 3}}, srcs, testing_support::placement_lists(2, {Replicate{}, Shard{0}, Shard{1}}), PlannerKind::kGreedy,
               dtype, outcome);
   for (const auto& f : outcome.failures) FAIL_CHECK(f);
+  CHECK(outcome.cases == 5 * 15 * 9);  // dtypes x sources x targets
 }
 
 TEST_CASE("batched redistribute: one collective per step for many tensors", "[dtensor][redistribute][batch]") {
   auto mesh = std::make_shared<const DeviceMesh>(DeviceMesh::from_shape({2, 2}));
-  for (const char* pair : {"S(0),S(0)|R,R", "P,S(0)|S(0),R", "R,R|S(1),S(0)", "S(0),S(1)|S(1),S(0)", "P,P|R,R"}) {
+  testing_support::Checks checks;
+  int64_t checked = 0;
+  std::mutex mu;
+  const std::vector<const char*> pairs = {"S(0),S(0)|R,R", "P,S(0)|S(0),R", "R,R|S(1),S(0)", "S(0),S(1)|S(1),S(0)", "P,P|R,R"};
+  for (const char* pair : pairs) {
     std::string text(pair);
     const Placements src = parse_placements(text.substr(0, text.find('|')));
     const Placements dst = parse_placements(text.substr(text.find('|') + 1));
-    INFO(text);
     collectives::run_ranks(4, [&](Communicator& world) {
       MeshComms comms(*mesh, world);
       std::vector<DTensorSpec> specs, dsts;
@@ -113,7 +120,14 @@ TEST_CASE("batched redistribute: one collective per step for many tensors", "[dt
       }
       Plan plan = plan_redistribute(specs[0], dst, PlannerKind::kGreedy);
       std::vector<Tensor> out = execute_batch(plan, specs, locals, comms);
-      for (size_t i = 0; i < out.size(); ++i) REQUIRE(check_local(dsts[i], world.rank(), out[i]) == "");
+      for (size_t i = 0; i < out.size(); ++i) {
+        const std::string err = check_local(dsts[i], world.rank(), out[i]);
+        checks.check(err.empty(), fmt::format("{} tensor {} rank {}: {}", text, i, world.rank(), err));
+        std::lock_guard lk(mu);
+        ++checked;
+      }
     });
   }
+  checks.report();
+  CHECK(checked == static_cast<int64_t>(pairs.size()) * 4 * 5);
 }

@@ -90,6 +90,9 @@ class NoViewsCommunicator final : public collectives::Communicator {
     observe(collectives::CollectiveKind::kSendRecv, buffers);
     return inner_->send_recv(ops);
   }
+  void wait_for(const collectives::WorkPtr& work) override { inner_->wait_for(work); }
+  collectives::WorkPtr host_task(std::function<void()> fn) override { return inner_->host_task(std::move(fn)); }
+  void kick() override { inner_->kick(); }
   void begin_batch() override { inner_->begin_batch(); }
   collectives::WorkPtr end_batch() override { return inner_->end_batch(); }
   std::unique_ptr<collectives::Communicator> split(std::span<const int> group, std::string name) override {

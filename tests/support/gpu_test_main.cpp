@@ -1,0 +1,32 @@
+// main() of the GPU test programs (test cases tagged [gpu]): without a usable GPU (or, built with
+// GPU_TEST_NEEDS_NCCL, without NCCL in the build) the program runs nothing and exits 77, which
+// Meson counts as skipped (tools/test_summary.py reports it, never as passed). Test cases tagged
+// [gpu2] need two GPUs: on a machine with one they are left out, and the program says so.
+#define CATCH_CONFIG_RUNNER
+#include <catch2/catch.hpp>
+
+#include <cstdio>
+
+#include "kernels/device.h"
+#ifdef GPU_TEST_NEEDS_NCCL
+#include "collectives/nccl.h"
+#endif
+
+int main(int argc, char** argv) {
+  const int gpus = kernels::cuda_device_count();
+  const char* missing = gpus == 0 ? "no usable GPU" : nullptr;
+#ifdef GPU_TEST_NEEDS_NCCL
+  if (!missing && !collectives::nccl_built()) missing = "this build has no NCCL";
+#endif
+  if (missing) {
+    std::printf("skipped: %s\n", missing);
+    return 77;
+  }
+  Catch::Session session;
+  if (const int rc = session.applyCommandLine(argc, argv); rc != 0) return rc;
+  if (gpus < 2) {
+    std::printf("one GPU: the test cases tagged [gpu2] (they need two) are left out\n");
+    session.configData().testsOrTags.push_back("~[gpu2]");
+  }
+  return session.run();
+}
