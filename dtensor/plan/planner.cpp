@@ -1,12 +1,15 @@
 #include "dtensor/plan/planner.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <functional>
+#include <optional>
 #include <queue>
 #include <unordered_map>
 
+#include "kernels/checked.h"
 #include "kernels/error.h"
 
 namespace dtensor {
@@ -39,6 +42,17 @@ int64_t common(const ShardLayout& a, const ShardLayout& b) {
 
 int64_t numel(const ShardLayout& l) { return l.local_shape.product(); }
 
+__extension__ typedef __int128 Wide;  // __extension__: no -Wpedantic warning
+
+// A byte count computed in 128 bits (so 2(k-1)N/k rounds exactly as in 64 bits when that does
+// not overflow), narrowed with a check: an InvalidArgument naming the value, never a wrap.
+int64_t to_bytes(Wide v, const DTensorSpec& spec) {
+  if (v > kernels::kInt64Max || v < 0)
+    throw InvalidArgument(fmt::format("the traffic of a redistribute of shape [{}] ({}) overflows int64 bytes",
+                                      fmt::join(spec.shape, ","), kernels::to_string(spec.dtype)));
+  return static_cast<int64_t>(v);
+}
+
 std::vector<ShardLayout> all_layouts(const DTensorSpec& spec, const Placements& placements) {
   const Dims& mesh_shape = spec.mesh->shape();
   std::vector<ShardLayout> out;
@@ -48,19 +62,26 @@ std::vector<ShardLayout> all_layouts(const DTensorSpec& spec, const Placements& 
   return out;
 }
 
-// Every rank's layout per placement state, computed once per planning call.
+// Every rank's layout per placement state, computed once per planning call. It also counts the
+// planning work (rank layouts computed, rank pairs compared by traffic_of) for the search budget.
 class LayoutCache {
  public:
   explicit LayoutCache(const DTensorSpec& spec) : spec_(spec) {}
   const std::vector<ShardLayout>& get(const Placements& placements) {
     auto [it, inserted] = by_state_.try_emplace(to_string(placements));
-    if (inserted) it->second = all_layouts(spec_, placements);
+    if (inserted) {
+      it->second = all_layouts(spec_, placements);
+      work_ += spec_.mesh->size() * spec_.mesh->ndim();
+    }
     return it->second;
   }
+  void add_work(int64_t units) { work_ += units; }
+  int64_t work() const { return work_; }
 
  private:
   const DTensorSpec& spec_;
   std::unordered_map<std::string, std::vector<ShardLayout>> by_state_;
+  int64_t work_ = 0;
 };
 
 Traffic traffic_of(const Step& step, const DTensorSpec& spec, const Placements& before, LayoutCache& layouts);
@@ -151,8 +172,8 @@ Plan Builder::finish(const Placements& dst) {
     if (!moves) continue;
     const Traffic t = traffic_of(step, spec_, plan_.states[i], layouts);
     for (int64_t p = 0; p < n; ++p) {
-      plan_.traffic.sent[p] += t.sent[p];
-      plan_.traffic.received[p] += t.received[p];
+      plan_.traffic.sent[p] = to_bytes(Wide{plan_.traffic.sent[p]} + t.sent[p], spec_);
+      plan_.traffic.received[p] = to_bytes(Wide{plan_.traffic.received[p]} + t.received[p], spec_);
     }
     plan_.cost_us += step_cost(step, spec_, plan_.states[i], cost_, layouts);
   }
@@ -190,9 +211,10 @@ Plan greedy(const DTensorSpec& spec, const Placements& dst, const CostModel& cos
   return b.finish(dst);
 }
 
-// Dijkstra over placement states; edges are single valid steps, Regroup included.
-Plan search(const DTensorSpec& spec, const Placements& dst, const CostModel& cost,
-            bool allow_partial_target) {
+// Dijkstra over placement states; edges are single valid steps, Regroup included. Gives up
+// (nullopt) once the planning work exceeds kMaxSearchWork: the caller keeps the greedy plan.
+std::optional<Plan> search(const DTensorSpec& spec, const Placements& dst, const CostModel& cost,
+                           bool allow_partial_target) {
   const int ndim = spec.mesh->ndim();
   const Placements& src = spec.placements;
   std::vector<std::vector<Placement>> candidates(ndim);
@@ -235,6 +257,7 @@ Plan search(const DTensorSpec& spec, const Placements& dst, const CostModel& cos
     if (done[e.key]) continue;
     done[e.key] = true;
     if (e.key == goal) break;
+    if (layouts.work() > kMaxSearchWork) return std::nullopt;
     const Placements state = nodes[e.key].state;
     for (int m = 0; m < ndim; ++m)
       for (const Placement& c : candidates[m]) {
@@ -309,6 +332,7 @@ Traffic traffic_of(const Step& step, const DTensorSpec& spec, const Placements& 
   t.sent.assign(n, 0);
   t.received.assign(n, 0);
   if (!communicates(step) || k == 1) return t;
+  layouts.add_work(n * k);
   const std::vector<ShardLayout>& pre = layouts.get(before);
   const std::vector<ShardLayout>& post = layouts.get(apply_step(step, before));
   for (int64_t p = 0; p < n; ++p) {
@@ -316,21 +340,24 @@ Traffic traffic_of(const Step& step, const DTensorSpec& spec, const Placements& 
     const int64_t r = coord[m];
     if (std::holds_alternative<AllReduce>(step)) {
       // Bandwidth-optimal all-reduce (ring / reduce-scatter + all-gather).
-      t.sent[p] = t.received[p] = 2 * (k - 1) * numel(pre[p]) / k * item;
+      t.sent[p] = t.received[p] = to_bytes(Wide{2} * (k - 1) * numel(pre[p]) / k * item, spec);
       continue;
     }
     if (std::holds_alternative<ReduceScatter>(step)) {
-      t.sent[p] = (numel(pre[p]) - numel(post[p])) * item;
-      t.received[p] = (k - 1) * numel(post[p]) * item;
+      t.sent[p] = to_bytes(Wide{numel(pre[p]) - numel(post[p])} * item, spec);
+      t.received[p] = to_bytes(Wide{k - 1} * numel(post[p]) * item, spec);
       continue;
     }
+    Wide sent = 0, received = 0;
     for (int64_t g = 0; g < k; ++g) {
       if (g == r) continue;
       coord[m] = g;
       const int64_t q = ravel_index(coord, mesh.shape());
-      t.sent[p] += common(pre[p], post[q]) * item;
-      t.received[p] += common(pre[q], post[p]) * item;
+      sent += Wide{common(pre[p], post[q])} * item;
+      received += Wide{common(pre[q], post[p])} * item;
     }
+    t.sent[p] = to_bytes(sent, spec);
+    t.received[p] = to_bytes(received, spec);
   }
   return t;
 }
@@ -358,9 +385,9 @@ Traffic lower_bound_traffic(const DTensorSpec& src, const Placements& dst) {
       // reduce-scatter cannot (its largest chunk receives (k-1) x ceil(N/k)).
       const int64_t k = mesh.size(partial_dims[0]);
       const bool to_replicate = is_replicate(dst[partial_dims[0]]);
-      t.received[p] = (to_replicate ? 2 : 1) * (k - 1) * numel(pre[p]) / k * item;
+      t.received[p] = to_bytes(Wide{to_replicate ? 2 : 1} * (k - 1) * numel(pre[p]) / k * item, src);
     } else {
-      t.received[p] = (numel(post[p]) - common(pre[p], post[p])) * item;
+      t.received[p] = to_bytes(Wide{numel(post[p]) - common(pre[p], post[p])} * item, src);
     }
   }
   return t;
@@ -370,14 +397,23 @@ Plan plan_redistribute(const DTensorSpec& src, const Placements& dst_in, Planner
                        const CostModel& cost, bool allow_partial_target) {
   const Placements dst = normalize_placements(dst_in, src.mesh->ndim(), src.tensor_ndim());
   check_transition(src, dst, allow_partial_target);
+  int64_t largest_group = 1;
+  for (int m = 0; m < src.mesh->ndim(); ++m) largest_group = std::max(largest_group, src.mesh->size(m));
+  if (src.mesh->size() * largest_group > kMaxPlanRankPairs)
+    throw Unsupported(fmt::format(
+        "cannot plan on mesh shape [{}]: {} ranks x a group of {} exceeds the planner's limit of {} rank pairs "
+        "(its traffic model compares each rank with every member of its group)",
+        fmt::join(src.mesh->shape(), ","), src.mesh->size(), largest_group, kMaxPlanRankPairs));
   Plan g = greedy(src, dst, cost);
   if (kind == PlannerKind::kGreedy) return g;
-  Plan s = search(src, dst, cost, allow_partial_target);
-  if (s.cost_us > g.cost_us) {  // cannot happen (greedy's path is in the graph); be safe
+  std::optional<Plan> s = search(src, dst, cost, allow_partial_target);
+  // No search result (over budget) or, which cannot happen since greedy's path is in the graph,
+  // a costlier one: the greedy route.
+  if (!s || s->cost_us > g.cost_us) {
     g.planner = PlannerKind::kSearch;
     return g;
   }
-  return s;
+  return std::move(*s);
 }
 
 const Plan& PlanCache::get(const DTensorSpec& src, const Placements& dst, PlannerKind kind,
