@@ -146,6 +146,27 @@ inline int report(std::string_view name, const Failure& f) noexcept {
   return f.status;
 }
 
+// One process of a multi-process run (a rank under mpirun): runs f() and, when it throws,
+// prints the failure at once, before the caller's shutdown barriers wait for the other ranks,
+// then leaves with Exit{status}. Invalid input and unsupported requests are the same on every
+// rank, so only rank 0 prints them; any other failure is printed by the rank it happened on,
+// naming itself ("rank 2: out of resources: ...").
+template <class F>
+decltype(auto) run_as_rank(std::string_view name, int rank, F&& f) {
+  try {
+    return std::forward<F>(f)();
+  } catch (const Exit&) {
+    throw;
+  } catch (...) {
+    Failure failure = classify(std::current_exception());
+    if (failure.status == kInvalid) {
+      if (rank == 0) report(name, failure);
+      throw Exit{kInvalid};
+    }
+    throw Exit{report(name, classify(std::make_exception_ptr(RankError(rank, std::current_exception()))))};
+  }
+}
+
 // Runs body() (returning the exit status) and maps whatever it throws.
 template <class Body>
 int run(std::string_view name, Body&& body) noexcept {

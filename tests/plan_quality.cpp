@@ -1,36 +1,73 @@
 // plan-quality: compares the greedy (PyTorch) and search planners over every placement pair of
 // S(0), S(1), _S(0,2), R (and P sources) on a mesh, and prints the pairs where search moves
 // strictly fewer bytes (busiest rank's received bytes), as a Markdown table.
-//   plan-quality --mesh 2x2 --shape 1024,768 [--dtype f32] [--limit 40]
+//   plan-quality --mesh 2x2 --shape 1024,768 [--dtype f32] [--limit 40] [--timeout-ms 600000]
+// Limits: meshes of at most 3 dims (the sweep has 20^ndim pairs), shapes of at least 2 dims;
+// --timeout-ms bounds the whole sweep (exit 3 naming how far it got).
+// Exit status (program/main.h): 0 ok, 2 invalid input, 3 out of memory or time.
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <chrono>
+#include <charconv>
 
 #include "dtensor/plan/planner.h"
 #include "kernels/error.h"
+#include "program/cli.h"
+#include "program/main.h"
 
 using namespace dtensor;
 
+namespace {
+
+constexpr int kMaxMeshDims = 3;
+
+Dims parse_shape(const std::string& text) {
+  Dims shape;
+  size_t begin = 0;
+  while (begin <= text.size()) {
+    size_t end = text.find(',', begin);
+    if (end == std::string::npos) end = text.size();
+    const std::string_view part(text.data() + begin, end - begin);
+    int64_t v = -1;
+    auto [p, ec] = std::from_chars(part.data(), part.data() + part.size(), v);
+    if (part.empty() || ec != std::errc() || p != part.data() + part.size() || v < 0)
+      throw kernels::InvalidArgument(fmt::format("--shape '{}' is malformed at '{}': expected sizes in 0..{} like 1024,768",
+                                                 kernels::clip(text), kernels::clip(part, 40), kernels::kInt64Max));
+    if (shape.size() == kernels::kMaxDims)
+      throw kernels::InvalidArgument(fmt::format("--shape '{}' has more than {} dims", kernels::clip(text), kernels::kMaxDims));
+    shape.push_back(v);
+    begin = end + 1;
+  }
+  return shape;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
-  CLI::App app{"plan-quality: greedy vs search plans"};
-  std::string mesh_text = "2x2", shape_text = "1024,768", dtype_text = "f32";
-  size_t limit = 40;
-  app.add_option("--mesh", mesh_text);
-  app.add_option("--shape", shape_text);
-  app.add_option("--dtype", dtype_text);
-  app.add_option("--limit", limit, "rows to print (largest savings first)");
-  CLI11_PARSE(app, argc, argv);
-  try {
+  return program::run("plan-quality", [&] {
+    CLI::App app{"plan-quality: greedy vs search plans"};
+    std::string mesh_text = "2x2", shape_text = "1024,768", dtype_text = "f32";
+    size_t limit = 40;
+    int64_t timeout_ms = 600'000;
+    app.add_option("--mesh", mesh_text, "mesh shape, at most 3 dims (2x2)")->capture_default_str();
+    app.add_option("--shape", shape_text, "global shape, at least 2 dims (1024,768)")->capture_default_str();
+    app.add_option("--dtype", dtype_text)->capture_default_str();
+    app.add_option("--limit", limit, "rows to print (largest savings first)")->capture_default_str();
+    program::add_timeout(app, timeout_ms, "wall-clock limit of the whole sweep (exit 3 beyond it)");
+    program::parse(app, argc, argv);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+
     auto mesh = std::make_shared<const DeviceMesh>(DeviceMesh::parse(mesh_text));
-    Dims shape;
-    size_t begin = 0;
-    while (begin <= shape_text.size()) {
-      size_t end = shape_text.find(',', begin);
-      if (end == std::string::npos) end = shape_text.size();
-      shape.push_back(std::stoll(shape_text.substr(begin, end - begin)));
-      begin = end + 1;
-    }
+    if (mesh->ndim() > kMaxMeshDims)
+      throw kernels::InvalidArgument(fmt::format("--mesh '{}' has {} dims: the sweep covers meshes of at most {} "
+                                                 "(it plans 20^ndim placement pairs)",
+                                                 kernels::clip(mesh_text), mesh->ndim(), kMaxMeshDims));
+    const Dims shape = parse_shape(shape_text);
+    if (shape.size() < 2)
+      throw kernels::InvalidArgument(fmt::format("--shape '{}' has {} dims: the sweep shards tensor dims 0 and 1",
+                                                 kernels::clip(shape_text), shape.size()));
     const kernels::DType dtype = kernels::parse_dtype(dtype_text);
     const std::vector<Placement> sources = {Replicate{}, Shard{0}, Shard{1}, StridedShard{0, 2}, Partial{}};
     const std::vector<Placement> targets = {Replicate{}, Shard{0}, Shard{1}, StridedShard{0, 2}};
@@ -47,8 +84,12 @@ int main(int argc, char** argv) {
     struct Row { std::string src, dst, greedy, search; int64_t gb, sb; int gc, sc; };
     std::vector<Row> rows;
     int64_t pairs = 0, equal = 0;
+    const int64_t total = static_cast<int64_t>(srcs.size() * dsts.size());
     for (const Placements& src : srcs)
       for (const Placements& dst : dsts) {
+        if (std::chrono::steady_clock::now() > deadline)
+          throw kernels::ResourceError(fmt::format("the sweep ran past --timeout-ms {} after {} of {} pairs",
+                                                   timeout_ms, pairs, total));
         DTensorSpec s = make_spec(mesh, src, shape, dtype);
         Plan g = plan_redistribute(s, dst, PlannerKind::kGreedy);
         Plan q = plan_redistribute(s, dst, PlannerKind::kSearch);
@@ -71,9 +112,6 @@ int main(int argc, char** argv) {
       fmt::print("| {} | {} | {} ({}) | {} ({}) | {:.2f} | `{}` |\n", r.src, r.dst, r.gb, r.gc, r.sb, r.sc,
                  static_cast<double>(r.sb) / static_cast<double>(r.gb), r.search);
     }
-  } catch (const kernels::Error& e) {
-    fmt::print(stderr, "plan-quality: {}\n", e.what());
-    return 2;
-  }
-  return 0;
+    return program::kOk;
+  });
 }
