@@ -999,7 +999,9 @@ int main(int argc, char** argv) {
         ->capture_default_str();
     app.add_option("--target-min-size", opt.target_min_text, "smallest size counted in the target summary")
         ->capture_default_str();
-    app.add_option("--seed", opt.seed, "seed of the verifiable data")->capture_default_str();
+    app.add_option("--seed", opt.seed, "seed of the verifiable data")
+        ->check(program::kUint64)
+        ->capture_default_str();
     program::add_timeout(app, opt.timeout_ms);
     app.add_option("--bootstrap", opt.bootstrap, "nccl: auto (mpi under mpirun, else local threads), mpi, local")
         ->check(CLI::IsMember({"auto", "mpi", "local"}))

@@ -10,6 +10,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include <charconv>
 #include <cstdint>
 #include <cstdio>
 #include <string>
@@ -35,10 +36,36 @@ inline CLI::Option* add_timeout(CLI::App& app, int64_t& timeout_ms, const std::s
       ->capture_default_str();
 }
 
+// A uint64 option's check: CLI11 itself wraps -1 and saturates values past 2^64 - 1.
+inline const CLI::Validator kUint64(
+    [](std::string& text) -> std::string {
+      uint64_t v = 0;
+      const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+      if (text.empty() || ec != std::errc() || end != text.data() + text.size())
+        return "value " + kernels::clip(text, 40) + " is not an integer in 0..18446744073709551615";
+      return "";
+    },
+    "UINT64");
+
 // app.parse with the program's conventions: --help prints the (sub)command's help and leaves
 // with status 0; any other parse error is an InvalidArgument (status 2) carrying CLI11's
 // message, which names the option and the value.
 inline void parse(CLI::App& app, int argc, char** argv) {
+  // CLI11 says only "A subcommand is required" for a mistyped one: name it.
+  std::string known;
+  bool found = false;
+  for (const CLI::App* sub : app.get_subcommands({})) {
+    if (!known.empty()) known += ", ";
+    known += sub->get_name();
+    found = found || (argc > 1 && sub->get_name() == argv[1]);
+  }
+  if (!known.empty() && argc > 1 && argv[1][0] != '-' && !found) {
+    std::string msg = "unknown subcommand '";
+    msg += kernels::clip(argv[1], 40);
+    msg += "': expected one of ";
+    msg += known;
+    throw kernels::InvalidArgument(msg);
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {

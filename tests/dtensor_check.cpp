@@ -429,6 +429,8 @@ int cmd_redistribute(const RedistributeArgs& a) {
     }
   }
   const bool speaker = !mpi || mpi->rank() == 0;  // under mpirun only rank 0 reports input errors
+  if (backend != Backend::kMpi)  // before planning, which is slow on meshes that big
+    require_dense_ranks(DeviceMesh::parse(a.mesh), a.mesh, a.backend);
   Prepared p;
   try {
     p = prepare(a);
@@ -919,7 +921,7 @@ int main(int argc, char** argv) {
     FuzzArgs fargs;
     CLI::App* fuzz = app.add_subcommand("fuzz", "random redistributes (invalid ones included), each checked on every rank");
     fuzz->add_option("--cases", fargs.cases, fmt::format("number of cases (default 100, at most {})", kMaxFuzzCases));
-    fuzz->add_option("--seed", fargs.seed, "random seed (default 1)");
+    fuzz->add_option("--seed", fargs.seed, "random seed (default 1)")->check(program::kUint64);
     fuzz->add_option("--max-ranks", fargs.max_ranks, "largest mesh (default 8, at most 64; with mpi at most the world size)");
     fuzz->add_option("--backend", fargs.backend, "local (default) or mpi (under mpirun)");
     fuzz->add_option("--planner", fargs.planner, "greedy, search or both (default)");

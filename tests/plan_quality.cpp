@@ -49,12 +49,14 @@ int main(int argc, char** argv) {
   return program::run("plan-quality", [&] {
     CLI::App app{"plan-quality: greedy vs search plans"};
     std::string mesh_text = "2x2", shape_text = "1024,768", dtype_text = "f32";
-    size_t limit = 40;
+    int64_t limit = 40;
     int64_t timeout_ms = 600'000;
     app.add_option("--mesh", mesh_text, "mesh shape, at most 3 dims (2x2)")->capture_default_str();
     app.add_option("--shape", shape_text, "global shape, at least 2 dims (1024,768)")->capture_default_str();
     app.add_option("--dtype", dtype_text)->capture_default_str();
-    app.add_option("--limit", limit, "rows to print (largest savings first)")->capture_default_str();
+    app.add_option("--limit", limit, "rows to print (largest savings first)")
+        ->check(CLI::Range(int64_t{0}, int64_t{1'000'000}))
+        ->capture_default_str();
     program::add_timeout(app, timeout_ms, "wall-clock limit of the whole sweep (exit 3 beyond it)");
     program::parse(app, argc, argv);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
@@ -107,7 +109,7 @@ int main(int argc, char** argv) {
                mesh_text, shape_text, dtype_text, pairs, rows.size(), equal);
     fmt::print("| src | dst | greedy bytes (colls) | search bytes (colls) | search / greedy | search route |\n");
     fmt::print("|---|---|---|---|---|---|\n");
-    for (size_t i = 0; i < rows.size() && i < limit; ++i) {
+    for (size_t i = 0; i < rows.size() && i < static_cast<size_t>(limit); ++i) {
       const Row& r = rows[i];
       fmt::print("| {} | {} | {} ({}) | {} ({}) | {:.2f} | `{}` |\n", r.src, r.dst, r.gb, r.gc, r.sb, r.sc,
                  static_cast<double>(r.sb) / static_cast<double>(r.gb), r.search);

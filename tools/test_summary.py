@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Prints the closing line CI reads, 'N passed, N failed', from meson's testlog.json files.
 
-A Catch2 executable counts as its number of test cases (from its own summary line); any other
-test counts as one. A test that crashed or timed out before its summary counts as one failure."""
+A Catch2 executable counts as its number of test cases (from its own summary line); a test whose
+output ends with a line 'summary: N passed, N failed' (the bad-input runner, the sanitizer and
+fuzz wrappers) counts as those cases; any other test counts as one. A test that crashed or timed
+out before its summary counts as one failure."""
 import json
 import pathlib
 import re
@@ -21,7 +23,14 @@ for build in sys.argv[1:]:
         out = t.get("stdout") or ""
         m = re.search(r"All tests passed \(\d+ assertions? in (\d+) test cases?\)", out)
         f = re.search(r"test cases:\s*(\d+)(?:\s*\|\s*(\d+) passed)?(?:\s*\|\s*(\d+) failed)?", out)
-        if m and ok:
+        c = re.findall(r"^summary: (\d+) passed, (\d+) failed$", out, re.M)
+        if c:
+            p, f_ = (int(x) for x in c[-1])
+            passed += p
+            failed += max(f_, 0 if ok else 1)
+            if f_ or not ok:
+                print(f"test_summary: {build}: {t['name']} {t['result']}")
+        elif m and ok:
             passed += int(m.group(1))
         elif f:
             passed += int(f.group(2) or 0)
