@@ -18,6 +18,9 @@ template <class... Ts>
 struct Overloaded : Ts... {
   using Ts::operator()...;
 };
+// Needed by clang 14 (no aggregate deduction yet); the sanitizer and fuzz builds use clang.
+template <class... Ts>
+Overloaded(Ts...) -> Overloaded<Ts...>;
 
 constexpr std::string_view kNotation =
     "expected S(d), _S(d,split_factor), R, P or P(sum|avg|min|max|prod)";

@@ -293,6 +293,7 @@ std::string rank_line(const RankResult& r) {
 struct RedistributeArgs {
   std::string mesh, shape, from, to, dtype = "f32", backend = "local", planner = "search", names;
   int64_t timeout_ms = 60'000;
+  int inject_failure = -1;  // test of the failure path: this rank fails before redistributing
 };
 
 // Everything a rank needs: rank-independent, built once.
@@ -301,6 +302,7 @@ struct Prepared {
   DTensorSpec src, dst;
   Plan plan;
   int64_t modulus = testing_support::kDefaultModulus;
+  int inject_failure = -1;
 };
 
 Prepared prepare(const RedistributeArgs& a) {
@@ -315,12 +317,15 @@ Prepared prepare(const RedistributeArgs& a) {
   p.plan = dtensor::plan_redistribute(p.src, to, planner);
   p.dst = dtensor::make_spec(p.mesh, p.plan.dst, shape, dtype);
   p.modulus = testing_support::exact_modulus(dtype, p.mesh->size());
+  p.inject_failure = a.inject_failure;
   return p;
 }
 
 // This rank's part: distribute, redistribute, check (collective over the mesh).
 RankResult run_rank(const Prepared& p, const MeshComms& comms, kernels::Device device) {
   const int rank = comms.rank();
+  if (rank == p.inject_failure)
+    throw kernels::ResourceError("cannot allocate the source shard (injected by --inject-failure)");
   Tensor local = testing_support::make_local(p.src, rank, p.modulus);
   if (!device.is_cpu()) local = local.to(device);
   Tensor out = dtensor::execute(p.plan, p.src, local, comms);
@@ -411,10 +416,13 @@ int run_mpi(collectives::MpiWorld& mpi, const Prepared& p, const std::string& me
     }
     control->wait(control->barrier());
   }
-  // Every process exits with the worst status of any rank (the failing rank named itself).
-  Tensor flag = Tensor::full({1}, status, DType::kI32);
+  // Every process exits with the same status: the root cause's (a rank's own failure or a
+  // mismatch) before the communication failures it caused on the others.
+  auto rank_of = [](int st) { return st == program::kOk ? 0 : st == program::kComm ? 1 : 10 + st; };
+  Tensor flag = Tensor::full({1}, rank_of(status), DType::kI32);
   control->wait(control->all_reduce(flag, flag, kernels::ReduceOp::kMax));
-  return static_cast<int>(flag.item({0}));
+  const int worst = static_cast<int>(flag.item({0}));
+  return worst == 0 ? program::kOk : worst == 1 ? program::kComm : worst - 10;
 }
 
 int cmd_redistribute(const RedistributeArgs& a) {
@@ -917,6 +925,8 @@ int main(int argc, char** argv) {
     redistribute->add_option("--planner", rargs.planner, "search (default) or greedy (PyTorch's)");
     redistribute->add_option("--names", rargs.names, "mesh dim names, comma-separated (dp,tp)");
     program::add_timeout(*redistribute, rargs.timeout_ms);
+    redistribute->add_option("--inject-failure", rargs.inject_failure, "this rank fails at once (tests the failure path)")
+        ->group("");  // hidden
 
     FuzzArgs fargs;
     CLI::App* fuzz = app.add_subcommand("fuzz", "random redistributes (invalid ones included), each checked on every rank");

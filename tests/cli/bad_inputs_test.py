@@ -8,8 +8,10 @@ fails the case). The last line is 'summary: N passed, N failed' (tools/test_summ
                      [--cases bad_inputs.txt] [--case-timeout 60] [--jobs 2] [--rlimit-gib 8]
 
 --rlimit-gib caps each process's address space so a case that would allocate without checking
-fails fast instead of taking the machine's memory (0: no cap; sanitizer builds need none, their
-allocator reserves a lot of address space and returns null instead, see the meson test env)."""
+fails fast instead of taking the machine's memory (0: no cap). Under a sanitizer (ASAN_OPTIONS
+set, tools/sanitizers.sh) there is no cap: ASan reserves terabytes of address space, and its
+allocator_may_return_null makes an impossible allocation fail cleanly instead."""
+import os
 import argparse
 import concurrent.futures
 import pathlib
@@ -55,7 +57,7 @@ if missing:
 
 
 def limit():
-    if args.rlimit_gib > 0:
+    if args.rlimit_gib > 0 and "ASAN_OPTIONS" not in os.environ:
         cap = int(args.rlimit_gib * (1 << 30))
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
