@@ -17,7 +17,11 @@ for build in sys.argv[1:]:
         print(f"test_summary: {log} missing")
         failed += 1
         continue
-    for line in log.read_text().splitlines():
+    # testlog.json and the logs of further runs in the same tree (meson test --logbase testlog-*).
+    lines = []
+    for extra in [log] + sorted(log.parent.glob("testlog-*.json")):
+        lines += extra.read_text().splitlines()
+    for line in lines:
         t = json.loads(line)
         ok = t["result"] in ("OK", "EXPECTEDFAIL", "SKIP")
         out = t.get("stdout") or ""
