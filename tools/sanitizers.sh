@@ -23,15 +23,15 @@ case $kind in
     targets=(tests/kernels/kernels_test tests/collectives/collectives_test tests/dtensor/dtensor_test
              tests/conformance/conformance_test tests/dtensor-check tests/plan-quality
              bench/collectives-bench bench/dtensor-bench examples/layout-example examples/api-example)
-    tests=(kernels collectives-local dtensor conformance cli-layout cli-redistribute fuzz bench-smoke
+    tests=(kernels collectives-local conformance cli-layout cli-redistribute fuzz bench-smoke
            bench-smoke-detects-wrong dtensor-bench-smoke dtensor-bench-odd-world dtensor-bench-host-cost
-           bad-inputs layout-example api-example)
+           bad-inputs layout-example api-example dtensor-asan)
     ;;
   tsan)
     dir=build-tsan
     opts=(-Db_sanitize=thread -Dmpi=disabled)
     targets=(tests/collectives/collectives_test tests/dtensor/dtensor_test)
-    tests=(collectives-local dtensor)
+    tests=(collectives-local dtensor-tsan)
     ;;
   fuzz)
     dir=build-fuzz
@@ -47,7 +47,7 @@ case $kind in
   *) echo "usage: tools/sanitizers.sh asan|tsan|fuzz" >&2; exit 2 ;;
 esac
 
-rm -f "$dir/meson-logs/testlog.json"  # a failed build must not leave the last run's results behind
+rm -f "$dir"/meson-logs/testlog*.json  # a failed build must not leave the last run's results behind
 if [ ! -f "$dir/build.ninja" ]; then
   echo "sanitizers: configuring $dir"
   env "${setup_env[@]}" meson setup "$dir" --buildtype=plain -Doptimization=1 -Dcpp_args=-g1 -Dcuda=disabled \
@@ -69,15 +69,15 @@ export ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:allocator_may_return_null=1:
 export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
 export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$supp/tsan.supp"
-rm -f "$dir"/meson-logs/testlog-*.json
 echo "== meson test -C $dir (${kind})"
 status=0
-meson test -C "$dir" --no-rebuild --print-errorlogs --num-processes 2 "${tests[@]}" || status=1
+# --setup sanitize: the test setup that includes suite 'sanitize' (dtensor-asan, dtensor-tsan).
+meson test -C "$dir" --setup sanitize --no-rebuild --print-errorlogs --num-processes 2 "${tests[@]}" || status=1
 if ((${#mpi_tests[@]})); then
   # Processes under mpirun: OpenMPI unloads its plugins before LeakSanitizer reports, so their
   # leaks resolve to a module (and match lsan.supp) only with full unwinding on malloc (slow,
   # hence only here; tests/cli/sanitizer_env.py does the same for single mpi processes).
-  LSAN_OPTIONS="$LSAN_OPTIONS:fast_unwind_on_malloc=0" meson test -C "$dir" --no-rebuild --print-errorlogs \
+  LSAN_OPTIONS="$LSAN_OPTIONS:fast_unwind_on_malloc=0" meson test -C "$dir" --setup sanitize --no-rebuild --print-errorlogs \
     --logbase testlog-mpi "${mpi_tests[@]}" || status=1
 fi
 exit $status

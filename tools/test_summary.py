@@ -12,15 +12,15 @@ import sys
 
 passed = failed = 0
 for build in sys.argv[1:]:
-    log = pathlib.Path(build) / "meson-logs" / "testlog.json"
-    if not log.exists():
-        print(f"test_summary: {log} missing")
+    # testlog.json, or testlog-<setup>.json and those of further runs (--setup, --logbase).
+    logs = sorted((pathlib.Path(build) / "meson-logs").glob("testlog*.json"))
+    if not logs:
+        print(f"test_summary: no {build}/meson-logs/testlog*.json")
         failed += 1
         continue
-    # testlog.json and the logs of further runs in the same tree (meson test --logbase testlog-*).
     lines = []
-    for extra in [log] + sorted(log.parent.glob("testlog-*.json")):
-        lines += extra.read_text().splitlines()
+    for log in logs:
+        lines += log.read_text().splitlines()
     for line in lines:
         t = json.loads(line)
         ok = t["result"] in ("OK", "EXPECTEDFAIL", "SKIP")

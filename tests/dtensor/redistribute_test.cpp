@@ -7,9 +7,12 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <atomic>
+
 #include "collectives/local.h"
 #include "dtensor/exec/executor.h"
 #include "kernels/error.h"
+#include "support/checks.h"
 #include "support/dtensor_data.h"
 
 using namespace dtensor;
@@ -102,6 +105,8 @@ TEST_CASE("batched redistribute: one collective per step for many tensors", "[dt
     const Placements src = parse_placements(text.substr(0, text.find('|')));
     const Placements dst = parse_placements(text.substr(text.find('|') + 1));
     INFO(text);
+    testing_support::Checks checks;  // Catch2 assertions only on this thread
+    std::atomic<int> ran{0};
     collectives::run_ranks(4, [&](Communicator& world) {
       MeshComms comms(*mesh, world);
       std::vector<DTensorSpec> specs, dsts;
@@ -113,7 +118,14 @@ TEST_CASE("batched redistribute: one collective per step for many tensors", "[dt
       }
       Plan plan = plan_redistribute(specs[0], dst, PlannerKind::kGreedy);
       std::vector<Tensor> out = execute_batch(plan, specs, locals, comms);
-      for (size_t i = 0; i < out.size(); ++i) REQUIRE(check_local(dsts[i], world.rank(), out[i]) == "");
+      checks.check(out.size() == specs.size(), fmt::format("rank {}: {} results", world.rank(), out.size()));
+      for (size_t i = 0; i < out.size(); ++i) {
+        const std::string err = check_local(dsts[i], world.rank(), out[i]);
+        checks.check(err.empty(), fmt::format("rank {} tensor {}: {}", world.rank(), i, err));
+      }
+      ++ran;
     });
+    checks.report();
+    CHECK(ran == 4);
   }
 }
