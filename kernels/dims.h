@@ -66,14 +66,12 @@ class Dims {
   // InvalidArgument when it overflows int64 (kernels/checked.h).
   int64_t product() const {
     int64_t p = 1;
-    bool zero = false, overflow = false;
-    for (int i = 0; i < n_; ++i) {
-      zero = zero || v_[i] == 0;
-      overflow = __builtin_mul_overflow(p, v_[i], &p) || overflow;
-    }
-    if (zero) return 0;
-    if (overflow) throw_product_overflow();
-    return p;
+    bool overflow = false;
+    for (int i = 0; i < n_; ++i) overflow |= __builtin_mul_overflow(p, v_[i], &p);
+    if (!overflow) return p;  // exact (a zero entry gives 0)
+    for (int i = 0; i < n_; ++i)
+      if (v_[i] == 0) return 0;  // overflowed before a zero entry: still 0
+    throw_product_overflow();
   }
   std::vector<int64_t> vec() const { return {begin(), end()}; }
 
