@@ -25,17 +25,24 @@
 #include "kernels/error.h"
 #include "kernels/reduce_op.h"
 #include "kernels/tensor.h"
+#include "program/main.h"
 
 namespace bench {
 
-// "4096", "4K", "4KB", "4KiB", "256M", "1G" (binary multiples).
+// The largest size a benchmark accepts: 1 TiB per buffer (a larger one could never be
+// allocated; it is refused by name before anything runs).
+inline constexpr int64_t kMaxBenchBytes = int64_t{1} << 40;
+// The most sizes one --sizes list may name.
+inline constexpr size_t kMaxBenchSizes = 4096;
+
+// "4096", "4K", "4KB", "4KiB", "256M", "1G" (binary multiples), at most kMaxBenchBytes.
 inline int64_t parse_bytes(std::string_view text) {
-  std::string t(text);
+  const std::string t(text);
+  const std::string shown = kernels::clip(t, 40);
   if (t.empty()) throw kernels::InvalidArgument("empty size");
   size_t end = 0;
   while (end < t.size() && std::isdigit(static_cast<unsigned char>(t[end]))) ++end;
-  if (end == 0) throw kernels::InvalidArgument(fmt::format("size '{}' does not start with a number", t));
-  const int64_t value = std::stoll(t.substr(0, end));
+  if (end == 0) throw kernels::InvalidArgument(fmt::format("size '{}' does not start with a number", shown));
   std::string suffix = t.substr(end);
   for (char& c : suffix) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
   int shift = 0;
@@ -44,11 +51,20 @@ inline int64_t parse_bytes(std::string_view text) {
   else if (suffix == "M" || suffix == "MB" || suffix == "MIB") shift = 20;
   else if (suffix == "G" || suffix == "GB" || suffix == "GIB") shift = 30;
   else
-    throw kernels::InvalidArgument(fmt::format("size '{}': unknown suffix '{}' (use K, M or G)", t, suffix));
+    throw kernels::InvalidArgument(
+        fmt::format("size '{}': unknown suffix '{}' (use K, M or G)", shown, kernels::clip(suffix, 20)));
+  // Digits beyond what the limit allows are refused before any arithmetic (no wrap, no stoll).
+  int64_t value = 0;
+  for (size_t i = 0; i < end; ++i) {
+    value = value * 10 + (t[i] - '0');
+    if (value > (kMaxBenchBytes >> shift))
+      throw kernels::InvalidArgument(fmt::format("size '{}' exceeds the limit of {} bytes (1T)", shown, kMaxBenchBytes));
+  }
   return value << shift;
 }
 
-// Comma-separated items, each SIZE or MIN:MAX (doubling from MIN while <= MAX).
+// Comma-separated items, each SIZE or MIN:MAX (doubling from MIN while <= MAX); at most
+// kMaxBenchSizes sizes.
 inline std::vector<int64_t> parse_sizes(std::string_view text) {
   std::vector<int64_t> out;
   size_t pos = 0;
@@ -64,11 +80,15 @@ inline std::vector<int64_t> parse_sizes(std::string_view text) {
     } else {
       const int64_t lo = parse_bytes(item.substr(0, colon)), hi = parse_bytes(item.substr(colon + 1));
       if (lo <= 0 || hi < lo)
-        throw kernels::InvalidArgument(fmt::format("sizes '{}': need 0 < MIN <= MAX", item));
+        throw kernels::InvalidArgument(fmt::format("sizes '{}': need 0 < MIN <= MAX", kernels::clip(item, 60)));
+      // s <= hi <= kMaxBenchBytes: doubling never overflows.
       for (int64_t s = lo; s <= hi; s *= 2) out.push_back(s);
     }
+    if (out.size() > kMaxBenchSizes)
+      throw kernels::InvalidArgument(
+          fmt::format("--sizes '{}' names more than {} sizes", kernels::clip(text, 60), kMaxBenchSizes));
   }
-  if (out.empty()) throw kernels::InvalidArgument(fmt::format("--sizes '{}' names no size", text));
+  if (out.empty()) throw kernels::InvalidArgument(fmt::format("--sizes '{}' names no size", kernels::clip(text, 60)));
   return out;
 }
 
@@ -156,7 +176,7 @@ NcclRun<R> run_nccl_ranks(int world, bool world_given, const std::string& bootst
   if (gpus == 0) throw kernels::Unsupported("--backend nccl: no GPU visible");
   NcclRun<R> run;
   if (bootstrap == "mpi" || (bootstrap == "auto" && under_mpirun())) {
-    collectives::MpiWorld mpi(argc, argv);
+    collectives::MpiWorld mpi(argc, argv, timeout);
     std::unique_ptr<Communicator> boot = mpi.communicator(timeout);
     const int device = local_rank_from_env() % gpus;
     std::unique_ptr<Communicator> comm = collectives::nccl_communicator(*boot, device, timeout);
@@ -176,9 +196,11 @@ NcclRun<R> run_nccl_ranks(int world, bool world_given, const std::string& bootst
   collectives::run_ranks(
       run.world,
       [&](Communicator& boot) {
-        std::unique_ptr<Communicator> comm = collectives::nccl_communicator(boot, boot.rank(), timeout);
-        R mine = rank(*comm, boot, kernels::Device::cuda(boot.rank()), true);
-        if (boot.rank() == 0) run.result = std::move(mine);
+        program::on_rank(boot.rank(), [&] {
+          std::unique_ptr<Communicator> comm = collectives::nccl_communicator(boot, boot.rank(), timeout);
+          R mine = rank(*comm, boot, kernels::Device::cuda(boot.rank()), true);
+          if (boot.rank() == 0) run.result = std::move(mine);
+        });
       },
       timeout);
   return run;

@@ -11,6 +11,9 @@
 // all_gather, reduce_scatter and all_to_all, 1 for broadcast. t is, per iteration, the max over
 // ranks of (barrier; issue + wait); the table shows its median, min and max over the iterations.
 // See bench/README.md for the columns and the checks.
+// Exit status (program/main.h): 0 ok, 1 wrong elements, 2 invalid input (sizes at most 1T, at
+// most 4096 of them; --world <= 1024), 3 out of memory, 4 a communication failure or timeout
+// (--timeout-ms), each failure one line on stderr naming the value or the rank.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
@@ -36,6 +39,8 @@
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "program/cli.h"
+#include "program/main.h"
 #include "collectives/communicator.h"
 #include "collectives/local.h"
 #include "collectives/mpi.h"
@@ -881,22 +886,25 @@ int64_t run_local(const Options& opt) {
   collectives::run_ranks(
       n,
       [&](Communicator& comm) {
-        Env env{comm, comm, Device::cpu(), baseline, true, pat, opt, {}, {}};
-        if (comm.rank() == 0) {
-          env.on_row = [&](const Row& r) { printer.row(r); };
-          env.on_section = [&](Coll c) { printer.section(c); };
-        }
-        std::vector<Row> mine = run_sweep(env);
-        if (comm.rank() == 0) rows = std::move(mine);
+        program::on_rank(comm.rank(), [&] {
+          Env env{comm, comm, Device::cpu(), baseline, true, pat, opt, {}, {}};
+          if (comm.rank() == 0) {
+            env.on_row = [&](const Row& r) { printer.row(r); };
+            env.on_section = [&](Coll c) { printer.section(c); };
+          }
+          std::vector<Row> mine = run_sweep(env);
+          if (comm.rank() == 0) rows = std::move(mine);
+        });
       },
       Milliseconds{opt.timeout_ms});
   return finish(opt, printer, desc, n, baseline, rows);
 }
 
-int64_t run_mpi(const Options& opt, int* argc, char*** argv) {
-  collectives::MpiWorld mpi(argc, argv);
+int64_t run_mpi_rank(const Options& opt, collectives::MpiWorld& mpi) {
   std::unique_ptr<Communicator> comm = mpi.communicator(Milliseconds{opt.timeout_ms});
   const int n = comm->size();
+  if (opt.root >= n)
+    throw kernels::InvalidArgument(fmt::format("--root {} out of range for {} processes", opt.root, n));
   const Patterns pat = make_patterns(opt.dtype, opt.op, n, opt.seed);
   Baseline baseline = Baseline::kNone;
 #if BENCH_WITH_MPI
@@ -925,6 +933,12 @@ int64_t run_mpi(const Options& opt, int* argc, char*** argv) {
   return wrong;
 }
 
+int64_t run_mpi(const Options& opt, int* argc, char*** argv) {
+  // The closing barrier waits --timeout-ms for the other ranks; a failure is printed before it.
+  collectives::MpiWorld mpi(argc, argv, Milliseconds{opt.timeout_ms});
+  return program::run_as_rank("collectives-bench", mpi.rank(), [&] { return run_mpi_rank(opt, mpi); });
+}
+
 int64_t run_nccl(const Options& opt, int* argc, char*** argv) {
   std::optional<Printer> printer;
   auto run = bench::run_nccl_ranks<std::vector<Row>>(
@@ -951,52 +965,54 @@ int64_t run_nccl(const Options& opt, int* argc, char*** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  Options opt;
-  CLI::App app{"collectives-bench: nccl-tests-style bandwidth and correctness sweep of the collective "
-               "backends (see bench/README.md)"};
-  app.add_option("--backend", opt.backend, "local (threads), mpi (run under mpirun) or nccl (one GPU per rank)")
-      ->check(CLI::IsMember({"local", "mpi", "nccl"}))
-      ->capture_default_str();
-  app.add_option("--world", opt.world, "ranks (threads) of the local backend; nccl without mpirun: GPUs "
-                                       "(default: all)")
-      ->check(CLI::Range(1, 1024))
-      ->capture_default_str();
-  app.add_option("--collectives", opt.collectives, "comma-separated list")
-      ->delimiter(',')
-      ->check(CLI::IsMember({"all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast"}))
-      ->capture_default_str();
-  app.add_option("--sizes", opt.sizes, "S in bytes per rank buffer as nccl-tests defines it: SIZE or MIN:MAX "
-                                       "(x2 steps), comma-separated; suffixes K, M, G")
-      ->capture_default_str();
-  app.add_option("--dtype", opt.dtype_name, "f32, f64, bf16, f16, i32, i64, u8")->capture_default_str();
-  app.add_option("--op", opt.op_name, "sum, avg, min, max, prod (reduce_scatter, all_reduce)")->capture_default_str();
-  app.add_option("--root", opt.root, "broadcast root")->capture_default_str();
-  app.add_option("--iters", opt.iters, "timed iterations per size")->check(CLI::Range(1, 1000000))->capture_default_str();
-  app.add_option("--warmup", opt.warmup, "untimed iterations before them")->check(CLI::Range(0, 1000000))
-      ->capture_default_str();
-  app.add_option("--iter-bytes", opt.iter_bytes_text,
-                 "above size x iters = this, iterations drop to max(5, this / size) and warm-up to 1")
-      ->capture_default_str();
-  app.add_flag("--check,!--no-check", opt.check, "verify every output (#wrong); exit 1 if any is wrong")
-      ->capture_default_str();
-  app.add_flag("--baseline,!--no-baseline", opt.baseline,
-               "measure the memcpy ceiling (local) or the raw MPI calls (mpi) in the same run")
-      ->capture_default_str();
-  app.add_option("--target-min-size", opt.target_min_text, "smallest size counted in the target summary")
-      ->capture_default_str();
-  app.add_option("--seed", opt.seed, "seed of the verifiable data")->capture_default_str();
-  app.add_option("--timeout-ms", opt.timeout_ms, "wait() timeout per call")->capture_default_str();
-  app.add_option("--bootstrap", opt.bootstrap, "nccl: auto (mpi under mpirun, else local threads), mpi, local")
-      ->check(CLI::IsMember({"auto", "mpi", "local"}))
-      ->capture_default_str();
-  app.add_option("--json", opt.json_path, "also write the rows and the summary to this JSON file");
-  app.add_flag("--inject-wrong", opt.inject_wrong, "corrupt one output element on rank 0 (tests the check)")
-      ->group("");  // hidden
-  CLI11_PARSE(app, argc, argv);
-  opt.world_given = app.count("--world") > 0;
-  opt.command_line = bench::join_args(argc, argv);
+  return program::run("collectives-bench", [&] {
+    Options opt;
+    CLI::App app{"collectives-bench: nccl-tests-style bandwidth and correctness sweep of the collective "
+                 "backends (see bench/README.md)"};
+    app.add_option("--backend", opt.backend, "local (threads), mpi (run under mpirun) or nccl (one GPU per rank)")
+        ->check(CLI::IsMember({"local", "mpi", "nccl"}))
+        ->capture_default_str();
+    app.add_option("--world", opt.world, "ranks (threads) of the local backend; nccl without mpirun: GPUs "
+                                         "(default: all)")
+        ->check(CLI::Range(1, 1024))
+        ->capture_default_str();
+    app.add_option("--collectives", opt.collectives, "comma-separated list")
+        ->delimiter(',')
+        ->check(CLI::IsMember({"all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast"}))
+        ->capture_default_str();
+    app.add_option("--sizes", opt.sizes, "S in bytes per rank buffer as nccl-tests defines it: SIZE or MIN:MAX "
+                                         "(x2 steps), comma-separated; suffixes K, M, G")
+        ->capture_default_str();
+    app.add_option("--dtype", opt.dtype_name, "f32, f64, bf16, f16, i32, i64, u8")->capture_default_str();
+    app.add_option("--op", opt.op_name, "sum, avg, min, max, prod (reduce_scatter, all_reduce)")->capture_default_str();
+    app.add_option("--root", opt.root, "broadcast root")->check(CLI::Range(0, 1023))->capture_default_str();
+    app.add_option("--iters", opt.iters, "timed iterations per size")->check(CLI::Range(1, 1000000))->capture_default_str();
+    app.add_option("--warmup", opt.warmup, "untimed iterations before them")->check(CLI::Range(0, 1000000))
+        ->capture_default_str();
+    app.add_option("--iter-bytes", opt.iter_bytes_text,
+                   "above size x iters = this, iterations drop to max(5, this / size) and warm-up to 1")
+        ->capture_default_str();
+    app.add_flag("--check,!--no-check", opt.check, "verify every output (#wrong); exit 1 if any is wrong")
+        ->capture_default_str();
+    app.add_flag("--baseline,!--no-baseline", opt.baseline,
+                 "measure the memcpy ceiling (local) or the raw MPI calls (mpi) in the same run")
+        ->capture_default_str();
+    app.add_option("--target-min-size", opt.target_min_text, "smallest size counted in the target summary")
+        ->capture_default_str();
+    app.add_option("--seed", opt.seed, "seed of the verifiable data")
+        ->check(program::kUint64)
+        ->capture_default_str();
+    program::add_timeout(app, opt.timeout_ms);
+    app.add_option("--bootstrap", opt.bootstrap, "nccl: auto (mpi under mpirun, else local threads), mpi, local")
+        ->check(CLI::IsMember({"auto", "mpi", "local"}))
+        ->capture_default_str();
+    app.add_option("--json", opt.json_path, "also write the rows and the summary to this JSON file");
+    app.add_flag("--inject-wrong", opt.inject_wrong, "corrupt one output element on rank 0 (tests the check)")
+        ->group("");  // hidden
+    program::parse(app, argc, argv);
+    opt.world_given = app.count("--world") > 0;
+    opt.command_line = bench::join_args(argc, argv);
 
-  try {
     opt.dtype = kernels::parse_dtype(opt.dtype_name);
     if (opt.dtype == DType::kF8E4M3 || opt.dtype == DType::kF8E5M2)
       throw kernels::InvalidArgument(fmt::format("--dtype {}: fp8 is storage-only, collectives do not move it",
@@ -1018,11 +1034,8 @@ int main(int argc, char** argv) {
     }
     if (wrong > 0) {
       fmt::print(stderr, "collectives-bench: {} wrong elements\n", wrong);
-      return 1;
+      return program::kMismatch;
     }
-    return 0;
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "collectives-bench: error: {}\n", e.what());
-    return 2;
-  }
+    return program::kOk;
+  });
 }

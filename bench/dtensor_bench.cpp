@@ -18,6 +18,9 @@
 //   raw         per communicating step of the plan, the canonical collective on that mesh dim's
 //               group (all_gather, all_to_all, reduce_scatter, all_reduce) on buffers sized by
 //               the largest local shard before the step, run back to back
+// Exit status (program/main.h): 0 ok, 1 a rank's result did not match, 2 invalid input (sizes at
+// most 1T, at most 4096 of them; --world <= 1024), 3 out of memory, 4 a communication failure or
+// timeout (--timeout-ms), each failure one line on stderr naming the value or the rank.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -36,6 +39,8 @@
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "program/cli.h"
+#include "program/main.h"
 #include "collectives/communicator.h"
 #include "collectives/local.h"
 #include "collectives/mpi.h"
@@ -138,7 +143,13 @@ Case make_case(const Dims& mesh_shape, std::string src, std::string dst) {
 // "single" keeps the 1-D entries only.
 std::vector<Case> suite_cases(const Options& opt, int world) {
   std::optional<Dims> given;
-  if (!opt.mesh_text.empty()) given = DeviceMesh::parse(opt.mesh_text).shape();
+  if (!opt.mesh_text.empty()) {
+    const DeviceMesh mesh = DeviceMesh::parse(opt.mesh_text);
+    if (mesh.size() > world)
+      throw kernels::InvalidArgument(fmt::format("--mesh {} has {} ranks, the world has {}",
+                                                 kernels::clip(opt.mesh_text), mesh.size(), world));
+    given = mesh.shape();
+  }
   auto mesh_for = [&](int ndim) -> std::optional<Dims> {
     if (given) return given->size() == ndim ? given : std::nullopt;
     return suite_mesh(ndim, world);
@@ -972,16 +983,17 @@ int64_t run_local(const Options& opt) {
   collectives::run_ranks(
       n,
       [&](Communicator& world) {
-        Env env{world, Device::cpu(), opt, {}, {}, {}};
-        Result mine = run_rank(env, world.rank() == 0 ? &printer : nullptr, cases);
-        if (world.rank() == 0) res = std::move(mine);
+        program::on_rank(world.rank(), [&] {
+          Env env{world, Device::cpu(), opt, {}, {}, {}};
+          Result mine = run_rank(env, world.rank() == 0 ? &printer : nullptr, cases);
+          if (world.rank() == 0) res = std::move(mine);
+        });
       },
       Milliseconds{opt.timeout_ms});
   return finish(opt, printer, desc, n, res);
 }
 
-int64_t run_mpi(const Options& opt, int* argc, char*** argv) {
-  collectives::MpiWorld mpi(argc, argv);
+int64_t run_mpi_rank(const Options& opt, collectives::MpiWorld& mpi) {
   std::unique_ptr<Communicator> world = mpi.communicator(Milliseconds{opt.timeout_ms});
   const int n = world->size();
   const std::vector<Case> cases = suite_cases(opt, n);
@@ -992,6 +1004,12 @@ int64_t run_mpi(const Options& opt, int* argc, char*** argv) {
   Result res = run_rank(env, world->rank() == 0 ? &printer : nullptr, cases);
   if (world->rank() == 0) return finish(opt, printer, desc, n, res);
   return res.wrong();  // every rank holds the sums
+}
+
+int64_t run_mpi(const Options& opt, int* argc, char*** argv) {
+  // The closing barrier waits --timeout-ms for the other ranks; a failure is printed before it.
+  collectives::MpiWorld mpi(argc, argv, Milliseconds{opt.timeout_ms});
+  return program::run_as_rank("dtensor-bench", mpi.rank(), [&] { return run_mpi_rank(opt, mpi); });
 }
 
 int64_t run_nccl(const Options& opt, int* argc, char*** argv) {
@@ -1014,54 +1032,56 @@ int64_t run_nccl(const Options& opt, int* argc, char*** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  Options opt;
-  CLI::App app{"dtensor-bench: time every placement transition against the raw collective (see bench/README.md)"};
-  app.add_option("--backend", opt.backend, "local (threads), mpi (run under mpirun) or nccl (one GPU per rank)")
-      ->check(CLI::IsMember({"local", "mpi", "nccl"}))
-      ->capture_default_str();
-  app.add_option("--world", opt.world, "ranks (threads) of the local backend; nccl without mpirun: GPUs")
-      ->check(CLI::Range(1, 1024))
-      ->capture_default_str();
-  app.add_option("--mesh", opt.mesh_text, "mesh shape (8, 2x4); default: [world], (2, world/2), (2, 2, world/4) "
-                                          "for 1-, 2- and 3-D placement lists");
-  app.add_option("--from", opt.from, "source placements, one per mesh dim (S(0),R); with --to, instead of a suite");
-  app.add_option("--to", opt.to, "target placements");
-  app.add_option("--suite", opt.suite, "default (1-D, strided, 2-D and 3-D pairs) or single (1-D only)")
-      ->capture_default_str();
-  app.add_option("--sizes", opt.sizes, "global tensor bytes: SIZE or MIN:MAX (x2 steps), comma-separated; K, M, G")
-      ->capture_default_str();
-  app.add_option("--dtype", opt.dtype_name, "f32, f64, bf16, f16, i32, i64, u8")->capture_default_str();
-  app.add_option("--planner", opt.planner_name, "search or greedy (PyTorch's route)")->capture_default_str();
-  app.add_option("--iters", opt.iters, "timed iterations per size (the median is reported)")
-      ->check(CLI::Range(1, 1000000))
-      ->capture_default_str();
-  app.add_option("--warmup", opt.warmup, "untimed iterations before them")->check(CLI::Range(0, 1000000))
-      ->capture_default_str();
-  app.add_flag("--check,!--no-check", opt.check, "check every rank's result once per size; exit 1 on a mismatch")
-      ->capture_default_str();
-  app.add_flag("--host-cost", opt.host_cost, "host cost of a cached-plan S(0)->R of a tiny tensor vs the raw "
-                                             "all_gather, on 1, 2, 4 and 8 local ranks (or --world)");
-  app.add_option("--host-calls", opt.host_calls, "calls per timed repeat of --host-cost")
-      ->check(CLI::Range(1, 100000000))
-      ->capture_default_str();
-  app.add_flag("--overlap", opt.overlap, "per transition and size: the transition alone, a compute stand-in (sleep) "
-                                       "alone, and both overlapped (redistribute_async, compute, wait); default "
-                                       "sizes 256K:64M");
-  app.add_option("--overlap-min-size", opt.overlap_min_text, "smallest local shard counted in the --overlap summary")
-      ->capture_default_str();
-  app.add_option("--target", opt.target, "overhead target of the summary")->capture_default_str();
-  app.add_option("--target-min-size", opt.target_min_text, "smallest local shard counted in the summary")
-      ->capture_default_str();
-  app.add_option("--timeout-ms", opt.timeout_ms, "collective timeout")->capture_default_str();
-  app.add_option("--bootstrap", opt.bootstrap, "nccl: auto (mpi under mpirun, else local threads), mpi, local")
-      ->check(CLI::IsMember({"auto", "mpi", "local"}))
-      ->capture_default_str();
-  app.add_option("--json", opt.json_path, "also write every figure as a JSON list of records");
-  CLI11_PARSE(app, argc, argv);
-  opt.world_given = app.count("--world") > 0;
-  opt.command_line = bench::join_args(argc, argv);
+  return program::run("dtensor-bench", [&] {
+    Options opt;
+    CLI::App app{"dtensor-bench: time every placement transition against the raw collective (see bench/README.md)"};
+    app.add_option("--backend", opt.backend, "local (threads), mpi (run under mpirun) or nccl (one GPU per rank)")
+        ->check(CLI::IsMember({"local", "mpi", "nccl"}))
+        ->capture_default_str();
+    app.add_option("--world", opt.world, "ranks (threads) of the local backend; nccl without mpirun: GPUs")
+        ->check(CLI::Range(1, 1024))
+        ->capture_default_str();
+    app.add_option("--mesh", opt.mesh_text, "mesh shape (8, 2x4); default: [world], (2, world/2), (2, 2, world/4) "
+                                            "for 1-, 2- and 3-D placement lists");
+    app.add_option("--from", opt.from, "source placements, one per mesh dim (S(0),R); with --to, instead of a suite");
+    app.add_option("--to", opt.to, "target placements");
+    app.add_option("--suite", opt.suite, "default (1-D, strided, 2-D and 3-D pairs) or single (1-D only)")
+        ->capture_default_str();
+    app.add_option("--sizes", opt.sizes, "global tensor bytes: SIZE or MIN:MAX (x2 steps), comma-separated; K, M, G")
+        ->capture_default_str();
+    app.add_option("--dtype", opt.dtype_name, "f32, f64, bf16, f16, i32, i64, u8")->capture_default_str();
+    app.add_option("--planner", opt.planner_name, "search or greedy (PyTorch's route)")->capture_default_str();
+    app.add_option("--iters", opt.iters, "timed iterations per size (the median is reported)")
+        ->check(CLI::Range(1, 1000000))
+        ->capture_default_str();
+    app.add_option("--warmup", opt.warmup, "untimed iterations before them")->check(CLI::Range(0, 1000000))
+        ->capture_default_str();
+    app.add_flag("--check,!--no-check", opt.check, "check every rank's result once per size; exit 1 on a mismatch")
+        ->capture_default_str();
+    app.add_flag("--host-cost", opt.host_cost, "host cost of a cached-plan S(0)->R of a tiny tensor vs the raw "
+                                               "all_gather, on 1, 2, 4 and 8 local ranks (or --world)");
+    app.add_option("--host-calls", opt.host_calls, "calls per timed repeat of --host-cost")
+        ->check(CLI::Range(1, 100000000))
+        ->capture_default_str();
+    app.add_flag("--overlap", opt.overlap, "per transition and size: the transition alone, a compute stand-in (sleep) "
+                                         "alone, and both overlapped (redistribute_async, compute, wait); default "
+                                         "sizes 256K:64M");
+    app.add_option("--overlap-min-size", opt.overlap_min_text, "smallest local shard counted in the --overlap summary")
+        ->capture_default_str();
+    app.add_option("--target", opt.target, "overhead target of the summary")
+        ->check(CLI::Range(0.0, 1e6))
+        ->capture_default_str();
+    app.add_option("--target-min-size", opt.target_min_text, "smallest local shard counted in the summary")
+        ->capture_default_str();
+    program::add_timeout(app, opt.timeout_ms);
+    app.add_option("--bootstrap", opt.bootstrap, "nccl: auto (mpi under mpirun, else local threads), mpi, local")
+        ->check(CLI::IsMember({"auto", "mpi", "local"}))
+        ->capture_default_str();
+    app.add_option("--json", opt.json_path, "also write every figure as a JSON list of records");
+    program::parse(app, argc, argv);
+    opt.world_given = app.count("--world") > 0;
+    opt.command_line = bench::join_args(argc, argv);
 
-  try {
     opt.dtype = kernels::parse_dtype(opt.dtype_name);
     if (opt.dtype == DType::kF8E4M3 || opt.dtype == DType::kF8E5M2)
       throw kernels::InvalidArgument(fmt::format("--dtype {}: fp8 is storage-only, collectives do not move it",
@@ -1082,11 +1102,8 @@ int main(int argc, char** argv) {
     else wrong = run_nccl(opt, &argc, &argv);
     if (wrong > 0) {
       fmt::print(stderr, "dtensor-bench: {} rank results did not match the expected shard\n", wrong);
-      return 1;
+      return program::kMismatch;
     }
-    return 0;
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "dtensor-bench: error: {}\n", e.what());
-    return 2;
-  }
+    return program::kOk;
+  });
 }

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "kernels/checked.h"
 #include "kernels/error.h"
 
 namespace dtensor {
@@ -11,7 +12,8 @@ using kernels::InvalidArgument;
 
 namespace {
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// ceil(a / b) without forming a + b - 1, which overflows for a near INT64_MAX.
+int64_t ceil_div(int64_t a, int64_t b) { return kernels::checked_ceil_div(a, b, "chunk size"); }
 
 // The pieces [begin, end) of positions 0..n-1 kept by `index`, in local order.
 void append_range(IndexRuns& out, int64_t begin, int64_t end) {
@@ -22,14 +24,22 @@ void append_range(IndexRuns& out, int64_t begin, int64_t end) {
     out.push_back({begin, end - begin});
 }
 
+// Where select_positions stopped: runs[index] starts at local position `pos`. Successive calls
+// with increasing positions resume from it, so one split costs O(runs + pieces), not their product.
+struct RunCursor {
+  size_t index = 0;
+  int64_t pos = 0;
+};
+
 // Selects positions [begin, end) of the index list described by `runs` (local order).
-void select_positions(const IndexRuns& runs, int64_t begin, int64_t end, IndexRuns& out) {
-  int64_t pos = 0;  // local position of the current run's first index
-  for (const IndexRun& run : runs) {
-    int64_t lo = std::max(begin, pos), hi = std::min(end, pos + run.length);
-    if (lo < hi) append_range(out, run.start + (lo - pos), run.start + (hi - pos));
-    pos += run.length;
-    if (pos >= end) break;
+// REQUIRES: begin >= the end of the previous call with the same cursor.
+void select_positions(const IndexRuns& runs, int64_t begin, int64_t end, IndexRuns& out, RunCursor& at) {
+  for (; at.index < runs.size(); ++at.index) {
+    const IndexRun& run = runs[at.index];
+    const int64_t lo = std::max(begin, at.pos), hi = std::min(end, at.pos + run.length);
+    if (lo < hi) append_range(out, run.start + (lo - at.pos), run.start + (hi - at.pos));
+    if (at.pos + run.length > end) break;  // the next call may need the rest of this run
+    at.pos += run.length;
   }
 }
 
@@ -38,10 +48,11 @@ void select_positions(const IndexRuns& runs, int64_t begin, int64_t end, IndexRu
 Chunk chunk(int64_t n, int64_t k, int64_t index) {
   // REQUIRES: n >= 0, k >= 1, 0 <= index < k (checked by callers that take user input).
   if (n % k == 0) return {index * (n / k), n / k};
-  int64_t c = ceil_div(n, k);
-  int64_t start = index * c;
-  if (start > n) return {n, 0};
-  return {start, std::min(n, start + c) - start};
+  const int64_t c = ceil_div(n, k);
+  // index * c <= n + c may exceed INT64_MAX when n does not (n near INT64_MAX, k small).
+  int64_t start = 0;
+  if (__builtin_mul_overflow(index, c, &start) || start > n) return {n, 0};
+  return {start, std::min(n - start, c)};
 }
 
 IndexRuns split_positions(int64_t n, int64_t k, int64_t index, int split_factor) {
@@ -53,9 +64,12 @@ IndexRuns split_positions(int64_t n, int64_t k, int64_t index, int split_factor)
   }
   // NOTE [strided split] chunk n into split_factor pieces, chunk each piece into k, and keep
   // sub-piece `index` of every piece, concatenated in piece order (dtensor-semantics.md 2.3).
-  int64_t piece = ceil_div(n, split_factor);
-  for (int64_t j = 0; j < split_factor; ++j) {
-    int64_t begin = std::min(n, j * piece), end = std::min(n, (j + 1) * piece);
+  // Pieces past the end are empty: the loop stops at the last non-empty one, so the work is
+  // bounded by min(split_factor, n) (split factors are bounded by kMaxSplitFactor too).
+  const int64_t piece = ceil_div(n, split_factor);
+  int64_t begin = 0;
+  for (int64_t j = 0; j < split_factor && begin < n; ++j, begin += std::min(piece, n - begin)) {
+    const int64_t end = begin + std::min(piece, n - begin);
     Chunk sub = chunk(end - begin, k, index);
     if (sub.size > 0) append_range(out, begin + sub.offset, begin + sub.offset + sub.size);
   }
@@ -110,8 +124,14 @@ ShardLayout compute_layout(const Dims& global_shape, const Dims& mesh_shape,
     int64_t n = 0;
     for (const IndexRun& r : runs) n += r.length;
     IndexRuns kept;
+    RunCursor at;
     for (const IndexRun& pos : split_positions(n, mesh_shape[m], coord[m], split_factor))
-      select_positions(runs, pos.start, pos.start + pos.length, kept);
+      select_positions(runs, pos.start, pos.start + pos.length, kept, at);
+    if (kept.size() > static_cast<size_t>(kMaxIndexRuns))
+      throw kernels::Unsupported(fmt::format(
+          "placements [{}] on mesh [{}] cut tensor dim {} of size {} into {} index runs on one rank, "
+          "more than the limit of {} (nested split factors multiply)",
+          to_string(placements), fmt::join(mesh_shape, ","), *t, global_shape[*t], kept.size(), kMaxIndexRuns));
     runs = std::move(kept);
   }
   for (int t = 0; t < ndim; ++t) {

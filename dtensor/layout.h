@@ -20,6 +20,11 @@
 
 namespace dtensor {
 
+// A rank's layout holds at most this many index runs per tensor dim (one per non-empty
+// StridedShard piece, multiplied by nested StridedShards); beyond it compute_layout throws
+// Unsupported naming the placements, instead of exhausting memory.
+inline constexpr int64_t kMaxIndexRuns = int64_t{1} << 22;
+
 // One piece of torch.chunk: [offset, offset + size).
 struct Chunk {
   int64_t offset = 0;

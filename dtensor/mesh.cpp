@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "kernels/checked.h"
 #include "kernels/error.h"
 
 namespace dtensor {
@@ -16,36 +17,55 @@ using kernels::InvalidArgument;
 
 namespace {
 
-// Flattens a nested JSON array into (shape, values); throws on ragged or non-integer input.
+// Flattens a nested JSON array into (shape, values); throws on ragged or non-integer input and
+// on ranks outside 0..INT_MAX (read as 64-bit first, so 4294967297 is named, not wrapped to 1).
 void flatten_json(const nlohmann::json& j, int depth, Dims& shape, std::vector<int>& out,
                   std::string_view text) {
   if (j.is_array()) {
     if (depth == shape.size()) {
-      if (j.empty()) throw InvalidArgument(fmt::format("mesh '{}' has an empty dim", text));
+      if (j.empty()) throw InvalidArgument(fmt::format("mesh '{}' has an empty dim", kernels::clip(text)));
+      if (depth == kernels::kMaxDims)
+        throw InvalidArgument(fmt::format("mesh '{}' has more than {} dims", kernels::clip(text), kernels::kMaxDims));
       shape.push_back(static_cast<int64_t>(j.size()));
     } else if (shape[depth] != static_cast<int64_t>(j.size())) {
-      throw InvalidArgument(fmt::format(
-          "mesh '{}' is ragged: dim {} has sizes {} and {}", text, depth, shape[depth], j.size()));
+      throw InvalidArgument(fmt::format("mesh '{}' is ragged: dim {} has sizes {} and {}", kernels::clip(text),
+                                        depth, shape[depth], j.size()));
     }
     for (const auto& e : j) flatten_json(e, depth + 1, shape, out, text);
     return;
   }
   if (!j.is_number_integer() || depth != shape.size())
     throw InvalidArgument(fmt::format(
-        "mesh '{}' must be a rectangular nested array of integer ranks, found '{}'", text,
-        j.dump()));
-  out.push_back(j.get<int>());
+        "mesh '{}' must be a rectangular nested array of integer ranks, found '{}'", kernels::clip(text),
+        kernels::clip(j.dump(), 40)));
+  const bool too_big = j.is_number_unsigned() ? j.get<uint64_t>() > static_cast<uint64_t>(kMaxRank)
+                                              : j.get<int64_t>() > kMaxRank;
+  if (too_big || j.get<int64_t>() < 0)
+    throw InvalidArgument(fmt::format("mesh '{}' holds rank {}: ranks must be in 0..{}", kernels::clip(text),
+                                      j.dump(), kMaxRank));
+  if (out.size() >= static_cast<size_t>(kMaxMeshRanks))
+    throw InvalidArgument(fmt::format("mesh '{}' holds more than {} ranks (the limit of a mesh)",
+                                      kernels::clip(text), kMaxMeshRanks));
+  out.push_back(static_cast<int>(j.get<int64_t>()));
+}
+
+// The rank count of a mesh shape: checked against int64 overflow and kMaxMeshRanks.
+int64_t mesh_size(const Dims& shape) {
+  const int64_t n = shape.product();
+  if (n > kMaxMeshRanks)
+    throw InvalidArgument(fmt::format("mesh shape {} has {} ranks, more than the limit of {}",
+                                      fmt::join(shape, "x"), n, kMaxMeshRanks));
+  return n;
 }
 
 }  // namespace
 
 DeviceMesh DeviceMesh::from_shape(const Dims& shape, std::vector<std::string> names) {
-  int64_t n = 1;
   for (int64_t s : shape) {
     if (s < 1) throw InvalidArgument(fmt::format("mesh shape {} has a dim of size {} (expected >= 1)",
                                                  fmt::join(shape, "x"), s));
-    n *= s;
   }
+  const int64_t n = mesh_size(shape);
   std::vector<int> ranks(n);
   for (int64_t i = 0; i < n; ++i) ranks[i] = static_cast<int>(i);
   return DeviceMesh(shape, std::move(ranks), std::move(names));
@@ -57,7 +77,7 @@ DeviceMesh DeviceMesh::parse(std::string_view text, std::vector<std::string> nam
   if (!s.empty() && s.front() == '[') {
     nlohmann::json j = nlohmann::json::parse(s, nullptr, /*allow_exceptions=*/false);
     if (j.is_discarded())
-      throw InvalidArgument(fmt::format("mesh '{}' is not a valid nested array of ranks", text));
+      throw InvalidArgument(fmt::format("mesh '{}' is not a valid nested array of ranks", kernels::clip(text)));
     Dims shape;
     std::vector<int> ranks;
     flatten_json(j, 0, shape, ranks, text);
@@ -71,10 +91,17 @@ DeviceMesh DeviceMesh::parse(std::string_view text, std::vector<std::string> nam
     std::string_view part = s.substr(begin, end - begin);
     int64_t v = 0;
     auto [p, ec] = std::from_chars(part.data(), part.data() + part.size(), v);
-    if (part.empty() || ec != std::errc() || p != part.data() + part.size() || v < 1)
+    const bool out_of_range = ec == std::errc::result_out_of_range;
+    if (part.empty() || (ec != std::errc() && !out_of_range) || p != part.data() + part.size() ||
+        (!out_of_range && v < 1))
       throw InvalidArgument(fmt::format(
           "mesh '{}' is malformed at '{}': expected a shape like 4x2 (sizes >= 1) or a nested "
-          "rank array like [[0,2],[1,3]]", text, part));
+          "rank array like [[0,2],[1,3]]", kernels::clip(text), kernels::clip(part, 40)));
+    if (out_of_range || v > kMaxMeshRanks)
+      throw InvalidArgument(fmt::format("mesh '{}': size {} is out of range (a mesh holds at most {} ranks)",
+                                        kernels::clip(text), kernels::clip(part, 40), kMaxMeshRanks));
+    if (shape.size() == kernels::kMaxDims)
+      throw InvalidArgument(fmt::format("mesh '{}' has more than {} dims", kernels::clip(text), kernels::kMaxDims));
     shape.push_back(v);
     begin = end + 1;
   }
@@ -88,7 +115,7 @@ DeviceMesh::DeviceMesh(const Dims& shape, std::vector<int> ranks, std::vector<st
     if (s < 1)
       throw InvalidArgument(fmt::format("mesh shape [{}] has a dim of size {} (expected >= 1)",
                                         fmt::join(shape_, ","), s));
-  if (static_cast<int64_t>(ranks_.size()) != shape_.product())
+  if (static_cast<int64_t>(ranks_.size()) != mesh_size(shape_))
     throw InvalidArgument(fmt::format("mesh shape [{}] needs {} ranks, got {}",
                                       fmt::join(shape_, ","), shape_.product(), ranks_.size()));
   for (int r : ranks_)
@@ -98,8 +125,8 @@ DeviceMesh::DeviceMesh(const Dims& shape, std::vector<int> ranks, std::vector<st
   std::sort(position_.begin(), position_.end());
   for (size_t i = 1; i < position_.size(); ++i)
     if (position_[i].first == position_[i - 1].first)
-      throw InvalidArgument(fmt::format("mesh rank {} appears more than once in [{}]",
-                                        position_[i].first, fmt::join(ranks_, ",")));
+      throw InvalidArgument(fmt::format("mesh rank {} appears more than once in [{}]", position_[i].first,
+                                        kernels::clip(fmt::format("{}", fmt::join(ranks_, ",")))));
   if (!names_.empty()) {
     if (static_cast<int>(names_.size()) != ndim())
       throw InvalidArgument(fmt::format("{} mesh dim names ({}) for a {}-d mesh (expected {})",
@@ -156,7 +183,7 @@ std::optional<Dims> DeviceMesh::coord_of(int rank) const {
 std::vector<int> DeviceMesh::group(int mesh_dim, int rank) const {
   check_mesh_dim(mesh_dim);
   std::optional<Dims> coord = coord_of(rank);
-  if (!coord) throw InvalidArgument(fmt::format("rank {} is not in mesh {}", rank, to_string(*this)));
+  if (!coord) throw InvalidArgument(fmt::format("rank {} is not in mesh {}", rank, kernels::clip(to_string(*this))));
   std::vector<int> out;
   for (int64_t i = 0; i < shape_[mesh_dim]; ++i) {
     (*coord)[mesh_dim] = i;
@@ -193,7 +220,7 @@ DeviceMesh DeviceMesh::slice(std::span<const std::string> names, int rank) const
 DeviceMesh DeviceMesh::slice_dims(std::span<const int> mesh_dims, int rank) const {
   if (mesh_dims.empty()) throw InvalidArgument("slice needs at least one mesh dim");
   std::optional<Dims> coord = coord_of(rank);
-  if (!coord) throw InvalidArgument(fmt::format("rank {} is not in mesh {}", rank, to_string(*this)));
+  if (!coord) throw InvalidArgument(fmt::format("rank {} is not in mesh {}", rank, kernels::clip(to_string(*this))));
   Dims sub_shape;
   std::vector<std::string> sub_names;
   for (size_t i = 0; i < mesh_dims.size(); ++i) {

@@ -24,6 +24,12 @@ namespace dtensor {
 
 using kernels::Dims;
 
+// Limits, checked with an InvalidArgument naming the value: a mesh holds at most kMaxMeshRanks
+// ranks (2^20, beyond any cluster; planning and the per-rank layout tables are linear or worse
+// in it) and ranks are ints in 0..kMaxRank. Mesh shapes have at most kernels::kMaxDims dims.
+inline constexpr int64_t kMaxMeshRanks = int64_t{1} << 20;
+inline constexpr int64_t kMaxRank = 2147483647;
+
 class DeviceMesh {
  public:
   // The row-major arange over shape: rank r sits at the row-major unravel of r.

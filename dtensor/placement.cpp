@@ -5,6 +5,7 @@
 #include <cctype>
 #include <charconv>
 
+#include "kernels/dims.h"
 #include "kernels/error.h"
 
 namespace dtensor {
@@ -17,6 +18,9 @@ template <class... Ts>
 struct Overloaded : Ts... {
   using Ts::operator()...;
 };
+// Needed by clang 14 (no aggregate deduction yet); the sanitizer and fuzz builds use clang.
+template <class... Ts>
+Overloaded(Ts...) -> Overloaded<Ts...>;
 
 constexpr std::string_view kNotation =
     "expected S(d), _S(d,split_factor), R, P or P(sum|avg|min|max|prod)";
@@ -28,17 +32,29 @@ std::string_view trim(std::string_view s) {
 }
 
 [[noreturn]] void bad_placement(std::string_view text, std::string_view why = {}) {
-  throw InvalidArgument(fmt::format("bad placement '{}'{}: {}", text,
+  throw InvalidArgument(fmt::format("bad placement '{}'{}: {}", kernels::clip(trim(text), 60),
                                     why.empty() ? "" : fmt::format(" ({})", why), kNotation));
 }
 
-int parse_int(std::string_view whole, std::string_view s) {
+// An int argument of a placement; `what` names it in errors ("shard dim", "split factor").
+int parse_int(std::string_view whole, std::string_view s, std::string_view what) {
   s = trim(s);
   int value = 0;
   auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
+  if (ec == std::errc::result_out_of_range && end == s.data() + s.size())
+    bad_placement(whole, fmt::format("{} {} is out of range", what, kernels::clip(s, 40)));
   if (s.empty() || ec != std::errc() || end != s.data() + s.size())
-    bad_placement(whole, fmt::format("'{}' is not an integer", s));
+    bad_placement(whole, fmt::format("{} '{}' is not an integer", what, kernels::clip(s, 40)));
   return value;
+}
+
+void check_split_factor(int split_factor, std::string_view whole) {
+  if (split_factor < 1)
+    throw InvalidArgument(fmt::format("split factor {} in '{}' must be >= 1", split_factor,
+                                      kernels::clip(trim(whole), 60)));
+  if (split_factor > kMaxSplitFactor)
+    throw InvalidArgument(fmt::format("split factor {} in '{}' exceeds the limit of {}", split_factor,
+                                      kernels::clip(trim(whole), 60), kMaxSplitFactor));
 }
 
 // Splits "a,b" at top-level commas.
@@ -79,6 +95,9 @@ Placement normalize(const Placement& p, int tensor_ndim) {
     if (s->split_factor < 1)
       throw InvalidArgument(
           fmt::format("split factor {} of {} must be >= 1", s->split_factor, to_string(p)));
+    if (s->split_factor > kMaxSplitFactor)
+      throw InvalidArgument(fmt::format("split factor {} of {} exceeds the limit of {}", s->split_factor,
+                                        to_string(p), kMaxSplitFactor));
     return StridedShard{fix_dim(s->dim), s->split_factor};
   }
   return p;
@@ -124,17 +143,15 @@ Placement parse_placement(std::string_view whole) {
   };
   if (head == "S" || head == "Shard") {
     want_args(1);
-    return Shard{parse_int(whole, args[0])};
+    return Shard{parse_int(whole, args[0], "shard dim")};
   }
   if (head == "_S" || head == "SS" || head == "StridedShard" || head == "_StridedShard") {
     want_args(2);
     std::string_view sf = trim(args[1]);
     for (std::string_view key : {"split_factor=", "sf="})
       if (sf.substr(0, key.size()) == key) sf.remove_prefix(key.size());
-    StridedShard s{parse_int(whole, args[0]), parse_int(whole, sf)};
-    if (s.split_factor < 1)
-      throw InvalidArgument(fmt::format("split factor {} in '{}' must be >= 1", s.split_factor,
-                                        trim(whole)));
+    StridedShard s{parse_int(whole, args[0], "shard dim"), parse_int(whole, sf, "split factor")};
+    check_split_factor(s.split_factor, whole);
     return s;
   }
   if (head == "R" || head == "Replicate") {
@@ -149,7 +166,7 @@ Placement parse_placement(std::string_view whole) {
     try {
       return Partial{kernels::parse_reduce_op(op)};
     } catch (const InvalidArgument&) {
-      bad_placement(whole, fmt::format("unknown reduce op '{}'", op));
+      bad_placement(whole, fmt::format("unknown reduce op '{}'", kernels::clip(op, 40)));
     }
   }
   bad_placement(whole);
@@ -158,14 +175,18 @@ Placement parse_placement(std::string_view whole) {
 Placements parse_placements(std::string_view text) {
   std::string_view s = trim(text);
   if (!s.empty() && s.front() == '[') {
-    if (s.back() != ']') throw InvalidArgument(fmt::format("bad placement list '{}': missing ']'", text));
+    if (s.back() != ']')
+      throw InvalidArgument(fmt::format("bad placement list '{}': missing ']'", kernels::clip(text)));
     s = trim(s.substr(1, s.size() - 2));
   }
   Placements out;
   if (s.empty()) return out;
   for (std::string_view part : split_top_level(s)) {
     if (trim(part).empty())
-      throw InvalidArgument(fmt::format("bad placement list '{}': empty entry; {}", text, kNotation));
+      throw InvalidArgument(fmt::format("bad placement list '{}': empty entry; {}", kernels::clip(text), kNotation));
+    if (out.size() == static_cast<size_t>(kernels::kMaxDims))
+      throw InvalidArgument(fmt::format("placement list '{}' has more than {} entries (one per mesh dim)",
+                                        kernels::clip(text), kernels::kMaxDims));
     out.push_back(parse_placement(part));
   }
   return out;

@@ -18,6 +18,11 @@ namespace dtensor {
 
 using kernels::ReduceOp;
 
+// The largest StridedShard split factor (parse_placement and normalize reject larger ones by
+// name). Split factors are products of mesh dim sizes, so this matches kMaxMeshRanks; a layout
+// holds at most one index run per non-empty piece.
+inline constexpr int kMaxSplitFactor = 1 << 20;
+
 struct Shard {
   int dim = 0;
   friend bool operator==(const Shard&, const Shard&) = default;

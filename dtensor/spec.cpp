@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <functional>
 
+#include "kernels/checked.h"
 #include "kernels/error.h"
 
 namespace dtensor {
@@ -41,6 +42,12 @@ DTensorSpec make_spec(std::shared_ptr<const DeviceMesh> mesh, const Placements& 
   for (int64_t s : shape)
     if (s < 0)
       throw InvalidArgument(fmt::format("shape [{}] has a negative size {}", fmt::join(shape, ","), s));
+  // Element and byte counts must fit int64, so every per-rank count and traffic figure below
+  // the global one does too.
+  const int64_t numel = shape.product();
+  if (numel > kernels::kInt64Max / static_cast<int64_t>(kernels::itemsize(dtype)))
+    throw InvalidArgument(fmt::format("shape [{}] of {} holds {} elements: its byte count overflows int64",
+                                      fmt::join(shape, ","), kernels::to_string(dtype), numel));
   DTensorSpec spec;
   spec.placements = normalize_placements(placements, mesh->ndim(), shape.size());
   spec.mesh = std::move(mesh);
@@ -55,7 +62,8 @@ DTensorSpec make_spec(std::shared_ptr<const DeviceMesh> mesh, const Placements& 
   } else {
     spec.stride = Dims::filled(shape.size(), 1);
     for (int d = shape.size() - 2; d >= 0; --d)
-      spec.stride[d] = spec.stride[d + 1] * std::max<int64_t>(shape[d + 1], 1);
+      spec.stride[d] = kernels::checked_mul(spec.stride[d + 1], std::max<int64_t>(shape[d + 1], 1),
+                                            "row-major stride of the global shape");
   }
   return spec;
 }

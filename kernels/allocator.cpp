@@ -18,7 +18,7 @@ void* system_allocate(size_t nbytes, Device device) {
   // Round up so the block is a whole number of cache lines (aligned_alloc's rule, kept here too).
   const size_t rounded = (nbytes + 63) / 64 * 64;
   void* p = ::operator new(rounded, kCpuAlignment, std::nothrow);
-  if (p == nullptr) throw Error("cannot allocate " + std::to_string(nbytes) + " bytes on cpu: out of memory");
+  if (p == nullptr) throw ResourceError("cannot allocate " + std::to_string(nbytes) + " bytes on cpu: out of memory");
   return p;
 }
 

@@ -8,8 +8,10 @@
 #include <cstdint>
 #include <initializer_list>
 #include <span>
+#include <string>
 #include <vector>
 
+#include "kernels/checked.h"
 #include "kernels/error.h"
 
 namespace kernels {
@@ -60,11 +62,16 @@ class Dims {
     v_[i] = x;
     ++n_;
   }
-  // Product of the entries (1 for an empty list).
+  // Product of the entries (1 for an empty list; 0 when an entry is 0). Throws
+  // InvalidArgument when it overflows int64 (kernels/checked.h).
   int64_t product() const {
     int64_t p = 1;
-    for (int i = 0; i < n_; ++i) p *= v_[i];
-    return p;
+    bool overflow = false;
+    for (int i = 0; i < n_; ++i) overflow |= __builtin_mul_overflow(p, v_[i], &p);
+    if (!overflow) return p;  // exact (a zero entry gives 0)
+    for (int i = 0; i < n_; ++i)
+      if (v_[i] == 0) return 0;  // overflowed before a zero entry: still 0
+    throw_product_overflow();
   }
   std::vector<int64_t> vec() const { return {begin(), end()}; }
 
@@ -73,6 +80,17 @@ class Dims {
   }
 
  private:
+  [[noreturn]] [[gnu::cold]] [[gnu::noinline]] void throw_product_overflow() const {
+    std::string msg = "the product of [";
+    for (int i = 0; i < n_; ++i) {
+      if (i) msg += ',';
+      msg += std::to_string(v_[i]);
+    }
+    msg += "] (an element or rank count) overflows int64 (at most ";
+    msg += std::to_string(kInt64Max);
+    msg += ')';
+    throw InvalidArgument(msg);
+  }
   template <class It>
   void assign(It first, It last) {
     for (; first != last; ++first) push_back(static_cast<int64_t>(*first));

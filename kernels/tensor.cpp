@@ -7,6 +7,7 @@
 #include <optional>
 #include <utility>
 
+#include "kernels/checked.h"
 #include "kernels/cpu/copy.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/format.h"
@@ -42,7 +43,8 @@ void check_sizes(const char* op, const Dims& shape) {
 // Offset (in elements) of the last addressed element relative to the first; REQUIRES numel > 0.
 int64_t extent(const Dims& shape, const Dims& strides) {
   int64_t e = 0;
-  for (int d = 0; d < shape.size(); ++d) e += (shape[d] - 1) * strides[d];
+  for (int d = 0; d < shape.size(); ++d)
+    e = checked_add(e, checked_mul(shape[d] - 1, strides[d], "view extent"), "view extent");
   return e;
 }
 
@@ -63,7 +65,9 @@ void check_in_storage(const char* op, const Storage& storage, DType dtype, const
   }
   if (offset < 0) throw InvalidArgument(fmt::format("{}: negative storage offset {}", op, offset));
   if (shape.product() == 0) return;
-  const int64_t end = (offset + extent(shape, strides) + 1) * static_cast<int64_t>(itemsize(dtype));
+  const int64_t end = checked_bytes(
+      checked_add(checked_add(offset, extent(shape, strides), "view end"), 1, "view end"), itemsize(dtype),
+      "view end in bytes");
   if (end > static_cast<int64_t>(storage.nbytes())) {
     throw InvalidArgument(fmt::format(
         "{}: shape {} with strides {} and offset {} ({}) needs {} bytes but the storage has {}", op,
@@ -86,7 +90,7 @@ Dims infer_shape(const char* op, const Dims& shape, int64_t numel) {
       throw InvalidArgument(fmt::format(
           "{}: invalid size {} in shape {} (expected >= 0, or -1 once)", op, shape[d], shape));
     } else {
-      known *= shape[d];
+      known = checked_mul(known, shape[d], "element count of the new shape");
     }
   }
   Dims out = shape;
@@ -210,7 +214,7 @@ void copy_across_devices(Tensor& dst, const Tensor& src) {
 Dims Tensor::contiguous_strides(const Dims& shape) {
   Dims strides = Dims::filled(shape.size(), 1);
   for (int d = shape.size() - 2; d >= 0; --d) {
-    strides[d] = strides[d + 1] * std::max<int64_t>(shape[d + 1], 1);
+    strides[d] = checked_mul(strides[d + 1], std::max<int64_t>(shape[d + 1], 1), "contiguous stride");
   }
   return strides;
 }
@@ -220,10 +224,15 @@ Tensor Tensor::empty(const Dims& shape, DType dtype, Device device) { return emp
 Tensor Tensor::empty(const Dims& shape, DType dtype, Device device, std::shared_ptr<Allocator> allocator) {
   check_sizes("empty", shape);
   Tensor t;
-  t.storage_ = Storage::allocate(static_cast<size_t>(shape.product()) * itemsize(dtype), device, std::move(allocator));
+  t.strides_ = contiguous_strides(shape);  // first: throws before allocating when they overflow
+  const int64_t numel = shape.product();
+  const auto item = static_cast<int64_t>(itemsize(dtype));
+  if (numel > kInt64Max / item)
+    throw InvalidArgument(fmt::format("empty: shape {} ({} elements of {}) needs more than {} bytes", shape,
+                                      numel, dtype, kInt64Max));
+  t.storage_ = Storage::allocate(static_cast<size_t>(numel * item), device, std::move(allocator));
   t.dtype_ = dtype;
   t.shape_ = shape;
-  t.strides_ = contiguous_strides(shape);
   return t;
 }
 
@@ -426,7 +435,7 @@ Tensor Tensor::flatten(int start_dim, int end_dim) const {
   Dims shape;
   for (int d = 0; d < s; ++d) shape.push_back(shape_[d]);
   int64_t merged = 1;
-  for (int d = s; d <= e; ++d) merged *= shape_[d];
+  for (int d = s; d <= e; ++d) merged = checked_mul(merged, shape_[d], "flattened size");
   shape.push_back(merged);
   for (int d = e + 1; d < ndim(); ++d) shape.push_back(shape_[d]);
   return reshape(shape);
@@ -442,7 +451,7 @@ Tensor Tensor::unsqueeze(int dim) const {
   }
   Tensor t = *this;
   t.shape_.insert(d, 1);
-  t.strides_.insert(d, d == ndim() ? 1 : shape_[d] * strides_[d]);
+  t.strides_.insert(d, d == ndim() ? 1 : checked_mul(shape_[d], strides_[d], "unsqueezed stride"));
   return t;
 }
 

@@ -1,11 +1,14 @@
 // dtensor-check: command-line checks of the runtime's contracts.
-//   dtensor-check layout --mesh 4x2 --shape 13,2 --placements 'S(0),S(0)' [--names dp,tp]
+//   dtensor-check layout --mesh 4x2 --shape 13,2 --placements 'S(0),S(0)' [--names dp,tp] [--runs]
 //     one JSON object per rank, in rank order:
 //     {"rank":0,"coord":[0,0],"local_shape":[2,2],"global_offset":[0,0],"indices":[[0,1],[0,1]]}
+//     --runs prints the held indices as [start,length] runs ("runs":[[[0,2]],[[0,2]]]) instead
+//     of every index, which --indices lists only up to kMaxPrintedIndices per rank.
 //   dtensor-check demo
 //     a tour of the layout rules on a few meshes (the README's main job for now).
 //   dtensor-check redistribute --mesh 2x2 --shape 7,5 --from 'S(0),R' --to 'R,S(1)'
 //                [--dtype f32] [--backend local|mpi|nccl] [--planner greedy|search] [--names ..]
+//                [--timeout-ms 60000]
 //     distributes a tensor whose values are a function of the global index (Partial sources:
 //     per-rank integer contributions whose reduction is that value), redistributes it and checks
 //     every rank's local tensor against the expected slice (a Partial kept from the source is
@@ -17,12 +20,18 @@
 //     mpi: one process per rank under mpirun, each prints its own line (rank 0 the plan line;
 //     world ranks outside the mesh print nothing); nccl: one GPU and one thread per mesh rank.
 //   dtensor-check fuzz --cases N --seed S [--max-ranks 8] [--backend local|mpi]
-//                [--planner greedy|search|both]
+//                [--planner greedy|search|both] [--timeout-ms 30000]
 //     random meshes, shapes, dtypes and placement pairs (invalid ones included: they must raise
 //     the right error); last line "fuzz: N cases, N passed, N failed", the first failures
 //     before it, each with a `dtensor-check redistribute ...` command line that reproduces it.
-// Exit status: 0 success, 1 a wrong result (redistribute) or a failed case (fuzz), 2 invalid
-// input or an unsupported transition (one line on stderr naming the bad value).
+// Limits (exit 2 naming the value beyond them): --cases <= 1,000,000; --max-ranks <= 64; one
+// thread per rank on the local and nccl backends, so at most 1024 mesh ranks there; the mesh,
+// placement and planner limits of dtensor/ (mesh.h, placement.h, layout.h, plan/planner.h).
+// --timeout-ms bounds every wait: a collective fails after it naming the ranks it waited for,
+// and the mpi print and shutdown barriers wait a bounded multiple of it.
+// Exit status (program/main.h): 0 success, 1 a wrong result (redistribute) or a failed case
+// (fuzz), 2 invalid input or an unsupported transition, 3 out of memory (or threads), 4 a
+// communication failure; each failure is one line on stderr naming the value or the rank.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -54,8 +63,11 @@
 #include "dtensor/placement.h"
 #include "dtensor/plan/planner.h"
 #include "dtensor/spec.h"
+#include "kernels/checked.h"
 #include "kernels/device.h"
 #include "kernels/error.h"
+#include "program/cli.h"
+#include "program/main.h"
 #include "support/dtensor_data.h"
 #include "support/redistribute_check.h"
 
@@ -64,6 +76,12 @@ namespace {
 using dtensor::DeviceMesh;
 using dtensor::Dims;
 using dtensor::Placements;
+
+// The local and nccl backends run one thread per mesh rank.
+constexpr int64_t kMaxThreadRanks = 1024;
+// The layout command lists every held index up to this many per rank (--runs has no limit).
+constexpr int64_t kMaxPrintedIndices = 1'000'000;
+constexpr int64_t kMaxFuzzCases = 1'000'000;
 
 Dims parse_shape(const std::string& text) {
   Dims shape;
@@ -75,10 +93,16 @@ Dims parse_shape(const std::string& text) {
     std::string_view part(text.data() + begin, end - begin);
     int64_t v = -1;
     auto [p, ec] = std::from_chars(part.data(), part.data() + part.size(), v);
+    if (ec == std::errc::result_out_of_range && p == part.data() + part.size())
+      throw kernels::InvalidArgument(fmt::format("shape '{}': size {} is out of range (at most {})",
+                                                 kernels::clip(text), kernels::clip(part, 40), kernels::kInt64Max));
     if (part.empty() || ec != std::errc() || p != part.data() + part.size() || v < 0)
       throw kernels::InvalidArgument(fmt::format(
-          "shape '{}' is malformed at '{}': expected comma-separated sizes >= 0 like 13,2", text,
-          part));
+          "shape '{}' is malformed at '{}': expected comma-separated sizes >= 0 like 13,2", kernels::clip(text),
+          kernels::clip(part, 40)));
+    if (shape.size() == kernels::kMaxDims)
+      throw kernels::InvalidArgument(fmt::format("shape '{}' has more than {} dims", kernels::clip(text),
+                                                 kernels::kMaxDims));
     shape.push_back(v);
     begin = end + 1;
   }
@@ -100,6 +124,7 @@ std::vector<std::string> parse_names(const std::string& text) {
 
 struct LayoutArgs {
   std::string mesh, shape, placements, names;
+  bool runs = false;
 };
 
 struct Problem {
@@ -114,9 +139,20 @@ Problem make_problem(const LayoutArgs& a) {
   return {mesh, dtensor::make_spec(mesh, placements, shape, kernels::DType::kF32)};
 }
 
-void print_layout(const Problem& p) {
+void print_layout(const Problem& p, bool runs) {
   std::vector<int> ranks = p.mesh->ranks();
   std::sort(ranks.begin(), ranks.end());
+  if (!runs)  // refuse before printing anything
+    for (int rank : ranks) {
+      const dtensor::ShardLayout layout = *p.spec.layout(rank);
+      int64_t held = 0;
+      for (int t = 0; t < p.spec.tensor_ndim(); ++t) held = kernels::checked_add(held, layout.local_shape[t], "held indices");
+      if (held > kMaxPrintedIndices)
+        throw kernels::InvalidArgument(fmt::format(
+            "layout: rank {} holds {} indices (local shape [{}]), more than the {} the index lists print; "
+            "pass --runs for [start,length] runs",
+            rank, held, fmt::join(layout.local_shape, ","), kMaxPrintedIndices));
+    }
   for (int rank : ranks) {
     dtensor::ShardLayout layout = *p.spec.layout(rank);
     nlohmann::ordered_json j;
@@ -125,8 +161,17 @@ void print_layout(const Problem& p) {
     j["local_shape"] = layout.local_shape.vec();
     j["global_offset"] = layout.global_offset.vec();
     nlohmann::ordered_json indices = nlohmann::ordered_json::array();
-    for (int t = 0; t < p.spec.tensor_ndim(); ++t) indices.push_back(layout.indices(t));
-    j["indices"] = std::move(indices);
+    if (runs) {
+      for (int t = 0; t < p.spec.tensor_ndim(); ++t) {
+        nlohmann::ordered_json dim = nlohmann::ordered_json::array();
+        for (const dtensor::IndexRun& r : layout.runs[t]) dim.push_back({r.start, r.length});
+        indices.push_back(std::move(dim));
+      }
+      j["runs"] = std::move(indices);
+    } else {
+      for (int t = 0; t < p.spec.tensor_ndim(); ++t) indices.push_back(layout.indices(t));
+      j["indices"] = std::move(indices);
+    }
     fmt::print("{}\n", j.dump());
   }
 }
@@ -171,11 +216,6 @@ using dtensor::Placement;
 using kernels::ReduceOp;
 using Millis = collectives::Milliseconds;
 
-// A result the runtime got wrong or could not produce (exit 1), unlike invalid input (exit 2).
-struct RunFailure : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
 enum class Backend { kLocal, kMpi, kNccl };
 
 Backend parse_backend(const std::string& text, bool allow_nccl) {
@@ -212,15 +252,20 @@ std::string mesh_arg(const DeviceMesh& mesh) {
   return nest(0);
 }
 
-// With one thread per mesh rank the world is the mesh: its ranks must be 0..n-1.
+// With one thread per mesh rank the world is the mesh: its ranks must be 0..n-1, and there are
+// at most kMaxThreadRanks of them.
 void require_dense_ranks(const DeviceMesh& mesh, const std::string& text, std::string_view backend) {
+  if (mesh.size() > kMaxThreadRanks)
+    throw kernels::InvalidArgument(fmt::format(
+        "mesh '{}' has {} ranks: --backend {} runs one thread per mesh rank, at most {}", kernels::clip(text),
+        mesh.size(), backend, kMaxThreadRanks));
   const int n = static_cast<int>(mesh.size());
   for (int r : mesh.ranks())
     if (r >= n)
       throw kernels::InvalidArgument(fmt::format(
           "mesh '{}' holds rank {}: with --backend {} (one thread per mesh rank) an explicit "
           "mesh must use ranks 0..{}",
-          text, r, backend, n - 1));
+          kernels::clip(text), r, backend, n - 1));
 }
 
 std::string plan_line(const Plan& plan) {
@@ -247,6 +292,8 @@ std::string rank_line(const RankResult& r) {
 
 struct RedistributeArgs {
   std::string mesh, shape, from, to, dtype = "f32", backend = "local", planner = "search", names;
+  int64_t timeout_ms = 60'000;
+  int inject_failure = -1;  // test of the failure path: this rank fails before redistributing
 };
 
 // Everything a rank needs: rank-independent, built once.
@@ -255,6 +302,7 @@ struct Prepared {
   DTensorSpec src, dst;
   Plan plan;
   int64_t modulus = testing_support::kDefaultModulus;
+  int inject_failure = -1;
 };
 
 Prepared prepare(const RedistributeArgs& a) {
@@ -269,12 +317,15 @@ Prepared prepare(const RedistributeArgs& a) {
   p.plan = dtensor::plan_redistribute(p.src, to, planner);
   p.dst = dtensor::make_spec(p.mesh, p.plan.dst, shape, dtype);
   p.modulus = testing_support::exact_modulus(dtype, p.mesh->size());
+  p.inject_failure = a.inject_failure;
   return p;
 }
 
 // This rank's part: distribute, redistribute, check (collective over the mesh).
 RankResult run_rank(const Prepared& p, const MeshComms& comms, kernels::Device device) {
   const int rank = comms.rank();
+  if (rank == p.inject_failure)
+    throw kernels::ResourceError("cannot allocate the source shard (injected by --inject-failure)");
   Tensor local = testing_support::make_local(p.src, rank, p.modulus);
   if (!device.is_cpu()) local = local.to(device);
   Tensor out = dtensor::execute(p.plan, p.src, local, comms);
@@ -296,41 +347,45 @@ int report(const std::vector<RankResult>& results) {
   return status;
 }
 
-// One thread per mesh rank; with `nccl`, each drives the GPU of its rank.
-std::vector<RankResult> run_threads(const Prepared& p, bool nccl) {
+// One thread per mesh rank; with `nccl`, each drives the GPU of its rank. A rank that throws
+// fails the run naming itself (the others' waits end at once, naming it: run_ranks).
+std::vector<RankResult> run_threads(const Prepared& p, bool nccl, Millis timeout) {
   const int n = static_cast<int>(p.mesh->size());
   std::vector<RankResult> results(n);
-  try {
-    collectives::run_ranks(n, [&](Communicator& world) {
-      std::unique_ptr<Communicator> gpu;
-      if (nccl) gpu = collectives::nccl_communicator(world, world.rank());
-      MeshComms comms(*p.mesh, nccl ? *gpu : world);
-      results[world.rank()] =
-          run_rank(p, comms, nccl ? kernels::Device::cuda(world.rank()) : kernels::Device{});
-    });
-  } catch (const std::exception& e) {
-    throw RunFailure(fmt::format("redistribute failed: {}", e.what()));
-  }
+  collectives::run_ranks(
+      n,
+      [&](Communicator& world) {
+        program::on_rank(world.rank(), [&] {
+          std::unique_ptr<Communicator> gpu;
+          if (nccl) gpu = collectives::nccl_communicator(world, world.rank(), timeout);
+          MeshComms comms(*p.mesh, nccl ? *gpu : world);
+          results[world.rank()] =
+              run_rank(p, comms, nccl ? kernels::Device::cuda(world.rank()) : kernels::Device{});
+        });
+      },
+      timeout);
   return results;
 }
 
-int print_error(const std::exception& e, bool speaker, int status) {
-  if (speaker) {
-    std::string text = e.what();
-    std::replace(text.begin(), text.end(), '\n', ' ');
-    fmt::print(stderr, "dtensor-check: {}\n", text);
-  }
-  return status;
+// How long the mpi print barriers and status exchanges wait: a rank that failed early reaches
+// them while the others may still wait out a collective for up to `timeout`, so they wait a
+// bounded multiple of it (never the backend's fixed default).
+Millis control_timeout(Millis timeout) { return 2 * timeout + Millis{5'000}; }
+
+// Prints this process's failure at once (its own error, before any other rank's report of it)
+// and returns its exit status.
+int report_rank_failure(int rank, const std::exception_ptr& e) {
+  const program::Failure f = program::classify(std::make_exception_ptr(program::RankError(rank, e)));
+  return program::report("dtensor-check", f);
 }
 
-constexpr Millis kRunTimeout{60'000};
-
-int run_mpi(collectives::MpiWorld& mpi, const Prepared& p, const std::string& mesh_text) {
+int run_mpi(collectives::MpiWorld& mpi, const Prepared& p, const std::string& mesh_text, Millis timeout) {
   for (int r : p.mesh->ranks())
     if (r >= mpi.size())
       throw kernels::InvalidArgument(fmt::format(
-          "mesh '{}' holds rank {}, outside the mpi world (size {})", mesh_text, r, mpi.size()));
-  const std::unique_ptr<Communicator> world = mpi.communicator(kRunTimeout);
+          "mesh '{}' holds rank {}, outside the mpi world (size {})", kernels::clip(mesh_text), r, mpi.size()));
+  const std::unique_ptr<Communicator> world = mpi.communicator(timeout);
+  const std::unique_ptr<Communicator> control = mpi.communicator(control_timeout(timeout));
   std::optional<MeshComms> comms;
   comms.emplace(*p.mesh, *world);
   if (mpi.rank() == 0) {
@@ -339,84 +394,91 @@ int run_mpi(collectives::MpiWorld& mpi, const Prepared& p, const std::string& me
     std::this_thread::sleep_for(std::chrono::milliseconds(30));
   }
   std::optional<RankResult> mine;
-  std::string fatal;
+  int status = program::kOk;
   if (comms->in_mesh()) {
     try {
       mine = run_rank(p, *comms, kernels::Device{});
-    } catch (const std::exception& e) {
-      fatal = e.what();
-      std::replace(fatal.begin(), fatal.end(), '\n', ' ');
+    } catch (...) {
+      status = report_rank_failure(mpi.rank(), std::current_exception());
     }
   }
-  bool bad = !fatal.empty() || (mine && !mine->error.empty());
+  if (mine && !mine->error.empty()) status = program::kMismatch;
   // Lines in rank order: each process prints its own in turn.
   for (int r = 0; r < mpi.size(); ++r) {
     if (r == mpi.rank()) {
       if (mine) fmt::print("{}\n", rank_line(*mine));
       std::fflush(stdout);
       if (mine && !mine->error.empty())
-        fmt::print(stderr, "dtensor-check: rank {}: {}\n", mine->rank, mine->error);
-      if (!fatal.empty()) fmt::print(stderr, "dtensor-check: rank {}: redistribute failed: {}\n", r, fatal);
+        fmt::print(stderr, "dtensor-check: rank {}: {}\n", mine->rank, kernels::clip(mine->error, 500));
       std::fflush(stderr);
       // mpirun forwards each process's output on its own: give it a moment to keep rank order.
       std::this_thread::sleep_for(std::chrono::milliseconds(30));
     }
-    world->wait(world->barrier());
+    control->wait(control->barrier());
   }
-  Tensor flag = Tensor::full({1}, bad ? 1 : 0, DType::kI32);
-  world->wait(world->all_reduce(flag, flag, kernels::ReduceOp::kMax));
-  return flag.item({0}) != 0 ? 1 : 0;
+  // Every process exits with the same status: the root cause's (a rank's own failure or a
+  // mismatch) before the communication failures it caused on the others.
+  auto rank_of = [](int st) { return st == program::kOk ? 0 : st == program::kComm ? 1 : 10 + st; };
+  Tensor flag = Tensor::full({1}, rank_of(status), DType::kI32);
+  control->wait(control->all_reduce(flag, flag, kernels::ReduceOp::kMax));
+  const int worst = static_cast<int>(flag.item({0}));
+  return worst == 0 ? program::kOk : worst == 1 ? program::kComm : worst - 10;
 }
 
 int cmd_redistribute(const RedistributeArgs& a) {
-  Backend backend;
-  try {
-    backend = parse_backend(a.backend, /*allow_nccl=*/true);
-  } catch (const kernels::Error& e) {
-    return print_error(e, true, 2);
-  }
+  const Backend backend = parse_backend(a.backend, /*allow_nccl=*/true);
+  const Millis timeout{a.timeout_ms};
   std::unique_ptr<collectives::MpiWorld> mpi;
   if (backend == Backend::kMpi) {
     try {
-      mpi = std::make_unique<collectives::MpiWorld>(nullptr, nullptr, kRunTimeout);
+      mpi = std::make_unique<collectives::MpiWorld>(nullptr, nullptr, control_timeout(timeout));
     } catch (const kernels::Unsupported& e) {
-      return print_error(kernels::Unsupported(fmt::format("--backend mpi: {}", e.what())), true, 2);
+      throw kernels::Unsupported(fmt::format("--backend mpi: {}", e.what()));
     }
   }
   const bool speaker = !mpi || mpi->rank() == 0;  // under mpirun only rank 0 reports input errors
+  if (backend != Backend::kMpi)  // before planning, which is slow on meshes that big
+    require_dense_ranks(DeviceMesh::parse(a.mesh), a.mesh, a.backend);
+  Prepared p;
   try {
-    Prepared p = prepare(a);
-    switch (backend) {
-      case Backend::kLocal: {
-        require_dense_ranks(*p.mesh, a.mesh, "local");
-        fmt::print("{}\n", plan_line(p.plan));
-        std::fflush(stdout);
-        return report(run_threads(p, false));
-      }
-      case Backend::kNccl: {
-        require_dense_ranks(*p.mesh, a.mesh, "nccl");
-        const int gpus = kernels::cuda_device_count();
-        if (gpus < p.mesh->size())
-          throw kernels::Unsupported(fmt::format("the nccl backend needs {} GPUs, found {} (one GPU per mesh rank)",
-                                                 p.mesh->size(), gpus));
-        if (!collectives::nccl_built())
-          throw kernels::Unsupported("the nccl backend is not built into this dtensor-check (needs CUDA and NCCL)");
-        fmt::print("{}\n", plan_line(p.plan));
-        std::fflush(stdout);
-        return report(run_threads(p, true));
-      }
-      case Backend::kMpi: return run_mpi(*mpi, p, a.mesh);
-    }
-  } catch (const RunFailure& e) {
-    return print_error(e, true, 1);
-  } catch (const kernels::InvalidArgument& e) {
-    return print_error(e, speaker, 2);
-  } catch (const kernels::Unsupported& e) {
-    return print_error(e, speaker, 2);
-  } catch (const std::exception& e) {
-    return print_error(RunFailure(fmt::format("redistribute failed: {}", e.what())), true, 1);
+    p = prepare(a);
+  } catch (const kernels::Error& e) {  // the same on every rank
+    if (speaker) throw;
+    throw program::Exit{program::classify(std::current_exception()).status};
   }
-  return 1;
+  switch (backend) {
+    case Backend::kLocal: {
+      require_dense_ranks(*p.mesh, a.mesh, "local");
+      fmt::print("{}\n", plan_line(p.plan));
+      std::fflush(stdout);
+      return report(run_threads(p, false, timeout));
+    }
+    case Backend::kNccl: {
+      require_dense_ranks(*p.mesh, a.mesh, "nccl");
+      const int gpus = kernels::cuda_device_count();
+      if (gpus < p.mesh->size())
+        throw kernels::Unsupported(fmt::format("the nccl backend needs {} GPUs, found {} (one GPU per mesh rank)",
+                                               p.mesh->size(), gpus));
+      if (!collectives::nccl_built())
+        throw kernels::Unsupported("the nccl backend is not built into this dtensor-check (needs CUDA and NCCL)");
+      fmt::print("{}\n", plan_line(p.plan));
+      std::fflush(stdout);
+      return report(run_threads(p, true, timeout));
+    }
+    case Backend::kMpi: {
+      try {
+        return run_mpi(*mpi, p, a.mesh, timeout);
+      } catch (const kernels::InvalidArgument&) {  // rank-independent: rank 0 reports it
+        if (speaker) throw;
+        throw program::Exit{program::kInvalid};
+      } catch (const program::Exit&) {
+        throw;
+      } catch (...) {
+        throw program::RankError(mpi->rank(), std::current_exception());
+      }
+    }
+  }
+  return program::kMismatch;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -455,6 +517,7 @@ struct FuzzArgs {
   int max_ranks = 8;
   std::string backend = "local", planner = "both";
   int show = 10;  // failures printed in full
+  int64_t timeout_ms = 30'000;  // per collective (a case's wait)
 };
 
 struct FuzzCase {
@@ -682,25 +745,25 @@ struct CaseCrash : std::runtime_error {
 
 int cmd_fuzz(const FuzzArgs& a, const std::string& prog) {
   const auto start = std::chrono::steady_clock::now();
-  Backend backend;
   std::vector<PlannerKind> planners;
-  try {
-    backend = parse_backend(a.backend, /*allow_nccl=*/false);
-    if (a.planner == "both") planners = {PlannerKind::kGreedy, PlannerKind::kSearch};
-    else if (a.planner == "greedy" || a.planner == "search") planners = {dtensor::parse_planner(a.planner)};
-    else throw kernels::InvalidArgument(fmt::format("unknown planner '{}': expected greedy, search or both", a.planner));
-    if (a.cases < 0) throw kernels::InvalidArgument(fmt::format("--cases {} must be >= 0", a.cases));
-    if (a.max_ranks < 1 || a.max_ranks > 64)
-      throw kernels::InvalidArgument(fmt::format("--max-ranks {} must be in 1..64", a.max_ranks));
-  } catch (const kernels::Error& e) {
-    return print_error(e, true, 2);
-  }
+  const Backend backend = parse_backend(a.backend, /*allow_nccl=*/false);
+  if (a.planner == "both") planners = {PlannerKind::kGreedy, PlannerKind::kSearch};
+  else if (a.planner == "greedy" || a.planner == "search") planners = {dtensor::parse_planner(a.planner)};
+  else
+    throw kernels::InvalidArgument(
+        fmt::format("unknown planner '{}': expected greedy, search or both", kernels::clip(a.planner)));
+  if (a.cases < 0 || a.cases > kMaxFuzzCases)
+    throw kernels::InvalidArgument(fmt::format("--cases {} must be in 0..{}", a.cases, kMaxFuzzCases));
+  if (a.max_ranks < 1 || a.max_ranks > 64)
+    throw kernels::InvalidArgument(fmt::format("--max-ranks {} must be in 1..64", a.max_ranks));
+  if (a.show < 0) throw kernels::InvalidArgument(fmt::format("--show {} must be >= 0", a.show));
+  const Millis case_timeout{a.timeout_ms};
   std::unique_ptr<collectives::MpiWorld> mpi;
   if (backend == Backend::kMpi) {
     try {
-      mpi = std::make_unique<collectives::MpiWorld>(nullptr, nullptr, Millis{600'000});
+      mpi = std::make_unique<collectives::MpiWorld>(nullptr, nullptr, control_timeout(case_timeout));
     } catch (const kernels::Unsupported& e) {
-      return print_error(kernels::Unsupported(fmt::format("--backend mpi: {}", e.what())), true, 2);
+      throw kernels::Unsupported(fmt::format("--backend mpi: {}", e.what()));
     }
   }
   const int world_size = mpi ? mpi->size() : 0;
@@ -744,10 +807,9 @@ int cmd_fuzz(const FuzzArgs& a, const std::string& prog) {
       ++executed;
       routes += static_cast<int64_t>(cases[i].plans.size());
     }
-  const Millis case_timeout{30'000};
   std::unique_ptr<Communicator> world, control;
   if (mpi) {
-    control = mpi->communicator(Millis{600'000});
+    control = mpi->communicator(control_timeout(case_timeout));
     world = mpi->communicator(case_timeout);
   }
   bool broken = false;  // mpi: a rank threw, the call sequences no longer line up
@@ -842,56 +904,48 @@ int cmd_fuzz(const FuzzArgs& a, const std::string& prog) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"dtensor-check: contract checks of the DTensor runtime"};
-  app.require_subcommand(1);
-  LayoutArgs args;
-  CLI::App* layout = app.add_subcommand("layout", "per-rank local shape, global offset and held indices");
-  layout->add_option("--mesh", args.mesh, "mesh shape (4x2) or explicit rank array ([[0,2],[1,3]])")->required();
-  layout->add_option("--shape", args.shape, "global tensor shape, comma-separated (13,2)")->required();
-  layout->add_option("--placements", args.placements, "one placement per mesh dim: S(d), _S(d,sf), R, P, P(op)")->required();
-  layout->add_option("--names", args.names, "mesh dim names, comma-separated (dp,tp)");
-  app.add_subcommand("demo", "a tour of the layout rules on a few meshes");
+  return program::run("dtensor-check", [&] {
+    CLI::App app{"dtensor-check: contract checks of the DTensor runtime"};
+    app.require_subcommand(1);
+    LayoutArgs args;
+    CLI::App* layout = app.add_subcommand("layout", "per-rank local shape, global offset and held indices");
+    layout->add_option("--mesh", args.mesh, "mesh shape (4x2) or explicit rank array ([[0,2],[1,3]])")->required();
+    layout->add_option("--shape", args.shape, "global tensor shape, comma-separated (13,2)")->required();
+    layout->add_option("--placements", args.placements, "one placement per mesh dim: S(d), _S(d,sf), R, P, P(op)")->required();
+    layout->add_option("--names", args.names, "mesh dim names, comma-separated (dp,tp)");
+    layout->add_flag("--runs", args.runs, "print the held indices as [start,length] runs (any size)");
+    app.add_subcommand("demo", "a tour of the layout rules on a few meshes");
 
-  RedistributeArgs rargs;
-  CLI::App* redistribute = app.add_subcommand(
-      "redistribute", "redistribute a tensor of known values and check every rank's result");
-  redistribute->add_option("--mesh", rargs.mesh, "mesh shape (2x2) or explicit rank array ([[0,2],[1,3]])")->required();
-  redistribute->add_option("--shape", rargs.shape, "global tensor shape, comma-separated (7,5)")->required();
-  redistribute->add_option("--from", rargs.from, "source placements, one per mesh dim (S(0),R)")->required();
-  redistribute->add_option("--to", rargs.to, "target placements, one per mesh dim (R,S(1))")->required();
-  redistribute->add_option("--dtype", rargs.dtype, "f32 (default), f64, bf16, f16, i32, i64 or u8");
-  redistribute->add_option("--backend", rargs.backend, "local (default: one thread per rank), mpi (under mpirun) or nccl (one GPU per rank)");
-  redistribute->add_option("--planner", rargs.planner, "search (default) or greedy (PyTorch's)");
-  redistribute->add_option("--names", rargs.names, "mesh dim names, comma-separated (dp,tp)");
+    RedistributeArgs rargs;
+    CLI::App* redistribute = app.add_subcommand(
+        "redistribute", "redistribute a tensor of known values and check every rank's result");
+    redistribute->add_option("--mesh", rargs.mesh, "mesh shape (2x2) or explicit rank array ([[0,2],[1,3]])")->required();
+    redistribute->add_option("--shape", rargs.shape, "global tensor shape, comma-separated (7,5)")->required();
+    redistribute->add_option("--from", rargs.from, "source placements, one per mesh dim (S(0),R)")->required();
+    redistribute->add_option("--to", rargs.to, "target placements, one per mesh dim (R,S(1))")->required();
+    redistribute->add_option("--dtype", rargs.dtype, "f32 (default), f64, bf16, f16, i32, i64 or u8");
+    redistribute->add_option("--backend", rargs.backend, "local (default: one thread per rank), mpi (under mpirun) or nccl (one GPU per rank)");
+    redistribute->add_option("--planner", rargs.planner, "search (default) or greedy (PyTorch's)");
+    redistribute->add_option("--names", rargs.names, "mesh dim names, comma-separated (dp,tp)");
+    program::add_timeout(*redistribute, rargs.timeout_ms);
+    redistribute->add_option("--inject-failure", rargs.inject_failure, "this rank fails at once (tests the failure path)")
+        ->group("");  // hidden
 
-  FuzzArgs fargs;
-  CLI::App* fuzz = app.add_subcommand("fuzz", "random redistributes (invalid ones included), each checked on every rank");
-  fuzz->add_option("--cases", fargs.cases, "number of cases (default 100)");
-  fuzz->add_option("--seed", fargs.seed, "random seed (default 1)");
-  fuzz->add_option("--max-ranks", fargs.max_ranks, "largest mesh (default 8; with mpi at most the world size)");
-  fuzz->add_option("--backend", fargs.backend, "local (default) or mpi (under mpirun)");
-  fuzz->add_option("--planner", fargs.planner, "greedy, search or both (default)");
-  fuzz->add_option("--show", fargs.show, "failures printed with a reproducer (default 10)");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {
-    fmt::print("{}", app.help());
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    fmt::print(stderr, "dtensor-check: {}\n", e.what());
-    return 2;
-  }
-  if (redistribute->parsed()) return cmd_redistribute(rargs);
-  if (fuzz->parsed()) return cmd_fuzz(fargs, argv[0]);
-  try {
-    if (layout->parsed()) print_layout(make_problem(args));
+    FuzzArgs fargs;
+    CLI::App* fuzz = app.add_subcommand("fuzz", "random redistributes (invalid ones included), each checked on every rank");
+    fuzz->add_option("--cases", fargs.cases, fmt::format("number of cases (default 100, at most {})", kMaxFuzzCases));
+    fuzz->add_option("--seed", fargs.seed, "random seed (default 1)")->check(program::kUint64);
+    fuzz->add_option("--max-ranks", fargs.max_ranks, "largest mesh (default 8, at most 64; with mpi at most the world size)");
+    fuzz->add_option("--backend", fargs.backend, "local (default) or mpi (under mpirun)");
+    fuzz->add_option("--planner", fargs.planner, "greedy, search or both (default)");
+    fuzz->add_option("--show", fargs.show, "failures printed with a reproducer (default 10)");
+    program::add_timeout(*fuzz, fargs.timeout_ms);
+    program::parse(app, argc, argv);
+
+    if (redistribute->parsed()) return cmd_redistribute(rargs);
+    if (fuzz->parsed()) return cmd_fuzz(fargs, argv[0]);
+    if (layout->parsed()) print_layout(make_problem(args), args.runs);
     else demo();
-  } catch (const kernels::InvalidArgument& e) {
-    fmt::print(stderr, "dtensor-check: {}\n", e.what());
-    return 2;
-  } catch (const kernels::Unsupported& e) {
-    fmt::print(stderr, "dtensor-check: {}\n", e.what());
-    return 2;
-  }
-  return 0;
+    return program::kOk;
+  });
 }

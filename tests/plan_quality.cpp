@@ -8,17 +8,27 @@
 //   plan-quality [--table fsdp|pairs|all] [--size-mib 32] [--mesh 2x2 --shape 1024,768] [--dtype f32]
 //   plan-quality --check     exit 1 unless every FSDP row plans one collective per crossed mesh
 //                            dim and its even rows receive exactly the lower bound
+// Limits of the pairs table: meshes of at most 3 dims (the sweep has 20^ndim pairs), shapes of
+// at least 2 dims; --timeout-ms bounds the whole sweep (exit 3 naming how far it got).
+// Exit status (program/main.h): 0 ok, 1 a broken promise (--check), 2 invalid input, 3 out of
+// memory or time.
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <charconv>
+#include <chrono>
 
 #include "dtensor/plan/planner.h"
 #include "kernels/error.h"
+#include "program/cli.h"
+#include "program/main.h"
 
 using namespace dtensor;
 
 namespace {
+
+constexpr int kMaxMeshDims = 3;
 
 Dims parse_shape(const std::string& text) {
   Dims shape;
@@ -26,7 +36,15 @@ Dims parse_shape(const std::string& text) {
   while (begin <= text.size()) {
     size_t end = text.find(',', begin);
     if (end == std::string::npos) end = text.size();
-    shape.push_back(std::stoll(text.substr(begin, end - begin)));
+    const std::string_view part(text.data() + begin, end - begin);
+    int64_t v = -1;
+    auto [p, ec] = std::from_chars(part.data(), part.data() + part.size(), v);
+    if (part.empty() || ec != std::errc() || p != part.data() + part.size() || v < 0)
+      throw kernels::InvalidArgument(fmt::format("--shape '{}' is malformed at '{}': expected sizes in 0..{} like 1024,768",
+                                                 kernels::clip(text), kernels::clip(part, 40), kernels::kInt64Max));
+    if (shape.size() == kernels::kMaxDims)
+      throw kernels::InvalidArgument(fmt::format("--shape '{}' has more than {} dims", kernels::clip(text), kernels::kMaxDims));
+    shape.push_back(v);
     begin = end + 1;
   }
   return shape;
@@ -119,7 +137,8 @@ int fsdp_table(double size_mib, kernels::DType dtype) {
   return bad;
 }
 
-void pairs_table(const std::string& mesh_text, const std::string& shape_text, kernels::DType dtype, size_t limit) {
+void pairs_table(const std::string& mesh_text, const std::string& shape_text, kernels::DType dtype, size_t limit,
+                 int64_t timeout_ms, std::chrono::steady_clock::time_point deadline) {
   auto mesh = std::make_shared<const DeviceMesh>(DeviceMesh::parse(mesh_text));
   const Dims shape = parse_shape(shape_text);
   const std::vector<Placement> sources = {Replicate{}, Shard{0}, Shard{1}, StridedShard{0, 2}, Partial{}};
@@ -137,8 +156,12 @@ void pairs_table(const std::string& mesh_text, const std::string& shape_text, ke
   struct Row { std::string src, dst, greedy, search; int64_t gb, sb; int gc, sc; };
   std::vector<Row> rows;
   int64_t pairs = 0, equal = 0;
+  const int64_t total = static_cast<int64_t>(srcs.size() * dsts.size());
   for (const Placements& src : srcs)
     for (const Placements& dst : dsts) {
+      if (std::chrono::steady_clock::now() > deadline)
+        throw kernels::ResourceError(fmt::format("the sweep ran past --timeout-ms {} after {} of {} pairs",
+                                                 timeout_ms, pairs, total));
       DTensorSpec s = make_spec(mesh, src, shape, dtype);
       Plan g = plan_redistribute(s, dst, PlannerKind::kGreedy);
       Plan q = plan_redistribute(s, dst, PlannerKind::kSearch);
@@ -166,35 +189,48 @@ void pairs_table(const std::string& mesh_text, const std::string& shape_text, ke
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"plan-quality: plans against the lower bound and against PyTorch's greedy planner"};
-  std::string table = "all", mesh_text = "2x2", shape_text = "1024,768", dtype_text = "f32";
-  double size_mib = 32;
-  size_t limit = 40;
-  bool check = false;
-  app.add_option("--table", table, "fsdp, pairs or all")->check(CLI::IsMember({"fsdp", "pairs", "all"}));
-  app.add_option("--size-mib", size_mib, "FSDP table: tensor size (even shape)");
-  app.add_option("--mesh", mesh_text, "pairs table: mesh");
-  app.add_option("--shape", shape_text, "pairs table: global shape");
-  app.add_option("--dtype", dtype_text);
-  app.add_option("--limit", limit, "pairs table: rows to print (largest savings first)");
-  app.add_flag("--check", check, "exit 1 unless every FSDP row keeps its promise");
-  CLI11_PARSE(app, argc, argv);
-  try {
+  return program::run("plan-quality", [&] {
+    CLI::App app{"plan-quality: plans against the lower bound and against PyTorch's greedy planner"};
+    std::string table = "all", mesh_text = "2x2", shape_text = "1024,768", dtype_text = "f32";
+    double size_mib = 32;
+    int64_t limit = 40;
+    int64_t timeout_ms = 600'000;
+    bool check = false;
+    app.add_option("--table", table, "fsdp, pairs or all")->check(CLI::IsMember({"fsdp", "pairs", "all"}))
+        ->capture_default_str();
+    app.add_option("--size-mib", size_mib, "FSDP table: tensor size (even shape)")
+        ->check(CLI::Range(1e-3, 1e6))
+        ->capture_default_str();
+    app.add_option("--mesh", mesh_text, "pairs table: mesh shape, at most 3 dims")->capture_default_str();
+    app.add_option("--shape", shape_text, "pairs table: global shape, at least 2 dims")->capture_default_str();
+    app.add_option("--dtype", dtype_text)->capture_default_str();
+    app.add_option("--limit", limit, "pairs table: rows to print (largest savings first)")
+        ->check(CLI::Range(int64_t{0}, int64_t{1'000'000}))
+        ->capture_default_str();
+    app.add_flag("--check", check, "exit 1 unless every FSDP row keeps its promise");
+    program::add_timeout(app, timeout_ms, "wall-clock limit of the pairs sweep (exit 3 beyond it)");
+    program::parse(app, argc, argv);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
     const kernels::DType dtype = kernels::parse_dtype(dtype_text);
-    if (size_mib <= 0) throw kernels::InvalidArgument(fmt::format("--size-mib {} must be > 0", size_mib));
+    const bool pairs = table != "fsdp" && !check;
+    if (pairs) {  // the pairs table's input is checked before the FSDP table prints
+      const DeviceMesh mesh = DeviceMesh::parse(mesh_text);
+      if (mesh.ndim() > kMaxMeshDims)
+        throw kernels::InvalidArgument(fmt::format("--mesh '{}' has {} dims: the sweep covers meshes of at most {} "
+                                                   "(it plans 20^ndim placement pairs)",
+                                                   kernels::clip(mesh_text), mesh.ndim(), kMaxMeshDims));
+      const Dims shape = parse_shape(shape_text);
+      if (shape.size() < 2)
+        throw kernels::InvalidArgument(fmt::format("--shape '{}' has {} dims: the sweep shards tensor dims 0 and 1",
+                                                   kernels::clip(shape_text), shape.size()));
+    }
     int bad = 0;
     if (table != "pairs" || check) bad = fsdp_table(size_mib, dtype);
-    if (table != "fsdp" && !check) pairs_table(mesh_text, shape_text, dtype, limit);
+    if (pairs) pairs_table(mesh_text, shape_text, dtype, static_cast<size_t>(limit), timeout_ms, deadline);
     if (check && bad > 0) {
       fmt::print(stderr, "plan-quality: {} FSDP rows break their promise\n", bad);
-      return 1;
+      return program::kMismatch;
     }
-  } catch (const kernels::Error& e) {
-    fmt::print(stderr, "plan-quality: {}\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "plan-quality: {}\n", e.what());
-    return 2;
-  }
-  return 0;
+    return program::kOk;
+  });
 }

@@ -5,9 +5,11 @@
 
 #include <algorithm>
 #include <functional>
+#include <optional>
 #include <queue>
 #include <unordered_map>
 
+#include "kernels/checked.h"
 #include "kernels/error.h"
 
 namespace dtensor {
@@ -19,23 +21,42 @@ namespace {
 
 int64_t numel(const ShardLayout& l) { return l.local_shape.product(); }
 
+__extension__ typedef __int128 Wide;  // __extension__: no -Wpedantic warning
+
+// A byte count computed in 128 bits (so 2(k-1)N/k rounds exactly as in 64 bits when that does
+// not overflow), narrowed with a check: an InvalidArgument naming the value, never a wrap.
+int64_t to_bytes(Wide v, const DTensorSpec& spec) {
+  if (v > kernels::kInt64Max || v < 0)
+    throw InvalidArgument(fmt::format("the traffic of a redistribute of shape [{}] ({}) overflows int64 bytes",
+                                      fmt::join(spec.shape, ","), kernels::to_string(spec.dtype)));
+  return static_cast<int64_t>(v);
+}
+
 std::vector<ShardLayout> all_layouts(const DTensorSpec& spec, const Placements& placements) {
   return mesh_layouts(spec.shape, spec.mesh->shape(), placements);
 }
 
 // Every rank's layout per placement state for one global shape, computed once per planning call.
+// It also counts the planning work (rank layouts computed, rank pairs compared by traffic_of)
+// for the search budget.
 class LayoutCache {
  public:
   LayoutCache(Dims shape, Dims mesh_shape) : shape_(std::move(shape)), mesh_shape_(std::move(mesh_shape)) {}
   const std::vector<ShardLayout>& get(const Placements& placements) {
     auto [it, inserted] = by_state_.try_emplace(to_string(placements));
-    if (inserted) it->second = mesh_layouts(shape_, mesh_shape_, placements);
+    if (inserted) {
+      it->second = mesh_layouts(shape_, mesh_shape_, placements);
+      work_ += static_cast<int64_t>(it->second.size()) * static_cast<int64_t>(mesh_shape_.size());
+    }
     return it->second;
   }
+  void add_work(int64_t units) { work_ += units; }
+  int64_t work() const { return work_; }
 
  private:
   Dims shape_, mesh_shape_;
   std::unordered_map<std::string, std::vector<ShardLayout>> by_state_;
+  int64_t work_ = 0;
 };
 
 // NOTE [step validity] for every shape a plan must serve; the first is the spec's own (its
@@ -67,6 +88,11 @@ class Validity {
     return true;
   }
   LayoutCache& layouts() { return caches_.front(); }
+  int64_t work() const {
+    int64_t w = 0;
+    for (const LayoutCache& c : caches_) w += c.work();
+    return w;
+  }
   const std::vector<Dims>& shapes() const { return shapes_; }
 
  private:
@@ -176,8 +202,8 @@ Plan Builder::finish(const Placements& dst) {
     if (!moves) continue;
     const Traffic t = traffic_of(step, spec_, plan_.states[i], layouts);
     for (int64_t p = 0; p < n; ++p) {
-      plan_.traffic.sent[p] += t.sent[p];
-      plan_.traffic.received[p] += t.received[p];
+      plan_.traffic.sent[p] = to_bytes(Wide{plan_.traffic.sent[p]} + t.sent[p], spec_);
+      plan_.traffic.received[p] = to_bytes(Wide{plan_.traffic.received[p]} + t.received[p], spec_);
     }
     plan_.cost_us += step_cost(step, spec_, plan_.states[i], cost_, layouts);
   }
@@ -216,8 +242,9 @@ Plan greedy(const DTensorSpec& spec, const Placements& dst, const CostModel& cos
 }
 
 // Dijkstra over placement states; edges are the single steps valid by layouts (NOTE [step
-// validity]), the ones PyTorch lacks included (Regroup, P -> _S).
-Plan search(const DTensorSpec& spec, const Placements& dst, const CostModel& cost,
+// validity]), the ones PyTorch lacks included (Regroup, P -> _S). Gives up (nullopt) once the
+// planning work exceeds kMaxSearchWork (meshes of many dims: millions of states).
+std::optional<Plan> search(const DTensorSpec& spec, const Placements& dst, const CostModel& cost,
             bool allow_partial_target, Validity& validity) {
   const int ndim = spec.mesh->ndim();
   const Placements& src = spec.placements;
@@ -265,6 +292,7 @@ Plan search(const DTensorSpec& spec, const Placements& dst, const CostModel& cos
     if (done[e.key]) continue;
     done[e.key] = true;
     if (e.key == goal) break;
+    if (validity.work() > kMaxSearchWork) return std::nullopt;
     const Placements state = nodes[e.key].state;
     for (int m = 0; m < ndim; ++m)
       for (const Placement& c : candidates[m]) {
@@ -345,6 +373,7 @@ Traffic traffic_of(const Step& step, const DTensorSpec& spec, const Placements& 
   t.sent.assign(n, 0);
   t.received.assign(n, 0);
   if (!communicates(step) || k == 1) return t;
+  layouts.add_work(n * k);
   const std::vector<ShardLayout>& pre = layouts.get(before);
   const std::vector<ShardLayout>& post = layouts.get(apply_step(step, before));
   for (int64_t p = 0; p < n; ++p) {
@@ -355,21 +384,24 @@ Traffic traffic_of(const Step& step, const DTensorSpec& spec, const Placements& 
       // reduce-scatter + all-gather over a balanced split of the N elements whose larger and
       // smaller pieces alternate around the ring reaches it exactly).
       const int64_t N = numel(pre[p]);
-      t.sent[p] = t.received[p] = (2 * (k - 1) * N + k - 1) / k * item;
+      t.sent[p] = t.received[p] = to_bytes((Wide{2} * (k - 1) * N + k - 1) / k * item, spec);
       continue;
     }
     if (std::holds_alternative<ReduceScatter>(step)) {
-      t.sent[p] = (numel(pre[p]) - numel(post[p])) * item;
-      t.received[p] = (k - 1) * numel(post[p]) * item;
+      t.sent[p] = to_bytes(Wide{numel(pre[p]) - numel(post[p])} * item, spec);
+      t.received[p] = to_bytes(Wide{k - 1} * numel(post[p]) * item, spec);
       continue;
     }
+    Wide sent = 0, received = 0;
     for (int64_t g = 0; g < k; ++g) {
       if (g == r) continue;
       coord[m] = g;
       const int64_t q = ravel_index(coord, mesh.shape());
-      t.sent[p] += common_elements(pre[p], post[q]) * item;
-      t.received[p] += common_elements(pre[q], post[p]) * item;
+      sent += Wide{common_elements(pre[p], post[q])} * item;
+      received += Wide{common_elements(pre[q], post[p])} * item;
     }
+    t.sent[p] = to_bytes(sent, spec);
+    t.received[p] = to_bytes(received, spec);
   }
   return t;
 }
@@ -396,14 +428,15 @@ Traffic lower_bound_traffic(const DTensorSpec& src, const Placements& dst_in) {
   const std::vector<ShardLayout> pre = all_layouts(src, from);
   const std::vector<ShardLayout> post = all_layouts(src, dst);
   if (contributions == 1) {
-    for (int64_t p = 0; p < n; ++p) t.received[p] = (numel(post[p]) - common_elements(pre[p], post[p])) * item;
+    for (int64_t p = 0; p < n; ++p)
+      t.received[p] = to_bytes(Wide{numel(post[p]) - common_elements(pre[p], post[p])} * item, src);
     return t;
   }
-  int64_t held_after = 0;
+  Wide held_after = 0;
   for (int64_t p = 0; p < n; ++p) held_after += numel(post[p]);
-  const int64_t total = src.shape.product() * (contributions - 2) * classes + held_after;
-  const int64_t busiest = (total + n - 1) / n;
-  for (int64_t p = 0; p < n; ++p) t.received[p] = std::max(busiest, numel(post[p])) * item;
+  const Wide total = Wide{src.shape.product()} * (contributions - 2) * classes + held_after;
+  const Wide busiest = (total + n - 1) / n;
+  for (int64_t p = 0; p < n; ++p) t.received[p] = to_bytes(std::max(busiest, Wide{numel(post[p])}) * item, src);
   return t;
 }
 
@@ -412,11 +445,23 @@ Plan plan_redistribute(const DTensorSpec& src, const Placements& dst_in, Planner
                        const std::vector<Dims>& also_valid_for) {
   const Placements dst = normalize_placements(dst_in, src.mesh->ndim(), src.tensor_ndim());
   check_transition(src, dst, allow_partial_target);
+  int64_t largest_group = 1;
+  for (int m = 0; m < src.mesh->ndim(); ++m) largest_group = std::max(largest_group, src.mesh->size(m));
+  if (src.mesh->size() * largest_group > kMaxPlanRankPairs)
+    throw Unsupported(fmt::format(
+        "cannot plan on mesh shape [{}]: {} ranks x a group of {} exceeds the planner's limit of {} rank pairs "
+        "(its traffic model compares each rank with every member of its group)",
+        fmt::join(src.mesh->shape(), ","), src.mesh->size(), largest_group, kMaxPlanRankPairs));
   Validity validity(src, also_valid_for);
   // The search's graph holds greedy's route, so it never costs more (checked against an
-  // independent brute force in tests/dtensor/plan_bruteforce_test.cpp; no fallback hides a miss).
+  // independent brute force in tests/dtensor/plan_bruteforce_test.cpp; no cost fallback hides a
+  // miss). Only a search over its work budget returns greedy's route instead.
   if (kind == PlannerKind::kGreedy) return greedy(src, dst, cost, validity);
-  return search(src, dst, cost, allow_partial_target, validity);
+  if (std::optional<Plan> s = search(src, dst, cost, allow_partial_target, validity)) return std::move(*s);
+  Validity fresh(src, also_valid_for);
+  Plan g = greedy(src, dst, cost, fresh);
+  g.planner = PlannerKind::kSearch;
+  return g;
 }
 
 const Plan& PlanCache::get(const DTensorSpec& src, const Placements& dst, PlannerKind kind,

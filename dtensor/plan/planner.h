@@ -32,6 +32,16 @@
 
 namespace dtensor {
 
+// Planning limits. The traffic model compares each rank with every member of its group, so one
+// step costs about mesh.size() x group size: meshes where that product exceeds
+// kMaxPlanRankPairs are refused (Unsupported naming the shape; a 1-D mesh of 4096 ranks is the
+// largest 1-D one, about a second of planning). The search planner stops after kMaxSearchWork
+// units (a rank layout computed, per mesh dim, or a rank pair compared) and returns the greedy
+// route instead:
+// meshes of many dims can have millions of placement states.
+inline constexpr int64_t kMaxPlanRankPairs = int64_t{1} << 24;
+inline constexpr int64_t kMaxSearchWork = int64_t{1} << 22;
+
 enum class PlannerKind { kGreedy, kSearch };
 std::string_view to_string(PlannerKind kind);
 PlannerKind parse_planner(std::string_view text);  // "greedy" | "search"

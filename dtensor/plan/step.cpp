@@ -12,6 +12,9 @@ template <class... Ts>
 struct Overloaded : Ts... {
   using Ts::operator()...;
 };
+// Needed by clang 14 (no aggregate deduction yet); the sanitizer and fuzz builds use clang.
+template <class... Ts>
+Overloaded(Ts...) -> Overloaded<Ts...>;
 
 // Tensor dims the step splits or joins (NOTE [step validity]).
 std::vector<int> touched_dims(const Step& step) {

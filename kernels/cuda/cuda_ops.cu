@@ -209,8 +209,13 @@ void* cuda_malloc(size_t nbytes, int device) {
   cuda_check_device(device);
   DeviceGuard guard(device);
   void* ptr = nullptr;
-  check(cudaMalloc(&ptr, nbytes),
-        "cudaMalloc of " + std::to_string(nbytes) + " bytes on " + device_name(device));
+  const cudaError_t err = cudaMalloc(&ptr, nbytes);
+  if (err == cudaErrorMemoryAllocation) {  // out of device memory: a resource error, not a bug
+    (void)cudaGetLastError();
+    throw ResourceError("cannot allocate " + std::to_string(nbytes) + " bytes on " + device_name(device) +
+                        ": out of memory (cudaErrorMemoryAllocation)");
+  }
+  check(err, "cudaMalloc of " + std::to_string(nbytes) + " bytes on " + device_name(device));
   return ptr;
 }
 

@@ -8,12 +8,14 @@ import re
 import subprocess
 import sys
 
+from sanitizer_env import child_env
+
 PROG = sys.argv[1]
 failures = []
 
 
 def run(*args):
-    return subprocess.run([PROG, *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([PROG, *args], capture_output=True, text=True, timeout=120, env=child_env(args))
 
 
 def check(cond, what):

@@ -71,9 +71,9 @@ inline Tensor make_local(const DTensorSpec& spec, int rank, int64_t modulus = kD
       op = p->op;  // ops mix only as sum with avg: then every op here is linear
     }
   const bool unsigned_type = spec.dtype == kernels::DType::kU8;
+  Tensor out = Tensor::empty(l.local_shape, spec.dtype);  // first: a ResourceError names its bytes
   std::vector<std::vector<int64_t>> idx;
   for (int t = 0; t < spec.tensor_ndim(); ++t) idx.push_back(l.indices(t));
-  Tensor out = Tensor::empty(l.local_shape, spec.dtype);
   out.fill_index_([&](std::span<const int64_t> local) {
     Dims global = Dims::filled(spec.tensor_ndim(), 0);
     for (int t = 0; t < spec.tensor_ndim(); ++t) global[t] = idx[t][local[t]];
