@@ -23,6 +23,8 @@
 #include "kernels/cpu/vec.h"
 #include "kernels/ops.h"
 #include "kernels/tensor.h"
+#include "program/cli.h"
+#include "program/main.h"
 
 using kernels::DType;
 using kernels::Tensor;
@@ -326,56 +328,69 @@ bool wants(const Options& o, const std::string& section) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  Options o;
-  CLI::App app{"kernels-bench: speed of the compute kernels (bench/README.md)"};
-  app.add_option("--rows", o.rows, "rows of the activations (B * T)");
-  app.add_option("--dims", o.dims, "model dims D")->delimiter(',');
-  app.add_option("--iters", o.iters, "timed runs per case (median reported)");
-  app.add_option("--warmup", o.warmup, "untimed runs first");
-  app.add_option("--isa", o.isa, "GEMM / element-wise variants: all, best, baseline, avx2, avx512");
-  app.add_option("--threads", o.threads, "num_threads values for matmul / attention")
-      ->delimiter(',');
-  app.add_option("--vocab", o.vocab, "vocab of the cross-entropy case");
-  app.add_option("--seq", o.seq, "sequence length T of the attention case");
-  app.add_option("--only", o.only, "comma list of sections: gemm, elementwise, rows, attention");
-  app.add_option("--json", o.json, "also write every row as JSON to this file");
-  app.add_option("--openblas", o.openblas,
-                 "libopenblas.so to time cblas_sgemm beside Eigen (gemm)");
-  app.add_flag("!--no-check", o.check, "skip the check of each GEMM variant against f64");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;
-  }
-  if (o.iters < 1 || o.rows < 1 || o.dims.empty()) {
-    fmt::print(stderr, "kernels-bench: --iters, --rows must be >= 1 and --dims non-empty\n");
-    return 2;
-  }
-  fmt::print("kernels-bench: CPU ISA in use {}, rows {}, dims {}, iters {} (median)\n",
-             kernels::detail::to_string(kernels::detail::vec_kernels().isa), o.rows,
-             fmt::join(o.dims, ","), o.iters);
-  Recorder rec;
-  int bad = 0;
-  try {
+  return program::run("kernels-bench", [&] {
+    Options o;
+    CLI::App app{"kernels-bench: speed of the compute kernels (bench/README.md)"};
+    app.add_option("--rows", o.rows, "rows of the activations (B * T)")
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
+        ->capture_default_str();
+    app.add_option("--dims", o.dims, "model dims D")
+        ->delimiter(',')
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 16));
+    app.add_option("--iters", o.iters, "timed runs per case (median reported)")
+        ->check(CLI::Range(1, 1'000'000))
+        ->capture_default_str();
+    app.add_option("--warmup", o.warmup, "untimed runs first")->check(CLI::Range(0, 1'000'000))->capture_default_str();
+    app.add_option("--isa", o.isa, "GEMM / element-wise variants: all, best, baseline, avx2, avx512")
+        ->check(CLI::IsMember({"all", "best", "baseline", "avx2", "avx512"}))
+        ->capture_default_str();
+    app.add_option("--threads", o.threads, "num_threads values for matmul / attention")
+        ->delimiter(',')
+        ->check(CLI::Range(1, 1024));
+    app.add_option("--vocab", o.vocab, "vocab of the cross-entropy case")
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
+        ->capture_default_str();
+    app.add_option("--seq", o.seq, "sequence length T of the attention case")
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 16))
+        ->capture_default_str();
+    app.add_option("--only", o.only, "comma list of sections: gemm, elementwise, rows, attention");
+    app.add_option("--json", o.json, "also write every row as JSON to this file");
+    app.add_option("--openblas", o.openblas, "libopenblas.so to time cblas_sgemm beside Eigen (gemm)");
+    app.add_flag("!--no-check", o.check, "skip the check of each GEMM variant against f64");
+    program::parse(app, argc, argv);
+    if (o.dims.empty()) throw kernels::InvalidArgument("--dims is empty: expected model dims like 64,128");
+    for (size_t b = 0; b <= o.only.size();) {
+      size_t e = o.only.find(',', b);
+      if (e == std::string::npos) e = o.only.size();
+      const std::string section = o.only.substr(b, e - b);
+      if (!o.only.empty() && section != "gemm" && section != "elementwise" && section != "rows" &&
+          section != "attention")
+        throw kernels::InvalidArgument(fmt::format(
+            "--only '{}': unknown section '{}', expected gemm, elementwise, rows or attention",
+            kernels::clip(o.only), kernels::clip(section, 40)));
+      b = e + 1;
+    }
+    fmt::print("kernels-bench: CPU ISA in use {}, rows {}, dims {}, iters {} (median)\n",
+               kernels::detail::to_string(kernels::detail::vec_kernels().isa), o.rows, fmt::join(o.dims, ","),
+               o.iters);
+    Recorder rec;
+    int bad = 0;
     if (wants(o, "gemm")) bad += run_gemm(o, rec);
     if (wants(o, "elementwise")) run_elementwise(o, rec);
     if (wants(o, "rows")) run_rows(o, rec);
     if (wants(o, "attention")) run_attention(o, rec);
-  } catch (const kernels::Error& e) {
-    fmt::print(stderr, "kernels-bench: {}\n", e.what());
-    return 2;
-  }
-  if (!o.json.empty()) {
-    std::ofstream f(o.json);
-    f << nlohmann::json{{"isa", std::string(kernels::detail::to_string(
-                                    kernels::detail::vec_kernels().isa))},
-                        {"rows", rec.rows}}
-             .dump(1)
-      << "\n";
-  }
-  if (bad > 0) {
-    fmt::print("kernels-bench: {} GEMM variant(s) disagree with the f64 reference\n", bad);
-    return 1;
-  }
-  return 0;
+    if (!o.json.empty()) {
+      std::ofstream f(o.json);
+      f << nlohmann::json{{"isa", std::string(kernels::detail::to_string(kernels::detail::vec_kernels().isa))},
+                          {"rows", rec.rows}}
+               .dump(1)
+        << "\n";
+      if (!f) throw kernels::InvalidArgument(fmt::format("--json {}: cannot write the file", kernels::clip(o.json)));
+    }
+    if (bad > 0) {
+      fmt::print(stderr, "kernels-bench: {} GEMM variant(s) disagree with the f64 reference\n", bad);
+      return program::kMismatch;
+    }
+    return program::kOk;
+  });
 }
