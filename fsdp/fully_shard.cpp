@@ -382,7 +382,7 @@ class Group {
       if (slots[i].accum.defined()) any = true;
     if (!any) {
       if (has_sharded_grad) install_grads();
-      if (reshard_after_backward) reshard();
+      reshard();  // a synchronising backward: the optimizer steps the sharded parameters next
       return;
     }
     // Keep at most two reduce-scatter inputs alive: finish the older reductions first.
@@ -436,7 +436,7 @@ class Group {
     if (hsdp() && !p.to_partial && !p.all_reduce_after) ++stats.all_reduces;
     pending = std::move(p);
     if (rt) rt->pending.push_back(this);
-    if (reshard_after_backward) reshard();
+    reshard();  // a synchronising backward: the optimizer steps the sharded parameters next
   }
 
   void finish_reduce() {
@@ -576,7 +576,7 @@ void Group::finalize_backward() {
   for (Group* g : rt->groups) {
     g->fwd_pre = g->fwd_post = g->bwd_pre = g->bwd_post = 0;
     if (g->state == State::kResharded || g->state == State::kUnsharding) g->reshard();
-    else if (g->state == State::kUnsharded && g->reshard_after_backward) g->reshard();
+    else if (g->state == State::kUnsharded && (g->reshard_after_backward || g->requires_gradient_sync)) g->reshard();
   }
 }
 

@@ -143,6 +143,9 @@ class FSDPModule {
   void reshard();
   // With recurse, for this group and every group nested in its modules.
   void set_requires_gradient_sync(bool sync, bool recurse = true);
+  // false keeps the unsharded parameters after a backward without gradient sync, so the next
+  // microbatch's forward needs no all-gather (FSDP2's ZeRO-2-like accumulation); a backward that
+  // synchronises gradients always reshards (the optimizer steps the sharded parameters next).
   void set_reshard_after_backward(bool reshard, bool recurse = true);
   void set_reshard_after_forward(ReshardAfterForward mode, bool recurse = true);
   // HSDP: false reduces over the shard dim only (P -> [P,S(0)]) and keeps the partial sum until

@@ -349,6 +349,25 @@ TEST_CASE("fsdp: gradient accumulation with and without sync; HSDP reduce-scatte
     checks.report();
     check_parity(got, reference(s));
   }
+  SECTION("no sync, unsharded parameters kept between microbatches") {
+    Setup s;
+    s.mesh = Dims{2};
+    s.accum = 2;
+    s.batch = 8;
+    s.before_micro = [](fsdp::FSDPModule& root, int m, int accum) {
+      root.set_requires_gradient_sync(m + 1 == accum);
+      root.set_reshard_after_backward(m + 1 == accum);
+    };
+    s.after = [](fsdp::FSDPModule* root, nn::GPT& model, std::shared_ptr<MeshComms>, testing_support::Checks& c) {
+      const auto& st = fsdp::state(model.blocks()[1])->stats();
+      // forward + backward of the first microbatch, backward of the second: 3 per step, not 4.
+      c.check(st.all_gathers == 9, "all-gathers " + std::to_string(st.all_gathers));
+      c.check(!fsdp::state(model.blocks()[1])->is_unsharded() && !root->is_unsharded(), "resharded after the step");
+    };
+    const Result got = train(s, checks);
+    checks.report();
+    check_parity(got, reference(s));
+  }
   SECTION("HSDP: reduce-scatter every microbatch, all-reduce on the last") {
     Setup s;
     s.mesh = Dims{2, 2};
@@ -432,6 +451,66 @@ TEST_CASE("fsdp: weight tying lives in the common ancestor's group; sharing acro
                                             "child after parent");
   });
   checks.report();
+}
+
+TEST_CASE("fsdp: ignored parameters stay replicated; the gradient divide factor scales the reduction", "[fsdp]") {
+  testing_support::Checks checks;
+  SECTION("ignored") {
+    Setup s;
+    s.mesh = Dims{2};
+    s.batch = 8;
+    s.shard = [](nn::GPT& model, std::shared_ptr<MeshComms> comms, const fsdp::FullyShardOptions& o) {
+      fsdp::FullyShardOptions io = o;
+      io.ignored_params = {model.named_parameters()[1].second};  // pos_emb.weight
+      for (const auto& [name, block] : model.blocks().children()) fsdp::fully_shard(*block, comms, o);
+      return &fsdp::fully_shard(model, comms, io);
+    };
+    s.after = [](fsdp::FSDPModule* root, nn::GPT& model, std::shared_ptr<MeshComms>, testing_support::Checks& c) {
+      const auto& [name, p] = model.named_parameters()[1];
+      c.check(dtensor::to_string(p->placements()) == "R", name + ": ignored but sharded");
+      const auto names = root->parameter_names();
+      c.check(std::find(names.begin(), names.end(), name) == names.end(), name + ": ignored but in the root group");
+    };
+    const Result got = train(s, checks);
+    checks.report();
+    check_parity(got, reference(s));
+  }
+  SECTION("divide factor") {
+    // One backward with factor 1 and one with factor 4 on the same batch: gradients differ by 4.
+    collectives::run_ranks(2, [&](Communicator& world) {
+      auto comms = MeshComms::create(DeviceMesh::from_shape({2}, {"dp_shard"}), world);
+      nn::GPT model(nn::ModuleOptions{comms, DType::kF32, {}}, tiny());
+      nn::materialize(model, 3);
+      fsdp::FSDPModule* root = default_shard(model, comms, {});
+      nn::CrossEntropyLoss loss_fn;
+      const Placements pl{dtensor::Shard{0}};
+      std::vector<std::vector<double>> grads;
+      for (double f : {1.0, 4.0}) {
+        for (fsdp::FSDPModule* g : {root, fsdp::state(model.blocks()[0]), fsdp::state(model.blocks()[1]),
+                                    fsdp::state(model.blocks()[2])})
+          g->set_gradient_divide_factor(f);
+        nn::Ctx ctx, lctx;
+        DTensor x = dtensor::distribute_tensor(batch_ids(0, 0, 4, 8, 16, 0), comms, pl, std::nullopt);
+        DTensor y = dtensor::distribute_tensor(batch_ids(0, 0, 4, 8, 16, 1), comms, pl, std::nullopt);
+        DTensor loss = loss_fn.forward(lctx, model.forward(ctx, x), y);
+        model.backward(ctx, loss_fn.backward(lctx));
+        std::vector<double> all;
+        for (const auto& [n, p] : model.named_parameters()) {
+          const auto v = p->grad()->to_local().to_vector();
+          all.insert(all.end(), v.begin(), v.end());
+        }
+        grads.push_back(all);
+        model.zero_grad();
+      }
+      double worst = 0, norm = 0;
+      for (size_t i = 0; i < grads[0].size(); ++i) {
+        worst = std::max(worst, std::abs(grads[0][i] - 4.0 * grads[1][i]));
+        norm = std::max(norm, std::abs(grads[0][i]));
+      }
+      checks.check(norm > 0 && worst <= 1e-6 * norm, "factor 4 does not divide the gradients by 4");
+    });
+    checks.report();
+  }
 }
 
 TEST_CASE("fsdp: CPU offload and bf16 parameters with f32 reduction", "[fsdp]") {
