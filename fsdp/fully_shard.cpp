@@ -634,7 +634,8 @@ void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule*>&
     if (!m) throw InvalidArgument(fmt::format("FSDP group '{}': a null module in the forward prefetch list", group_->name));
     gs.push_back(m->group_.get());
   }
-  group_->fwd_prefetch = gs;
+  if (gs.empty()) group_->fwd_prefetch.reset();  // back to the implicit order
+  else group_->fwd_prefetch = gs;
 }
 void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule*>& modules) {
   std::vector<Group*> gs;
@@ -642,7 +643,8 @@ void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule*>
     if (!m) throw InvalidArgument(fmt::format("FSDP group '{}': a null module in the backward prefetch list", group_->name));
     gs.push_back(m->group_.get());
   }
-  group_->bwd_prefetch = gs;
+  if (gs.empty()) group_->bwd_prefetch.reset();
+  else group_->bwd_prefetch = gs;
 }
 void FSDPModule::set_gradient_divide_factor(double factor) {
   if (!(factor > 0))

@@ -151,6 +151,8 @@ class FSDPModule {
   // HSDP: false reduces over the shard dim only (P -> [P,S(0)]) and keeps the partial sum until
   // a backward with true all-reduces it over the replicate dim.
   void set_requires_all_reduce(bool all_reduce, bool recurse = true);
+  // Explicit prefetch lists (issued right after this group's unshard); an empty list restores
+  // the implicit order.
   void set_modules_to_forward_prefetch(const std::vector<FSDPModule*>& modules);
   void set_modules_to_backward_prefetch(const std::vector<FSDPModule*>& modules);
   void set_gradient_divide_factor(double factor);
