@@ -466,7 +466,8 @@ TEST_CASE("fsdp: ignored parameters stay replicated; the gradient divide factor 
       return &fsdp::fully_shard(model, comms, io);
     };
     s.after = [](fsdp::FSDPModule* root, nn::GPT& model, std::shared_ptr<MeshComms>, testing_support::Checks& c) {
-      const auto& [name, p] = model.named_parameters()[1];
+      const auto params = model.named_parameters();
+      const auto& [name, p] = params[1];
       c.check(dtensor::to_string(p->placements()) == "R", name + ": ignored but sharded");
       const auto names = root->parameter_names();
       c.check(std::find(names.begin(), names.end(), name) == names.end(), name + ": ignored but in the root group");
