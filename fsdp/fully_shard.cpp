@@ -356,10 +356,12 @@ class Group {
 
   void post_backward() {
     std::vector<Tensor> grads(slots.size());
+    // Whether to reduce is decided by requires_grad (the same on every rank), never by which
+    // gradients this rank happens to hold: a rank without one contributes zeros.
     bool any = false;
     for (size_t i = 0; i < slots.size(); ++i) {
       grads[i] = take_grad(slots[i]);
-      any = any || grads[i].defined();
+      any = any || slots[i].param->requires_grad;
     }
     if (!requires_gradient_sync) {
       // No sync: unsharded gradients accumulate (in the reduce dtype) until a synchronising
@@ -378,8 +380,6 @@ class Group {
       if (reshard_after_backward) reshard();
       return;
     }
-    for (size_t i = 0; i < slots.size(); ++i)
-      if (slots[i].accum.defined()) any = true;
     if (!any) {
       if (has_sharded_grad) install_grads();
       reshard();  // a synchronising backward: the optimizer steps the sharded parameters next
