@@ -568,6 +568,8 @@ TEST_CASE("fsdp: memory bound: current + one prefetched + root unsharded, two re
     int tp_dim;
     fsdp::ReshardAfterForward raf;
     int depth;
+    bool bf16 = false;
+    bool offload = false;
   };
   const std::vector<Case> cases = {
       {"FSDP 4", {4}, {"dp_shard"}, -1, fsdp::ReshardAfterForward::automatic(), 1},
@@ -577,6 +579,9 @@ TEST_CASE("fsdp: memory bound: current + one prefetched + root unsharded, two re
       {"FSDP 4 k=2", {4}, {"dp_shard"}, -1, fsdp::ReshardAfterForward::to(2), 1},
       {"FSDP 4 no reshard", {4}, {"dp_shard"}, -1, fsdp::ReshardAfterForward::no(), 1},
       {"FSDP 4 prefetch 2", {4}, {"dp_shard"}, -1, fsdp::ReshardAfterForward::automatic(), 2},
+      {"HSDP x TP 2x2x2", {2, 2, 2}, {"dp_replicate", "dp_shard", "tp"}, 2, fsdp::ReshardAfterForward::automatic(), 1},
+      {"FSDP 4 bf16", {4}, {"dp_shard"}, -1, fsdp::ReshardAfterForward::automatic(), 1, true},
+      {"FSDP 4 offload", {4}, {"dp_shard"}, -1, fsdp::ReshardAfterForward::automatic(), 1, false, true},
   };
   int ran = 0;
   for (const Case& k : cases) {
@@ -589,6 +594,11 @@ TEST_CASE("fsdp: memory bound: current + one prefetched + root unsharded, two re
     s.steps = 2;
     s.cfg.layers = 4;
     s.options.reshard_after_forward = k.raf;
+    if (k.bf16) {
+      s.options.mp_policy.param_dtype = DType::kBF16;
+      s.options.mp_policy.reduce_dtype = DType::kF32;
+    }
+    s.options.offload_policy.offload_to_cpu = k.offload;
     if (k.raf.kind == fsdp::ReshardAfterForward::Kind::kInt)
       s.unflatten = {fsdp::reshard_unflattening(DeviceMesh::from_shape(k.mesh, k.names), 0, k.raf.k)};
     s.unsharded_mem = std::make_shared<nn::TrackingAllocator>();
@@ -625,7 +635,14 @@ TEST_CASE("fsdp: memory bound: current + one prefetched + root unsharded, two re
           for (int64_t b : blocks) unsharded_bound += b;
         else  // the current group and `depth` prefetched ones (at least one: a manual unshard)
           for (int i = 0; i <= std::max(k.depth, 1); ++i) unsharded_bound += blocks[i];
+        // Two reduce-scatter inputs; with a cast or a device copy before the all-gather, also the
+        // cast shards of the groups being gathered (the current and `depth` prefetched ones).
         buffer_bound = 2 * std::max(rs, root->reduce_scatter_input_bytes());
+        if (k.bf16 || k.offload) {
+          int64_t shard = root->sharded_bytes();
+          for (const auto& [n, b] : model.blocks().children()) shard = std::max(shard, fsdp::state(*b)->sharded_bytes());
+          buffer_bound += (1 + std::max(k.depth, 1)) * shard;
+        }
       }
       return root;
     };
