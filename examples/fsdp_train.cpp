@@ -1,12 +1,25 @@
 // fsdp-train: trains the small GPT (nn/transformer.h) on synthetic data with a learnable pattern,
-// with tensor parallelism over --tp ranks (FSDP / HSDP: the FSDP issue), on any backend, and
-// optionally checks it against the same training on one rank without parallelism.
+// with FSDP over --dp-shard ranks, HSDP over --dp-replicate x --dp-shard, and tensor parallelism
+// over --tp ranks (mesh (dp_replicate, dp_shard, tp), trivial dims left out), on any backend,
+// and optionally checks it against the same training on one rank without parallelism.
 //
-//   fsdp-train --backend local --world 2 --tp 2 --check-parity
-//   mpirun -np 2 fsdp-train --backend mpi --tp 2 --check-parity
+//   fsdp-train --backend local --dp-shard 4 --check-parity
+//   fsdp-train --backend local --dp-replicate 2 --dp-shard 2 --tp 2 --mp bf16 --check-parity
+//   mpirun -np 4 fsdp-train --backend mpi --dp-shard 4 --check-parity
+//
+// FSDP (fsdp::fully_shard; applied when --dp-shard or --dp-replicate is given): every
+// transformer block is one group, the root (embeddings, final norm, head) another; the batch is
+// split over the dp dims. --reshard-after-forward true|false|K (default: FSDP2's automatic,
+// blocks reshard, the root not), --offload (sharded state on the CPU), --no-sync (with
+// --grad-accum: gradients reduced on the last microbatch only), --prefetch 0|1|2 (implicit
+// prefetch depth in forward and backward; default 1). --mp bf16 under FSDP is the
+// MixedPrecisionPolicy (bf16 parameters, f32 reduction, f32 sharded master weights).
 //
 // Output: one progress line per --log-every steps on rank 0 (the step's wall time in ms too),
-//   step 3/30 loss 3.91234567 ms 6.21 tokens/s 41234 peak_bytes 1234567
+//   step 3/30 loss 3.91234567 ms 6.21 tokens/s 41234 peak_bytes 1234567 param_bytes 123 grad_bytes 45
+//   optim_bytes 90 buffer_bytes 67
+// (rank 0's peaks: parameters = sharded plus unsharded, gradients = sharded, optimizer state,
+// buffers = FSDP's reduce-scatter inputs and casts)
 // and, last, one JSON object:
 //   {"steps":30,"first_loss":4.16,"last_loss":0.93,"parity":"ok","max_rel_loss_diff":2e-7,
 //    "max_param_diff":3e-8,"tokens_per_s":41234,"peak_bytes":1234567}
@@ -45,6 +58,7 @@
 #include "collectives/mpi.h"
 #include "collectives/nccl.h"
 #include "dtensor/dtensor.h"
+#include "fsdp/fully_shard.h"
 #include "kernels/device.h"
 #include "kernels/error.h"
 #include "nn/memory.h"
@@ -53,6 +67,8 @@
 #include "nn/safetensors.h"
 #include "nn/tensor_parallel.h"
 #include "nn/transformer.h"
+#include "program/cli.h"
+#include "program/main.h"
 
 namespace {
 
@@ -83,7 +99,36 @@ struct Args {
   bool sequence_parallel = true;
   int threads = 0;  // 0: hardware threads / ranks of this process
   bool log_implicit = false;
+  // FSDP
+  bool fsdp = false;  // --dp-shard or --dp-replicate given
+  std::string reshard_after_forward = "auto";
+  bool offload = false;
+  bool no_sync = false;
+  int prefetch = 1;
 };
+
+// The mesh: (dp_replicate, dp_shard, tp) with trivial dims left out (dp_shard stays under FSDP,
+// tp stays without FSDP).
+struct MeshPlan {
+  Dims shape;
+  std::vector<std::string> names;
+  int tp_dim = -1, shard_dim = -1, rep_dim = -1;
+};
+MeshPlan mesh_plan(const Args& a, bool parallel) {
+  MeshPlan m;
+  std::vector<int64_t> sizes;
+  auto add = [&](int64_t size, const char* name) {
+    sizes.push_back(size);
+    m.names.push_back(name);
+    return static_cast<int>(sizes.size()) - 1;
+  };
+  if (parallel && a.fsdp && a.dp_replicate > 1) m.rep_dim = add(a.dp_replicate, "dp_replicate");
+  if (parallel && a.fsdp) m.shard_dim = add(a.dp_shard, "dp_shard");
+  if (!parallel || !a.fsdp || a.tp > 1) m.tp_dim = add(parallel ? a.tp : 1, "tp");
+  m.shape = Dims::filled(static_cast<int>(sizes.size()), 1);
+  for (size_t i = 0; i < sizes.size(); ++i) m.shape[static_cast<int>(i)] = sizes[i];
+  return m;
+}
 
 uint64_t mix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
@@ -140,14 +185,24 @@ double median(std::vector<double> v) {
 
 // Trains on `world` (every rank of it calls this) with tensor parallelism over `tp` ranks.
 // print: rank 0 prints the progress lines.
-RunResult train(Communicator& world, const Args& a, int tp, bool print, int threads, kernels::Device device) {
-  const Dims mesh_shape = Dims{tp};
-  const dtensor::DeviceMesh mesh = dtensor::DeviceMesh::from_shape(mesh_shape, {"tp"});
+RunResult train(Communicator& world, const Args& a, bool parallel, bool print, int threads, kernels::Device device) {
+  const MeshPlan plan = mesh_plan(a, parallel);
+  const int tp = parallel ? a.tp : 1;
+  const bool use_fsdp = parallel && a.fsdp;
+  const dtensor::DeviceMesh mesh = dtensor::DeviceMesh::from_shape(plan.shape, plan.names);
   auto memory = std::make_shared<nn::TrackingAllocator>();
-  auto comms = std::make_shared<dtensor::MeshComms>(mesh, world, std::vector<std::vector<int>>{}, memory);
+  // reshard_after_forward = K needs the dp_shard dim split (dp_shard / K, K) at creation.
+  std::vector<dtensor::Unflattening> unflatten;
+  int reshard_k = 0;
+  if (use_fsdp && a.reshard_after_forward != "auto" && a.reshard_after_forward != "true" &&
+      a.reshard_after_forward != "false") {
+    reshard_k = std::stoi(a.reshard_after_forward);
+    if (reshard_k > 1 && reshard_k < a.dp_shard) unflatten.push_back(fsdp::reshard_unflattening(mesh, plan.shard_dim, reshard_k));
+  }
+  auto comms = std::make_shared<dtensor::MeshComms>(mesh, world, std::vector<std::vector<int>>{}, memory, unflatten);
   const nn::GPTConfig cfg = model_config(a);
   nn::GPT model(nn::ModuleOptions{comms, DType::kF32, device}, cfg);
-  if (tp > 1) nn::parallelize_module(model, 0, nn::gpt_tensor_parallel_plan(cfg, a.sequence_parallel, true));
+  if (tp > 1) nn::parallelize_module(model, plan.tp_dim, nn::gpt_tensor_parallel_plan(cfg, a.sequence_parallel, true));
   nn::materialize(model, a.seed);
   const nn::NamedParameters params = model.named_parameters();
   const bool rank0 = world.rank() == 0;
@@ -174,11 +229,43 @@ RunResult train(Communicator& world, const Args& a, int tp, bool print, int thre
     }
   }
 
+  // FSDP: one group per transformer block, then the root (bottom-up).
+  auto unsharded_mem = std::make_shared<nn::TrackingAllocator>();
+  auto buffer_mem = std::make_shared<nn::TrackingAllocator>();
+  fsdp::FSDPModule* root = nullptr;
+  if (use_fsdp) {
+    fsdp::FullyShardOptions o;
+    if (a.reshard_after_forward == "true") o.reshard_after_forward = fsdp::ReshardAfterForward::yes();
+    else if (a.reshard_after_forward == "false") o.reshard_after_forward = fsdp::ReshardAfterForward::no();
+    else if (reshard_k > 0) o.reshard_after_forward = fsdp::ReshardAfterForward::to(reshard_k);
+    if (bf16) {
+      o.mp_policy.param_dtype = DType::kBF16;
+      o.mp_policy.reduce_dtype = DType::kF32;
+    }
+    o.offload_policy.offload_to_cpu = a.offload;
+    o.unsharded_allocator = unsharded_mem;
+    o.buffer_allocator = buffer_mem;
+    std::vector<fsdp::FSDPModule*> blocks;
+    for (const auto& [name, block] : model.blocks().children()) blocks.push_back(&fsdp::fully_shard(*block, comms, o));
+    fsdp::FullyShardOptions ro = o;
+    if (reshard_k > 0) ro.reshard_after_forward = fsdp::ReshardAfterForward::automatic();  // the root keeps its own
+    root = &fsdp::fully_shard(model, comms, ro);
+    root->set_prefetch_depth(a.prefetch >= 1 ? 1 : 0);
+    if (a.prefetch == 2)  // explicit lists two groups ahead
+      for (size_t i = 0; i < blocks.size(); ++i) {
+        std::vector<fsdp::FSDPModule*> fwd, bwd;
+        for (size_t j = i + 1; j <= i + 2 && j < blocks.size(); ++j) fwd.push_back(blocks[j]);
+        for (size_t j = 1; j <= 2 && j <= i; ++j) bwd.push_back(blocks[i - j]);
+        blocks[i]->set_modules_to_forward_prefetch(fwd);
+        blocks[i]->set_modules_to_backward_prefetch(bwd);
+      }
+  }
+
   // --mp bf16: the model computes with bf16 parameters (and so bf16 activations; norms, softmax,
   // attention and the loss keep f32 statistics); the optimizer steps f32 master copies with the
   // gradients cast to f32 before they are reduced, then the bf16 parameters are refreshed.
   nn::NamedParameters master = params;
-  if (bf16) {
+  if (bf16 && !use_fsdp) {
     master.clear();
     for (const auto& [name, p] : params) {
       auto m =
@@ -223,6 +310,17 @@ RunResult train(Communicator& world, const Args& a, int tp, bool print, int thre
     return DTensor(comms, dtensor::make_spec(shared_mesh, replicated, full.shape(), full.dtype()),
                    full.to(device));
   };
+  // The batch: split over the dp dims (each rank keeps its rows; no communication).
+  Placements batch_placements = replicated;
+  if (plan.rep_dim >= 0) batch_placements[plan.rep_dim] = dtensor::Shard{0};
+  if (plan.shard_dim >= 0) batch_placements[plan.shard_dim] = dtensor::Shard{0};
+  auto as_batch = [&](const Tensor& full) {
+    return dtensor::distribute_tensor(full.to(device), comms, batch_placements, std::nullopt);
+  };
+  int64_t param_bytes = 0, grad_bytes = 0, optim_bytes = 0;
+  for (const auto& [name, p] : master) param_bytes += static_cast<int64_t>(p->data().to_local().nbytes());
+  if (bf16 && !use_fsdp)
+    for (const auto& [name, p] : params) param_bytes += static_cast<int64_t>(p->data().to_local().nbytes());
   const DTensor dloss = as_dtensor(Tensor::full({}, 1.0 / a.grad_accum, DType::kF64));
 
   RunResult result;
@@ -233,7 +331,8 @@ RunResult train(Communicator& world, const Args& a, int tp, bool print, int thre
     for (int m = 0; m < a.grad_accum; ++m) {
       auto [ids_full, targets_full] =
           make_batch(a, step, static_cast<int64_t>(step) * a.batch + m * micro, micro);
-      const DTensor ids = as_dtensor(ids_full), targets = as_dtensor(targets_full);
+      const DTensor ids = as_batch(ids_full), targets = as_batch(targets_full);
+      if (root && a.no_sync) root->set_requires_gradient_sync(m + 1 == a.grad_accum);
       nn::Ctx ctx(&ops), lctx(&ops);
       DTensor logits = model.forward(ctx, ids);
       DTensor loss = loss_fn.forward(lctx, logits, targets);
@@ -241,16 +340,26 @@ RunResult train(Communicator& world, const Args& a, int tp, bool print, int thre
       DTensor dlogits = loss_fn.backward(lctx, dloss);
       model.backward(ctx, dlogits);
     }
-    if (bf16)
+    if (bf16 && !use_fsdp)
       for (size_t i = 0; i < params.size(); ++i) {
         if (params[i].second->grad()) master[i].second->grad() = cast(*params[i].second->grad(), DType::kF32);
         params[i].second->zero_grad();
       }
     nn::reduce_gradients(master);
     if (a.clip > 0) nn::clip_grad_norm_(master, a.clip);
+    int64_t gb = 0;
+    for (const auto& [name, p] : master)
+      if (p->grad()) gb += static_cast<int64_t>(p->grad()->to_local().nbytes());
+    grad_bytes = std::max(grad_bytes, gb);
     opt->step();
+    if (step == 0)
+      for (const auto& [name, p] : master)
+        for (const char* key : {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"}) try {
+            optim_bytes += static_cast<int64_t>(opt->state(name, key).to_local().nbytes());
+          } catch (const kernels::InvalidArgument&) {
+          }
     opt->zero_grad();
-    if (bf16)
+    if (bf16 && !use_fsdp)
       for (size_t i = 0; i < params.size(); ++i) {
         Tensor compute = params[i].second->data().to_local();
         compute.copy_(master[i].second->data().to_local());  // rounds to bf16
@@ -259,9 +368,12 @@ RunResult train(Communicator& world, const Args& a, int tp, bool print, int thre
     step_seconds.push_back(seconds);
     result.losses.push_back(step_loss);
     if (print && rank0 && ((step + 1) % a.log_every == 0 || step + 1 == a.steps)) {
-      fmt::print("step {}/{} loss {:.9g} ms {:.3f} tokens/s {:.0f} peak_bytes {}\n", step + 1, a.steps,
-                 step_loss, seconds * 1e3, static_cast<double>(a.batch * a.seq) / seconds,
-                 memory->peak_bytes());
+      fmt::print(
+          "step {}/{} loss {:.9g} ms {:.3f} tokens/s {:.0f} peak_bytes {} param_bytes {} grad_bytes {} "
+          "optim_bytes {} buffer_bytes {}\n",
+          step + 1, a.steps, step_loss, seconds * 1e3, static_cast<double>(a.batch * a.seq) / seconds,
+          memory->peak_bytes() + unsharded_mem->peak_bytes() + buffer_mem->peak_bytes(),
+          param_bytes + unsharded_mem->peak_bytes(), grad_bytes, optim_bytes, buffer_mem->peak_bytes());
       std::fflush(stdout);
     }
   }
@@ -274,7 +386,9 @@ RunResult train(Communicator& world, const Args& a, int tp, bool print, int thre
     if (rank0) result.params[name] = full.clone();
   }
   // On the backend's device (the nccl backend moves CUDA tensors only).
-  Tensor peak = Tensor::full({1}, static_cast<double>(memory->peak_bytes()), DType::kF64, device);
+  Tensor peak = Tensor::full(
+      {1}, static_cast<double>(memory->peak_bytes() + unsharded_mem->peak_bytes() + buffer_mem->peak_bytes()),
+      DType::kF64, device);
   world.wait(world.all_reduce(peak, peak, collectives::Reduction(collectives::ReduceOp::kMax)));
   result.peak_bytes = static_cast<int64_t>(peak.to(kernels::Device{}).item({0}));
   return result;
@@ -326,11 +440,25 @@ void validate(const Args& a) {
   auto bad = [](const std::string& what) { throw kernels::InvalidArgument(what); };
   if (a.backend != "local" && a.backend != "mpi" && a.backend != "nccl")
     bad(fmt::format("--backend {}: expected local, mpi or nccl", a.backend));
-  if (a.dp_replicate != 1 || a.dp_shard != 1)
-    bad(fmt::format(
-        "--dp-replicate {} --dp-shard {}: data parallelism (FSDP / HSDP) is not available yet (it "
-        "comes with fully_shard, the FSDP issue); use --tp, or 1 for both",
-        a.dp_replicate, a.dp_shard));
+  if (a.dp_replicate < 1) bad(fmt::format("--dp-replicate {}: expected >= 1", a.dp_replicate));
+  if (a.dp_shard < 1) bad(fmt::format("--dp-shard {}: expected >= 1", a.dp_shard));
+  if (a.prefetch < 0 || a.prefetch > 2) bad(fmt::format("--prefetch {}: expected 0, 1 or 2", a.prefetch));
+  const std::string& r = a.reshard_after_forward;
+  if (r != "auto" && r != "true" && r != "false") {
+    int k = 0;
+    try {
+      size_t used = 0;
+      k = std::stoi(r, &used);
+      if (used != r.size()) k = 0;
+    } catch (const std::exception&) {
+      k = 0;
+    }
+    if (k < 1 || a.dp_shard % k != 0)
+      bad(fmt::format("--reshard-after-forward {}: expected true, false or a divisor K of --dp-shard {}", r,
+                      a.dp_shard));
+  }
+  if ((a.offload || a.no_sync || r != "auto") && !a.fsdp)
+    bad("--offload, --no-sync and --reshard-after-forward need FSDP (--dp-shard / --dp-replicate)");
   if (a.tp < 1) bad(fmt::format("--tp {}: expected >= 1", a.tp));
   for (auto [v, n] : {std::pair{a.layers, "--layers"},
                       {a.dim, "--dim"},
@@ -356,11 +484,16 @@ std::string json_number(double v) { return std::isfinite(v) ? fmt::format("{}", 
 int run(int argc, char** argv) {
   Args a;
   CLI::App app(
-      "fsdp-train: a small GPT trained with tensor parallelism (FSDP: later), checked against one rank");
+      "fsdp-train: a small GPT trained with FSDP / HSDP / tensor parallelism, checked against one rank");
   app.add_option("--backend", a.backend, "local | mpi | nccl");
   app.add_option("--world", a.world, "ranks (local: threads); default the product of the mesh dims");
-  app.add_option("--dp-replicate", a.dp_replicate, "HSDP replicas (the FSDP issue)");
-  app.add_option("--dp-shard", a.dp_shard, "FSDP shards (the FSDP issue)");
+  auto* dp_rep_opt = app.add_option("--dp-replicate", a.dp_replicate, "HSDP replicas (with --dp-shard)");
+  auto* dp_shard_opt = app.add_option("--dp-shard", a.dp_shard, "FSDP shards (fully_shard over this many ranks)");
+  app.add_option("--reshard-after-forward", a.reshard_after_forward,
+                 "true | false | K (a divisor of --dp-shard); default: blocks reshard, the root not");
+  app.add_flag("--offload", a.offload, "FSDP CPU offload of the sharded parameters, gradients, optimizer state");
+  app.add_flag("--no-sync", a.no_sync, "with --grad-accum: reduce gradients on the last microbatch only");
+  app.add_option("--prefetch", a.prefetch, "FSDP prefetch depth 0 | 1 | 2 (forward and backward)");
   app.add_option("--tp", a.tp, "tensor-parallel ranks");
   app.add_option("--layers", a.layers, "transformer blocks");
   app.add_option("--dim", a.dim, "model dim");
@@ -385,12 +518,8 @@ int run(int argc, char** argv) {
   app.add_option("--threads", a.threads, "CPU threads per rank for matmul/attention (0: cores / ranks)");
   app.add_flag("--log-implicit", a.log_implicit,
                "print every implicit redistribute of a DTensor op (rank 0, stderr)");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);
-    return code == 0 ? 0 : 2;
-  }
+  program::parse(app, argc, argv);  // --help: exit 0; a bad option: one line, exit 2
+  a.fsdp = dp_rep_opt->count() > 0 || dp_shard_opt->count() > 0;
   validate(a);
   const int mesh_ranks = a.dp_replicate * a.dp_shard * a.tp;
   // fp32: rounding only. bf16: both runs compute in bf16, but partial sums are rounded to bf16
@@ -410,17 +539,18 @@ int run(int argc, char** argv) {
           fmt::format("--world {} but mpirun started {} processes", a.world, mpi_world->size()));
     if (mpi_world->size() != mesh_ranks)
       throw kernels::InvalidArgument(
-          fmt::format("mpirun started {} processes for a mesh of {} ranks (--tp {})", mpi_world->size(),
-                      mesh_ranks, a.tp));
+          fmt::format("mpirun started {} processes for a mesh of {} ranks (--dp-replicate {} --dp-shard {} --tp {})",
+                      mpi_world->size(), mesh_ranks, a.dp_replicate, a.dp_shard, a.tp));
     const int hw = std::max(1u, std::thread::hardware_concurrency());
     const int threads = a.threads > 0 ? a.threads : 1;
     (void)hw;
-    got = train(*mpi_world, a, a.tp, true, threads, kernels::Device{});
+    got = train(*mpi_world, a, true, true, threads, kernels::Device{});
   } else {
     const int world = a.world != 0 ? a.world : mesh_ranks;
     if (world != mesh_ranks)
       throw kernels::InvalidArgument(
-          fmt::format("--world {} but the mesh (--tp {}) has {} ranks", world, a.tp, mesh_ranks));
+          fmt::format("--world {} but the mesh (--dp-replicate {} --dp-shard {} --tp {}) has {} ranks", world,
+                      a.dp_replicate, a.dp_shard, a.tp, mesh_ranks));
     const int hw = std::max(1u, std::thread::hardware_concurrency());
     const int threads = a.threads > 0 ? a.threads : std::max(1, hw / world);
     const bool nccl = a.backend == "nccl";
@@ -434,7 +564,7 @@ int run(int argc, char** argv) {
     collectives::run_ranks(world, [&](Communicator& w) {
       std::unique_ptr<Communicator> gpu;
       if (nccl) gpu = collectives::nccl_communicator(w, w.rank());
-      RunResult r = train(gpu ? *gpu : w, a, a.tp, true, threads,
+      RunResult r = train(gpu ? *gpu : w, a, true, true, threads,
                           nccl ? kernels::Device::cuda(w.rank()) : kernels::Device{});
       if (w.rank() == 0) got = std::move(r);
     });
@@ -451,7 +581,7 @@ int run(int argc, char** argv) {
       Args single = a;
       single.dump_init.clear();
       collectives::run_ranks(1, [&](Communicator& w) {
-        ref = train(w, single, 1, false, a.threads > 0 ? a.threads : hw, kernels::Device{});
+        ref = train(w, single, false, false, a.threads > 0 ? a.threads : hw, kernels::Device{});
       });
       cmp = compare(*got, *ref, loss_tol, param_tol);
       if (!cmp->ok)
@@ -484,22 +614,6 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const kernels::InvalidArgument& e) {
-    std::fprintf(stderr, "fsdp-train: %s\n", e.what());
-    return 2;
-  } catch (const kernels::Unsupported& e) {
-    std::fprintf(stderr, "fsdp-train: %s\n", e.what());
-    return 2;
-  } catch (const kernels::CommError& e) {
-    std::fprintf(stderr, "fsdp-train: communication failed: %s\n", e.what());
-    return 4;
-  } catch (const std::bad_alloc&) {
-    std::fprintf(stderr, "fsdp-train: out of memory\n");
-    return 3;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "fsdp-train: %s\n", e.what());
-    return 1;
-  }
+  // Every exception leaves with its documented status and one line (program/main.h).
+  return program::run("fsdp-train", [&] { return run(argc, argv); });
 }

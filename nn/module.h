@@ -103,6 +103,8 @@ class Module {
   // This module ("") and every descendant, depth first.
   std::vector<std::pair<std::string, Module*>> named_modules();
   const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& children() const { return children_; }
+  // The parameters registered on this module itself (not its children), tied ones included.
+  const std::vector<std::pair<std::string, std::shared_ptr<Parameter>>>& own_parameters() const { return params_; }
   // Throws InvalidArgument naming the path when absent. A transparent wrapper (Checkpoint) and
   // its module share a name: the wrapped module is returned.
   Module& module(std::string_view fqn);
@@ -115,6 +117,14 @@ class Module {
   int register_backward_hook(BackwardHook hook);
   // Removes a hook by the id its register call returned (false when unknown).
   bool remove_hook(int id);
+
+  // An opaque slot per key for a layer built on top of nn (FSDP keeps its parameter group under
+  // "fsdp": PyTorch's fully_shard.state(module)). nn never reads it.
+  std::shared_ptr<void>& extension(const std::string& key) { return extensions_[key]; }
+  std::shared_ptr<void> find_extension(const std::string& key) const {
+    auto it = extensions_.find(key);
+    return it == extensions_.end() ? nullptr : it->second;
+  }
 
   // Sets requires_grad on every parameter.
   void requires_grad_(bool requires_grad);
@@ -147,6 +157,7 @@ class Module {
   Hooks<BackwardPreHook> pre_backward_;
   Hooks<BackwardHook> post_backward_;
   int next_hook_id_ = 1;
+  std::map<std::string, std::shared_ptr<void>> extensions_;
 };
 
 // Children run in order (PyTorch's nn.Sequential; as a plain container, its ModuleList):

@@ -88,10 +88,13 @@ const DTensor& Parameter::data() const {
 }
 
 void Parameter::set_data(DTensor value) {
-  if (!(value.shape() == shape_) || value.dtype() != dtype_)
+  // Any floating dtype (FSDP's mixed precision swaps a bf16 unsharded view onto an f32
+  // parameter); dtype() follows.
+  if (!(value.shape() == shape_) || (value.dtype() != dtype_ && !kernels::is_floating_point(value.dtype())))
     throw InvalidArgument(fmt::format("Parameter::set_data: a {} {} tensor for a {} {} parameter",
                                       value.shape(), value.dtype(), shape_, dtype_));
   placements_ = value.placements();
+  dtype_ = value.dtype();
   data_ = std::move(value);
 }
 

@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# The README's main job on the local backend (ranks are threads of one process):
-# the ownership rules, then redistributes checked on every rank, then a seeded fuzz run.
+# The README's main job on the local backend (ranks are threads of one process): a GPT trained
+# with FSDP on 4 ranks and checked against one rank, then the layout tour: the ownership rules,
+# redistributes checked on every rank and a seeded fuzz run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+echo "== fsdp-train: FSDP over 4 local ranks (fully_shard per block + root), every loss and the final"
+echo "   parameters checked against single-rank training"
+echo "\$ fsdp-train --backend local --dp-shard 4 --check-parity --log-every 10"
+build/examples/fsdp-train --backend local --dp-shard 4 --check-parity --log-every 10
+echo
 check=build/tests/dtensor-check
 $check demo
 echo

@@ -2,7 +2,9 @@
 """Layering rules of design.md section 2, checked on the source tree:
 - kernels <- collectives <- dtensor <- nn <- fsdp: no include of a higher layer;
 - CUDA and NCCL headers only in .cpp/.cu files under kernels/cuda and collectives/nccl;
-- no environment reads or exit() in library code."""
+- no environment reads or exit() in library code;
+- fsdp/ moves every byte through dtensor redistribute: it includes no collectives/ header and
+  calls no communicator (collectives::, all_gather(, reduce_scatter(, all_reduce(, ...)."""
 import pathlib
 import re
 import sys
@@ -32,6 +34,21 @@ for level, layer in enumerate(layers):
         # Calls of exit/abort (not methods such as LocalWorld::abort, nor their declarations).
         if re.search(r"(?<![\w:.>])(std::)?(exit|abort|quick_exit|_Exit)\s*\((?!\s*int\b)", text):
             failures.append(f"{rel}: calls exit/abort in library code")
+collective_call = re.compile(
+    r"(\bcollectives::|[.>](all_gather|reduce_scatter|all_reduce|all_to_all|all_to_all_v|broadcast|scatter|"
+    r"barrier|send|recv|send_recv|group_start|group_end)\s*\()")
+for path in sorted((root / "fsdp").rglob("*")):
+    if path.suffix not in {".h", ".cpp", ".cu", ".cuh"}:
+        continue
+    rel = path.relative_to(root)
+    text = path.read_text()
+    for inc in include.findall(text):
+        if inc.split("/")[0] == "collectives":
+            failures.append(f"{rel}: includes {inc} (fsdp/ communicates only through dtensor redistribute)")
+    for n, line in enumerate(text.splitlines(), 1):
+        code = line.split("//")[0]
+        if collective_call.search(code):
+            failures.append(f"{rel}:{n}: a collective call in fsdp/ ({code.strip()}); use a DTensor redistribute")
 for f in failures:
     print("FAIL:", f)
 print(f"layering_test: {len(failures)} failures")

@@ -44,11 +44,25 @@ check(last["last_loss"] <= last["first_loss"] / 2, f"the default run does not ha
 check(last["tokens_per_s"] > 0 and last["peak_bytes"] > 0, "throughput and memory reported")
 progress = [l for l in lines[:-1] if l.startswith("step ")]
 check(len(progress) == 30, f"{len(progress)} progress lines for 30 steps")
-pat = re.compile(r"^step (\d+)/30 loss (\S+) ms (\S+) tokens/s (\S+) peak_bytes (\d+)$")
+pat = re.compile(r"^step (\d+)/30 loss (\S+) ms (\S+) tokens/s (\S+) peak_bytes (\d+) param_bytes (\d+) "
+                 r"grad_bytes (\d+) optim_bytes (\d+) buffer_bytes (\d+)$")
 check(all(pat.match(l) for l in progress), f"progress line format: {progress[:1]}")
 check(abs(float(pat.match(progress[0]).group(2)) - last["first_loss"]) < 1e-6, "first progress loss = first_loss")
 
 # --log-every, --check-parity on tp 2, gradient accumulation.
+# FSDP: parity, and the sharded state shrinks with the shard count (parameters, gradients and
+# optimizer state on rank 0).
+sizes = {}
+for dp in ("1", "2"):
+    r = run(SMALL + ["--dp-shard", dp, "--steps", "3", "--log-every", "3", "--check-parity"])
+    check(r.returncode == 0 and json.loads(r.stdout.strip().splitlines()[-1])["parity"] == "ok",
+          f"--dp-shard {dp}: exit {r.returncode}, {r.stderr.strip()}")
+    m = pat.match(r.stdout.strip().splitlines()[0].replace("/3 ", "/30 "))
+    check(m is not None, f"--dp-shard {dp}: progress line {r.stdout.strip().splitlines()[0]}")
+    if m:
+        sizes[dp] = [int(m.group(i)) for i in (6, 7, 8)]
+if len(sizes) == 2:
+    check(all(sizes["2"][i] < sizes["1"][i] for i in range(3)), f"sharded bytes per rank: {sizes}")
 r = run(SMALL + ["--tp", "2", "--steps", "6", "--log-every", "3", "--check-parity", "--grad-accum", "2"])
 check(r.returncode == 0, f"tp 2 parity exit {r.returncode}: {r.stderr}")
 out = r.stdout.strip().splitlines()
@@ -85,7 +99,10 @@ with tempfile.TemporaryDirectory() as d:
     check(all(v == 1.0 for v in vals), "LayerNorm weights start at 1")
 
 # Invalid input: exit 2 with a message naming the value.
-for args, text in [(["--dp-shard", "2"], "--dp-shard 2"), (["--tp", "3"], "3 ranks"),
+for args, text in [(["--dp-shard", "0"], "--dp-shard 0"), (["--tp", "3"], "3 ranks"),
+                   (["--dp-shard", "4", "--reshard-after-forward", "3"], "--reshard-after-forward 3"),
+                   (["--dp-shard", "2", "--prefetch", "3"], "--prefetch 3"),
+                   (["--no-sync"], "need FSDP"),
                    (["--heads", "5"], "--heads 5"), (["--grad-accum", "3"], "--grad-accum 3"),
                    (["--mp", "fp16"], "fp16"), (["--backend", "gloo"], "gloo"), (["--world", "3"], "--world 3")]:
     r = run(args + ["--steps", "2"])

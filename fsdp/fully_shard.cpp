@@ -1,0 +1,943 @@
+#include "fsdp/fully_shard.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <functional>
+#include <map>
+#include <set>
+
+#include "dtensor/layout.h"
+#include "kernels/error.h"
+#include "kernels/ops/elementwise.h"
+#include "kernels/storage.h"
+
+namespace fsdp {
+
+using dtensor::DTensorSpec;
+using dtensor::Placement;
+using dtensor::Placements;
+using kernels::Dims;
+using kernels::InvalidArgument;
+using kernels::Storage;
+using kernels::Tensor;
+using kernels::Unsupported;
+
+namespace {
+
+constexpr const char* kExtension = "fsdp";
+
+Placements filled(int n, Placement p) { return Placements(static_cast<size_t>(n), p); }
+
+DTensor cast(const DTensor& d, DType dtype) {
+  if (d.dtype() == dtype) return d;
+  DTensorSpec spec = d.spec();
+  spec.dtype = dtype;
+  return DTensor(d.comms(), spec, d.to_local().to(dtype));
+}
+
+std::string join_name(const std::string& prefix, const std::string& name) {
+  if (prefix.empty()) return name;
+  if (name.empty()) return prefix;
+  return prefix + "." + name;
+}
+
+std::shared_ptr<const dtensor::DeviceMesh> mesh_ptr(const std::shared_ptr<const MeshComms>& c) {
+  return std::shared_ptr<const dtensor::DeviceMesh>(c, &c->mesh());
+}
+
+}  // namespace
+
+// The groups under one root share this: the forward order (for implicit prefetch), the
+// reductions in flight (bounded: at most two reduce-scatter inputs alive) and the depth.
+struct Runtime {
+  Group* root = nullptr;
+  std::vector<Group*> groups;
+  std::vector<Group*> order;    // pre-forward order of the last complete forward
+  std::vector<Group*> current;  // being recorded
+  std::vector<Group*> pending;  // groups with a reduction in flight, oldest first
+  int prefetch_depth = 1;
+};
+
+// One parameter of a group.
+struct Slot {
+  std::string name;
+  std::shared_ptr<nn::Parameter> param;
+  DTensorSpec unsharded_spec;  // on the full mesh, orig dtype (dp dims Replicate)
+  DTensorSpec sharded_spec;
+  Dims local_shape;   // the unsharded local (tensor-parallel) shape
+  int shard_dim = 0;  // tensor dim split over the dp shard dim
+  Dims padded_shape;  // local_shape with shard_dim -> ceil(n / dp)
+  int64_t offset = 0, padded_numel = 0;
+  std::vector<dtensor::Chunk> chunks;  // per dp shard coordinate
+  std::optional<DTensor> sharded;      // view into the sharded flat buffer
+  int64_t unsharded_offset = 0;        // in elements of the unsharded parameter storage
+  Tensor accum;                        // no-sync: the unsharded gradient so far (reduce dtype)
+};
+
+class Group {
+ public:
+  enum class State { kSharded, kUnsharding, kUnsharded, kResharded };
+
+  std::string name;
+  std::vector<nn::Module*> modules;
+  std::shared_ptr<const MeshComms> comms, dp_comms, k_comms;
+  std::vector<int> dp_dims;  // mesh dims of the full mesh that are data parallel, ascending
+  int shard_mesh_dim = 0;
+  std::optional<int> rep_mesh_dim;
+  int dp_index = 0;  // the shard dim's index in dp_comms' mesh
+  int64_t dp = 1;
+  int64_t my_coord = 0;
+  FullyShardOptions opts;
+  ReshardAfterForward reshard_mode;
+  DType orig_dtype = DType::kF32, param_dtype = DType::kF32, reduce_dtype = DType::kF32;
+  kernels::Device compute_device, storage_device;
+  std::shared_ptr<kernels::Allocator> unsharded_alloc, buffer_alloc;
+  std::vector<Slot> slots;
+  int64_t slot_numel = 0;  // P: one rank's flat elements
+  int64_t unsharded_numel = 0;
+  std::optional<DTensor> sharded_flat;
+  std::shared_ptr<Storage> flat_storage, param_storage;
+  Tensor grad_flat;    // sharded gradients (orig dtype, storage device)
+  Tensor partial_acc;  // HSDP without all-reduce: the [P,S(0)] partial sum so far
+  State state = State::kSharded;
+  std::optional<dtensor::RedistributeHandle> ag_handle;
+  Tensor ag_input;
+  std::optional<DTensor> k_buffer;
+  struct Pending {
+    dtensor::RedistributeHandle handle;
+    Tensor input, out;
+    bool to_partial = false;       // RS only (HSDP without all-reduce)
+    bool all_reduce_after = false;  // add the partial sum, then all-reduce over the replicate dim
+    bool into_grad = false;         // out is grad_flat itself
+  };
+  std::optional<Pending> pending;
+
+  bool requires_gradient_sync = true, reshard_after_backward = true, requires_all_reduce = true;
+  bool is_last_backward = true;
+  double divide_factor = 1.0;
+  bool has_sharded_grad = false;
+  std::optional<std::vector<Group*>> fwd_prefetch, bwd_prefetch;
+  size_t fwd_pre = 0, fwd_post = 0, bwd_pre = 0, bwd_post = 0;
+  std::shared_ptr<Runtime> rt;
+  GroupStats stats;
+
+  bool is_root() const { return rt && rt->root == this; }
+  bool hsdp() const { return rep_mesh_dim.has_value(); }
+  int dp_ndim() const { return static_cast<int>(dp_dims.size()); }
+
+  Placements flat_sharded_placements() const {
+    Placements p = filled(dp_ndim(), dtensor::Replicate{});
+    p[dp_index] = dtensor::Shard{0};
+    return p;
+  }
+  DTensorSpec flat_spec(const Placements& p, DType dtype) const {
+    return dtensor::make_spec(mesh_ptr(dp_comms), p, Dims{dp * slot_numel}, dtype);
+  }
+
+  bool reshards_after_forward() const {
+    switch (reshard_mode.kind) {
+      case ReshardAfterForward::Kind::kAuto: return !is_root();
+      case ReshardAfterForward::Kind::kTrue: return true;
+      case ReshardAfterForward::Kind::kFalse: return false;
+      case ReshardAfterForward::Kind::kInt: return true;
+    }
+    return true;
+  }
+  bool reshard_to_k() const { return reshard_mode.kind == ReshardAfterForward::Kind::kInt && k_comms; }
+
+  // ---- storage ----
+  Tensor flat_view() {
+    if (!flat_storage)
+      flat_storage = Storage::allocate(static_cast<size_t>(dp * slot_numel) * kernels::itemsize(param_dtype),
+                                       compute_device, unsharded_alloc);
+    else
+      flat_storage->reallocate();
+    return Tensor::from_storage(flat_storage, param_dtype, Dims{dp * slot_numel},
+                                Tensor::contiguous_strides(Dims{dp * slot_numel}));
+  }
+  void ensure_param_storage() {
+    if (!param_storage)
+      param_storage = Storage::allocate(static_cast<size_t>(unsharded_numel) * kernels::itemsize(param_dtype),
+                                        compute_device, unsharded_alloc);
+    else
+      param_storage->reallocate();
+  }
+  Tensor unsharded_local(const Slot& s) const {
+    return Tensor::from_storage(param_storage, param_dtype, s.local_shape, Tensor::contiguous_strides(s.local_shape),
+                                s.unsharded_offset);
+  }
+  // Piece `d` of slot s inside a rank-major flat tensor of slot_numel per rank.
+  Tensor block(const Tensor& flat, const Slot& s, int64_t d) const {
+    return flat.narrow(0, d * slot_numel + s.offset, s.padded_numel)
+        .view(s.padded_shape)
+        .narrow(s.shard_dim, 0, s.chunks[d].size);
+  }
+  DTensor sharded_grad_view(const Slot& s) const {
+    Tensor l = grad_flat.narrow(0, s.offset, s.padded_numel)
+                   .view(s.padded_shape)
+                   .narrow(s.shard_dim, 0, s.chunks[my_coord].size);
+    return DTensor(comms, s.sharded_spec, l);
+  }
+
+  // ---- unshard / reshard ----
+  void issue_unshard() {
+    if (state == State::kUnsharding || state == State::kUnsharded) return;
+    Tensor out = flat_view();
+    if (state == State::kResharded) {
+      ag_handle = dtensor::redistribute_async(*k_buffer, filled(k_comms->mesh().ndim(), dtensor::Replicate{}), {}, out);
+    } else {
+      // Copy-in: the shard on the compute device, in the parameter dtype (so the all-gather
+      // moves param_dtype bytes; FSDP2 casts before communicating).
+      const Tensor& local = sharded_flat->to_local();
+      DTensor src = *sharded_flat;
+      if (local.dtype() != param_dtype || local.device() != compute_device) {
+        ag_input = Tensor::empty(local.shape(), param_dtype, compute_device, buffer_alloc);
+        ag_input.copy_(local);
+        src = DTensor(dp_comms, flat_spec(flat_sharded_placements(), param_dtype), ag_input);
+      }
+      ag_handle = dtensor::redistribute_async(src, filled(dp_ndim(), dtensor::Replicate{}), {}, out);
+    }
+    ++stats.all_gathers;
+    state = State::kUnsharding;
+  }
+
+  void wait_unshard() {
+    if (state == State::kUnsharded) return;
+    issue_unshard();
+    DTensor full = ag_handle->wait();
+    ag_handle.reset();
+    ag_input = Tensor();
+    k_buffer.reset();
+    const Tensor flat = full.to_local();
+    ensure_param_storage();
+    // Split-copy: rank d's piece of every parameter into its unsharded tensor.
+    for (const Slot& s : slots) {
+      Tensor dst = unsharded_local(s);
+      for (int64_t d = 0; d < dp; ++d) {
+        const dtensor::Chunk& c = s.chunks[d];
+        if (c.size == 0) continue;
+        dst.narrow(s.shard_dim, c.offset, c.size).copy_(block(flat, s, d));
+      }
+    }
+    flat_storage->free();
+    for (const Slot& s : slots) {
+      DTensorSpec spec = s.unsharded_spec;
+      spec.dtype = param_dtype;
+      s.param->set_data(DTensor(comms, spec, unsharded_local(s)));
+    }
+    state = State::kUnsharded;
+  }
+
+  void reshard() {
+    if (state == State::kUnsharding) {  // a prefetch nobody used
+      ag_handle->wait();
+      ag_handle.reset();
+      ag_input = Tensor();
+    }
+    for (const Slot& s : slots) s.param->set_data(*s.sharded);
+    if (param_storage) param_storage->free();
+    if (flat_storage) flat_storage->free();
+    k_buffer.reset();
+    state = State::kSharded;
+  }
+
+  // Post-forward with k: the unsharded parameters packed rank-major (the all-gather layout),
+  // viewed on (.., dp / k, k) and moved R -> S(0) over the k ranks (a local slice), kept until
+  // backward.
+  void reshard_to_k_buffer() {
+    const Tensor flat = flat_view();
+    for (const Slot& s : slots) {
+      const Tensor src = unsharded_local(s);
+      for (int64_t d = 0; d < dp; ++d) {
+        const dtensor::Chunk& c = s.chunks[d];
+        if (c.size > 0) block(flat, s, d).copy_(src.narrow(s.shard_dim, c.offset, c.size));
+      }
+    }
+    DTensor whole(dp_comms, flat_spec(filled(dp_ndim(), dtensor::Replicate{}), param_dtype), flat);
+    const int kn = k_comms->mesh().ndim();
+    DTensor on_k = whole.view_on(k_comms, filled(kn, dtensor::Replicate{}));
+    Placements to = filled(kn, dtensor::Replicate{});
+    to[kn - 1] = dtensor::Shard{0};
+    const int64_t k = k_comms->mesh().size(kn - 1);
+    Tensor out = Tensor::empty(Dims{dp * slot_numel / k}, param_dtype, compute_device, unsharded_alloc);
+    DTensor kept = on_k.redistribute(to, out);
+    reshard();
+    k_buffer = kept;
+    state = State::kResharded;
+  }
+
+  void prefetch(const std::vector<Group*>& targets) {
+    for (Group* g : targets)
+      if (g->state == State::kSharded || g->state == State::kResharded) {
+        g->issue_unshard();
+        ++g->stats.prefetches;
+      }
+  }
+  std::vector<Group*> implicit_targets(bool forward) const {
+    std::vector<Group*> out;
+    if (!rt || rt->prefetch_depth <= 0) return out;
+    const auto& order = rt->order;
+    auto it = std::find(order.begin(), order.end(), this);
+    if (it == order.end()) return out;
+    const ptrdiff_t pos = it - order.begin();
+    for (int i = 1; i <= rt->prefetch_depth; ++i) {
+      const ptrdiff_t q = forward ? pos + i : pos - i;
+      if (q < 0 || q >= static_cast<ptrdiff_t>(order.size())) break;
+      out.push_back(order[q]);
+    }
+    return out;
+  }
+
+  // ---- gradients ----
+  void stash_grads() {
+    has_sharded_grad = false;
+    for (Slot& s : slots) {
+      auto& g = s.param->grad();
+      if (!g) continue;
+      if (!grad_flat.defined()) allocate_grad_flat();
+      DTensor view = sharded_grad_view(s);
+      if (g->to_local().data_ptr() != view.to_local().data_ptr() || !(g->placements() == s.sharded_spec.placements)) {
+        if (!(g->placements() == s.sharded_spec.placements) || !(g->shape() == s.sharded_spec.shape))
+          throw InvalidArgument(fmt::format(
+              "FSDP group '{}': parameter '{}' holds a gradient with placements {} before backward; expected "
+              "its sharded placements {} (or none)",
+              name, s.name, dtensor::to_string(g->placements()), dtensor::to_string(s.sharded_spec.placements)));
+        Tensor v = view.to_local();
+        v.copy_(g->to_local());
+      }
+      has_sharded_grad = true;
+      g.reset();
+    }
+  }
+  void allocate_grad_flat() {
+    grad_flat = Tensor::empty(Dims{slot_numel}, orig_dtype, storage_device, comms->allocator());
+    grad_flat.fill_(0.0);
+  }
+  void install_grads() {
+    for (Slot& s : slots)
+      if (s.param->requires_grad) s.param->grad() = sharded_grad_view(s);
+  }
+
+  // The unsharded gradient of s as the local tensor of its placements on the non-dp dims, dp
+  // dims Partial (a Replicate dp dim counts on coordinate 0 only). Undefined when absent.
+  Tensor take_grad(Slot& s) {
+    auto& g = s.param->grad();
+    if (!g) return Tensor();
+    DTensor gd = *g;
+    g.reset();
+    Placements want = gd.placements();
+    bool move = false, zero = false;
+    for (int m = 0; m < static_cast<int>(want.size()); ++m) {
+      const bool is_dp = std::find(dp_dims.begin(), dp_dims.end(), m) != dp_dims.end();
+      if (is_dp) {
+        if (dtensor::is_replicate(want[m])) {
+          if (comms->coord()[m] != 0) zero = true;
+        } else if (!dtensor::is_partial(want[m])) {
+          throw InvalidArgument(fmt::format(
+              "FSDP group '{}': the gradient of '{}' is {} on data-parallel mesh dim {}; expected Partial "
+              "(the batch split over dp) or Replicate",
+              name, s.name, dtensor::to_string(want[m]), m));
+        }
+      } else if (!(want[m] == s.unsharded_spec.placements[m])) {
+        want[m] = s.unsharded_spec.placements[m];
+        move = true;
+      }
+    }
+    if (move) gd = gd.redistribute(want);  // e.g. a sequence-parallel norm's P on tp -> R
+    Tensor l = gd.to_local();
+    if (zero) {
+      Tensor z = Tensor::empty(l.shape(), l.dtype(), l.device());
+      z.fill_(0.0);
+      return z;
+    }
+    return l;
+  }
+
+  void post_backward() {
+    std::vector<Tensor> grads(slots.size());
+    // Whether to reduce is decided by requires_grad (the same on every rank), never by which
+    // gradients this rank happens to hold: a rank without one contributes zeros.
+    bool any = false;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      grads[i] = take_grad(slots[i]);
+      any = any || slots[i].param->requires_grad;
+    }
+    if (!requires_gradient_sync) {
+      // No sync: unsharded gradients accumulate (in the reduce dtype) until a synchronising
+      // backward reduces their sum once.
+      for (size_t i = 0; i < slots.size(); ++i) {
+        if (!grads[i].defined()) continue;
+        Slot& s = slots[i];
+        if (!s.accum.defined()) {
+          s.accum = Tensor::empty(s.local_shape, reduce_dtype, compute_device, buffer_alloc);
+          s.accum.copy_(grads[i]);
+        } else {
+          kernels::add_out(s.accum, s.accum, grads[i].dtype() == reduce_dtype ? grads[i] : grads[i].to(reduce_dtype));
+        }
+      }
+      if (has_sharded_grad) install_grads();
+      if (reshard_after_backward) reshard();
+      return;
+    }
+    if (!any) {
+      if (has_sharded_grad) install_grads();
+      reshard();  // a synchronising backward: the optimizer steps the sharded parameters next
+      return;
+    }
+    // Keep at most two reduce-scatter inputs alive: finish the older reductions first.
+    if (rt)
+      while (!rt->pending.empty()) {
+        Group* g = rt->pending.front();
+        rt->pending.erase(rt->pending.begin());
+        g->finish_reduce();
+      }
+    // Chunk-cat copy-in (cast to the reduce dtype fused into the copy), zero padding.
+    Tensor in = Tensor::empty(Dims{dp * slot_numel}, reduce_dtype, compute_device, buffer_alloc);
+    in.fill_(0.0);
+    for (size_t i = 0; i < slots.size(); ++i) {
+      Slot& s = slots[i];
+      Tensor g = grads[i];
+      if (s.accum.defined()) {
+        if (g.defined()) kernels::add_out(s.accum, s.accum, g.dtype() == reduce_dtype ? g : g.to(reduce_dtype));
+        g = s.accum;
+      }
+      if (!g.defined()) continue;
+      for (int64_t d = 0; d < dp; ++d) {
+        const dtensor::Chunk& c = s.chunks[d];
+        if (c.size == 0) continue;
+        block(in, s, d).copy_(g.narrow(s.shard_dim, c.offset, c.size));
+      }
+      s.accum = Tensor();
+    }
+    grads.clear();
+    DTensor flat_in(dp_comms, flat_spec(filled(dp_ndim(), dtensor::Partial{}), reduce_dtype), in);
+    Pending p;
+    p.to_partial = hsdp() && !requires_all_reduce;
+    p.all_reduce_after = hsdp() && requires_all_reduce && partial_acc.defined();
+    Placements target = flat_sharded_placements();
+    if (p.to_partial || p.all_reduce_after) {
+      for (int m = 0; m < dp_ndim(); ++m)
+        if (m != dp_index) target[m] = dtensor::Partial{};
+    }
+    dtensor::RedistributeOptions ro;
+    ro.reduce_dtype = reduce_dtype;
+    ro.divide_factor = divide_factor;
+    p.into_grad = !has_sharded_grad && !p.to_partial && !p.all_reduce_after && storage_device == compute_device;
+    if (p.into_grad) {
+      if (!grad_flat.defined()) allocate_grad_flat();
+      p.out = grad_flat;
+    } else {
+      p.out = Tensor::empty(Dims{slot_numel}, reduce_dtype, compute_device, buffer_alloc);
+    }
+    p.input = in;
+    p.handle = dtensor::redistribute_async(flat_in, target, ro, p.out);
+    ++stats.reduce_scatters;
+    if (hsdp() && !p.to_partial && !p.all_reduce_after) ++stats.all_reduces;
+    pending = std::move(p);
+    if (rt) rt->pending.push_back(this);
+    reshard();  // a synchronising backward: the optimizer steps the sharded parameters next
+  }
+
+  void finish_reduce() {
+    if (!pending) return;
+    Pending p = std::move(*pending);
+    pending.reset();
+    p.handle.wait();
+    p.input = Tensor();
+    if (p.to_partial) {
+      if (!partial_acc.defined()) partial_acc = p.out;
+      else kernels::add_out(partial_acc, partial_acc, p.out);
+      if (has_sharded_grad) install_grads();
+      return;
+    }
+    Tensor result = p.out;
+    if (p.all_reduce_after) {
+      kernels::add_out(result, result, partial_acc);
+      partial_acc = Tensor();
+      Placements from = flat_sharded_placements();
+      for (int m = 0; m < dp_ndim(); ++m)
+        if (m != dp_index) from[m] = dtensor::Partial{};
+      DTensor part(dp_comms, flat_spec(from, reduce_dtype), result);
+      dtensor::RedistributeOptions ro;
+      ro.reduce_dtype = reduce_dtype;
+      result = part.redistribute(flat_sharded_placements(), ro).to_local();
+      ++stats.all_reduces;
+    }
+    if (!p.into_grad) {
+      if (!grad_flat.defined()) allocate_grad_flat();
+      if (has_sharded_grad) {
+        Tensor r = result;
+        if (r.dtype() != orig_dtype || r.device() != storage_device) {
+          Tensor c = Tensor::empty(r.shape(), orig_dtype, storage_device);
+          c.copy_(r);
+          r = c;
+        }
+        kernels::add_out(grad_flat, grad_flat, r);
+      } else {
+        grad_flat.copy_(result);  // cast and device move (offload: to the CPU)
+      }
+    }
+    has_sharded_grad = true;
+    install_grads();
+  }
+
+  // ---- hooks ----
+  void lazy_init();
+  void on_pre_forward(nn::Ctx& ctx, DTensor& input);
+  void on_post_forward(nn::Ctx& ctx, DTensor& output);
+  void on_pre_backward(nn::Ctx& ctx, DTensor& grad_output);
+  void on_post_backward(nn::Ctx& ctx, std::optional<DTensor>& grad_input);
+  void finalize_backward();
+};
+
+void Group::lazy_init() {
+  rt = std::make_shared<Runtime>();
+  rt->root = this;
+  name = name.empty() ? "root" : name;
+  std::set<Group*> seen;
+  for (nn::Module* m : modules)
+    for (auto& [fqn, sub] : m->named_modules()) {
+      FSDPModule* st = fsdp::state(*sub);
+      if (!st) continue;
+      Group* g = &st->group();
+      if (!seen.insert(g).second) continue;
+      if (g != this) {
+        if (g->rt && g->rt->root != this)
+          throw InvalidArgument(fmt::format(
+              "FSDP: group '{}' already ran under another root; call forward on the outermost module", g->name));
+        g->rt = rt;
+        g->name = fqn;
+      }
+      rt->groups.push_back(g);
+    }
+}
+
+void Group::on_pre_forward(nn::Ctx& ctx, DTensor& input) {
+  if (!rt) lazy_init();
+  if (ctx.recomputing()) {
+    wait_unshard();  // an activation-checkpoint recompute inside backward
+  } else if (fwd_pre++ == 0) {
+    if (is_root()) rt->current.clear();
+    rt->current.push_back(this);
+    wait_unshard();
+    prefetch(fwd_prefetch ? *fwd_prefetch : implicit_targets(true));
+  }
+  const auto& mp = opts.mp_policy;
+  if (mp.param_dtype && mp.cast_forward_inputs && kernels::is_floating_point(input.dtype()) &&
+      input.dtype() != *mp.param_dtype) {
+    ctx.values["fsdp.input_dtype"] = input.dtype();
+    input = cast(input, *mp.param_dtype);
+  }
+}
+
+void Group::on_post_forward(nn::Ctx& ctx, DTensor& output) {
+  const auto& mp = opts.mp_policy;
+  if (mp.output_dtype && kernels::is_floating_point(output.dtype()) && output.dtype() != *mp.output_dtype) {
+    ctx.values["fsdp.output_dtype"] = output.dtype();
+    output = cast(output, *mp.output_dtype);
+  }
+  if (ctx.recomputing()) return;
+  if (++fwd_post < modules.size()) return;
+  fwd_pre = fwd_post = 0;
+  if (is_root()) rt->order = rt->current;
+  if (!reshards_after_forward()) return;
+  if (reshard_to_k()) reshard_to_k_buffer();
+  else reshard();
+}
+
+void Group::on_pre_backward(nn::Ctx& ctx, DTensor& grad_output) {
+  auto it = ctx.values.find("fsdp.output_dtype");
+  if (it != ctx.values.end()) grad_output = cast(grad_output, std::any_cast<DType>(it->second));
+  if (bwd_pre++ != 0) return;
+  if (!rt) lazy_init();
+  stash_grads();
+  wait_unshard();
+  prefetch(bwd_prefetch ? *bwd_prefetch : implicit_targets(false));
+}
+
+void Group::on_post_backward(nn::Ctx& ctx, std::optional<DTensor>& grad_input) {
+  auto it = ctx.values.find("fsdp.input_dtype");
+  if (it != ctx.values.end() && grad_input) grad_input = cast(*grad_input, std::any_cast<DType>(it->second));
+  if (++bwd_post < modules.size()) return;
+  bwd_pre = bwd_post = 0;
+  post_backward();
+  if (is_root()) finalize_backward();
+}
+
+void Group::finalize_backward() {
+  if (is_last_backward) {
+    while (!rt->pending.empty()) {
+      Group* g = rt->pending.front();
+      rt->pending.erase(rt->pending.begin());
+      g->finish_reduce();
+    }
+  }
+  for (Group* g : rt->groups) {
+    g->fwd_pre = g->fwd_post = g->bwd_pre = g->bwd_post = 0;
+    if (g->state == State::kResharded || g->state == State::kUnsharding) g->reshard();
+    else if (g->state == State::kUnsharded && (g->reshard_after_backward || g->requires_gradient_sync)) g->reshard();
+  }
+}
+
+// ---- FSDPModule ----
+
+void UnshardHandle::wait() {
+  if (group_) group_->wait_unshard();
+}
+
+UnshardHandle FSDPModule::unshard(bool async_op) {
+  group_->issue_unshard();
+  if (!async_op) group_->wait_unshard();
+  return UnshardHandle(group_.get());
+}
+void FSDPModule::reshard() { group_->reshard(); }
+
+namespace {
+std::vector<Group*> subtree_groups(Group& g) {
+  std::vector<Group*> out{&g};
+  for (nn::Module* m : g.modules)
+    for (auto& [fqn, sub] : m->named_modules()) {
+      FSDPModule* st = fsdp::state(*sub);
+      if (st && &st->group() != &g && std::find(out.begin(), out.end(), &st->group()) == out.end())
+        out.push_back(&st->group());
+    }
+  return out;
+}
+}  // namespace
+
+void FSDPModule::set_requires_gradient_sync(bool sync, bool recurse) {
+  for (Group* g : recurse ? subtree_groups(*group_) : std::vector<Group*>{group_.get()})
+    g->requires_gradient_sync = sync;
+}
+void FSDPModule::set_reshard_after_backward(bool reshard, bool recurse) {
+  for (Group* g : recurse ? subtree_groups(*group_) : std::vector<Group*>{group_.get()})
+    g->reshard_after_backward = reshard;
+}
+void FSDPModule::set_reshard_after_forward(ReshardAfterForward mode, bool recurse) {
+  for (Group* g : recurse ? subtree_groups(*group_) : std::vector<Group*>{group_.get()}) {
+    if (mode.kind == ReshardAfterForward::Kind::kInt && !g->k_comms)
+      throw InvalidArgument(fmt::format(
+          "FSDP group '{}': set_reshard_after_forward({}): reshard_after_forward = k needs the sub-mesh "
+          "given at fully_shard (pass it there)",
+          g->name, mode.k));
+    g->reshard_mode = mode;
+  }
+}
+void FSDPModule::set_requires_all_reduce(bool all_reduce, bool recurse) {
+  for (Group* g : recurse ? subtree_groups(*group_) : std::vector<Group*>{group_.get()})
+    g->requires_all_reduce = all_reduce;
+}
+void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule*>& modules) {
+  std::vector<Group*> gs;
+  for (FSDPModule* m : modules) {
+    if (!m) throw InvalidArgument(fmt::format("FSDP group '{}': a null module in the forward prefetch list", group_->name));
+    gs.push_back(m->group_.get());
+  }
+  if (gs.empty()) group_->fwd_prefetch.reset();  // back to the implicit order
+  else group_->fwd_prefetch = gs;
+}
+void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule*>& modules) {
+  std::vector<Group*> gs;
+  for (FSDPModule* m : modules) {
+    if (!m) throw InvalidArgument(fmt::format("FSDP group '{}': a null module in the backward prefetch list", group_->name));
+    gs.push_back(m->group_.get());
+  }
+  if (gs.empty()) group_->bwd_prefetch.reset();
+  else group_->bwd_prefetch = gs;
+}
+void FSDPModule::set_gradient_divide_factor(double factor) {
+  if (!(factor > 0))
+    throw InvalidArgument(fmt::format("FSDP group '{}': gradient divide factor {}: expected > 0", group_->name, factor));
+  group_->divide_factor = factor;
+}
+void FSDPModule::set_is_last_backward(bool last) {
+  for (Group* g : subtree_groups(*group_)) g->is_last_backward = last;
+}
+void FSDPModule::set_prefetch_depth(int depth) {
+  if (depth < 0) throw InvalidArgument(fmt::format("FSDP: prefetch depth {}: expected >= 0", depth));
+  if (!group_->rt) group_->lazy_init();
+  if (!group_->is_root())
+    throw InvalidArgument(fmt::format("FSDP group '{}': set_prefetch_depth is a root setting", group_->name));
+  group_->rt->prefetch_depth = depth;
+}
+const std::string& FSDPModule::name() const { return group_->name; }
+std::vector<std::string> FSDPModule::parameter_names() const {
+  std::vector<std::string> out;
+  for (const Slot& s : group_->slots) out.push_back(s.name);
+  return out;
+}
+bool FSDPModule::is_unsharded() const { return group_->state == Group::State::kUnsharded; }
+int64_t FSDPModule::unsharded_bytes() const {
+  return (group_->unsharded_numel + group_->dp * group_->slot_numel) *
+         static_cast<int64_t>(kernels::itemsize(group_->param_dtype));
+}
+int64_t FSDPModule::reduce_scatter_input_bytes() const {
+  return group_->dp * group_->slot_numel * static_cast<int64_t>(kernels::itemsize(group_->reduce_dtype));
+}
+int64_t FSDPModule::sharded_bytes() const {
+  return group_->slot_numel * static_cast<int64_t>(kernels::itemsize(group_->orig_dtype));
+}
+int64_t FSDPModule::resharded_k_bytes() const {
+  if (!group_->reshard_to_k()) return 0;
+  const auto& m = group_->k_comms->mesh();
+  return group_->dp * group_->slot_numel / m.size(m.ndim() - 1) *
+         static_cast<int64_t>(kernels::itemsize(group_->param_dtype));
+}
+bool FSDPModule::reshards_after_forward() const { return group_->reshards_after_forward(); }
+bool FSDPModule::is_root() const { return group_->is_root(); }
+const GroupStats& FSDPModule::stats() const { return group_->stats; }
+
+FSDPModule* state(nn::Module& module) {
+  return static_cast<FSDPModule*>(module.find_extension(kExtension).get());
+}
+
+dtensor::Unflattening reshard_unflattening(const dtensor::DeviceMesh& mesh, int shard_mesh_dim, int k) {
+  const int64_t n = mesh.size(shard_mesh_dim);
+  if (k < 1 || n % k != 0)
+    throw InvalidArgument(fmt::format("reshard_after_forward = {}: expected a divisor of the dp shard size {}", k, n));
+  dtensor::Unflattening u;
+  u.mesh_dim = shard_mesh_dim;
+  u.sizes = Dims{n / k, k};
+  if (mesh.has_names()) {
+    const std::string& base = mesh.names()[shard_mesh_dim];
+    u.names = {base + "_outer", base + "_inner"};
+  }
+  return u;
+}
+
+// ---- fully_shard ----
+
+namespace {
+
+DataParallelMeshDims resolve_dims(const dtensor::DeviceMesh& mesh, const std::optional<DataParallelMeshDims>& given) {
+  if (given) return *given;
+  DataParallelMeshDims d;
+  if (mesh.has_names()) {
+    const auto& n = mesh.names();
+    auto find = [&](const char* s) -> std::optional<int> {
+      auto it = std::find(n.begin(), n.end(), s);
+      if (it == n.end()) return std::nullopt;
+      return static_cast<int>(it - n.begin());
+    };
+    if (auto s = find("dp_shard")) {
+      d.shard = *s;
+      d.replicate = find("dp_replicate");
+      return d;
+    }
+  }
+  if (mesh.ndim() == 1) return d;
+  if (mesh.ndim() == 2) return {0, 1};
+  throw InvalidArgument(fmt::format(
+      "fully_shard: a {}-d mesh {} without dims named dp_shard / dp_replicate: give options.mesh_dims",
+      mesh.ndim(), dtensor::to_string(mesh)));
+}
+
+}  // namespace
+
+FSDPModule& fully_shard(nn::Module& module, std::shared_ptr<const MeshComms> mesh, const FullyShardOptions& options) {
+  return fully_shard(std::vector<nn::Module*>{&module}, std::move(mesh), options);
+}
+
+FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr<const MeshComms> comms,
+                        const FullyShardOptions& options) {
+  if (modules.empty()) throw InvalidArgument("fully_shard: no modules given");
+  if (!comms) throw InvalidArgument("fully_shard: no mesh given");
+  auto group = std::make_shared<Group>();
+  Group& g = *group;
+  g.modules = modules;
+  g.comms = comms;
+  g.opts = options;
+  g.reshard_mode = options.reshard_after_forward;
+  g.name = modules.front()->type();
+  for (nn::Module* m : modules) {
+    if (!m) throw InvalidArgument("fully_shard: a null module");
+    if (state(*m))
+      throw InvalidArgument(fmt::format("fully_shard: module '{}' is already sharded (one call per module)", m->type()));
+  }
+  const dtensor::DeviceMesh& mesh = comms->mesh();
+  const DataParallelMeshDims dims = resolve_dims(mesh, options.mesh_dims);
+  if (dims.shard < 0 || dims.shard >= mesh.ndim() ||
+      (dims.replicate && (*dims.replicate < 0 || *dims.replicate >= mesh.ndim() || *dims.replicate == dims.shard)))
+    throw InvalidArgument(fmt::format("fully_shard: data-parallel mesh dims (shard {}, replicate {}) invalid for mesh {}",
+                                      dims.shard, dims.replicate ? std::to_string(*dims.replicate) : "none",
+                                      dtensor::to_string(mesh)));
+  g.shard_mesh_dim = dims.shard;
+  g.rep_mesh_dim = dims.replicate;
+  g.dp_dims = {dims.shard};
+  if (dims.replicate) g.dp_dims.push_back(*dims.replicate);
+  std::sort(g.dp_dims.begin(), g.dp_dims.end());
+  g.dp_index = static_cast<int>(std::find(g.dp_dims.begin(), g.dp_dims.end(), dims.shard) - g.dp_dims.begin());
+  g.dp = mesh.size(dims.shard);
+  if (!comms->in_mesh()) throw Unsupported("fully_shard: this rank is not in the mesh");
+  g.my_coord = comms->coord()[dims.shard];
+  g.dp_comms = comms->slice_dims(g.dp_dims);
+
+  // Parameters: everything under the modules not owned by a nested group; a parameter of a
+  // nested group used outside that group's modules is an error (tie in the common ancestor).
+  std::map<const nn::Parameter*, std::pair<Group*, std::string>> nested_owner;
+  for (nn::Module* m : modules)
+    for (auto& [fqn, sub] : m->named_modules())
+      if (FSDPModule* st = state(*sub))
+        for (const Slot& s : st->group().slots) nested_owner[s.param.get()] = {&st->group(), fqn};
+  std::set<const nn::Parameter*> ignored;
+  for (const auto& p : options.ignored_params) ignored.insert(p.get());
+  std::vector<std::pair<std::string, std::shared_ptr<nn::Parameter>>> params;
+  std::set<const nn::Parameter*> taken;
+  std::function<void(nn::Module&, const std::string&, Group*)> visit = [&](nn::Module& m, const std::string& prefix,
+                                                                          Group* inside) {
+    FSDPModule* st = state(m);
+    if (st) inside = &st->group();
+    for (const auto& [n, p] : m.own_parameters()) {
+      const std::string fqn = join_name(prefix, n);
+      auto it = nested_owner.find(p.get());
+      if (it != nested_owner.end()) {
+        if (it->second.first != inside)
+          throw InvalidArgument(fmt::format(
+              "fully_shard: parameter '{}' (module {} '{}') is shared with the group of '{}' but used outside its "
+              "modules: a parameter shared by two modules must live in their common ancestor's group (do not shard "
+              "'{}' alone)",
+              fqn, m.type(), prefix, it->second.second, it->second.second));
+        continue;
+      }
+      if (inside) continue;  // (unreachable: a nested group owns all its parameters)
+      if (ignored.count(p.get()) || !taken.insert(p.get()).second) continue;
+      params.emplace_back(fqn, p);
+    }
+    for (const auto& [n, c] : m.children()) visit(*c, join_name(prefix, n), inside);
+  };
+  for (size_t i = 0; i < modules.size(); ++i)
+    visit(*modules[i], modules.size() == 1 ? "" : std::to_string(i), nullptr);
+
+  const auto& mp = options.mp_policy;
+  bool first = true;
+  int64_t offset = 0, uoffset = 0;
+  for (auto& [fqn, p] : params) {
+    const std::string where = fmt::format("fully_shard({}): parameter '{}'", g.name, fqn);
+    if (p->is_meta()) throw InvalidArgument(where + " is still meta: materialize the model before fully_shard");
+    const DTensor& data = p->data();
+    if (!(data.device_mesh() == mesh))
+      throw InvalidArgument(fmt::format("{} lives on mesh {}, not the given mesh {}", where,
+                                        dtensor::to_string(data.device_mesh()), dtensor::to_string(mesh)));
+    for (int m : g.dp_dims)
+      if (!dtensor::is_replicate(data.placements()[m]))
+        throw InvalidArgument(fmt::format(
+            "{} is {} on data-parallel mesh dim {} (placements {}): expected Replicate (already sharded? "
+            "fully_shard goes bottom-up, children before their parent)",
+            where, dtensor::to_string(data.placements()[m]), m, dtensor::to_string(data.placements())));
+    if (first) {
+      g.orig_dtype = data.dtype();
+      g.compute_device = data.to_local().device();
+      first = false;
+    } else if (data.dtype() != g.orig_dtype) {
+      throw InvalidArgument(fmt::format("{} is {} but the group's parameters are {}: one dtype per group", where,
+                                        kernels::to_string(data.dtype()), kernels::to_string(g.orig_dtype)));
+    }
+    Slot s;
+    s.name = fqn;
+    s.param = p;
+    s.unsharded_spec = data.spec();
+    s.local_shape = data.to_local().shape();
+    const int nd = s.local_shape.size();
+    if (nd == 0) throw Unsupported(where + " is 0-d: FSDP shards a tensor dim (ignore it instead)");
+    int sd = 0;
+    if (options.shard_placement_fn)
+      if (auto d = options.shard_placement_fn(fqn, *p)) sd = *d;
+    if (sd < 0) sd += nd;
+    if (sd < 0 || sd >= nd)
+      throw InvalidArgument(fmt::format("{}: shard_placement_fn gave dim {} for a {}-d parameter", where, sd, nd));
+    s.shard_dim = sd;
+    // The dp placement: Shard(sd), or StridedShard(sd, sf) when later mesh dims (tp) also split
+    // sd (FSDP shards the tensor-parallel local tensor: the opposite nesting of left to right).
+    Placements sharded = data.placements();
+    int64_t sf = 1;
+    for (int m = g.shard_mesh_dim + 1; m < mesh.ndim(); ++m)
+      if (dtensor::shard_dim(sharded[m]) == sd) sf *= mesh.size(m);
+    if (sf > 1) sharded[g.shard_mesh_dim] = dtensor::StridedShard{sd, static_cast<int>(sf)};
+    else sharded[g.shard_mesh_dim] = dtensor::Shard{sd};
+    s.sharded_spec = dtensor::make_spec(mesh_ptr(comms), sharded, data.shape(), data.dtype(), data.stride());
+    // Every rank checks every coordinate, so all ranks agree on an error.
+    const int64_t total = mesh.size();
+    for (int64_t r = 0; r < total; ++r) {
+      const Dims coord = dtensor::unravel_index(r, mesh.shape());
+      const dtensor::ShardLayout u = dtensor::compute_layout(data.shape(), mesh.shape(), data.placements(), coord);
+      const dtensor::ShardLayout sh = dtensor::compute_layout(data.shape(), mesh.shape(), sharded, coord);
+      const int64_t n = u.local_shape[sd];
+      if (sd > 0 && n % g.dp != 0)
+        throw InvalidArgument(fmt::format(
+            "{}: Shard({}) over {} dp ranks needs dim {} (size {} on this tensor-parallel shard) divisible by {}",
+            where, sd, g.dp, sd, n, g.dp));
+      const dtensor::Chunk c = dtensor::chunk(n, g.dp, coord[g.shard_mesh_dim]);
+      const std::vector<int64_t> all = u.indices(sd), held = sh.indices(sd);
+      const bool ok = static_cast<int64_t>(held.size()) == c.size &&
+                      std::equal(held.begin(), held.end(), all.begin() + c.offset);
+      if (!ok)
+        throw Unsupported(fmt::format(
+            "{}: under {} the dp shards are not chunks of the tensor-parallel shard (uneven FSDP x TP: dim {} of "
+            "size {} over tp and dp); pad the dim to a multiple of the mesh sizes",
+            where, dtensor::to_string(sharded), sd, data.shape()[sd]));
+    }
+    const int64_t n = s.local_shape[sd];
+    for (int64_t d = 0; d < g.dp; ++d) s.chunks.push_back(dtensor::chunk(n, g.dp, d));
+    s.padded_shape = s.local_shape;
+    s.padded_shape[sd] = (n + g.dp - 1) / g.dp;
+    s.padded_numel = s.padded_shape.product();
+    s.offset = offset;
+    offset += s.padded_numel;
+    s.unsharded_offset = uoffset;
+    uoffset += s.local_shape.product();
+    g.slots.push_back(std::move(s));
+  }
+  g.slot_numel = offset;
+  g.unsharded_numel = uoffset;
+  g.param_dtype = mp.param_dtype.value_or(g.orig_dtype);
+  g.reduce_dtype = mp.reduce_dtype.value_or(g.param_dtype);
+  g.storage_device = options.offload_policy.offload_to_cpu ? kernels::Device{} : g.compute_device;
+  g.unsharded_alloc = options.unsharded_allocator ? options.unsharded_allocator : comms->allocator();
+  g.buffer_alloc = options.buffer_allocator ? options.buffer_allocator : comms->allocator();
+
+  // reshard_after_forward = k: 1 is false, the shard size true, otherwise the sub-mesh.
+  if (g.reshard_mode.kind == ReshardAfterForward::Kind::kInt) {
+    const int k = g.reshard_mode.k;
+    if (k < 1 || g.dp % k != 0)
+      throw InvalidArgument(fmt::format("fully_shard({}): reshard_after_forward = {}: expected a divisor of the dp "
+                                        "shard size {}",
+                                        g.name, k, g.dp));
+    if (k == 1) g.reshard_mode = ReshardAfterForward::no();
+    else if (k == g.dp) g.reshard_mode = ReshardAfterForward::yes();
+    else {
+      const dtensor::Unflattening u = reshard_unflattening(g.dp_comms->mesh(), g.dp_index, k);
+      g.k_comms = g.dp_comms->unflatten(u.mesh_dim, u.sizes, u.names);
+    }
+  }
+
+  // The flat sharded buffer: rank-major slots, each parameter's shard padded to ceil(n / dp).
+  if (g.slot_numel > 0 || !g.slots.empty()) {
+    Tensor flat = Tensor::empty(Dims{g.slot_numel}, g.orig_dtype, g.storage_device, comms->allocator());
+    flat.fill_(0.0);
+    g.sharded_flat = DTensor(g.dp_comms, g.flat_spec(g.flat_sharded_placements(), g.orig_dtype), flat);
+    for (Slot& s : g.slots) {
+      const dtensor::Chunk& c = s.chunks[g.my_coord];
+      Tensor view = flat.narrow(0, s.offset, s.padded_numel).view(s.padded_shape).narrow(s.shard_dim, 0, c.size);
+      if (c.size > 0) view.copy_(s.param->data().to_local().narrow(s.shard_dim, c.offset, c.size));
+      s.sharded = DTensor(comms, s.sharded_spec, view);
+      s.param->grad().reset();
+      s.param->set_data(*s.sharded);
+    }
+  }
+
+  // Hooks on every module of the group.
+  Group* gp = group.get();
+  for (nn::Module* m : modules) {
+    m->register_forward_pre_hook([gp](nn::Module&, nn::Ctx& ctx, DTensor& x) { gp->on_pre_forward(ctx, x); });
+    m->register_forward_hook([gp](nn::Module&, nn::Ctx& ctx, DTensor& y) { gp->on_post_forward(ctx, y); });
+    m->register_backward_pre_hook([gp](nn::Module&, nn::Ctx& ctx, DTensor& dy) { gp->on_pre_backward(ctx, dy); });
+    m->register_backward_hook(
+        [gp](nn::Module&, nn::Ctx& ctx, std::optional<DTensor>& dx) { gp->on_post_backward(ctx, dx); });
+  }
+  auto handle = std::make_shared<FSDPModule>(group);
+  for (nn::Module* m : modules) m->extension(kExtension) = handle;
+  return *handle;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,197 @@
+// fully_shard: FSDP, HSDP and FSDP x TP over nn modules, as DTensor placement transitions
+// (design.md section 5; PyTorch FSDP2's fully_shard, fsdp2-reference.md sections 1-2).
+//
+//   // mesh (dp_shard=4), or (dp_replicate=2, dp_shard=2) for HSDP, or (dp_shard, tp) after
+//   // parallelize_module(model, /*tp mesh dim=*/1, plan): the model's parameters live on this
+//   // mesh, Replicate over the data-parallel dims.
+//   for (auto& [name, block] : model.blocks().children()) fsdp::fully_shard(*block, comms);
+//   fsdp::FSDPModule& root = fsdp::fully_shard(model, comms);      // bottom-up; root last
+//   nn::AdamW opt(model.named_parameters(), {...});                  // sees the sharded parameters
+//   DTensor logits = model.forward(ctx, ids);   // ids sharded S(0) over the dp dims
+//   model.backward(ctx, dlogits);               // gradients arrive sharded, reduced
+//   opt.step();
+//
+// Each call owns one parameter group: every parameter of the module(s) not owned by an earlier
+// (nested) call. In placement terms, per group:
+//   sharded parameter  = the unsharded placements with the dp placements set: Shard(d) on the
+//                        dp shard dim (StridedShard(0, k) when later mesh dims also split dim 0),
+//                        Replicate on the replicate dim; a view into one flat, padded buffer that
+//                        is itself a DTensor [S(0)] (HSDP: [R,S(0)]) on the dp sub-mesh;
+//   unshard            = that buffer S(0) -> R into the group's unsharded storage (freed and
+//                        re-allocated in place), then a split-copy into the parameters;
+//   gradient sync      = the gradients chunk-cat into a flat P buffer (cast to reduce_dtype),
+//                        P -> S(0) (HSDP: [P,P] -> [R,S(0)]) with the precision policy;
+//   reshard_after_forward = k: the unsharded buffer viewed on the dp sub-mesh unflattened to
+//                        (.., dp_shard / k, k) and moved R -> S(0) over the last dim.
+// fsdp/ issues no collective itself: every byte moves through dtensor redistribute.
+//
+// Gradients: the model's loss is a DTensor (the global mean over the dp-sharded batch), so its
+// parameter gradients are Partial(sum) of the true gradient; the reduction is a plain sum
+// (divide factor 1; FSDP2's 1/N average of per-rank means is the same number).
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dtensor/dtensor.h"
+#include "dtensor/mesh_comms.h"
+#include "kernels/allocator.h"
+#include "nn/module.h"
+
+namespace fsdp {
+
+using dtensor::DTensor;
+using dtensor::MeshComms;
+using kernels::DType;
+
+// FSDP2's MixedPrecisionPolicy: the unsharded parameters (and so the all-gather) in
+// param_dtype, gradients reduced in reduce_dtype, floating outputs cast to output_dtype,
+// floating inputs cast to param_dtype. The optimizer sees the sharded parameters in their
+// original dtype (the master weights).
+struct MixedPrecisionPolicy {
+  std::optional<DType> param_dtype;
+  std::optional<DType> reduce_dtype;
+  std::optional<DType> output_dtype;
+  bool cast_forward_inputs = true;
+};
+
+// FSDP2's CPUOffloadPolicy: sharded parameters, gradients (and so the optimizer state) live on
+// the CPU; each unshard copies the shard to the compute device first and each reduction copies
+// the sharded gradient back.
+struct OffloadPolicy {
+  bool offload_to_cpu = false;
+  bool pin_memory = true;  // honoured where the backend has pinned memory (CUDA)
+};
+
+// True / False / int k / automatic (FSDP2's None: the root keeps its parameters, other groups
+// reshard). k must divide the dp shard size; 1 means false and the shard size true.
+struct ReshardAfterForward {
+  enum class Kind { kAuto, kTrue, kFalse, kInt };
+  Kind kind = Kind::kAuto;
+  int k = 0;
+  static ReshardAfterForward automatic() { return {}; }
+  static ReshardAfterForward yes() { return {Kind::kTrue, 0}; }
+  static ReshardAfterForward no() { return {Kind::kFalse, 0}; }
+  static ReshardAfterForward to(int k) { return {Kind::kInt, k}; }
+};
+
+// Which mesh dims of the parameters' mesh are data parallel. Unset: the dims named
+// "dp_replicate" / "dp_shard" when the mesh has them; otherwise a 1-D mesh is FSDP over dim 0 and
+// a 2-D mesh HSDP (replicate 0, shard 1). Other mesh dims (tp) keep their placements.
+struct DataParallelMeshDims {
+  std::optional<int> replicate;
+  int shard = 0;
+};
+
+// Per parameter (its name relative to the module given to fully_shard): the tensor dim to shard
+// over dp, or nullopt for dim 0 (FSDP2's shard_placement_fn returning Shard(d) / None). A dim
+// > 0 must divide evenly by the dp shard size.
+using ShardPlacementFn = std::function<std::optional<int>(const std::string& name, const nn::Parameter&)>;
+
+struct FullyShardOptions {
+  std::optional<DataParallelMeshDims> mesh_dims;
+  ReshardAfterForward reshard_after_forward;
+  ShardPlacementFn shard_placement_fn;
+  MixedPrecisionPolicy mp_policy;
+  OffloadPolicy offload_policy;
+  std::vector<std::shared_ptr<nn::Parameter>> ignored_params;  // neither sharded nor reduced
+  // Where the transient storage comes from (default: the mesh's allocator): the unsharded
+  // parameters and their all-gather output (unsharded_allocator), the reduce-scatter inputs and
+  // casts (buffer_allocator). Tests and fsdp-train count them apart with nn::TrackingAllocator.
+  std::shared_ptr<kernels::Allocator> unsharded_allocator;
+  std::shared_ptr<kernels::Allocator> buffer_allocator;
+};
+
+// The sub-mesh unflattening reshard_after_forward = k needs, to pass to MeshComms at creation
+// (communicators are never split lazily): shard mesh dim -> (size / k, k).
+dtensor::Unflattening reshard_unflattening(const dtensor::DeviceMesh& mesh, int shard_mesh_dim, int k);
+
+class Group;
+class FSDPModule;
+
+// A pending unshard(async = true); wait() is also called by the next pre-forward.
+class UnshardHandle {
+ public:
+  UnshardHandle() = default;
+  void wait();
+
+ private:
+  friend class FSDPModule;
+  explicit UnshardHandle(Group* group) : group_(group) {}
+  Group* group_ = nullptr;
+};
+
+// Counters of one group (tests and benchmarks read them).
+struct GroupStats {
+  int64_t all_gathers = 0;       // S(0) -> R unshards issued (from the sharded or the k buffer)
+  int64_t reduce_scatters = 0;   // P -> S(0) gradient reductions issued
+  int64_t all_reduces = 0;       // HSDP replicate reductions (inside or after the reduce-scatter)
+  int64_t prefetches = 0;        // unshards issued ahead by prefetch
+};
+
+// The FSDP state of one fully_shard call (FSDP2's FSDPModule methods).
+class FSDPModule {
+ public:
+  explicit FSDPModule(std::shared_ptr<Group> group) : group_(std::move(group)) {}
+
+  // All-gather this group now (async: returns at once; the pre-forward waits).
+  UnshardHandle unshard(bool async_op = false);
+  // Frees the unsharded parameters (the parameters become the sharded views again).
+  void reshard();
+  // With recurse, for this group and every group nested in its modules.
+  void set_requires_gradient_sync(bool sync, bool recurse = true);
+  // false keeps the unsharded parameters after a backward without gradient sync, so the next
+  // microbatch's forward needs no all-gather (FSDP2's ZeRO-2-like accumulation); a backward that
+  // synchronises gradients always reshards (the optimizer steps the sharded parameters next).
+  void set_reshard_after_backward(bool reshard, bool recurse = true);
+  void set_reshard_after_forward(ReshardAfterForward mode, bool recurse = true);
+  // HSDP: false reduces over the shard dim only (P -> [P,S(0)]) and keeps the partial sum until
+  // a backward with true all-reduces it over the replicate dim.
+  void set_requires_all_reduce(bool all_reduce, bool recurse = true);
+  // Explicit prefetch lists (issued right after this group's unshard); an empty list restores
+  // the implicit order.
+  void set_modules_to_forward_prefetch(const std::vector<FSDPModule*>& modules);
+  void set_modules_to_backward_prefetch(const std::vector<FSDPModule*>& modules);
+  void set_gradient_divide_factor(double factor);
+  void set_is_last_backward(bool last);
+  // Implicit prefetch depth for the tree under this root (0: none; 1: FSDP2's one group ahead
+  // in forward and backward; 2: two ahead). Explicit lists take precedence.
+  void set_prefetch_depth(int depth);
+
+  const std::string& name() const;
+  // The parameters this group owns (names relative to the module given to fully_shard).
+  std::vector<std::string> parameter_names() const;
+  bool is_unsharded() const;
+  // Bytes of one rank: unsharded parameters plus the all-gather output (param dtype), the flat
+  // reduce-scatter input (reduce dtype), the sharded flat buffer (original dtype).
+  int64_t unsharded_bytes() const;
+  int64_t reduce_scatter_input_bytes() const;
+  int64_t sharded_bytes() const;
+  // Bytes of the reshard_after_forward = k buffer kept between forward and backward (0 unless k).
+  int64_t resharded_k_bytes() const;
+  bool reshards_after_forward() const;
+  bool is_root() const;
+  const GroupStats& stats() const;
+  Group& group() const { return *group_; }
+
+ private:
+  std::shared_ptr<Group> group_;
+};
+
+// Shards `module` (or the modules of one group) over the data-parallel dims of `mesh`, which
+// must be the mesh its parameters live on. Collective-free. Throws InvalidArgument naming the
+// module and parameter for: a module already sharded, a parameter shared with an earlier group
+// outside that group's modules (tie it in the common ancestor's group), a parameter already
+// sharded over dp (fully_shard goes bottom-up), a wrong mesh, a non-Replicate dp placement, a
+// meta parameter, mixed dtypes in one group, an uneven Shard(d > 0), a bad k.
+FSDPModule& fully_shard(nn::Module& module, std::shared_ptr<const MeshComms> mesh,
+                        const FullyShardOptions& options = {});
+FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr<const MeshComms> mesh,
+                        const FullyShardOptions& options = {});
+// The FSDP state of a module given to fully_shard, nullptr otherwise.
+FSDPModule* state(nn::Module& module);
+
+}  // namespace fsdp
