@@ -208,7 +208,12 @@ struct LocalMember {
   // A flat buffer of at least n elements of dtype that no slot holds.
   Tensor stage_buffer(kernels::DType dtype, int64_t n) {
     for (Tensor& t : stage_pool)
-      if (t.storage().use_count() == 1 && t.dtype() == dtype && t.numel() >= n) return t.narrow(0, 0, n);
+      if (t.storage().use_count() == 1 && t.dtype() == dtype && t.numel() >= n) {
+        // use_count() is a relaxed load: order the last reader's accesses (before it dropped its
+        // reference) before the copy about to overwrite the buffer.
+        std::atomic_thread_fence(std::memory_order_acquire);
+        return t.narrow(0, 0, n);
+      }
     Tensor t = Tensor::empty({std::max<int64_t>(n, 64)}, dtype);
     if (stage_pool.size() < kStagePool) {
       stage_pool.push_back(t);
