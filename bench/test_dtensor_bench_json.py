@@ -33,7 +33,8 @@ HOST_KEYS = {"kind": str, "transition": str, "mesh": str, "bytes": int, "shape":
              "time_us": float, "time_min_us": float, "time_max_us": float}
 OVERLAP_KEYS = {"kind": str, "transition": str, "src": str, "dst": str, "mesh": str, "backend": str, "world": int,
                 "bytes": int, "local_bytes": int, "shape": list, "route": str, "collectives": int, "iters": int,
-                "comm_us": float, "compute_us": float, "overlapped_us": float, "exposed": float, "wrong": int}
+                "comm_us": float, "comm_warm_us": float, "compute_us": float, "overlapped_us": float,
+                "exposed": float, "wrong": int}
 
 failures = []
 

@@ -70,6 +70,9 @@ struct PostedCall {
   std::vector<int> split_group;  // group ranks of the parent
   std::string split_name;
   bool posted = false;
+  // NOTE [eager small calls]: the input (send buffers) was copied into buffers the slot owns when
+  // the call was posted, so the member may leave once it has read what it needs.
+  bool eager = false;
 
   // "split" for a split (which travels as a barrier), else the collective's name.
   std::string_view name() const { return split_name.empty() ? to_string(kind) : "split"; }
@@ -98,8 +101,9 @@ struct PostedCall {
 
 struct Slot {
   std::vector<PostedCall> calls;  // by group rank
-  int arrived = 0;
-  int phase_done = 0;  // members past the read phase
+  // Written under the group's lock, also read without it by members spinning before they sleep.
+  std::atomic<int> arrived{0};
+  std::atomic<int> phase_done{0};  // members past the read phase
   std::vector<char> read_done;  // by group rank
   int left = 0;        // members that finished
   bool checked = false;
@@ -109,6 +113,22 @@ struct Slot {
   std::vector<std::shared_ptr<LocalGroup>> split_groups;
   std::vector<int> gave_up;  // global ranks whose waiter gave the call up after posting it
   std::string gave_up_why;   // the first of their reasons
+
+  // Back to a fresh slot of the same group size, keeping the vectors' storage.
+  void reset() {
+    for (PostedCall& c : calls) c = PostedCall{};
+    arrived.store(0);
+    phase_done.store(0);
+    std::fill(read_done.begin(), read_done.end(), 0);
+    left = 0;
+    checked = false;
+    mismatch.clear();
+    partial.clear();
+    split_result.reset();
+    split_groups.clear();
+    gave_up.clear();
+    gave_up_why.clear();
+  }
 };
 
 class LocalGroup {
@@ -122,6 +142,28 @@ class LocalGroup {
   std::mutex mu;                   // guards slots and the Slot contents
   std::condition_variable cv;      // a slot changed phase, or the world changed (abort, exit)
   std::map<uint64_t, Slot> slots;
+  // Slots of finished calls, kept for the next ones: a slot is made by the first member to post
+  // and retired by the last one out, so allocating and freeing them would free on one member's
+  // thread what another's allocated, every call (malloc arena lock contention among the ranks).
+  std::vector<std::map<uint64_t, Slot>::node_type> spare;
+
+  // The slot of call seq, made (or recycled) when absent. REQUIRES: mu held.
+  Slot& slot(uint64_t seq) {
+    const auto it = slots.find(seq);
+    if (it != slots.end()) return it->second;
+    if (spare.empty()) return slots[seq];
+    std::map<uint64_t, Slot>::node_type node = std::move(spare.back());
+    spare.pop_back();
+    node.key() = seq;
+    return slots.insert(std::move(node)).position->second;
+  }
+  // Call seq is over for every member. REQUIRES: mu held.
+  void retire(uint64_t seq) {
+    std::map<uint64_t, Slot>::node_type node = slots.extract(seq);
+    if (spare.size() >= 4) return;
+    node.mapped().reset();
+    spare.push_back(std::move(node));
+  }
   // all_reduce scratch per member, reused across calls (each member touches only its own entry;
   // a previous call's readers still hold a reference, so reuse waits until they let go).
   std::vector<Tensor> scratch = std::vector<Tensor>(ranks.size());
@@ -158,6 +200,32 @@ struct LocalMember {
   const int rank;
   uint64_t next_seq = 0;           // touched only by the queue's holder (one thread at a time)
   std::atomic<bool> closing{false};  // the communicator is being destroyed
+  // NOTE [eager small calls]: the copies of this member's small inputs, reused once no slot
+  // holds them any more (the holder's thread only; the last member out of a slot drops its
+  // reference, so a buffer is never freed on another thread).
+  std::vector<Tensor> stage_pool;
+  static constexpr size_t kStagePool = 8;
+  // A flat buffer of at least n elements of dtype that no slot holds.
+  Tensor stage_buffer(kernels::DType dtype, int64_t n) {
+    for (Tensor& t : stage_pool)
+      if (t.storage().use_count() == 1 && t.dtype() == dtype && t.numel() >= n) {
+        // use_count() is a relaxed load: order the last reader's accesses (before it dropped its
+        // reference) before the copy about to overwrite the buffer.
+        std::atomic_thread_fence(std::memory_order_acquire);
+        return t.narrow(0, 0, n);
+      }
+    Tensor t = Tensor::empty({std::max<int64_t>(n, 64)}, dtype);
+    if (stage_pool.size() < kStagePool) {
+      stage_pool.push_back(t);
+    } else {
+      for (Tensor& old : stage_pool)
+        if (old.storage().use_count() == 1) {
+          old = t;
+          break;
+        }
+    }
+    return t.narrow(0, 0, n);
+  }
 };
 
 namespace {
@@ -165,6 +233,22 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 int64_t elems(const Tensor& t) { return t.defined() ? t.numel() : 0; }
+
+// Takes a group's lock, trying for a short while before sleeping. Its critical sections last a
+// few hundred ns, every member of a call takes it several times, and std::mutex goes to a futex
+// sleep at the first contention: a sleep and a wake-up syscall cost microseconds (more with
+// ranks as threads on fewer cores), more than a small collective itself.
+std::unique_lock<std::mutex> lock_spinning(std::mutex& mu) {
+  for (int i = 0; i < 64; ++i) {
+    if (mu.try_lock()) return std::unique_lock<std::mutex>(mu, std::adopt_lock);
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+  return std::unique_lock<std::mutex>(mu);
+}
+// lk.lock(), the same way. REQUIRES: lk does not own its mutex.
+void relock(std::unique_lock<std::mutex>& lk) { lk = lock_spinning(*lk.mutex()); }
 
 Tensor flat(const Tensor& t) { return t.defined() ? t.view({t.numel()}) : t; }
 
@@ -306,9 +390,10 @@ class LocalCall final : public QueuedCall {
 
   void start() override {
     const size_t n = g_->ranks.size();
-    std::lock_guard lk(g_->mu);
+    stage_eagerly(call_, *m_, static_cast<int>(n));  // before the lock: the copy needs no one else
+    const std::unique_lock lk = lock_spinning(g_->mu);
     const uint64_t seq = m_->next_seq++;
-    Slot& slot = g_->slots[seq];
+    Slot& slot = g_->slot(seq);
     if (slot.calls.empty()) {
       slot.calls.resize(n);
       slot.read_done.resize(n);
@@ -324,10 +409,10 @@ class LocalCall final : public QueuedCall {
   bool advance(Clock::time_point until) override {
     const int n = static_cast<int>(g_->ranks.size());
     const uint64_t seq = static_cast<uint64_t>(seq_.load());
-    std::unique_lock lk(g_->mu);
+    std::unique_lock lk = lock_spinning(g_->mu);
     Slot& slot = g_->slots.at(seq);
     if (!read_done_) {
-      if (!reach(lk, slot, [&] { return slot.arrived == n; }, true, until)) return false;
+      if (!reach(lk, slot, [&] { return slot.arrived.load() == n; }, true, until)) return false;
       if (!slot.checked) {
         slot.mismatch = check_calls(slot.calls, *g_);
         slot.checked = true;
@@ -342,19 +427,27 @@ class LocalCall final : public QueuedCall {
 
       staged_ = read_phase(slot);  // reads other members' buffers
 
-      lk.lock();
+      relock(lk);
       slot.read_done[rank_] = 1;
       read_done_ = true;
       if (++slot.phase_done == n) g_->cv.notify_all();  // only the last one can satisfy a waiter
+      // NOTE [eager small calls]: nobody reads this member's buffers any more and it has its
+      // result: it leaves without waiting for the others' reads (one rendezvous per call).
+      if (leaves_early(slot)) {
+        std::vector<Tensor> drop = leave(slot, seq);
+        lk.unlock();
+        return true;
+      }
     }
-    if (!reach(lk, slot, [&] { return slot.phase_done == n; }, false, until)) return false;
+    if (!reach(lk, slot, [&] { return slot.phase_done.load() == n; }, false, until)) return false;
     lk.unlock();
 
     write_phase(slot, staged_);  // only touches this rank's output and slot-owned partials
     staged_ = Tensor();
 
-    lk.lock();
-    if (++slot.left == n) g_->slots.erase(seq);
+    relock(lk);
+    std::vector<Tensor> drop = leave(slot, seq);
+    lk.unlock();
     return true;
   }
 
@@ -419,11 +512,14 @@ class LocalCall final : public QueuedCall {
     if (!pred() && !stop() && Clock::now() < until) {
       // Yield a few times before sleeping: with more ranks than cores the member being waited
       // for usually needs this core, and a condition-variable sleep costs far more than a yield.
-      for (int spin = 0; spin < 64 && !(pred() || stop()); ++spin) {
-        lk.unlock();
+      // The spin reads only atomics, without the group's lock: members re-taking the lock after
+      // every yield made it the hottest lock of a small call (futex sleeps and wake-ups).
+      lk.unlock();
+      for (int spin = 0; spin < 64; ++spin) {
         std::this_thread::yield();
-        lk.lock();
+        if (pred() || w.aborted.load(std::memory_order_relaxed) || m_->closing.load(std::memory_order_relaxed)) break;
       }
+      relock(lk);
       g_->cv.wait_until(lk, until, [&] { return pred() || stop(); });
     }
     if (pred()) return true;
@@ -478,6 +574,12 @@ class LocalCall final : public QueuedCall {
         return acc.shares_storage_with(me.output) ? Tensor() : acc;
       }
       case CollectiveKind::kAllReduce: {
+        if (all_eager(slot)) {
+          // Every input is a copy the slot owns: reduce all of it straight into the output (n x
+          // the reads of a chunk, no second rendezvous to share the chunks).
+          reduce_chunk(slot, me.output, 0, me.output.numel());
+          return {};
+        }
         auto [begin, len] = chunk_of(me.input.numel(), n, r);
         Tensor& cache = g_->scratch[r];
         if (!cache.defined() || cache.storage().use_count() > 1 || cache.numel() < len ||
@@ -538,6 +640,83 @@ class LocalCall final : public QueuedCall {
     return {};
   }
 
+  // This member is done with the slot: the last one out erases it. The references the slot holds
+  // to this member's own buffers (nobody reads them any more) are returned, to be dropped by the
+  // caller after it lets go of the lock: the last reference to a result may be among them, and
+  // freeing it belongs on this member's thread, not on whichever member happens to leave last
+  // (a cross-thread free takes the owner's allocator lock and malloc arena lock, under the group
+  // lock: the futex storms of the 2-rank host cost). REQUIRES: the group's lock held.
+  std::vector<Tensor> leave(Slot& slot, uint64_t seq) {
+    std::vector<Tensor> drop;
+    PostedCall& me = slot.calls[rank_];
+    drop.push_back(std::move(me.output));
+    if (!me.eager) drop.push_back(std::move(me.input));  // an eager input is a copy others may still read
+    for (P2POp& op : me.ops)
+      if (!me.eager || op.kind == P2POp::Kind::kRecv) drop.push_back(std::move(op.buffer));
+    if (++slot.left == static_cast<int>(slot.calls.size())) g_->retire(seq);
+    return drop;
+  }
+
+  // After its read phase: whether this member is done (its result is written, and the others
+  // read only copies the slot owns).
+  bool leaves_early(const Slot& slot) const {
+    const PostedCall& me = slot.calls[rank_];
+    return me.eager && !staged_.defined() && (me.kind != CollectiveKind::kAllReduce || all_eager(slot));
+  }
+  static bool all_eager(const Slot& slot) {
+    return std::all_of(slot.calls.begin(), slot.calls.end(), [](const PostedCall& c) { return c.eager; });
+  }
+
+  // NOTE [eager small calls] Below kEagerBytes a rendezvous costs far more than copying the
+  // input: with more ranks than cores each one is a round of context switches. So a small call
+  // copies what the others read from this member (its input, the root's buffer, its send
+  // buffers) into tensors the slot owns when it is posted; the member then leaves as soon as it
+  // has read what it needs, instead of waiting until every other member has read its buffers.
+  // An all_reduce then reduces the whole buffer on every member (no exchange of reduced chunks).
+  // Members decide for themselves (the flag travels with the call), so a mix is still correct:
+  // a member that did not copy waits for the others' reads as before.
+  static constexpr int64_t kEagerBytes = 8 << 10;
+  static void stage_eagerly(PostedCall& c, LocalMember& m, int n) {
+    const int rank = m.rank;
+    if (!c.split_name.empty()) return;  // a split builds groups in the rendezvous: keep it plain
+    auto on_cpu = [](const Tensor& t) { return !t.defined() || t.device().is_cpu(); };
+    auto bytes = [](const Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(kernels::itemsize(t.dtype())) : 0; };
+    auto copy_of = [&m](const Tensor& t) {
+      Tensor s = m.stage_buffer(t.dtype(), t.numel());
+      if (t.is_contiguous()) {
+        copy_elems(s, 0, flat(t), 0, t.numel());
+        return t.ndim() == 1 ? s : s.view(t.shape());
+      }
+      s = s.view(t.shape());
+      s.copy_(t);
+      return s;
+    };
+    switch (c.kind) {
+      case CollectiveKind::kBarrier: c.eager = true; return;
+      case CollectiveKind::kSendRecv: {
+        int64_t total = 0;
+        for (const P2POp& op : c.ops) {
+          if (!on_cpu(op.buffer)) return;
+          if (op.kind == P2POp::Kind::kSend) total += bytes(op.buffer);
+        }
+        if (total > kEagerBytes) return;
+        for (P2POp& op : c.ops)
+          if (op.kind == P2POp::Kind::kSend) op.buffer = copy_of(op.buffer);
+        c.eager = true;
+        return;
+      }
+      case CollectiveKind::kAllReduce:
+        if (bytes(c.input) * n > 8 * kEagerBytes) return;  // every member reduces all of it
+        break;
+      default: break;
+    }
+    if (!on_cpu(c.input) || !on_cpu(c.output) || bytes(c.input) > kEagerBytes) return;
+    // Nobody reads a broadcast non-root's buffer (its input is its output): nothing to copy.
+    const bool read_by_others = c.input.defined() && (c.kind != CollectiveKind::kBroadcast || c.root == rank);
+    if (read_by_others) c.input = copy_of(c.input);
+    c.eager = true;
+  }
+
   // acc = reduction over members of input[begin, begin+len), in group order.
   void reduce_chunk(const Slot& slot, const Tensor& acc, int64_t begin, int64_t len) {
     const PostedCall& me = slot.calls[rank_];
@@ -553,7 +732,7 @@ class LocalCall final : public QueuedCall {
   void write_phase(Slot& slot, const Tensor& staged) {
     const PostedCall& me = slot.calls[rank_];
     if (staged.defined()) copy_elems(me.output, 0, staged, 0, me.output.numel());
-    if (me.kind == CollectiveKind::kAllReduce) {
+    if (me.kind == CollectiveKind::kAllReduce && !all_eager(slot)) {
       const int n = static_cast<int>(slot.calls.size());
       for (int i = 0; i < n; ++i) {
         auto [begin, len] = chunk_of(me.output.numel(), n, i);

@@ -14,7 +14,9 @@
 // waits until every member posted, checks that the calls agree (kind, dtype, counts, op, root),
 // and pulls what this rank needs from the others' buffers. Members leave a slot together, so no
 // buffer is reused while another member still reads it, and a call completes whether or not
-// anyone waits on it. A member that never posts makes the others' waits time out naming it; a
+// anyone waits on it. Small calls (up to 8 KiB read by others) copy their inputs into buffers
+// the slot holds when posted, and each member leaves as soon as it has its result: one
+// rendezvous per call instead of two (NOTE [eager small calls] in local.cpp). A member that never posts makes the others' waits time out naming it; a
 // waiter that times out gives its call up (the later calls of the communicator still run).
 #pragma once
 

@@ -403,6 +403,97 @@ TEST_CASE("all_to_all_v: uneven and zero counts, every dtype", "[collectives][lo
   CHECK(check_logs(logs) > 0);
 }
 
+// ---- small calls in one rendezvous (NOTE [eager small calls] in collectives/local.cpp) ----
+
+// Below 8 KiB a member copies what the others read from it when it posts, and leaves as soon as
+// it has its result: its buffers must be free (and its result final) at once, whatever the others
+// are still doing. Sizes straddle the threshold, so both protocols, and members of one call using
+// different ones, are checked.
+TEST_CASE("small calls: inputs reusable at once, both protocols mixed in one call", "[collectives][local]") {
+  const int n = GENERATE(2, 3, 4, 8);
+  auto logs = run_logged(n, [](Communicator& world, RankLog& log) {
+    const int n = world.size(), r = world.rank();
+    int cases = 0;
+    // all_gather and all_reduce around the threshold (f32: 2048 elements = 8 KiB), in place and
+    // not, the input overwritten right after each wait while slower members may still read it.
+    for (int64_t count : {int64_t{2047}, int64_t{2048}, int64_t{2049}, int64_t{5000}})
+      for (int it = 0; it < 6; ++it) {
+        if (r == n - 1 && it % 3 == 0) std::this_thread::sleep_for(1ms);  // a late member
+        const auto v = [&](int m, int64_t i) { return static_cast<double>((m * 5 + i * 3 + it) % 13); };
+        Tensor in = filled(count, DType::kF32, [&](int64_t i) { return v(r, i); });
+        Tensor out = Tensor::full({n * count}, 99, DType::kF32);
+        world.wait(world.all_gather(in, out));
+        in.fill_(-1);
+        expect_elements(
+            log, out, n * count, [&](int64_t k) { return v(static_cast<int>(k / count), k % count); },
+            fmt::format("all_gather count {} iteration {} on {} ranks", count, it, n));
+        Tensor acc = filled(count, DType::kF32, [&](int64_t i) { return v(r, i); });
+        world.wait(world.all_reduce(acc, acc, ReduceOp::kSum));  // in place
+        expect_elements(
+            log, acc, count,
+            [&](int64_t i) {
+              double sum = 0;
+              for (int m = 0; m < n; ++m) sum += v(m, i);
+              return sum;
+            },
+            fmt::format("all_reduce in place count {} iteration {} on {} ranks", count, it, n));
+        Tensor rs_in = filled(n * count, DType::kF32, [&](int64_t i) { return v(r, i); });
+        Tensor rs_out = Tensor::full({count}, 99, DType::kF32);
+        world.wait(world.reduce_scatter(rs_in, rs_out, ReduceOp::kSum));
+        rs_in.fill_(-1);
+        expect_elements(
+            log, rs_out, count,
+            [&](int64_t i) {
+              double sum = 0;
+              for (int m = 0; m < n; ++m) sum += v(m, r * count + i);
+              return sum;
+            },
+            fmt::format("reduce_scatter count {} iteration {} on {} ranks", count, it, n));
+        ++cases;
+      }
+    // all_to_all_v where rank 0 sends 4000 f32 (16 KiB: two-phase) to every peer and the others
+    // send 3 (eager): every member of one call reads a mix of copies and live buffers.
+    const auto cnt = [](int from) { return from == 0 ? int64_t{4000} : int64_t{3}; };
+    for (int it = 0; it < 4; ++it) {
+      std::vector<int64_t> send(n, cnt(r)), recv(n);
+      for (int j = 0; j < n; ++j) recv[j] = cnt(j);
+      int64_t recv_total = 0;
+      for (int64_t c : recv) recv_total += c;
+      Tensor in = filled(n * cnt(r), DType::kF32, [&](int64_t i) { return value(DType::kF32, r + it, i); });
+      Tensor out = Tensor::full({recv_total}, 99, DType::kF32);
+      world.wait(world.all_to_all_v(in, send, out, recv));
+      in.fill_(-1);
+      std::vector<double> want;
+      for (int j = 0; j < n; ++j)
+        for (int64_t e = 0; e < cnt(j); ++e) want.push_back(value(DType::kF32, j + it, r * cnt(j) + e));
+      expect_elements(
+          log, out, recv_total, [&](int64_t k) { return want[k]; },
+          fmt::format("all_to_all_v mixed sizes iteration {} on {} ranks", it, n));
+      ++cases;
+    }
+    // Strided send views (copied contiguous when posted) to the next rank, received strided.
+    {
+      Tensor src = filled(64, DType::kF32, [&](int64_t i) { return value(DType::kF32, r, i); }).view({8, 8});
+      Tensor dst = Tensor::full({8, 8}, 99, DType::kF32);
+      const int to = (r + 1) % n, from = (r + n - 1) % n;
+      const std::vector<P2POp> ops = {{P2POp::Kind::kSend, src.narrow(1, 2, 3), to},
+                                      {P2POp::Kind::kRecv, dst.narrow(1, 4, 3), from}};
+      world.wait(world.send_recv(ops));
+      src.fill_(-1);
+      expect_elements(
+          log, dst, 64,
+          [&](int64_t k) {
+            const int64_t row = k / 8, col = k % 8;
+            return col >= 4 && col < 7 ? value(DType::kF32, from, row * 8 + col - 2) : 99.0;
+          },
+          fmt::format("send_recv strided views on {} ranks", n));
+      ++cases;
+    }
+    log.expect(cases == 4 * 6 + 4 + 1, fmt::format("ran {} cases", cases));
+  });
+  CHECK(check_logs(logs) > 0);
+}
+
 // ---- broadcast / scatter / barrier ----
 
 TEST_CASE("broadcast and scatter: every root x dtype x count", "[collectives][local]") {
