@@ -19,8 +19,9 @@ Configs (the world size is the product; each side gets --cores / world CPU threa
 --backend mpi.) fully_shard options as ours: reshard_after_forward=True (the root is kept
 unsharded after forward by FSDP2 itself, as ours), fp32; --mp bf16 gives both sides bf16
 parameters with f32 gradient reduction (MixedPrecisionPolicy(param_dtype=bf16,
-reduce_dtype=f32)). --no-sync: with --grad-accum > 1, gradients are reduced on the last
-microbatch only (set_requires_gradient_sync).
+reduce_dtype=f32), the root's also output_dtype=f32 so that the loss is computed in f32).
+--no-sync: with --grad-accum > 1, gradients are reduced on the last microbatch only
+(set_requires_gradient_sync).
 
 Data parallelism: the global batch is the same as one rank's; dp rank d of D trains rows
 [d * micro / D, (d + 1) * micro / D) of each microbatch; the loss reported is the mean over the
@@ -144,12 +145,15 @@ def fsdp_worker(rank: int, world: int, cfg: dict, port: int, out_path: str) -> N
         dp_rank, dp_size = dp_mesh.get_local_rank(), layout["dp"]
         loss_group = dp_mesh.get_group()
     if cfg["mp"] == "bf16":
+        # The root's output (the logits) in f32: the loss's statistics in f32, as fsdp-train --mp bf16.
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        root_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                           output_dtype=torch.float32)
     else:
-        policy = MixedPrecisionPolicy()  # fp32 throughout
+        policy = root_policy = MixedPrecisionPolicy()  # fp32 throughout
     for block in model.blocks:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=True, mp_policy=policy)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=True, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=True, mp_policy=root_policy)
 
     params = list(model.parameters())
     opt = ttc.make_adamw(params, cfg)
@@ -174,6 +178,13 @@ def fsdp_worker(rank: int, world: int, cfg: dict, port: int, out_path: str) -> N
     # Peak live tensor bytes: torch's tracker over one more (untimed) step.
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     tracker = FSDPMemTracker(model, opt)
+
+    def before_tracked_microbatch(m: int) -> None:
+        before_microbatch(m)
+        if m > 0:  # the tracker takes one forward per module; its global peak survives the reset
+            tracker.reset_mod_stats()
+
+    step_fn.before_microbatch = before_tracked_microbatch
     with tracker:
         step_fn(cfg["steps"])
     peak_snap = tracker.get_tracker_snapshot("peak")
