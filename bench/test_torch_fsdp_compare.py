@@ -134,6 +134,9 @@ def main():
     p = ttc.parse_progress(today)
     check(p["losses"] == [4.15, 3.9] and p["ms"] == [6.5, 5.5] and p["summary"]["peak_bytes"] == 1234567
           and p["last_progress"]["peak_bytes"] == 1234567.0, "parse_progress on today's fsdp-train output")
+    p = ttc.parse_progress("step 1/1 loss 2.5 ms 3 tokens/s 9 peak_bytes 7 peak param 1 grad\nstep 1/1 total\n{}\n")
+    check(p["losses"] == [2.5] and p["ms"] == [3.0] and p["summary"] == {},
+          "parse_progress: loss and ms survive an odd tail; a line without them is skipped")
     check(ttc.max_rel_diff([1.0, 2.2], [1.0, 2.0]) == abs(2.2 - 2.0) / 2.0, "max_rel_diff")
 
     with tempfile.TemporaryDirectory() as tmp:

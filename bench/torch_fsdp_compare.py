@@ -40,7 +40,8 @@ Peak memory, per config, both as "the largest live tensor bytes of one rank, max
                     caching, gloo buffers, thread stacks; not comparable to ours)
 Validation of the torch side alone: every run also trains torch on one process (the tp1 path of
 torch_train_compare.py) and reports torch_ref_max_rel_diff, FSDP2's losses against it (limit
---reference-tolerance, default 1e-5; fp32 only: under --mp bf16 it is null).
+--reference-tolerance, default 1e-5; fp32 only: under --mp bf16 it is null), and that process's
+peak (torch's MemTracker, the same way) as torch_one_process_peak_bytes.
 
 Usage (from the repository root):
     python3 bench/torch_fsdp_compare.py --python /path/to/python-with-torch [--build-dir build]
@@ -185,19 +186,26 @@ def fsdp_worker(rank: int, world: int, cfg: dict, port: int, out_path: str) -> N
             tracker.reset_mod_stats()
 
     step_fn.before_microbatch = before_tracked_microbatch
-    with tracker:
-        step_fn(cfg["steps"])
-    peak_snap = tracker.get_tracker_snapshot("peak")
-    peak = max((snap.get("Total", 0) for snap in peak_snap.values()), default=0)
-    breakdown = {getattr(k, "name", str(k)): v for snap in peak_snap.values() for k, v in snap.items()}
+    peak, breakdown, error = None, None, None
+    try:
+        with tracker:
+            step_fn(cfg["steps"])
+        peak_snap = tracker.get_tracker_snapshot("peak")
+        peak = max((snap.get("Total", 0) for snap in peak_snap.values()), default=0)
+        breakdown = {getattr(k, "name", str(k)): v for snap in peak_snap.values() for k, v in snap.items()}
+    except Exception as e:  # a tracker limitation costs the memory figure (null, with why), not the losses
+        error = f"{type(e).__name__}: {e}"
 
     per_rank = [None] * world
-    dist.all_gather_object(per_rank, {"peak": peak, "rss_delta": rss_delta, "breakdown": breakdown})
+    dist.all_gather_object(per_rank, {"peak": peak, "rss_delta": rss_delta, "breakdown": breakdown, "error": error})
     if rank == 0:
-        worst = max(range(world), key=lambda r: per_rank[r]["peak"])
+        errors = [r["error"] for r in per_rank if r["error"]]
+        worst = None if errors else max(range(world), key=lambda r: per_rank[r]["peak"])
         with open(out_path, "w") as f:
-            json.dump({"losses": losses, "times": times, "peak_bytes": per_rank[worst]["peak"],
-                       "peak_breakdown": per_rank[worst]["breakdown"],
+            json.dump({"losses": losses, "times": times,
+                       "peak_bytes": None if errors else per_rank[worst]["peak"],
+                       "peak_breakdown": None if errors else per_rank[worst]["breakdown"],
+                       "peak_error": errors[0] if errors else None,
                        "peak_bytes_per_rank": [r["peak"] for r in per_rank],
                        "rss_delta_bytes": max(r["rss_delta"] for r in per_rank)}, f)
     dist.destroy_process_group()
@@ -244,9 +252,10 @@ def torch_entry(name: str, runs: list[dict], ref_losses: list[float] | None) -> 
     """The torch side of one config from its repeats (losses of the first run)."""
     losses = runs[0]["losses"]
     ms = statistics.median(ttc.median_ms([t * 1e3 for t in r["times"]]) for r in runs)
+    peaks = [r["peak_bytes"] for r in runs]
     return {"config": name, "torch_losses": losses, "torch_step_ms": round(ms, 3),
-            "torch_peak_bytes": max(r["peak_bytes"] for r in runs),
-            "torch_peak_breakdown": runs[0].get("peak_breakdown"),
+            "torch_peak_bytes": None if None in peaks else max(peaks),
+            "torch_peak_breakdown": runs[0].get("peak_breakdown"), "torch_peak_error": runs[0].get("peak_error"),
             "torch_peak_rss_delta_bytes": max(r["rss_delta_bytes"] for r in runs),
             "torch_ref_max_rel_diff": ttc.max_rel_diff(losses, ref_losses) if ref_losses else None}
 
@@ -271,6 +280,7 @@ def merge(layout: dict, ours_runs: list[dict], t: dict, steps: int, tokens: int)
             "ours_peak_detail": detail, "torch_peak_breakdown": t.get("torch_peak_breakdown"),
             "torch_peak_rss_delta_bytes": t.get("torch_peak_rss_delta_bytes"),
             "torch_ref_max_rel_diff": t.get("torch_ref_max_rel_diff"),
+            "torch_one_process_peak_bytes": t.get("torch_one_process_peak_bytes"),
             "first_loss": ours_losses[0], "last_loss": ours_losses[-1],
             "ours_losses": ours_losses, "torch_losses": torch_losses}
 
@@ -329,10 +339,11 @@ def main() -> int:
                 dump_init(args.build_dir, model_args, init)
             cfg = dict(ttc.torch_model_cfg(args, init), mp=args.mp, no_sync=args.no_sync)
             # torch on one process (torch_train_compare's tp1 path): validates torch's FSDP2 alone.
-            ref_losses = None
+            ref_losses, ref_peak = None, None
             if args.mp == "fp32":
-                ref = ttc.run_torch(py, dict(cfg, world=1, threads=max(1, args.cores), name="one process"), tag=TAG)
-                ref_losses = ref["losses"]
+                ref = ttc.run_torch(py, dict(cfg, world=1, threads=max(1, args.cores), name="one process",
+                                             track_peak=True), tag=TAG)
+                ref_losses, ref_peak = ref["losses"], ref.get("peak_bytes")
 
         results = []
         for lay in layouts:
@@ -349,12 +360,13 @@ def main() -> int:
                     sys.exit(f"{args.torch_json} has no config {lay['name']!r}")
                 t = recorded[lay["name"]]
             else:
-                t = torch_entry(lay["name"], torch_runs, ref_losses)
+                t = dict(torch_entry(lay["name"], torch_runs, ref_losses), torch_one_process_peak_bytes=ref_peak)
             if args.torch_only:
                 entry = dict(t, world=lay["world"], torch_tokens_per_s=round(tokens / t["torch_step_ms"] * 1e3))
                 ref = entry["torch_ref_max_rel_diff"]
                 print(f"{lay['name']:10s} torch step ms {t['torch_step_ms']:8.3f}   peak {fmt_bytes(t['torch_peak_bytes'])} "
-                      f"(rss delta {fmt_bytes(t['torch_peak_rss_delta_bytes'])})   vs one process "
+                      f"(one process {fmt_bytes(t.get('torch_one_process_peak_bytes'))}, rss delta "
+                      f"{fmt_bytes(t['torch_peak_rss_delta_bytes'])})   losses vs one process "
                       f"{'-' if ref is None else f'{ref:.2e}'}   loss {t['torch_losses'][0]:.4f} -> "
                       f"{t['torch_losses'][-1]:.4f}", flush=True)
                 if ref_losses:

@@ -276,11 +276,21 @@ def torch_worker(rank: int, world: int, cfg: dict, port: int, out_path: str) -> 
 
     params = list(model.parameters())
     opt = make_adamw(params, cfg)
-    losses, times = timed_steps(TrainStep(model, params, opt, cfg, positions, loss_ctx, fix_grads=world > 1),
-                                cfg["steps"])
+    step_fn = TrainStep(model, params, opt, cfg, positions, loss_ctx, fix_grads=world > 1)
+    losses, times = timed_steps(step_fn, cfg["steps"])
+    out = {"losses": losses, "times": times}
+    if cfg.get("track_peak") and world == 1:
+        # torch_fsdp_compare's reference: peak live tensor bytes (torch's MemTracker) of one more,
+        # untimed step.
+        from torch.distributed._tools.mem_tracker import MemTracker
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+        with tracker:
+            step_fn(cfg["steps"])
+        out["peak_bytes"] = max((s.get("Total", 0) for s in tracker.get_tracker_snapshot("peak").values()), default=0)
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"losses": losses, "times": times}, f)
+            json.dump(out, f)
     if world > 1:
         import torch.distributed as dist
         dist.destroy_process_group()
@@ -321,8 +331,9 @@ def torch_python(arg: str | None) -> str:
 
 
 # fsdp-train's progress line: "step 3/20 loss 3.91 ms 6.21 tokens/s 41234 peak_bytes 1234567", then
-# possibly more "key value" pairs (the FSDP issue adds peak bytes per kind); parsed as pairs.
-STEP_RE = re.compile(r"^step (\d+)/(\d+)((?: \S+ \S+)*)$")
+# possibly more (the FSDP issue adds peak bytes per kind); read as "key value" pairs from the start,
+# so that loss and ms, which come first, survive whatever follows.
+STEP_RE = re.compile(r"^step (\d+)/(\d+)(\s.*)?$")
 
 
 def parse_progress(stdout: str) -> dict:
@@ -333,7 +344,7 @@ def parse_progress(stdout: str) -> dict:
         m = STEP_RE.match(line.strip())
         if not m:
             continue
-        words = m.group(3).split()
+        words = (m.group(3) or "").split()
         fields = {}
         for key, value in zip(words[0::2], words[1::2]):
             try:
