@@ -202,6 +202,13 @@ def main():
         check(proc.returncode == 2 and "zero3" in proc.stderr, "unknown config: exit 2 naming it")
         proc, _ = run(build, torch_json, log, configs="fsdp4", extra=["--batch", "6"])
         check(proc.returncode == 2 and "--batch 6" in proc.stderr, "batch not divisible over dp: exit 2")
+        # A torch record of another model: refused.
+        other = json.loads(torch_record())
+        other.update(model_args=["--layers", "3"], mp="fp32", no_sync=False)
+        with open(torch_json, "w") as f:
+            f.write(json.dumps(other) + "\n")
+        proc, _ = run(build, torch_json, log, configs="fsdp4")
+        check(proc.returncode == 2 and "--layers 3" in proc.stderr, "torch record of another model: exit 2")
 
     probe = ("import sys; sys.path.insert(0, sys.argv[1]); import torch_fsdp_compare, torch_train_compare; "
              "sys.exit(1 if 'torch' in sys.modules else 0)")

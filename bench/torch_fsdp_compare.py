@@ -330,7 +330,15 @@ def main() -> int:
         if args.torch_json:
             with open(args.torch_json) as f:
                 lines = [ln for ln in f.read().splitlines() if ln.strip()]
-            recorded = {c["config"]: c for c in json.loads(lines[-1])["configs"]}
+            record = json.loads(lines[-1])
+            # The same model, data and training on both sides, or the comparison means nothing.
+            if "model_args" in record and (record["model_args"] != model_args or record.get("mp") != args.mp
+                                           or record.get("no_sync") != args.no_sync):
+                print(f"{TAG}: {args.torch_json} was recorded with {' '.join(record['model_args'])} --mp "
+                      f"{record.get('mp')} no_sync {record.get('no_sync')}, not {' '.join(model_args)} --mp {args.mp} "
+                      f"no_sync {args.no_sync}", file=sys.stderr)
+                return 2
+            recorded = {c["config"]: c for c in record["configs"]}
         else:
             py = ttc.torch_python(args.python)
             init = args.init
@@ -354,7 +362,9 @@ def main() -> int:
                     ours_runs.append(run_ours(args.build_dir, lay, model_args, threads, extra))
                 if not recorded:
                     tcfg = dict(cfg, world=lay["world"], threads=threads, layout=lay, name=lay["name"])
-                    torch_runs.append(ttc.run_torch(py, tcfg, script=os.path.abspath(__file__), tag=TAG))
+                    # One retry: gloo on a loaded machine has been seen to abort a process at random
+                    # (std::terminate) once in about twenty runs; said on stderr when it happens.
+                    torch_runs.append(ttc.run_torch(py, tcfg, script=os.path.abspath(__file__), tag=TAG, retries=1))
             if recorded:
                 if lay["name"] not in recorded:
                     sys.exit(f"{args.torch_json} has no config {lay['name']!r}")
@@ -393,7 +403,8 @@ def main() -> int:
         top = max(r["max_rel_loss_diff"] for r in results)
         ok = top <= tolerance and ref_ok
     print(json.dumps({"max_rel_loss_diff": top, "tolerance": tolerance, "torch_ref_max_rel_diff": max(refs, default=None),
-                      "reference_tolerance": ref_tolerance, "mp": args.mp, "steps": args.steps,
+                      "reference_tolerance": ref_tolerance, "mp": args.mp, "no_sync": args.no_sync,
+                      "steps": args.steps, "model_args": model_args,
                       "torch_only": args.torch_only, "configs": results}))
     return 0 if ok else 1
 

@@ -388,9 +388,10 @@ def run_ours(build: str, backend: str, tp: int, model_args: list[str], dump: str
     return run_fsdp_train(cmd)
 
 
-def run_torch(py: str, cfg: dict, script: str | None = None, tag: str = "torch_train_compare") -> dict:
+def run_torch(py: str, cfg: dict, script: str | None = None, tag: str = "torch_train_compare",
+              retries: int = 0) -> dict:
     """Runs `script --torch-worker` (default this file) under the torch interpreter; returns the JSON
-    its rank 0 wrote."""
+    its rank 0 wrote. A failed run is started again up to `retries` times (said on stderr)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     cmd = [py, script or os.path.abspath(__file__), "--torch-worker", "--torch-config", json.dumps(cfg),
@@ -399,6 +400,13 @@ def run_torch(py: str, cfg: dict, script: str | None = None, tag: str = "torch_t
     print(f"[{tag}] torch: {cfg.get('name', 'world ' + str(cfg['world']))}, {cfg['threads']} thread(s) per process",
           file=sys.stderr, flush=True)
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    for attempt in range(retries):
+        if r.returncode == 0:
+            break
+        tail = "\n".join(r.stderr.strip().splitlines()[-3:])
+        print(f"[{tag}] torch side failed ({r.returncode}), retry {attempt + 1} of {retries}:\n{tail}",
+              file=sys.stderr, flush=True)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         sys.exit(f"torch side failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
     with open(out) as f:
