@@ -84,14 +84,13 @@ def make_batch(seed: int, step: int, first: int, rows: int, seq: int, vocab: int
 # The torch side (runs under an interpreter with torch)
 # ---------------------------------------------------------------------------------------------
 
-def torch_worker(rank: int, world: int, cfg: dict, port: int, out_path: str) -> None:
-    import torch
+def build_gpt(cfg: dict):
+    """fsdp-train's GPT (nn/transformer.h with fsdp-train's config) in torch, loaded from cfg["init"]
+    (fsdp-train --dump-init). Shared with torch_fsdp_compare.py."""
     import torch.nn as nn
     import torch.nn.functional as F
     from safetensors.torch import load_file
 
-    torch.manual_seed(0)
-    torch.set_num_threads(cfg["threads"])
     D, H, V, T = cfg["dim"], cfg["heads"], cfg["vocab"], cfg["seq"]
     E = D // H
 
@@ -149,59 +148,79 @@ def torch_worker(rank: int, world: int, cfg: dict, port: int, out_path: str) -> 
             return self.lm_head(self.ln_f(h))
 
     model = GPT()
-    state = load_file(cfg["init"])
-    missing, unexpected = model.load_state_dict(state, strict=True), None
-    del missing, unexpected
+    model.load_state_dict(load_file(cfg["init"]), strict=True)
+    return model
 
-    positions = torch.arange(T)
-    loss_ctx = None
-    if world > 1:
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-        from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                       SequenceParallel, loss_parallel, parallelize_module)
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        mesh = init_device_mesh("cpu", (world,))
-        plan = {
-            "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
-            "blocks.*.ln1": SequenceParallel(),
-            "blocks.*.attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "blocks.*.attn.wq": ColwiseParallel(),
-            "blocks.*.attn.wk": ColwiseParallel(),
-            "blocks.*.attn.wv": ColwiseParallel(),
-            "blocks.*.attn.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-            "blocks.*.ln2": SequenceParallel(),
-            "blocks.*.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "blocks.*.mlp.fc1": ColwiseParallel(),
-            "blocks.*.mlp.fc2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-            "ln_f": SequenceParallel(),
-            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-        }
-        parallelize_module(model, mesh, plan)
-        # The position table stays replicated; positions are sharded like the sequence, so the
-        # add with the Shard(1) token embeddings needs no communication (as ours).
-        distribute_module(model.pos_emb, mesh)
-        positions = distribute_tensor(torch.arange(T), mesh, [Shard(0)], src_data_rank=None)
-        loss_ctx = loss_parallel
+def apply_tensor_parallel(model, mesh, seq: int):
+    """Our tensor-parallel plan (gpt_tensor_parallel_plan) with torch's parallelize_module on the 1-D
+    `mesh`; returns (positions, loss context). Shared with torch_fsdp_compare.py."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, loss_parallel, parallelize_module)
 
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=cfg["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=cfg["weight_decay"],
-                            foreach=False)
-    B, M = cfg["batch"], cfg["grad_accum"]
-    micro = B // M
-    losses, times = [], []
-    for step in range(cfg["steps"]):
-        t0 = time.perf_counter()
+    plan = {
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+        "blocks.*.ln1": SequenceParallel(),
+        "blocks.*.attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "blocks.*.attn.wq": ColwiseParallel(),
+        "blocks.*.attn.wk": ColwiseParallel(),
+        "blocks.*.attn.wv": ColwiseParallel(),
+        "blocks.*.attn.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "blocks.*.ln2": SequenceParallel(),
+        "blocks.*.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "blocks.*.mlp.fc1": ColwiseParallel(),
+        "blocks.*.mlp.fc2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "ln_f": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+    parallelize_module(model, mesh, plan)
+    # The position table stays replicated; positions are sharded like the sequence, so the
+    # add with the Shard(1) token embeddings needs no communication (as ours).
+    distribute_module(model.pos_emb, mesh)
+    positions = distribute_tensor(torch.arange(seq), mesh, [Shard(0)], src_data_rank=None)
+    return positions, loss_parallel
+
+
+def make_adamw(params, cfg: dict):
+    import torch
+    return torch.optim.AdamW(params, lr=cfg["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=cfg["weight_decay"],
+                             foreach=False)
+
+
+class TrainStep:
+    """One optimizer step of fsdp-train's loop: grad-accum microbatches of make_batch rows, cross
+    entropy (under loss_ctx when given), gradient clipping, AdamW, zero_grad. `rows(step, m)` gives
+    the (first global row, count) this process trains on in microbatch m (default: the whole
+    microbatch); `reduce_loss(value)` turns this process's loss into the global one (default: as is);
+    `before_microbatch(m)` runs first in each microbatch (FSDP's no-sync switch). Calling it with a
+    step index returns the step's loss. Shared with torch_fsdp_compare.py."""
+
+    def __init__(self, model, params, opt, cfg: dict, positions, loss_ctx=None, fix_grads: bool = False,
+                 rows=None, reduce_loss=None, before_microbatch=None):
+        self.model, self.params, self.opt, self.cfg = model, params, opt, cfg
+        self.positions, self.loss_ctx, self.fix_grads = positions, loss_ctx, fix_grads
+        micro = cfg["batch"] // cfg["grad_accum"]
+        self.rows = rows or (lambda step, m: (step * cfg["batch"] + m * micro, micro))
+        self.reduce_loss = reduce_loss or (lambda v: v)
+        self.before_microbatch = before_microbatch
+
+    def __call__(self, step: int) -> float:
+        import torch
+        import torch.nn.functional as F
+        cfg, M = self.cfg, self.cfg["grad_accum"]
         step_loss = 0.0
         for m in range(M):
-            ids, targets = make_batch(cfg["seed"], step, step * B + m * micro, micro, T, V)
+            if self.before_microbatch is not None:
+                self.before_microbatch(m)
+            first, count = self.rows(step, m)
+            ids, targets = make_batch(cfg["seed"], step, first, count, cfg["seq"], cfg["vocab"])
             ids = torch.tensor(ids, dtype=torch.long)
             targets = torch.tensor(targets, dtype=torch.long)
-            logits = model(ids, positions)
-            if loss_ctx is not None:
-                with loss_ctx():
+            logits = self.model(ids, self.positions)
+            if self.loss_ctx is not None:
+                with self.loss_ctx():
                     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
                     (loss / M).backward()
                 value = loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item()
@@ -210,20 +229,68 @@ def torch_worker(rank: int, world: int, cfg: dict, port: int, out_path: str) -> 
                 (loss / M).backward()
                 value = loss.item()
             step_loss += value / M
-        if world > 1:
+        if self.fix_grads:
             from torch.distributed.tensor import DTensor
-            for p in params:  # Partial gradients of replicated parameters: to the parameter's layout
+            for p in self.params:  # Partial gradients of replicated parameters: to the parameter's layout
                 if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
                     p.grad = p.grad.redistribute(p.device_mesh, p.placements)
         if cfg["clip"] > 0:
-            torch.nn.utils.clip_grad_norm_(params, cfg["clip"])
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            torch.nn.utils.clip_grad_norm_(self.params, cfg["clip"])
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return self.reduce_loss(step_loss)
+
+
+def timed_steps(step_fn, steps: int):
+    """Runs steps 0..steps-1; returns (losses, wall seconds per step)."""
+    losses, times = [], []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        loss = step_fn(step)
         times.append(time.perf_counter() - t0)
-        losses.append(step_loss)
+        losses.append(loss)
+    return losses, times
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torch_worker(rank: int, world: int, cfg: dict, port: int, out_path: str) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    torch.set_num_threads(cfg["threads"])
+    model = build_gpt(cfg)
+    positions = torch.arange(cfg["seq"])
+    loss_ctx = None
+    if world > 1:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        mesh = init_device_mesh("cpu", (world,))
+        positions, loss_ctx = apply_tensor_parallel(model, mesh, cfg["seq"])
+
+    params = list(model.parameters())
+    opt = make_adamw(params, cfg)
+    step_fn = TrainStep(model, params, opt, cfg, positions, loss_ctx, fix_grads=world > 1)
+    losses, times = timed_steps(step_fn, cfg["steps"])
+    out = {"losses": losses, "times": times}
+    if cfg.get("track_peak") and world == 1:
+        # torch_fsdp_compare's reference: peak live tensor bytes (torch's MemTracker) of one more,
+        # untimed step.
+        from torch.distributed._tools.mem_tracker import MemTracker
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+        with tracker:
+            step_fn(cfg["steps"])
+        out["peak_bytes"] = max((s.get("Total", 0) for s in tracker.get_tracker_snapshot("peak").values()), default=0)
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"losses": losses, "times": times}, f)
+            json.dump(out, f)
     if world > 1:
         import torch.distributed as dist
         dist.destroy_process_group()
@@ -236,10 +303,7 @@ def torch_main(args) -> None:
         torch_worker(0, 1, cfg, 0, args.torch_out)
         return
     import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(torch_worker, args=(world, cfg, port, args.torch_out), nprocs=world, join=True)
+    mp.spawn(torch_worker, args=(world, cfg, free_port(), args.torch_out), nprocs=world, join=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,39 +330,83 @@ def torch_python(arg: str | None) -> str:
     return vpy
 
 
-STEP_RE = re.compile(r"^step (\d+)/(\d+) loss (\S+) ms (\S+) tokens/s (\S+) peak_bytes (\d+)$")
+# fsdp-train's progress line: "step 3/20 loss 3.91 ms 6.21 tokens/s 41234 peak_bytes 1234567", then
+# possibly more (the FSDP issue adds peak bytes per kind); read as "key value" pairs from the start,
+# so that loss and ms, which come first, survive whatever follows.
+STEP_RE = re.compile(r"^step (\d+)/(\d+)(\s.*)?$")
 
 
-def run_ours(build: str, backend: str, tp: int, model_args: list[str], dump: str | None, threads: int) -> dict:
+def parse_progress(stdout: str) -> dict:
+    """fsdp-train's stdout -> {"losses", "ms", "last_progress" (the last line's key -> number),
+    "summary" (the last-line JSON)}. Raises ValueError when the output has no JSON last line."""
+    losses, ms, last = [], [], {}
+    for line in stdout.splitlines():
+        m = STEP_RE.match(line.strip())
+        if not m:
+            continue
+        words = (m.group(3) or "").split()
+        fields = {}
+        for key, value in zip(words[0::2], words[1::2]):
+            try:
+                fields[key] = float(value)
+            except ValueError:
+                fields[key] = value
+        if "loss" not in fields or "ms" not in fields:
+            continue
+        losses.append(fields["loss"])
+        ms.append(fields["ms"])
+        last = fields
+    lines = stdout.strip().splitlines()
+    if not lines:
+        raise ValueError("fsdp-train printed nothing")
+    summary = json.loads(lines[-1])
+    return {"losses": losses, "ms": ms, "last_progress": last, "summary": summary}
+
+
+def fsdp_train_exe(build: str) -> str:
     exe = os.path.join(build, "examples", "fsdp-train")
     if not os.path.exists(exe):
         sys.exit(f"{exe} not found: build it (ninja -C {build} examples/fsdp-train) or pass --build-dir")
+    return exe
+
+
+def run_fsdp_train(cmd: list[str], tag: str = "torch_train_compare") -> dict:
+    print(f"[{tag}] ours: " + " ".join(cmd), file=sys.stderr, flush=True)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"fsdp-train failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+    return parse_progress(r.stdout)
+
+
+def run_ours(build: str, backend: str, tp: int, model_args: list[str], dump: str | None, threads: int) -> dict:
+    exe = fsdp_train_exe(build)
     cmd = [exe, "--backend", backend, "--tp", str(tp), "--log-every", "1", "--threads", str(threads)] + model_args
     if dump:
         cmd += ["--dump-init", dump]
     if backend == "mpi":
         cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(tp)] + cmd
-    log("ours: " + " ".join(cmd))
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.exit(f"fsdp-train failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
-    losses, ms = [], []
-    for line in r.stdout.splitlines():
-        m = STEP_RE.match(line.strip())
-        if m:
-            losses.append(float(m.group(3)))
-            ms.append(float(m.group(4)))
-    summary = json.loads(r.stdout.strip().splitlines()[-1])
-    return {"losses": losses, "ms": ms, "summary": summary}
+    return run_fsdp_train(cmd)
 
 
-def run_torch(py: str, cfg: dict) -> dict:
+def run_torch(py: str, cfg: dict, script: str | None = None, tag: str = "torch_train_compare",
+              retries: int = 0) -> dict:
+    """Runs `script --torch-worker` (default this file) under the torch interpreter; returns the JSON
+    its rank 0 wrote. A failed run is started again up to `retries` times (said on stderr)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
-    cmd = [py, os.path.abspath(__file__), "--torch-worker", "--torch-config", json.dumps(cfg), "--torch-out", out]
+    cmd = [py, script or os.path.abspath(__file__), "--torch-worker", "--torch-config", json.dumps(cfg),
+           "--torch-out", out]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS=str(cfg["threads"]))
-    log(f"torch: world {cfg['world']}, {cfg['threads']} thread(s) per process")
+    print(f"[{tag}] torch: {cfg.get('name', 'world ' + str(cfg['world']))}, {cfg['threads']} thread(s) per process",
+          file=sys.stderr, flush=True)
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    for attempt in range(retries):
+        if r.returncode == 0:
+            break
+        tail = "\n".join(r.stderr.strip().splitlines()[-3:])
+        print(f"[{tag}] torch side failed ({r.returncode}), retry {attempt + 1} of {retries}:\n{tail}",
+              file=sys.stderr, flush=True)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         sys.exit(f"torch side failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
     with open(out) as f:
@@ -312,11 +420,16 @@ def median_ms(ms: list[float]) -> float:
     return statistics.median(steady)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def max_rel_diff(ours: list[float], ref: list[float]) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(ours, ref))
+
+
+def add_common_args(ap: argparse.ArgumentParser, configs: str) -> None:
+    """The options both comparison scripts share: interpreter, build, configs, fsdp-train's model and
+    training flags, repeats, cores, tolerance and the hidden worker options."""
     ap.add_argument("--python", help="an interpreter with torch and safetensors (else TORCH_PYTHON, else bench/.venv)")
     ap.add_argument("--build-dir", default=os.environ.get("BUILD_DIR", os.path.join(ROOT, "build")))
-    ap.add_argument("--configs", default="tp1,tp2,tp2-mpi")
+    ap.add_argument("--configs", default=configs)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--dim", type=int, default=64)
@@ -334,6 +447,27 @@ def main() -> int:
     ap.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--torch-config", help=argparse.SUPPRESS)
     ap.add_argument("--torch-out", help=argparse.SUPPRESS)
+
+
+def ours_model_args(args) -> list[str]:
+    """fsdp-train's flags for the model and training options in `args`."""
+    return ["--layers", str(args.layers), "--dim", str(args.dim), "--heads", str(args.heads),
+            "--vocab", str(args.vocab), "--seq", str(args.seq), "--batch", str(args.batch),
+            "--steps", str(args.steps), "--lr", str(args.lr), "--seed", str(args.seed),
+            "--grad-accum", str(args.grad_accum), "--clip", str(args.clip)]
+
+
+def torch_model_cfg(args, init: str) -> dict:
+    """The torch side's config for the same options (fsdp-train's fixed choices included)."""
+    return {"dim": args.dim, "heads": args.heads, "vocab": args.vocab, "seq": args.seq, "layers": args.layers,
+            "mlp_hidden": 4 * args.dim, "norm_eps": 1e-5, "batch": args.batch, "grad_accum": args.grad_accum,
+            "steps": args.steps, "lr": args.lr, "seed": args.seed, "clip": args.clip, "weight_decay": 0.0,
+            "init": init}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(ap, "tp1,tp2,tp2-mpi")
     args = ap.parse_args()
     if args.torch_worker:
         torch_main(args)
@@ -342,14 +476,8 @@ def main() -> int:
     py = torch_python(args.python)
     work = tempfile.mkdtemp(prefix="torch_train_compare.")
     dump = os.path.join(work, "init.safetensors")
-    model_args = ["--layers", str(args.layers), "--dim", str(args.dim), "--heads", str(args.heads),
-                  "--vocab", str(args.vocab), "--seq", str(args.seq), "--batch", str(args.batch),
-                  "--steps", str(args.steps), "--lr", str(args.lr), "--seed", str(args.seed),
-                  "--grad-accum", str(args.grad_accum), "--clip", str(args.clip)]
-    cfg = {"dim": args.dim, "heads": args.heads, "vocab": args.vocab, "seq": args.seq, "layers": args.layers,
-           "mlp_hidden": 4 * args.dim, "norm_eps": 1e-5, "batch": args.batch, "grad_accum": args.grad_accum,
-           "steps": args.steps, "lr": args.lr, "seed": args.seed, "clip": args.clip, "weight_decay": 0.0,
-           "init": dump}
+    model_args = ours_model_args(args)
+    cfg = torch_model_cfg(args, dump)
     results = []
     dumped = False
     for name in [c for c in args.configs.split(",") if c]:
@@ -368,7 +496,7 @@ def main() -> int:
         torch_losses = torch_runs[0]["losses"]
         if len(ours_losses) != args.steps or len(torch_losses) != args.steps:
             sys.exit(f"{name}: expected {args.steps} losses, got ours {len(ours_losses)} torch {len(torch_losses)}")
-        rel = max(abs(a - b) / abs(b) for a, b in zip(ours_losses, torch_losses))
+        rel = max_rel_diff(ours_losses, torch_losses)
         ours_ms = statistics.median(median_ms(r["ms"]) for r in ours_runs)
         torch_ms = statistics.median(median_ms([t * 1e3 for t in r["times"]]) for r in torch_runs)
         tokens = args.batch * args.seq

@@ -1,0 +1,223 @@
+#!/usr/bin/env python3
+"""Offline test of bench/torch_fsdp_compare.py (and the pieces it shares with torch_train_compare.py).
+No torch and no C++ build needed.
+
+Run:  python3 bench/test_torch_fsdp_compare.py        (from anywhere; exit status 0 = pass)
+
+It runs the script as a user would, with ours played by a fake `fsdp-train` (a small Python program
+in a temporary build directory that prints fsdp-train's progress lines and last-line JSON, and logs
+its command line) and torch's side taken from a recorded --torch-only JSON (--torch-json), then
+checks: the flags each config passes to fsdp-train, the merged record (max relative loss
+difference, step-time ratio from the medians without the first step, ours' peak bytes from the
+JSON and the per-kind peaks from the progress line, null when fsdp-train reports none), exit 1
+when the losses differ beyond the tolerance, exit 2 on a bad config; the config names, the data
+split over dp ranks, the progress-line parser on today's fsdp-train format; and that importing
+either script does not import torch.
+"""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "torch_fsdp_compare.py")
+sys.path.insert(0, HERE)
+import torch_fsdp_compare as tfc  # noqa: E402
+import torch_train_compare as ttc  # noqa: E402
+
+failures = []
+STEPS = 4
+
+
+def check(cond, what):
+    print(("ok    " if cond else "FAIL  ") + what)
+    if not cond:
+        failures.append(what)
+
+
+def close(a, b, tol=1e-9):
+    return a is not None and b is not None and abs(a - b) <= tol * max(1.0, abs(b))
+
+
+# The fake fsdp-train: loss of step s = 4 - 0.25 s (times 1 + FAKE_PERTURB), step ms 10 + s
+# (the first step 100), peak_bytes 5000 + world in the JSON unless FAKE_NO_PEAK is set; with
+# FAKE_DETAIL the progress line also carries peak_param_bytes 111 and peak_grad_bytes 222.
+FAKE = r'''#!/usr/bin/env python3
+import json, os, sys
+args = sys.argv[1:]
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps(args) + "\n")
+def opt(name, default):
+    return int(args[args.index(name) + 1]) if name in args else default
+steps = opt("--steps", 20)
+world = opt("--dp-shard", 1) * opt("--dp-replicate", 1) * opt("--tp", 1)
+perturb = float(os.environ.get("FAKE_PERTURB", "0"))
+losses = []
+for s in range(steps):
+    loss = (4 - 0.25 * s) * (1 + perturb)
+    losses.append(loss)
+    ms = 100.0 if s == 0 else 10.0 + s
+    extra = " peak_param_bytes 111 peak_grad_bytes 222" if os.environ.get("FAKE_DETAIL") else ""
+    print(f"step {s + 1}/{steps} loss {loss:.9g} ms {ms:.3f} tokens/s 1000 peak_bytes 4000{extra}")
+summary = {"steps": steps, "first_loss": losses[0], "last_loss": losses[-1], "parity": "skipped",
+           "max_rel_loss_diff": None, "max_param_diff": None, "tokens_per_s": 1000}
+if not os.environ.get("FAKE_NO_PEAK"):
+    summary["peak_bytes"] = 5000 + world
+print(json.dumps(summary))
+'''
+
+
+def torch_record():
+    """What a --torch-only run prints last: torch losses 4 - 0.25 s exactly, step 20 ms, peak 8000."""
+    configs = []
+    for name in ("fsdp4", "hsdp2x2", "fsdp2xtp2"):
+        configs.append({"config": name, "torch_losses": [4 - 0.25 * s for s in range(STEPS)], "torch_step_ms": 20.0,
+                        "torch_peak_bytes": 8000, "torch_peak_breakdown": {"Total": 8000},
+                        "torch_peak_rss_delta_bytes": 123456, "torch_ref_max_rel_diff": 2e-7, "world": 4})
+    return json.dumps({"max_rel_loss_diff": None, "torch_only": True, "configs": configs})
+
+
+def run(build, torch_json, log, configs="fsdp4,hsdp2x2,fsdp2xtp2", env_extra=None, extra=()):
+    env = dict(os.environ, FAKE_LOG=log, **(env_extra or {}))
+    for k in ("FAKE_PERTURB", "FAKE_NO_PEAK", "FAKE_DETAIL"):
+        if k not in (env_extra or {}):
+            env.pop(k, None)
+    cmd = [sys.executable, SCRIPT, "--build-dir", build, "--torch-json", torch_json, "--configs", configs,
+           "--steps", str(STEPS), "--cores", "4"] + list(extra)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "{}"
+    try:
+        data = json.loads(last)
+    except json.JSONDecodeError:
+        data = {}
+    return proc, data
+
+
+def main():
+    # Pure pieces.
+    c = tfc.parse_config("fsdp4")
+    check(c["ours"] == ["--dp-shard", "4"] and c["world"] == 4 and c["dp"] == 4 and c["kind"] == "fsdp", "fsdp4")
+    c = tfc.parse_config("hsdp2x2")
+    check(c["ours"] == ["--dp-replicate", "2", "--dp-shard", "2"] and c["world"] == 4 and c["mesh"] == [2, 2]
+          and c["dp"] == 4, "hsdp2x2")
+    c = tfc.parse_config("fsdp2xtp2")
+    check(c["ours"] == ["--dp-shard", "2", "--tp", "2"] and c["world"] == 4 and c["dp"] == 2 and c["tp"] == 2,
+          "fsdp2xtp2")
+    c = tfc.parse_config("fsdp3-mpi")
+    check(c["backend"] == "mpi" and c["world"] == 3, "fsdp3-mpi")
+    for bad in ("fsdp", "tp2", "hsdp2", "fsdp0", "fsdp2xtp2x2"):
+        try:
+            tfc.parse_config(bad)
+            check(False, f"parse_config({bad!r}) raises")
+        except ValueError as e:
+            check(bad in str(e), f"parse_config({bad!r}) raises naming it")
+    cases = 0
+    for batch, accum, dp in ((8, 1, 4), (8, 2, 2), (12, 3, 4), (8, 1, 1), (16, 2, 8)):
+        for step in (0, 3):
+            for m in range(accum):
+                micro = batch // accum
+                got = []
+                for d in range(dp):
+                    first, count = tfc.dp_rows(step, m, batch, accum, d, dp)
+                    got.extend(range(first, first + count))
+                check(got == list(range(step * batch + m * micro, step * batch + (m + 1) * micro)),
+                      f"dp_rows batch {batch} accum {accum} dp {dp} step {step} micro {m}: the microbatch, in order")
+                cases += 1
+    check(cases == 18, f"dp_rows: 18 cases ran ({cases})")
+    today = ("step 1/2 loss 4.15 ms 6.5 tokens/s 41234 peak_bytes 1234567\n"
+             "step 2/2 loss 3.9 ms 5.5 tokens/s 41234 peak_bytes 1234567\n"
+             '{"steps":2,"first_loss":4.15,"last_loss":3.9,"parity":"skipped","max_rel_loss_diff":null,'
+             '"max_param_diff":null,"tokens_per_s":41234,"peak_bytes":1234567}\n')
+    p = ttc.parse_progress(today)
+    check(p["losses"] == [4.15, 3.9] and p["ms"] == [6.5, 5.5] and p["summary"]["peak_bytes"] == 1234567
+          and p["last_progress"]["peak_bytes"] == 1234567.0, "parse_progress on today's fsdp-train output")
+    p = ttc.parse_progress("step 1/1 loss 2.5 ms 3 tokens/s 9 peak_bytes 7 peak param 1 grad\nstep 1/1 total\n{}\n")
+    check(p["losses"] == [2.5] and p["ms"] == [3.0] and p["summary"] == {},
+          "parse_progress: loss and ms survive an odd tail; a line without them is skipped")
+    check(ttc.max_rel_diff([1.0, 2.2], [1.0, 2.0]) == abs(2.2 - 2.0) / 2.0, "max_rel_diff")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        build = os.path.join(tmp, "build")
+        os.makedirs(os.path.join(build, "examples"))
+        exe = os.path.join(build, "examples", "fsdp-train")
+        with open(exe, "w") as f:
+            f.write(FAKE)
+        os.chmod(exe, os.stat(exe).st_mode | stat.S_IEXEC)
+        torch_json = os.path.join(tmp, "torch.json")
+        with open(torch_json, "w") as f:
+            f.write("torch_fsdp_compare noise line\n" + torch_record() + "\n")
+        log = os.path.join(tmp, "log")
+
+        # Agreement: losses equal, ratio (11, 12, 13 -> median 12) / 20 = 0.6, peaks 5004 / 8000.
+        proc, data = run(build, torch_json, log, env_extra={"FAKE_DETAIL": "1"})
+        check(proc.returncode == 0, f"agreeing run exits 0 (stderr: {proc.stderr.strip()[-300:]!r})")
+        with open(log) as f:
+            calls = [json.loads(line) for line in f]
+        check(len(calls) == 3, f"fsdp-train ran once per config ({len(calls)})")
+        flags = [" ".join(c[:c.index("--log-every")]) for c in calls]
+        check(flags == ["--backend local --dp-shard 4", "--backend local --dp-replicate 2 --dp-shard 2",
+                        "--backend local --dp-shard 2 --tp 2"], f"ours' layout flags: {flags}")
+        check(all("--threads" in c and c[c.index("--threads") + 1] == "1" for c in calls), "--threads cores / world")
+        check(all("--steps" in c and c[c.index("--steps") + 1] == str(STEPS) and "--mp" not in c for c in calls),
+              "--steps passed, no --mp for fp32")
+        by = {r["config"]: r for r in data.get("configs", [])}
+        check(sorted(by) == ["fsdp2xtp2", "fsdp4", "hsdp2x2"], f"one record per config: {sorted(by)}")
+        r = by.get("fsdp4", {})
+        check(close(r.get("max_rel_loss_diff"), 0.0, 1e-12), "fsdp4 max_rel_loss_diff 0")
+        check(close(r.get("ours_step_ms"), 12.0) and close(r.get("torch_step_ms"), 20.0) and close(r.get("ratio"), 0.6),
+              f"fsdp4 step ms 12 / 20 = 0.6: {r.get('ours_step_ms')} {r.get('torch_step_ms')} {r.get('ratio')}")
+        check(r.get("ours_peak_bytes") == 5004 and r.get("torch_peak_bytes") == 8000 and close(r.get("peak_ratio"), 0.6255, 1e-3),
+              f"fsdp4 peaks 5004 / 8000: {r.get('ours_peak_bytes')} {r.get('torch_peak_bytes')} {r.get('peak_ratio')}")
+        check(r.get("ours_peak_detail") == {"peak_param_bytes": 111, "peak_grad_bytes": 222},
+              f"fsdp4 per-kind peaks from the progress line: {r.get('ours_peak_detail')}")
+        for key in ("config", "max_rel_loss_diff", "ours_step_ms", "torch_step_ms", "ratio", "ours_peak_bytes",
+                    "torch_peak_bytes", "torch_ref_max_rel_diff", "ours_losses", "torch_losses"):
+            check(all(key in rec for rec in by.values()), f"every record has {key}")
+        check(close(data.get("max_rel_loss_diff"), 0.0, 1e-12) and data.get("tolerance") == 1e-4, "top-level JSON")
+
+        # No peak_bytes in fsdp-train's JSON: null, not a made-up number.
+        proc, data = run(build, torch_json, log, configs="hsdp2x2", env_extra={"FAKE_NO_PEAK": "1"})
+        r = (data.get("configs") or [{}])[0]
+        check(proc.returncode == 0 and "ours_peak_bytes" in r and r["ours_peak_bytes"] is None
+              and r.get("peak_ratio") is None, "ours_peak_bytes null when fsdp-train reports none")
+
+        # Losses 1e-3 apart: exit 1, the difference reported.
+        proc, data = run(build, torch_json, log, configs="fsdp2xtp2", env_extra={"FAKE_PERTURB": "1e-3"})
+        check(proc.returncode == 1, f"1e-3 relative loss difference exits 1 (got {proc.returncode})")
+        check(close(data.get("max_rel_loss_diff"), 1e-3, 1e-6), f"reported {data.get('max_rel_loss_diff')}")
+        # ... within a looser tolerance it passes; --mp bf16 reaches fsdp-train.
+        open(log, "w").close()
+        proc, data = run(build, torch_json, log, configs="fsdp2xtp2", env_extra={"FAKE_PERTURB": "1e-3"},
+                         extra=["--mp", "bf16"])
+        with open(log) as f:
+            call = json.loads(f.readline())
+        check(proc.returncode == 0 and data.get("tolerance") == 2e-2 and call[call.index("--mp") + 1] == "bf16",
+              "--mp bf16: fsdp-train gets --mp bf16, tolerance 2e-2")
+
+        # Bad input: exit 2 naming it.
+        proc, _ = run(build, torch_json, log, configs="fsdp4,zero3")
+        check(proc.returncode == 2 and "zero3" in proc.stderr, "unknown config: exit 2 naming it")
+        proc, _ = run(build, torch_json, log, configs="fsdp4", extra=["--batch", "6"])
+        check(proc.returncode == 2 and "--batch 6" in proc.stderr, "batch not divisible over dp: exit 2")
+        # A torch record of another model: refused.
+        other = json.loads(torch_record())
+        other.update(model_args=["--layers", "3"], mp="fp32", no_sync=False)
+        with open(torch_json, "w") as f:
+            f.write(json.dumps(other) + "\n")
+        proc, _ = run(build, torch_json, log, configs="fsdp4")
+        check(proc.returncode == 2 and "--layers 3" in proc.stderr, "torch record of another model: exit 2")
+
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); import torch_fsdp_compare, torch_train_compare; "
+             "sys.exit(1 if 'torch' in sys.modules else 0)")
+    proc = subprocess.run([sys.executable, "-c", probe, HERE])
+    check(proc.returncode == 0, "importing the scripts does not import torch")
+
+    print(f"{'FAILED' if failures else 'passed'}: {len(failures)} failure(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
