@@ -98,8 +98,6 @@ Tensor narrow_box(const Tensor& t, const Dims& start, const Dims& sizes) {
   return v;
 }
 
-std::string dims_text(const Dims& d) { return fmt::format("{}", d); }
-
 std::string file_name(int rank, int slot, int slots) {
   return fmt::format("shard-{:05}-model-{:05}-of-{:05}.safetensors", rank + 1, slot + 1, slots);
 }
@@ -341,12 +339,33 @@ std::vector<int64_t> all_gather_rows(collectives::Communicator& world, const std
   return result;
 }
 
-std::string failed_ranks_text(const std::vector<int64_t>& flags, int world, int stride) {
-  std::string s;
-  for (int r = 0; r < world; ++r)
-    if (flags[static_cast<size_t>(r) * stride] != 0) s += (s.empty() ? "" : ", ") + std::to_string(r);
-  return s;
+// Agreement after a phase that may fail on some ranks: every rank learns whether any failed and
+// the message of the first that did (so every rank's exception names the key and the cause).
+// Returns "" when all succeeded. Collective over world.
+std::string agree(collectives::Communicator& world, const std::string& error, kernels::Device device) {
+  std::vector<int64_t> flags = all_gather_rows(world, {error.empty() ? 0 : 1}, device);
+  int first = -1;
+  for (int r = 0; r < world.size() && first < 0; ++r)
+    if (flags[static_cast<size_t>(r)] != 0) first = r;
+  if (first < 0) return "";
+  std::string failed;
+  for (int r = 0; r < world.size(); ++r)
+    if (flags[static_cast<size_t>(r)] != 0) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
+  int64_t n = world.rank() == first ? static_cast<int64_t>(error.size()) : 0;
+  Tensor len = Tensor::full({1}, static_cast<double>(n), DType::kI64);
+  Tensor dlen = device.is_cpu() ? len : len.to(device);
+  world.wait(world.broadcast(dlen, first));
+  n = static_cast<int64_t>((dlen.device().is_cpu() ? dlen : dlen.to(kernels::Device{})).item({0}));
+  Tensor text = Tensor::zeros({std::max<int64_t>(n, 1)}, DType::kU8);
+  if (world.rank() == first) std::memcpy(text.data_ptr(), error.data(), error.size());
+  Tensor dtext = device.is_cpu() ? text : text.to(device);
+  world.wait(world.broadcast(dtext, first));
+  Tensor host = dtext.device().is_cpu() ? dtext : dtext.to(kernels::Device{});
+  const std::string msg(static_cast<const char*>(host.data_ptr()), static_cast<size_t>(n));
+  if (world.rank() == first) return error;
+  return fmt::format("{} (on rank {}; failed on rank(s) {})", msg, first, failed);
 }
+
 
 Json value_to_json(const nn::StateValue& v) {
   if (const auto* i = std::get_if<int64_t>(&v)) return *i;
@@ -503,12 +522,8 @@ SaveHandle async_save(const std::string& dir, const nn::StateDict& sd, collectiv
   const int64_t width = *std::max_element(lengths.begin(), lengths.end());
   row.resize(static_cast<size_t>(width), 0);
   std::vector<int64_t> all = all_gather_rows(world, row, st->device);
-  std::string failed;
-  for (int r = 0; r < world.size(); ++r) {
-    if (all[static_cast<size_t>(r) * width] != 0) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
-  }
-  if (!error.empty()) throw InvalidArgument(error);
-  if (!failed.empty()) throw InvalidArgument(fmt::format("checkpoint: save to '{}' failed on rank(s) {}", dir, failed));
+  const std::string agreed = agree(world, error, st->device);
+  if (!agreed.empty()) throw InvalidArgument(agreed);
   for (int r = 0; r < world.size(); ++r)
     if (all[static_cast<size_t>(r) * width + 1] != static_cast<int64_t>(st->plan.hash))
       throw InvalidArgument(fmt::format(
@@ -565,11 +580,8 @@ SaveStats SaveHandle::wait() {
   if (s.writer.joinable()) s.writer.join();
   collectives::Communicator& world = *s.world;
   const int rank = world.rank();
-  std::vector<int64_t> flags = all_gather_rows(world, {s.error.empty() ? 0 : 1}, s.device);
-  std::string failed = failed_ranks_text(flags, world.size(), 1);
-  if (!s.error.empty()) throw kernels::Error(s.error);
-  if (!failed.empty())
-    throw kernels::Error(fmt::format("checkpoint: save to '{}' failed on rank(s) {} (not committed)", s.dir, failed));
+  const std::string agreed = agree(world, s.error, s.device);
+  if (!agreed.empty()) throw kernels::Error(agreed + " (the checkpoint was not committed)");
   std::string commit_error;
   if (rank == 0) {
     try {
@@ -617,9 +629,8 @@ SaveStats SaveHandle::wait() {
       commit_error = e.what();
     }
   }
-  flags = all_gather_rows(world, {commit_error.empty() ? 0 : 1}, s.device);
-  if (!commit_error.empty()) throw kernels::Error(commit_error);
-  if (flags[0] != 0) throw kernels::Error(fmt::format("checkpoint: rank 0 failed to commit '{}'", s.dir));
+  const std::string committed = agree(world, commit_error, s.device);
+  if (!committed.empty()) throw kernels::Error(committed);
   return s.stats;
 }
 
@@ -974,11 +985,8 @@ LoadStats load(const std::string& dir, nn::StateDict& sd, collectives::Communica
     error = e.what();
   }
   // Agreement: nothing is written unless every rank read everything.
-  std::vector<int64_t> flags = all_gather_rows(world, {error.empty() ? 0 : 1}, device);
-  if (!error.empty()) throw InvalidArgument(error);
-  const std::string failed = failed_ranks_text(flags, world.size(), 1);
-  if (!failed.empty())
-    throw InvalidArgument(fmt::format("checkpoint: loading '{}' failed on rank(s) {}; nothing was changed", dir, failed));
+  const std::string agreed = agree(world, error, device);
+  if (!agreed.empty()) throw InvalidArgument(agreed + "; nothing was changed");
   (void)rank;
   for (size_t k = 0; k < sd.tensors.size(); ++k) {
     if (!staged[k].defined()) continue;
