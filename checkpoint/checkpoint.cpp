@@ -170,7 +170,6 @@ SavePlan make_save_plan(const nn::StateDict& sd, int world_size) {
           distinct.push_back({std::move(b), {r}});
         } else {
           distinct[it->second].second.push_back(r);
-          // The box's place in this holder's local tensor may differ: recompute on the owner.
         }
       }
     }
@@ -191,12 +190,8 @@ SavePlan make_save_plan(const nn::StateDict& sd, int world_size) {
       c.box = box;
       c.owner = owner;
       c.nbytes = static_cast<uint64_t>(box.sizes.product()) * item;
-      // Where the box sits in the owner's local tensor.
-      if (owner != holders.front() && c.nbytes > 0) {
-        auto layout = spec.layout(owner);
-        for (const Box& ob : boxes_of(*layout, spec.shape))
-          if (ob.offsets == box.offsets && ob.sizes == box.sizes) c.box.local = ob.local;
-      }
+      // box.local is right for every holder: ranks holding the same box differ only in mesh dims
+      // that replicate the tensor, so their whole layouts (and local positions) are equal.
       load[owner] += c.nbytes;
       c.slot = slots_used[{owner, k}]++;
       slots_of[owner] = std::max(slots_of[owner], c.slot + 1);
@@ -456,8 +451,30 @@ SaveHandle::~SaveHandle() {
 
 bool SaveHandle::ready() const { return !state_ || state_->done.load(); }
 
+struct SaveAccess {
+  static void set(SaveHandle& h, std::unique_ptr<SaveHandle::State> s) { h.state_ = std::move(s); }
+};
+
+namespace {
+SaveHandle start_save(const std::string& dir, const nn::StateDict& sd, collectives::Communicator& world,
+                      const SaveOptions& options, bool copy);
+}
+
 SaveHandle async_save(const std::string& dir, const nn::StateDict& sd, collectives::Communicator& world,
                       const SaveOptions& options) {
+  return start_save(dir, sd, world, options, true);
+}
+
+SaveStats save(const std::string& dir, const nn::StateDict& sd, collectives::Communicator& world,
+               const SaveOptions& options) {
+  // The caller is blocked until the commit: contiguous host shards are written from where they
+  // are (no staging copy, no extra memory).
+  return start_save(dir, sd, world, options, false).wait();
+}
+
+namespace {
+SaveHandle start_save(const std::string& dir, const nn::StateDict& sd, collectives::Communicator& world,
+                      const SaveOptions& options, bool copy) {
   const auto t0 = std::chrono::steady_clock::now();
   auto st = std::make_unique<SaveHandle::State>();
   st->dir = dir;
@@ -478,8 +495,10 @@ SaveHandle async_save(const std::string& dir, const nn::StateDict& sd, collectiv
       if (c.owner != rank) continue;
       const Tensor& local = sd.tensors[c.key].second.to_local();
       Tensor view = c.nbytes == 0 ? Tensor::empty(c.box.sizes, local.dtype()) : narrow_box(local, c.box.local, c.box.sizes);
-      // A copy: the caller may change its tensors as soon as we return.
-      Tensor host = view.device().is_cpu() ? view.clone() : view.to(kernels::Device{}).contiguous();
+      // async: a copy, the caller may change its tensors as soon as we return.
+      Tensor host = !view.device().is_cpu()       ? view.to(kernels::Device{}).contiguous()
+                    : copy || !view.is_contiguous() ? view.clone()
+                                                    : view;
       st->checksums[i] = xxh64(host.nbytes() ? host.data_ptr() : nullptr, host.nbytes());
       st->staged[i] = std::move(host);
     }
@@ -568,9 +587,10 @@ SaveHandle async_save(const std::string& dir, const nn::StateDict& sd, collectiv
     s->done = true;
   });
   SaveHandle h;
-  h.state_ = std::move(st);
+  SaveAccess::set(h, std::move(st));
   return h;
 }
+}  // namespace
 
 SaveStats SaveHandle::wait() {
   if (!state_) throw InvalidArgument("checkpoint: wait() on an empty SaveHandle");
@@ -634,10 +654,7 @@ SaveStats SaveHandle::wait() {
   return s.stats;
 }
 
-SaveStats save(const std::string& dir, const nn::StateDict& sd, collectives::Communicator& world,
-               const SaveOptions& options) {
-  return async_save(dir, sd, world, options).wait();
-}
+
 
 // ---- metadata ----
 

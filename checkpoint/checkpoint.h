@@ -114,8 +114,7 @@ class SaveHandle {
   struct State;
 
  private:
-  friend SaveHandle async_save(const std::string&, const nn::StateDict&, collectives::Communicator&,
-                               const SaveOptions&);
+  friend struct SaveAccess;
   std::unique_ptr<State> state_;
 };
 
