@@ -161,13 +161,20 @@ int main(int argc, char** argv) {
         checkpoint::save(ck.string(), sd, w, so);
         barrier();
         const double save_s = secs(t0);
-        barrier();
-        t0 = Clock::now();
-        checkpoint::SaveHandle h = checkpoint::async_save(ck_async.string(), sd, w, so);
-        const double blocked = secs(t0);
-        h.wait();
-        barrier();
-        const double async_total = secs(t0);
+        // Async with a staging cache: the first save allocates it (cold), the second reuses it
+        // (what every later save of a training run sees).
+        checkpoint::SaveOptions ao = so;
+        ao.staging = std::make_shared<checkpoint::StagingCache>();
+        double blocked_cold = 0, blocked = 0, async_total = 0;
+        for (int i = 0; i < 2; ++i) {
+          barrier();
+          t0 = Clock::now();
+          checkpoint::SaveHandle h = checkpoint::async_save(ck_async.string(), sd, w, ao);
+          (i == 0 ? blocked_cold : blocked) = secs(t0);
+          h.wait();
+          barrier();
+          if (i == 1) async_total = secs(t0);
+        }
         if (w.rank() == 0) drop_cache_dir(ck);
         barrier();
         nn::StateDict target;
@@ -199,6 +206,7 @@ int main(int argc, char** argv) {
         if (w.rank() == 0) {
           m["save"].push_back(total / save_s);
           m["async_blocked_s"].push_back(blocked);
+          m["async_blocked_first_s"].push_back(blocked_cold);
           m["async_total"].push_back(total / async_total);
           m["sync_save_s"].push_back(save_s);
           m["load"].push_back(total / load_s);
@@ -246,9 +254,9 @@ int main(int argc, char** argv) {
     fmt::print("save (sync)      {:.2f} GiB/s = {:.2f} of the better disk write\n", med("save") / gib,
                med("save") / wbase);
     fmt::print("save (async)     {:.2f} GiB/s until committed = {:.2f}; caller blocked {:.3f} s = {:.2f} of a sync "
-               "save\n",
+               "save (first save, cache cold: {:.3f} s)\n",
                med("async_total") / gib, med("async_total") / wbase, med("async_blocked_s"),
-               med("async_blocked_s") / med("sync_save_s"));
+               med("async_blocked_s") / med("sync_save_s"), med("async_blocked_first_s"));
     fmt::print("load (same layout, cold) {:.2f} GiB/s = {:.2f} of the better disk read\n", med("load") / gib,
                med("load") / rbase);
     fmt::print("load S(0)x{} -> S(1)x{} (cold) {:.2f} GiB/s; bytes read / needed {:.3f}\n", world, world,

@@ -440,6 +440,17 @@ struct SaveHandle::State {
   std::string error;  // the writer's failure
   SaveStats stats;
   bool waited = false;
+  std::shared_ptr<StagingCache> cache;  // released (not busy) when the writer is joined
+  ~State() {
+    if (writer.joinable()) writer.join();
+    release_cache();
+  }
+  void release_cache() {
+    if (!cache) return;
+    std::lock_guard lk(cache->mu);
+    cache->busy = false;
+    cache.reset();
+  }
 };
 
 SaveHandle::SaveHandle() = default;
@@ -447,6 +458,7 @@ SaveHandle::SaveHandle(SaveHandle&&) noexcept = default;
 SaveHandle& SaveHandle::operator=(SaveHandle&&) noexcept = default;
 SaveHandle::~SaveHandle() {
   if (state_ && state_->writer.joinable()) state_->writer.join();
+  if (state_) state_->release_cache();
 }
 
 bool SaveHandle::ready() const { return !state_ || state_->done.load(); }
@@ -490,15 +502,39 @@ SaveHandle start_save(const std::string& dir, const nn::StateDict& sd, collectiv
     const auto& chunks = st->plan.chunks;
     st->staged.resize(chunks.size());
     st->checksums.assign(chunks.size(), 0);
+    StagingCache* cache = copy ? options.staging.get() : nullptr;
+    size_t used = 0;
+    if (cache) {
+      std::lock_guard lk(cache->mu);
+      if (cache->busy)
+        throw InvalidArgument(fmt::format(
+            "checkpoint: save to '{}': its staging cache is still used by a save not yet waited for", dir));
+      cache->busy = true;
+      st->cache = options.staging;
+    }
     for (size_t i = 0; i < chunks.size(); ++i) {
       const PlannedChunk& c = chunks[i];
       if (c.owner != rank) continue;
       const Tensor& local = sd.tensors[c.key].second.to_local();
       Tensor view = c.nbytes == 0 ? Tensor::empty(c.box.sizes, local.dtype()) : narrow_box(local, c.box.local, c.box.sizes);
       // async: a copy, the caller may change its tensors as soon as we return.
-      Tensor host = !view.device().is_cpu()       ? view.to(kernels::Device{}).contiguous()
-                    : copy || !view.is_contiguous() ? view.clone()
-                                                    : view;
+      Tensor host;
+      if (copy && cache) {
+        if (used < cache->buffers.size() && cache->buffers[used].shape() == view.shape() &&
+            cache->buffers[used].dtype() == view.dtype()) {
+          host = cache->buffers[used];
+        } else {
+          host = Tensor::empty(view.shape(), view.dtype());
+          if (used < cache->buffers.size()) cache->buffers[used] = host;
+          else cache->buffers.push_back(host);
+        }
+        ++used;
+        host.copy_(view);
+      } else {
+        host = !view.device().is_cpu()         ? view.to(kernels::Device{}).contiguous()
+               : copy || !view.is_contiguous() ? view.clone()
+                                               : view;
+      }
       st->checksums[i] = xxh64(host.nbytes() ? host.data_ptr() : nullptr, host.nbytes());
       st->staged[i] = std::move(host);
     }
@@ -598,6 +634,7 @@ SaveStats SaveHandle::wait() {
   if (s.waited) throw InvalidArgument(fmt::format("checkpoint: the save to '{}' was already waited for", s.dir));
   s.waited = true;
   if (s.writer.joinable()) s.writer.join();
+  s.release_cache();
   collectives::Communicator& world = *s.world;
   const int rank = world.rank();
   const std::string agreed = agree(world, s.error, s.device);
@@ -874,8 +911,12 @@ struct FileCache {
 // Reads the part `want` (global offsets/sizes, inside chunk c) of chunk c into a contiguous
 // tensor of want's sizes, reading only its bytes (one pread per contiguous run in the file), or
 // the whole chunk when verifying it.
+// into: where the region goes (want_size, any strides); when it is contiguous the bytes are read
+// straight into it (no extra buffer or copy) and it is returned.
 Tensor read_region(FileCache& files, const std::string& key, const TensorInfo& ti, const ChunkInfo& c,
-                   const Dims& want_off, const Dims& want_size, Verify verify, LoadStats& stats) {
+                   const Dims& want_off, const Dims& want_size, Verify verify, LoadStats& stats,
+                   const Tensor& into = Tensor()) {
+  const bool direct = into.defined() && into.is_contiguous() && into.device().is_cpu();
   const int nd = ti.shape.size();
   const uint64_t item = kernels::itemsize(ti.dtype);
   const bool whole = want_size == c.sizes;
@@ -883,7 +924,7 @@ Tensor read_region(FileCache& files, const std::string& key, const TensorInfo& t
   Fd& fd = files.get(c.file);
   const std::string what = fmt::format("'{}' chunk at {}", key, c.offsets);
   if (whole || (verify == Verify::kAll && c.checksum)) {
-    Tensor buf = Tensor::empty(c.sizes, ti.dtype);
+    Tensor buf = whole && direct ? into : Tensor::empty(c.sizes, ti.dtype);
     if (c.nbytes > 0) read_all(fd.get(), buf.data_ptr(), c.nbytes, c.byte_offset, path, what);
     stats.bytes_read += c.nbytes;
     ++stats.reads;
@@ -897,7 +938,7 @@ Tensor read_region(FileCache& files, const std::string& key, const TensorInfo& t
   }
   // Partial: the innermost dims where want spans the whole chunk form one contiguous run with
   // the next outer dim's extent.
-  Tensor out = Tensor::empty(want_size, ti.dtype);
+  Tensor out = direct ? into : Tensor::empty(want_size, ti.dtype);
   int inner = nd;  // dims [inner, nd) are whole
   while (inner > 0 && want_size[inner - 1] == c.sizes[inner - 1]) --inner;
   int64_t run_elems = 1;
@@ -989,11 +1030,11 @@ LoadStats load(const std::string& dir, nn::StateDict& sd, collectives::Communica
             sz[d] = hi - lo[d];
           }
           if (!any) continue;
-          Tensor region = read_region(files, key, ti, c, lo, sz, options.verify, stats);
           Dims at(lo);
           for (int d = 0; d < at.size(); ++d) at[d] = b.local[d] + lo[d] - b.offsets[d];
           Tensor dst = narrow_box(stage, at, sz);
-          dst.copy_(region);
+          Tensor region = read_region(files, key, ti, c, lo, sz, options.verify, stats, dst);
+          if (region.data_ptr() != dst.data_ptr()) dst.copy_(region);
         }
       }
       staged[k] = std::move(stage);

@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -84,8 +85,21 @@ struct Metadata {
 // finish), malformed metadata, or a data file missing or of the wrong size.
 Metadata read_metadata(const std::string& dir);
 
+// Host buffers an asynchronous save stages into, kept for the next save: the first save pays for
+// allocating and faulting them in, later saves of the same state dict copy into warm memory
+// (PyTorch's async_save with a cached staged state dict). One save at a time may use a cache
+// (from async_save until its wait()); a second one throws InvalidArgument.
+//   auto cache = std::make_shared<checkpoint::StagingCache>();
+//   checkpoint::SaveOptions o;  o.staging = cache;   // the same cache for every save of the run
+struct StagingCache {
+  std::mutex mu;
+  bool busy = false;
+  std::vector<kernels::Tensor> buffers;  // one per chunk this rank owns, in plan order
+};
+
 struct SaveOptions {
   bool fsync = true;  // data files and the metadata reach the disk before the commit
+  std::shared_ptr<StagingCache> staging;  // async_save only; nullptr: fresh buffers, freed as written
 };
 
 struct SaveStats {

@@ -263,6 +263,8 @@ RunResult train(Communicator& world, const Args& a, int tp, bool print, int thre
     }
   }
   std::optional<checkpoint::SaveHandle> pending;
+  checkpoint::SaveOptions save_options;
+  save_options.staging = std::make_shared<checkpoint::StagingCache>();  // reused by every async save
   auto save = [&](int steps_done) {
     if (pending) pending->wait();
     pending.reset();
@@ -271,7 +273,7 @@ RunResult train(Communicator& world, const Args& a, int tp, bool print, int thre
     sd.values["train.seed"] = static_cast<int64_t>(a.seed);
     sd.values["train.samples"] = static_cast<int64_t>(steps_done) * a.batch;
     const std::string dir = fmt::format("{}/step-{:08}", a.save_dir, steps_done);
-    pending = checkpoint::async_save(dir, sd, world);
+    pending = checkpoint::async_save(dir, sd, world, save_options);
     if (!a.async_save) {
       pending->wait();
       pending.reset();

@@ -454,15 +454,30 @@ TEST_CASE("checkpoint: async save snapshots the state; training may change it be
       Tensor local = t.to_local();
       local.fill_(0.0);  // "training" overwrites the parameters
     }
-    const checkpoint::SaveStats st = h.wait();
-    checks.check(st.bytes_written > 0 || world.rank() >= 0, "stats");
-    nn::StateDict target = make_sd(l, comms, 8);
-    checkpoint::load(tmp.str("a"), target, world);
-    const nn::StateDict expected = make_sd(l, comms, 7);
-    for (size_t i = 0; i < target.tensors.size(); ++i)
-      checks.check(same_local(target.tensors[i].second, expected.tensors[i].second),
-                   fmt::format("async: rank {} '{}' is not the state at save time", world.rank(),
-                               target.tensors[i].first));
+    checks.check(h.wait().files >= 1, fmt::format("async: rank {} wrote no file", world.rank()));
+    // A staging cache: reused by the next saves (same buffers), refused while a save uses it.
+    checkpoint::SaveOptions o;
+    o.staging = std::make_shared<checkpoint::StagingCache>();
+    nn::StateDict second = make_sd(l, comms, 9);
+    checkpoint::SaveHandle h1 = checkpoint::async_save(tmp.str("b"), second, world, o);
+    checks.throws<kernels::InvalidArgument>([&] { checkpoint::async_save(tmp.str("c"), second, world, o); },
+                                            "staging cache", "a busy staging cache");
+    h1.wait();
+    std::vector<const void*> first_buffers;
+    for (const Tensor& b : o.staging->buffers) first_buffers.push_back(b.data_ptr());
+    checks.check(!first_buffers.empty(), "the staging cache holds buffers");
+    checkpoint::async_save(tmp.str("b"), make_sd(l, comms, 10), world, o).wait();
+    for (size_t i = 0; i < first_buffers.size() && i < o.staging->buffers.size(); ++i)
+      checks.check(o.staging->buffers[i].data_ptr() == first_buffers[i], "the staging buffers were reused");
+    for (auto [sub, salt] : {std::pair{"a", 7}, std::pair{"b", 10}}) {
+      nn::StateDict target = make_sd(l, comms, 8);
+      checkpoint::load(tmp.str(sub), target, world);
+      const nn::StateDict expected = make_sd(l, comms, salt);
+      for (size_t i = 0; i < target.tensors.size(); ++i)
+        checks.check(same_local(target.tensors[i].second, expected.tensors[i].second),
+                     fmt::format("async {}: rank {} '{}' is not the state at save time", sub, world.rank(),
+                                 target.tensors[i].first));
+    }
   });
   checks.report();
 }

@@ -3,7 +3,9 @@
 continues the uninterrupted loss curve (same mesh: bit-identical progress lines; another mesh:
 fp32 rounding, checked by --check-parity against the uninterrupted single-rank run); async save;
 an incompatible model or a corrupt checkpoint is refused (exit 2) naming the key.
-Usage: fsdp_train_resume_test.py FSDP_TRAIN."""
+With --mpirun: the checkpoints are also written and read by processes (mpi backend), in both
+directions with the local backend.
+Usage: fsdp_train_resume_test.py FSDP_TRAIN [--mpirun MPIRUN]."""
 import json
 import os
 import re
@@ -13,6 +15,7 @@ import sys
 import tempfile
 
 exe = sys.argv[1]
+mpirun = sys.argv[3] if len(sys.argv) > 3 and sys.argv[2] == "--mpirun" else None
 small = ["--layers", "2", "--dim", "32", "--heads", "4", "--vocab", "48", "--seq", "16", "--batch", "4",
          "--steps", "12", "--log-every", "1"]
 failures = []
@@ -24,8 +27,12 @@ def check(ok, what):
         print("FAIL:", what)
 
 
-def run(*extra, expect=0):
-    p = subprocess.run([exe, "--backend", "local", *small, *extra], capture_output=True, text=True, timeout=240)
+def run(*extra, expect=0, np=0):
+    cmd = [exe, "--backend", "local", *small, *extra]
+    if np:
+        cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(np), exe, "--backend", "mpi", *small,
+               *extra]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     check(p.returncode == expect, f"{' '.join(extra)}: exit {p.returncode} (expected {expect}): {p.stderr[-800:]}")
     return p
 
@@ -86,7 +93,18 @@ try:
     p = run("--tp", "2", "--resume-from", bad, expect=2)
     check("incomplete" in p.stderr, f"incomplete message: {p.stderr}")
     cases += 1
-    check(cases == 6, f"{cases} cases ran")
+    if mpirun:
+        # Processes write, threads read; threads write, processes read.
+        p = run("--tp", "2", "--save-dir", os.path.join(root, "mpi"), "--save-every", "6", np=2)
+        got = losses(run("--tp", "4", "--resume-from", os.path.join(root, "mpi", "step-00000006"),
+                         "--check-parity"))
+        check(all(abs(float(got[s]) - float(ref[s])) <= 1e-5 * abs(float(ref[s])) for s in got) and len(got) == 6,
+              f"mpi tp2 -> local tp4: {got} vs {ref}")
+        got = losses(run("--tp", "2", "--resume-from", ck, np=2))
+        check(all(abs(float(got[s]) - float(ref[s])) <= 1e-5 * abs(float(ref[s])) for s in got) and len(got) == 6,
+              f"local tp2 -> mpi tp2: {got} vs {ref}")
+        cases += 2
+    check(cases == (8 if mpirun else 6), f"{cases} cases ran")
 finally:
     shutil.rmtree(root, ignore_errors=True)
 print(f"fsdp_train_resume_test: {len(failures)} failures")
