@@ -259,6 +259,7 @@ def main() -> int:
     ap.add_argument("--tolerance", type=float, default=1e-4)
     ap.add_argument("--k", type=int, default=4, help="steps before PyTorch saves")
     ap.add_argument("--n", type=int, default=6, help="steps after")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
     ap.add_argument("--torch-worker", help=argparse.SUPPRESS)
     ap.add_argument("--torch-config", help=argparse.SUPPRESS)
     ap.add_argument("--torch-out", help=argparse.SUPPRESS)
@@ -340,6 +341,11 @@ def main() -> int:
     ok = not bad and worst <= args.tolerance and len(checks) > 0
     report["ok"] = ok
     print(json.dumps({k: v for k, v in report.items() if k != "checks"}))
+    if args.keep:
+        log(f"kept {tmp}")
+    else:
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
     return 0 if ok else 1
 
 
