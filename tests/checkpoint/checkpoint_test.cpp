@@ -517,3 +517,57 @@ TEST_CASE("checkpoint: export writes consolidated safetensors (one file, or seve
   CHECK(index["weight_map"]["v"] == "model-00002-of-00002.safetensors");
   CHECK(nn::load_safetensors(files[1])[0].first == "v");
 }
+
+TEST_CASE("state dicts: Module / Optimizer load_state_dict check everything before writing", "[checkpoint][nn]") {
+  nn::GPTConfig cfg;
+  cfg.vocab = 16;
+  cfg.dim = 16;
+  cfg.heads = 4;
+  cfg.layers = 1;
+  cfg.max_seq = 8;
+  testing_support::Checks checks;
+  run_on({2}, [&](std::shared_ptr<MeshComms> comms, Communicator&) {
+    nn::GPT a(nn::ModuleOptions{comms, DType::kF32, {}}, cfg);
+    nn::parallelize_module(a, 0, nn::gpt_tensor_parallel_plan(cfg, true, true));
+    nn::materialize(a, 1);
+    nn::GPT b(nn::ModuleOptions{comms, DType::kF32, {}}, cfg);  // replicated: other placements
+    nn::materialize(b, 2);
+    auto fulls = [](const nn::Module& m) {
+      std::vector<std::vector<double>> out;
+      nn::for_each_full_tensor(m.state_dict(), false, [&](const std::string&, const Tensor& t) {
+        out.push_back(t.to_vector());
+      });
+      return out;
+    };
+    const auto before = fulls(b);
+    // A missing key, an unexpected one, a wrong shape: refused, nothing written.
+    nn::StateDict sd = a.state_dict();
+    nn::StateDict missing = sd;
+    missing.tensors.pop_back();
+    checks.throws<kernels::InvalidArgument>([&] { b.load_state_dict(missing); }, sd.tensors.back().first,
+                                            "missing key");
+    nn::StateDict extra = sd;
+    extra.tensors.emplace_back("blocks.9.w", sd.tensors[0].second);
+    checks.throws<kernels::InvalidArgument>([&] { b.load_state_dict(extra); }, "unexpected key 'blocks.9.w'",
+                                            "unexpected key");
+    nn::StateDict wrong = sd;
+    wrong.tensors[1].second = dtensor::zeros(Dims{3, 3}, DType::kF32, comms, dtensor::parse_placements("R"));
+    checks.throws<kernels::InvalidArgument>([&] { b.load_state_dict(wrong); }, sd.tensors[1].first, "shape");
+    checks.check(fulls(b) == before, "a refused load_state_dict changed parameters");
+    b.load_state_dict(extra, /*strict=*/false);  // redistributes TP shards onto replicated parameters
+    checks.check(fulls(b) == fulls(a), "load_state_dict across placements differs");
+    // Optimizer: state keyed by name; a step without its tensors is refused.
+    nn::AdamW opt(b.named_parameters(), kernels::AdamWOptions{});
+    nn::StateDict osd;
+    osd.values["state.tok_emb.weight.step"] = int64_t{3};
+    checks.throws<kernels::InvalidArgument>([&] { opt.load_state_dict(osd); }, "state.tok_emb.weight.exp_avg",
+                                            "optimizer missing tensor");
+    osd.values.erase("state.tok_emb.weight.step");
+    osd.values["state.nope.step"] = int64_t{1};
+    checks.throws<kernels::InvalidArgument>([&] { opt.load_state_dict(osd); }, "unexpected key 'state.nope.step'",
+                                            "optimizer unexpected key");
+    checks.check(opt.state_dict().tensors.empty() && opt.state_dict().values.empty(),
+                 "a refused optimizer load created state");
+  });
+  checks.report();
+}
