@@ -37,6 +37,20 @@
 // t[i+1] = (5 t[i] + 3) % V; inputs t[0..seq-1], targets t[1..seq] (a pattern the model learns;
 // bench/torch_train_compare.py generates the same batches).
 //
+// Checkpoints (checkpoint/checkpoint.h): --save-dir D writes D/step-00000010 (every --save-every
+// steps, and after the last step) with the parameters (the f32 master weights) keyed by fully
+// qualified name, the optimizer state under "optim." and the values train.step / train.seed /
+// train.samples; --async-save writes in the background while training goes on (the next save
+// or the end of training waits for it). --resume-from D loads such a checkpoint under the
+// current mesh (any --tp: resharded on load) and continues at its step up to --steps; the data
+// of a step depends only on (seed, step), so the losses continue the uninterrupted run's
+// (with --check-parity the reference is the uninterrupted single-rank run, compared on the
+// steps run). Directories PyTorch wrote with dcp.save + HuggingFaceStorageWriter load too
+// (keys as above; PyTorch's one-element step tensors become the steps).
+//
+//   fsdp-train --tp 2 --steps 20 --save-dir ck --save-every 10
+//   fsdp-train --tp 4 --steps 20 --resume-from ck/step-00000010 --check-parity
+//
 // Exit status: 0 ok, 1 parity mismatch, 2 invalid input, 3 out of resources, 4 communication failure.
 #include <fmt/format.h>
 
@@ -61,6 +75,7 @@
 #include "fsdp/fully_shard.h"
 #include "kernels/device.h"
 #include "kernels/error.h"
+#include "checkpoint/checkpoint.h"
 #include "nn/memory.h"
 #include "nn/module.h"
 #include "nn/optim.h"
@@ -105,6 +120,11 @@ struct Args {
   bool offload = false;
   bool no_sync = false;
   int prefetch = 1;
+  // checkpoints
+  std::string save_dir;
+  int save_every = 0;  // 0: only after the last step
+  bool async_save = false;
+  std::string resume_from;
 };
 
 // The mesh: (dp_replicate, dp_shard, tp) with trivial dims left out (dp_shard stays under FSDP,
@@ -171,6 +191,7 @@ nn::GPTConfig model_config(const Args& a) {
 }
 
 struct RunResult {
+  int first_step = 0;  // the step training started at (a resumed run: the checkpoint's)
   std::vector<double> losses;
   std::map<std::string, Tensor> params;  // full values (rank 0)
   double tokens_per_s = 0;
@@ -293,6 +314,59 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     o.weight_decay = a.weight_decay;
     opt = std::make_unique<nn::SGD>(master, o);
   }
+  // The checkpointed state: the master weights keyed by name, the optimizer's under "optim.".
+  auto state_dict = [&] {
+    nn::StateDict sd;
+    for (const auto& [name, p] : master) sd.tensors.emplace_back(name, p->data());
+    sd.merge(opt->state_dict(), "optim.");
+    return sd;
+  };
+  int first_step = 0;
+  if (!a.resume_from.empty()) {
+    opt->init_state();
+    nn::StateDict sd = state_dict();
+    checkpoint::load(a.resume_from, sd, world);
+    opt->load_state_dict(sd.sub("optim."));
+    if (sd.values.count("train.step")) {
+      first_step = static_cast<int>(sd.int_value("train.step"));
+    } else {
+      // A checkpoint PyTorch wrote: the optimizer's step is the training step.
+      first_step = static_cast<int>(opt->step_count(master.front().first));
+    }
+    if (sd.values.count("train.seed") && static_cast<uint64_t>(sd.int_value("train.seed")) != a.seed)
+      throw kernels::InvalidArgument(fmt::format("--resume-from {}: the checkpoint was trained with --seed {}, not {}",
+                                                 a.resume_from, sd.int_value("train.seed"), a.seed));
+    if (first_step >= a.steps)
+      throw kernels::InvalidArgument(fmt::format(
+          "--resume-from {}: the checkpoint is at step {}; --steps {} leaves nothing to train", a.resume_from,
+          first_step, a.steps));
+    if (bf16)
+      for (size_t i = 0; i < params.size(); ++i) {
+        Tensor compute = params[i].second->data().to_local();
+        compute.copy_(master[i].second->data().to_local());
+      }
+    if (print && rank0) {
+      fmt::print("resumed from {} at step {}\n", a.resume_from, first_step);
+      std::fflush(stdout);
+    }
+  }
+  std::optional<checkpoint::SaveHandle> pending;
+  checkpoint::SaveOptions save_options;
+  save_options.staging = std::make_shared<checkpoint::StagingCache>();  // reused by every async save
+  auto save = [&](int steps_done) {
+    if (pending) pending->wait();
+    pending.reset();
+    nn::StateDict sd = state_dict();
+    sd.values["train.step"] = int64_t{steps_done};
+    sd.values["train.seed"] = static_cast<int64_t>(a.seed);
+    sd.values["train.samples"] = static_cast<int64_t>(steps_done) * a.batch;
+    const std::string dir = fmt::format("{}/step-{:08}", a.save_dir, steps_done);
+    pending = checkpoint::async_save(dir, sd, world, save_options);
+    if (!a.async_save) {
+      pending->wait();
+      pending.reset();
+    }
+  };
   dtensor::ops::OpOptions ops;
   ops.num_threads = threads;
   dtensor::ops::RedistributeLog implicit;
@@ -324,8 +398,9 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   const DTensor dloss = as_dtensor(Tensor::full({}, 1.0 / a.grad_accum, DType::kF64));
 
   RunResult result;
+  result.first_step = first_step;
   std::vector<double> step_seconds;
-  for (int step = 0; step < a.steps; ++step) {
+  for (int step = first_step; step < a.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     double step_loss = 0;
     for (int m = 0; m < a.grad_accum; ++m) {
@@ -376,7 +451,11 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
           param_bytes + unsharded_mem->peak_bytes(), grad_bytes, optim_bytes, buffer_mem->peak_bytes());
       std::fflush(stdout);
     }
+    if (!a.save_dir.empty() && ((a.save_every > 0 && (step + 1) % a.save_every == 0) || step + 1 == a.steps))
+      save(step + 1);
   }
+  if (pending) pending->wait();
+  pending.reset();
   // Steady state: leave out the first step (allocations, plan caches) when there are others.
   std::vector<double> steady(step_seconds.begin() + (step_seconds.size() > 1 ? 1 : 0), step_seconds.end());
   const double med = median(steady);
@@ -402,8 +481,9 @@ struct Parity {
 
 Parity compare(const RunResult& got, const RunResult& ref, double loss_tol, double param_tol) {
   Parity p;
-  for (size_t i = 0; i < ref.losses.size(); ++i) {
-    const double rel = std::abs(got.losses[i] - ref.losses[i]) / std::max(std::abs(ref.losses[i]), 1e-30);
+  for (size_t i = 0; i < got.losses.size(); ++i) {
+    const double r = ref.losses[got.first_step + i];
+    const double rel = std::abs(got.losses[i] - r) / std::max(std::abs(r), 1e-30);
     p.max_rel_loss_diff = std::max(p.max_rel_loss_diff, rel);
   }
   // Parameters: the relative L2 difference of all of them flattened together,
@@ -477,6 +557,9 @@ void validate(const Args& a) {
   if (a.optimizer != "adamw" && a.optimizer != "sgd")
     bad(fmt::format("--optimizer {}: expected adamw or sgd", a.optimizer));
   if (!(a.lr > 0)) bad(fmt::format("--lr {}: expected > 0", a.lr));
+  if (a.save_every < 0) bad(fmt::format("--save-every {}: expected >= 0", a.save_every));
+  if ((a.save_every > 0 || a.async_save) && a.save_dir.empty())
+    bad("--save-every / --async-save need --save-dir");
 }
 
 std::string json_number(double v) { return std::isfinite(v) ? fmt::format("{}", v) : "null"; }
@@ -516,6 +599,11 @@ int run(int argc, char** argv) {
   app.add_option("--sequence-parallel", a.sequence_parallel,
                  "norms on sequence shards under --tp (true|false)");
   app.add_option("--threads", a.threads, "CPU threads per rank for matmul/attention (0: cores / ranks)");
+  app.add_option("--save-dir", a.save_dir, "write checkpoints to DIR/step-NNNNNNNN (after the last step at least)");
+  app.add_option("--save-every", a.save_every, "also checkpoint every N steps (0: only at the end)");
+  app.add_flag("--async-save", a.async_save, "write checkpoints in the background while training continues");
+  app.add_option("--resume-from", a.resume_from,
+                 "continue from a checkpoint directory (any mesh; PyTorch HF safetensors directories too)");
   app.add_flag("--log-implicit", a.log_implicit,
                "print every implicit redistribute of a DTensor op (rank 0, stderr)");
   program::parse(app, argc, argv);  // --help: exit 0; a bad option: one line, exit 2
@@ -580,6 +668,10 @@ int run(int argc, char** argv) {
       const int hw = std::max(1u, std::thread::hardware_concurrency());
       Args single = a;
       single.dump_init.clear();
+      single.save_dir.clear();
+      single.resume_from.clear();
+      single.save_every = 0;
+      single.async_save = false;
       collectives::run_ranks(1, [&](Communicator& w) {
         ref = train(w, single, false, false, a.threads > 0 ? a.threads : hw, kernels::Device{});
       });

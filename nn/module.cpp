@@ -5,6 +5,7 @@
 #include <set>
 
 #include "kernels/error.h"
+#include "kernels/format.h"
 
 namespace nn {
 
@@ -179,6 +180,32 @@ bool Module::remove_hook(int id) {
   };
   return erase(pre_forward_.list) || erase(post_forward_.list) || erase(pre_backward_.list) ||
          erase(post_backward_.list);
+}
+
+StateDict Module::state_dict() const {
+  StateDict sd;
+  for (const auto& [name, p] : named_parameters()) sd.tensors.emplace_back(name, p->data());
+  return sd;
+}
+
+void Module::load_state_dict(const StateDict& sd, bool strict) {
+  const auto params = named_parameters();
+  std::set<std::string> names;
+  for (const auto& [name, p] : params) {
+    names.insert(name);
+    const DTensor* t = sd.find(name);
+    if (!t) throw InvalidArgument(fmt::format("{}: load_state_dict: the state dict has no '{}'", type_, name));
+    if (!(t->shape() == p->shape()))
+      throw InvalidArgument(fmt::format("{}: load_state_dict: '{}' has shape {} in the state dict, the parameter {}",
+                                        type_, name, t->shape(), p->shape()));
+    if (p->is_meta())
+      throw InvalidArgument(fmt::format("{}: load_state_dict: parameter '{}' is meta (materialize first)", type_, name));
+  }
+  if (strict)
+    for (const auto& [k, t] : sd.tensors)
+      if (!names.count(k))
+        throw InvalidArgument(fmt::format("{}: load_state_dict: unexpected key '{}' (no such parameter)", type_, k));
+  for (const auto& [name, p] : params) copy_into(name, p->data(), *sd.find(name));
 }
 
 void Module::requires_grad_(bool requires_grad) {

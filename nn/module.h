@@ -38,6 +38,7 @@
 
 #include "dtensor/ops/ops.h"
 #include "nn/parameter.h"
+#include "nn/state_dict.h"
 
 namespace nn {
 
@@ -125,6 +126,17 @@ class Module {
     auto it = extensions_.find(key);
     return it == extensions_.end() ? nullptr : it->second;
   }
+
+  // ---- state dict ----
+  // Every parameter's DTensor keyed by its fully qualified name (named_parameters order),
+  // sharded as it is; the tensors share the parameters' storage. No communication.
+  // REQUIRES: every parameter materialised.
+  StateDict state_dict() const;
+  // Copies sd's tensors into the parameters (nn::copy_into: local when placements match, else a
+  // redistribute). Everything is checked before anything is written: a missing key, an
+  // unexpected one (strict), or a shape mismatch throws InvalidArgument naming the key and
+  // leaves every parameter unchanged.
+  void load_state_dict(const StateDict& sd, bool strict = true);
 
   // Sets requires_grad on every parameter.
   void requires_grad_(bool requires_grad);

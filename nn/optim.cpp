@@ -5,6 +5,8 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <optional>
+#include <set>
 
 #include "kernels/error.h"
 #include "kernels/format.h"
@@ -68,7 +70,105 @@ DTensor& Optimizer::state_tensor(size_t i, const std::string& key) {
   return state_[i].tensors.back().second;
 }
 
+int64_t Optimizer::step_count(std::string_view name) const {
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].first == name) return state_[i].step;
+  throw InvalidArgument(fmt::format("optimizer: no parameter '{}'", name));
+}
+
+StateDict Optimizer::state_dict() const {
+  StateDict sd;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const std::string& name = params_[i].first;
+    if (state_[i].step == 0 && state_[i].tensors.empty()) continue;
+    for (const auto& [k, t] : state_[i].tensors) sd.tensors.emplace_back("state." + name + "." + k, t);
+    sd.values["state." + name + ".step"] = state_[i].step;
+  }
+  return sd;
+}
+
+void Optimizer::init_state() {
+  for (size_t i = 0; i < params_.size(); ++i)
+    for (const std::string& k : state_keys()) state_tensor(i, k);
+}
+
+void Optimizer::load_state_dict(const StateDict& sd, bool strict) {
+  const std::vector<std::string> keys = state_keys();
+  std::set<std::string> known;
+  std::vector<std::optional<int64_t>> steps(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const std::string base = "state." + params_[i].first + ".";
+    known.insert(base + "step");
+    for (const std::string& k : keys) known.insert(base + k);
+    if (sd.values.count(base + "step")) {
+      steps[i] = sd.int_value(base + "step");
+    } else if (const DTensor* t = sd.find(base + "step")) {
+      if (t->shape().product() != 1)
+        throw InvalidArgument(fmt::format("optimizer: load_state_dict: '{}step' has shape {}, expected one element",
+                                          base, t->shape()));
+      steps[i] = static_cast<int64_t>(t->full_tensor().to(kernels::Device{}).reshape({1}).item({0}));
+    }
+    if (!steps[i]) {
+      for (const std::string& k : keys)
+        if (sd.find(base + k))
+          throw InvalidArgument(fmt::format("optimizer: load_state_dict: '{}{}' is given but not '{}step'", base, k, base));
+      continue;
+    }
+    if (*steps[i] < 0)
+      throw InvalidArgument(fmt::format("optimizer: load_state_dict: '{}step' is {}, expected >= 0", base, *steps[i]));
+    const Parameter& p = *params_[i].second;
+    for (const std::string& k : keys) {
+      const DTensor* t = sd.find(base + k);
+      if (!t) throw InvalidArgument(fmt::format("optimizer: load_state_dict: the state dict has no '{}{}'", base, k));
+      if (!(t->shape() == p.shape()))
+        throw InvalidArgument(fmt::format("optimizer: load_state_dict: '{}{}' has shape {}, the parameter {}", base, k,
+                                          t->shape(), p.shape()));
+    }
+  }
+  if (strict) {
+    for (const auto& [k, t] : sd.tensors)
+      if (!known.count(k)) throw InvalidArgument(fmt::format("optimizer: load_state_dict: unexpected key '{}'", k));
+    for (const auto& [k, v] : sd.values)
+      if (!known.count(k)) throw InvalidArgument(fmt::format("optimizer: load_state_dict: unexpected key '{}'", k));
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!steps[i]) {
+      state_[i] = State{};
+      continue;
+    }
+    const std::string base = "state." + params_[i].first + ".";
+    State fresh;
+    fresh.step = *steps[i];
+    const DTensor& d = params_[i].second->data();
+    for (const std::string& k : keys) {
+      // Reuse the existing state tensor (a checkpoint may have been loaded into it in place).
+      std::optional<DTensor> existing;
+      for (const auto& [ek, et] : state_[i].tensors)
+        if (ek == k && et.placements() == d.placements() && et.dtype() == d.dtype()) existing = et;
+      DTensor t = existing ? *existing : dtensor::zeros(d.shape(), d.dtype(), d.comms(), d.placements());
+      const DTensor& src = *sd.find(base + k);
+      if (!(src.to_local().defined() && t.to_local().defined() &&
+            src.to_local().shares_storage_with(t.to_local()) &&
+            src.to_local().storage_offset() == t.to_local().storage_offset()))
+        copy_into(base + k, t, src);
+      fresh.tensors.emplace_back(k, std::move(t));
+    }
+    state_[i] = std::move(fresh);
+  }
+}
+
 // ---- SGD / AdamW ----
+
+std::vector<std::string> SGD::state_keys() const {
+  if (options.momentum == 0) return {};
+  return {"momentum_buffer"};
+}
+
+std::vector<std::string> AdamW::state_keys() const {
+  if (options.amsgrad) return {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+  return {"exp_avg", "exp_avg_sq"};
+}
+
 
 SGD::SGD(NamedParameters params, kernels::SgdOptions o) : Optimizer(std::move(params)), options(o) {}
 

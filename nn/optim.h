@@ -37,6 +37,24 @@ class Optimizer {
   // A state tensor of parameter `name` ("exp_avg", "exp_avg_sq", "momentum_buffer"); throws
   // InvalidArgument when absent.
   const DTensor& state(std::string_view name, std::string_view key) const;
+  // The step count of parameter `name` (0 before its first step).
+  int64_t step_count(std::string_view name) const;
+
+  // ---- state dict (PyTorch's flattened optimizer state dict, keyed by parameter name) ----
+  // "state.<fqn>.<key>" -> the state DTensor (the parameter's placements; shares storage), and
+  // values["state.<fqn>.step"] = the step, for every parameter that has state. No communication.
+  StateDict state_dict() const;
+  // Restores the state of every parameter: a parameter with "state.<fqn>.step" in sd gets that
+  // step and each of its state tensors (state_keys(), all required); one without has no state.
+  // The step may also come as a one-element tensor "state.<fqn>.step" (PyTorch saves it so).
+  // Everything is checked first: a missing tensor, an unexpected key (strict) or a shape
+  // mismatch throws InvalidArgument naming the key and changes nothing.
+  void load_state_dict(const StateDict& sd, bool strict = true);
+  // Creates every state tensor (zeros) a step would, with step 0, so that state_dict() lists the
+  // full structure (a load target before the first step; PyTorch's _init_optim_state).
+  void init_state();
+  // The state tensors one parameter has once stepped ("exp_avg", "exp_avg_sq", ...).
+  virtual std::vector<std::string> state_keys() const = 0;
 
  protected:
   struct State {
@@ -54,6 +72,7 @@ class SGD : public Optimizer {
  public:
   SGD(NamedParameters params, kernels::SgdOptions options);
   void step() override;
+  std::vector<std::string> state_keys() const override;
   kernels::SgdOptions options;
 };
 
@@ -61,6 +80,7 @@ class AdamW : public Optimizer {
  public:
   AdamW(NamedParameters params, kernels::AdamWOptions options);
   void step() override;
+  std::vector<std::string> state_keys() const override;
   kernels::AdamWOptions options;
 };
 

@@ -50,6 +50,9 @@ DType parse_dtype_name(const std::string& s) {
 
 }  // namespace
 
+const char* safetensors_dtype_name(DType dtype) { return dtype_name(dtype); }
+DType parse_safetensors_dtype(const std::string& name) { return parse_dtype_name(name); }
+
 void save_safetensors(const std::string& path, const NamedTensors& tensors,
                       const std::map<std::string, std::string>& metadata) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();

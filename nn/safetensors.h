@@ -21,6 +21,11 @@ namespace nn {
 
 using NamedTensors = std::vector<std::pair<std::string, kernels::Tensor>>;
 
+// The format's dtype names ("F32", ...): nullptr for a dtype it cannot hold; parse throws
+// InvalidArgument naming the string for an unsupported one.
+const char* safetensors_dtype_name(kernels::DType dtype);
+kernels::DType parse_safetensors_dtype(const std::string& name);
+
 // Writes the tensors (any strides; CPU) in the given order. Throws InvalidArgument for a
 // duplicate name or an unsupported dtype, kernels::Error when the file cannot be written.
 void save_safetensors(const std::string& path, const NamedTensors& tensors,

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Layering rules of design.md section 2, checked on the source tree:
-- kernels <- collectives <- dtensor <- nn <- fsdp: no include of a higher layer;
+- kernels <- collectives <- dtensor <- nn <- checkpoint <- fsdp: no include of a higher layer
+  (checkpoint sits above nn; only fsdp, examples, tests and bench may include it);
 - CUDA and NCCL headers only in .cpp/.cu files under kernels/cuda and collectives/nccl;
 - no environment reads or exit() in library code;
 - fsdp/ moves every byte through dtensor redistribute: it includes no collectives/ header and
@@ -10,7 +11,7 @@ import re
 import sys
 
 root = pathlib.Path(sys.argv[1])
-layers = ["kernels", "collectives", "dtensor", "nn", "fsdp"]
+layers = ["kernels", "collectives", "dtensor", "nn", "checkpoint", "fsdp"]
 include = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
 gpu_header = re.compile(r"^(cuda|cuda_runtime|cuda_runtime_api|nccl|cuda_fp16|cuda_bf16|cublas.*)\.h$")
 failures = []

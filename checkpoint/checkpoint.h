@@ -1,0 +1,186 @@
+// Distributed checkpoints of sharded state dicts (layer above nn): save on one mesh, load on
+// any other (resharding by box intersection, reading only the bytes a rank needs), in the
+// Hugging Face safetensors layout that PyTorch's HuggingFaceStorageReader reads.
+//
+//   nn::StateDict sd = model.state_dict();
+//   sd.merge(opt.state_dict(), "optim.");
+//   sd.values["train.step"] = int64_t{100};
+//   checkpoint::save("ckpt/step-100", sd, world);            // collective over `world`
+//   ...                                                      // any other mesh / world size:
+//   opt.init_state();
+//   nn::StateDict target = model.state_dict();               // the new shards, keyed by FQN
+//   target.merge(opt.state_dict(), "optim.");
+//   checkpoint::load("ckpt/step-100", target, world);        // fills target in place
+//   opt.load_state_dict(target.sub("optim."));               // steps and values
+//
+// On disk (a directory):
+//   shard-{r+1:05}-model-{k:05}-of-{K:05}.safetensors   the chunks rank r wrote; file k holds the
+//       k-th chunk of each key rank r owns (one chunk per key per file: PyTorch's reader keys a
+//       file's entries by name). __metadata__: DCP_SHARDING_INFO = JSON {key: {"saved_offsets":
+//       [...]}} (each chunk's global offset), DCP_VERSION, format "pt" (what PyTorch writes).
+//   checkpoint.json   written last by rank 0, to checkpoint.json.tmp then renamed: its presence
+//       means complete. Every tensor's global shape, dtype and chunks (offsets, sizes, file,
+//       byte_offset, nbytes, xxh64 of the bytes), every file's size, and the non-tensor values.
+// A chunk is a box in global coordinates. A rank whose shard is not one box (_StridedShard,
+// nested uneven shards) writes several. Chunks replicated over ranks are written once, each by
+// the holder with the fewest bytes so far (the plan is a pure function of the specs, the same
+// on every rank: no communication but one gather of checksums and the commit's agreement).
+//
+// Errors: kernels::InvalidArgument naming the directory, the key and what differs (missing,
+// unexpected, shape, dtype, incomplete, checksum, truncated file). A load that fails on any
+// rank changes no tensor on any rank (everything is read into staging buffers first and the
+// ranks agree before copying).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "collectives/communicator.h"
+#include "nn/state_dict.h"
+
+namespace checkpoint {
+
+using dtensor::Dims;
+using kernels::DType;
+
+inline constexpr const char* kMetadataFile = "checkpoint.json";
+
+// xxh64 of `n` bytes (seed 0): the chunks' checksum. xxh64("", 0) == 0xEF46DB3751D8E999.
+uint64_t xxh64(const void* data, size_t n, uint64_t seed = 0);
+
+// One saved box of a tensor and where its bytes are (row-major, contiguous).
+struct ChunkInfo {
+  Dims offsets, sizes;
+  std::string file;          // relative to the checkpoint directory
+  uint64_t byte_offset = 0;  // of the first byte in the file
+  uint64_t nbytes = 0;
+  std::optional<uint64_t> checksum;  // xxh64; absent in directories PyTorch wrote
+};
+
+struct TensorInfo {
+  Dims shape;
+  DType dtype = DType::kF32;
+  std::vector<ChunkInfo> chunks;
+};
+
+struct Metadata {
+  std::vector<std::pair<std::string, TensorInfo>> tensors;  // in save order
+  std::map<std::string, nn::StateValue> values;
+  std::map<std::string, uint64_t> file_sizes;  // ours only
+  bool foreign = false;  // no checkpoint.json: a Hugging Face / PyTorch safetensors directory
+  const TensorInfo* find(const std::string& key) const;
+};
+
+// Reads a checkpoint's metadata: checkpoint.json, or, in a directory without it that holds
+// safetensors files PyTorch (or Hugging Face) wrote, their headers (DCP_SHARDING_INFO offsets;
+// a file without it holds whole tensors). Throws InvalidArgument for a directory that is not a
+// checkpoint, an incomplete one of ours (data files but no checkpoint.json: the save did not
+// finish), malformed metadata, or a data file missing or of the wrong size.
+Metadata read_metadata(const std::string& dir);
+
+// Host buffers an asynchronous save stages into, kept for the next save: the first save pays for
+// allocating and faulting them in, later saves of the same state dict copy into warm memory
+// (PyTorch's async_save with a cached staged state dict). One save at a time may use a cache
+// (from async_save until its wait()); a second one throws InvalidArgument.
+//   auto cache = std::make_shared<checkpoint::StagingCache>();
+//   checkpoint::SaveOptions o;  o.staging = cache;   // the same cache for every save of the run
+struct StagingCache {
+  std::mutex mu;
+  bool busy = false;
+  std::vector<kernels::Tensor> buffers;  // one per chunk this rank owns, in plan order
+};
+
+struct SaveOptions {
+  bool fsync = true;  // data files and the metadata reach the disk before the commit
+  std::shared_ptr<StagingCache> staging;  // async_save only; nullptr: fresh buffers, freed as written
+};
+
+struct SaveStats {
+  uint64_t bytes_written = 0;  // this rank's data bytes
+  int files = 0;               // this rank's data files
+  double stage_seconds = 0;    // copies to host memory and checksums (the caller is blocked)
+  double write_seconds = 0;    // the background writes
+};
+
+// A save in flight (async_save). The data files are written by a background thread; wait()
+// commits. Destroying a handle that was never waited for joins the writer and commits nothing
+// (the directory stays recognisably incomplete).
+class SaveHandle {
+ public:
+  SaveHandle();
+  SaveHandle(SaveHandle&&) noexcept;
+  SaveHandle& operator=(SaveHandle&&) noexcept;
+  ~SaveHandle();
+  // True once this rank's files are written (wait() then only does the commit).
+  bool ready() const;
+  // Collective over the world communicator given to async_save: joins the writer, agrees that
+  // every rank wrote its files, rank 0 writes checkpoint.json (temporary name, fsync, rename),
+  // and every rank returns once it is committed. Throws (on every rank) when any rank failed.
+  SaveStats wait();
+
+  struct State;
+
+ private:
+  friend struct SaveAccess;
+  std::unique_ptr<State> state_;
+};
+
+// Stages this rank's chunks to host memory (copies, checksums: the caller is blocked only for
+// that), gathers the checksums, and writes the files in the background; training may modify
+// the tensors as soon as this returns. Collective over `world` (group rank i must be global rank
+// i, the ranks the DTensors' meshes name); every rank passes the same keys, shapes, dtypes and
+// placements (checked). The world communicator must not be used by others until wait() (its
+// calls must stay in the same order on every rank). Throws InvalidArgument for a Partial tensor
+// (reduce it first), an unsupported dtype, or ranks disagreeing on the state dict.
+SaveHandle async_save(const std::string& dir, const nn::StateDict& sd, collectives::Communicator& world,
+                      const SaveOptions& options = {});
+// async_save(...).wait().
+SaveStats save(const std::string& dir, const nn::StateDict& sd, collectives::Communicator& world,
+               const SaveOptions& options = {});
+
+enum class Verify {
+  kNone,
+  kChunksReadWhole,  // every chunk this rank reads whole is checked (free: no extra reads)
+  kAll,              // every chunk this rank touches is read whole and checked
+};
+
+struct LoadOptions {
+  bool strict = true;  // a checkpoint tensor no key of the target asks for is an error
+  Verify verify = Verify::kChunksReadWhole;
+};
+
+struct LoadStats {
+  uint64_t bytes_read = 0;    // this rank's reads
+  uint64_t bytes_needed = 0;  // the bytes of this rank's shards (replicated ones count per holder)
+  int64_t reads = 0;          // pread calls
+};
+
+// Loads the tensors of `sd` (their keys, global shapes, dtypes, meshes and placements say what
+// to load; any placements, any world size) in place, and replaces sd.values by the
+// checkpoint's (in a foreign directory: its one-element tensors no key asks for, e.g.
+// PyTorch's optimizer steps). Each rank reads only the saved bytes overlapping its own boxes.
+// Collective over `world` (one agreement; no data moves between ranks).
+LoadStats load(const std::string& dir, nn::StateDict& sd, collectives::Communicator& world,
+               const LoadOptions& options = {});
+
+struct ExportOptions {
+  std::string prefix;          // only keys starting with it ("" = all)
+  bool strip_prefix = true;    // and without it in the output
+  uint64_t max_file_bytes = 0; // 0: one file model.safetensors; else several + the index
+};
+
+// Writes the checkpoint consolidated into `out_dir` as Hugging Face safetensors: one
+// model.safetensors, or model-0000i-of-0000N.safetensors plus model.safetensors.index.json
+// ({"metadata": {"total_size"}, "weight_map"}), loadable by Python's safetensors and PyTorch.
+// One process, one tensor in memory at a time; checksums verified. Returns the files written.
+std::vector<std::string> export_safetensors(const std::string& dir, const std::string& out_dir,
+                                            const ExportOptions& options = {});
+
+}  // namespace checkpoint
