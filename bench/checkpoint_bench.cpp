@@ -28,6 +28,8 @@
 #include "checkpoint/checkpoint.h"
 #include "collectives/local.h"
 #include "kernels/error.h"
+#include "program/cli.h"
+#include "program/main.h"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
@@ -93,23 +95,20 @@ double parallel(int n, const std::function<void(int)>& fn) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  return program::run("checkpoint-bench", [&]() -> int {
   std::string dir = "/tmp/checkpoint-bench";
   int64_t size_mib = 512;
   int world = 4, repeats = 3, tensors = 16;
   bool fsync = true;
   CLI::App app("checkpoint-bench: checkpoint save/load throughput vs the disk's sequential bandwidth");
   app.add_option("--dir", dir, "scratch directory (removed at the end)");
-  app.add_option("--size-mib", size_mib, "state dict size in MiB");
-  app.add_option("--world", world, "ranks (threads)");
-  app.add_option("--repeats", repeats, "repeats (medians)");
-  app.add_option("--tensors", tensors, "tensors in the state dict");
+  app.add_option("--size-mib", size_mib, "state dict size in MiB")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  app.add_option("--world", world, "ranks (threads)")->check(CLI::Range(2, 256));
+  app.add_option("--repeats", repeats, "repeats (medians)")->check(CLI::Range(1, 1000));
+  app.add_option("--tensors", tensors, "tensors in the state dict")->check(CLI::Range(1, 4096));
   app.add_option("--fsync", fsync, "fsync data and metadata (true|false)");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;
-  }
-  try {
+  program::parse(app, argc, argv);
+  {
     if (world < 2 || size_mib < 1 || repeats < 1 || tensors < 1)
       throw kernels::InvalidArgument("--world >= 2, --size-mib >= 1, --repeats >= 1, --tensors >= 1");
     const fs::path root(dir);
@@ -276,11 +275,6 @@ int main(int argc, char** argv) {
     j["async_blocked_fraction"] = med("async_blocked_s") / med("sync_save_s");
     fmt::print("{}\n", j.dump());
     return 0;
-  } catch (const kernels::InvalidArgument& e) {
-    std::fprintf(stderr, "checkpoint-bench: %s\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "checkpoint-bench: %s\n", e.what());
-    return 1;
   }
+  });
 }

@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
@@ -20,6 +21,8 @@
 #include "collectives/local.h"
 #include "kernels/error.h"
 #include "kernels/format.h"
+#include "program/cli.h"
+#include "program/main.h"
 
 namespace {
 
@@ -47,15 +50,18 @@ int info(const std::string& dir) {
 }
 
 int demo(const std::string& dir, const std::string& mesh_text, const std::string& p2, std::string p1) {
-  dtensor::Dims mesh_shape;
-  for (size_t pos = 0; pos < mesh_text.size();) {
-    size_t end = mesh_text.find(',', pos);
-    if (end == std::string::npos) end = mesh_text.size();
-    mesh_shape.push_back(std::stoll(mesh_text.substr(pos, end - pos)));
-    pos = end + 1;
-  }
-  if (p1.empty()) p1 = p2;
-  const dtensor::DeviceMesh mesh = dtensor::DeviceMesh::from_shape(mesh_shape);
+  // "2,2" or "2x2" (DeviceMesh::parse checks every number and names a malformed one).
+  std::string shape_text = mesh_text;
+  std::replace(shape_text.begin(), shape_text.end(), ',', 'x');
+  const dtensor::Placements two_d = dtensor::parse_placements(p2);
+  dtensor::Placements one_d = p1.empty() ? two_d : dtensor::parse_placements(p1);
+  if (p1.empty())  // the 1-D tensor takes the 2-D placements with shards of dim >= 1 replicated
+    for (dtensor::Placement& p : one_d)
+      if (auto d = dtensor::shard_dim(p); d && *d >= 1) p = dtensor::Replicate{};
+  const dtensor::DeviceMesh mesh = dtensor::DeviceMesh::from_shape(dtensor::DeviceMesh::parse(shape_text).shape());
+  if (mesh.size() > 64)
+    throw kernels::InvalidArgument(
+        fmt::format("--mesh {}: {} ranks; the demo runs one thread per rank, at most 64", mesh_text, mesh.size()));
   collectives::run_ranks(static_cast<int>(mesh.size()), [&](collectives::Communicator& world) {
     auto comms = std::make_shared<dtensor::MeshComms>(mesh, world);
     nn::StateDict sd;
@@ -67,7 +73,7 @@ int demo(const std::string& dir, const std::string& mesh_text, const std::string
       float* p = full.data<float>();
       for (int64_t i = 0; i < shape.product(); ++i) p[i] = static_cast<float>((i % 1000) * 0.5 + k);
       sd.tensors.emplace_back(name, dtensor::distribute_tensor(full, comms,
-                                                               dtensor::parse_placements(shape.size() == 2 ? p2 : p1),
+                                                               shape.size() == 2 ? two_d : one_d,
                                                                std::nullopt));
       ++k;
     }
@@ -80,6 +86,7 @@ int demo(const std::string& dir, const std::string& mesh_text, const std::string
 }  // namespace
 
 int main(int argc, char** argv) {
+  return program::run("checkpoint-tool", [&]() -> int {
   CLI::App app("checkpoint-tool: inspect, export and demonstrate distributed checkpoints");
   app.require_subcommand(1);
   std::string dir, out, prefix, mesh = "2,2", placements = "S(0),S(1)", placements1;
@@ -96,12 +103,8 @@ int main(int argc, char** argv) {
   demo_cmd->add_option("--mesh", mesh, "mesh shape, e.g. 2,2");
   demo_cmd->add_option("--placements", placements, "placements of the 2-D tensors");
   demo_cmd->add_option("--placements-1d", placements1, "placements of the 1-D tensor (default: --placements)");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;
-  }
-  try {
+  program::parse(app, argc, argv);
+  {
     if (*info_cmd) return info(dir);
     if (*export_cmd) {
       checkpoint::ExportOptions o;
@@ -111,11 +114,6 @@ int main(int argc, char** argv) {
       return 0;
     }
     return demo(dir, mesh, placements, placements1);
-  } catch (const kernels::InvalidArgument& e) {
-    std::fprintf(stderr, "checkpoint-tool: %s\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "checkpoint-tool: %s\n", e.what());
-    return 1;
   }
+  });
 }
