@@ -96,8 +96,10 @@ std::vector<Row> measure(Communicator& world, const Args& a, int threads) {
   Dims shape = Dims::filled(static_cast<int>(sizes.size()), 1);
   for (size_t i = 0; i < sizes.size(); ++i) shape[static_cast<int>(i)] = sizes[i];
   const dtensor::DeviceMesh mesh = dtensor::DeviceMesh::from_shape(shape, names);
-  auto mem = std::make_shared<nn::TrackingAllocator>(), unsharded = std::make_shared<nn::TrackingAllocator>(),
-       buffers = std::make_shared<nn::TrackingAllocator>();
+  // The three kinds count into `total`, whose peak is the largest sum live at one time.
+  auto total = std::make_shared<nn::TrackingAllocator>();
+  auto tracked = [&] { return std::make_shared<nn::TrackingAllocator>(std::make_shared<kernels::CachingAllocator>(), total); };
+  auto mem = tracked(), unsharded = tracked(), buffers = tracked();
   auto comms = dtensor::MeshComms::create(mesh, world, {}, mem);
   const nn::GPTConfig cfg = config(a, a.layers, a.dim, a.heads);
   nn::GPT model(nn::ModuleOptions{comms, DType::kF32, {}}, cfg);
@@ -190,11 +192,9 @@ std::vector<Row> measure(Communicator& world, const Args& a, int threads) {
     for (size_t k = 0; k < a.prefetch.size(); ++k) {
       set_prefetch(a.prefetch[k]);
       step();  // the first step of a mode records its order
-      mem->reset_peak();
-      unsharded->reset_peak();
-      buffers->reset_peak();
+      total->reset_peak();
       steps[k].push_back(timed(step));
-      peaks[k] = std::max(peaks[k], mem->peak_bytes() + unsharded->peak_bytes() + buffers->peak_bytes());
+      peaks[k] = std::max(peaks[k], total->peak_bytes());
     }
   }
   std::vector<Row> rows;

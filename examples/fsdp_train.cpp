@@ -211,7 +211,9 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   const int tp = parallel ? a.tp : 1;
   const bool use_fsdp = parallel && a.fsdp;
   const dtensor::DeviceMesh mesh = dtensor::DeviceMesh::from_shape(plan.shape, plan.names);
-  auto memory = std::make_shared<nn::TrackingAllocator>();
+  // Every tracker counts into `total`: peak_bytes is the largest sum live at one time.
+  auto total_mem = std::make_shared<nn::TrackingAllocator>();
+  auto memory = std::make_shared<nn::TrackingAllocator>(std::make_shared<kernels::CachingAllocator>(), total_mem);
   // reshard_after_forward = K needs the dp_shard dim split (dp_shard / K, K) at creation.
   std::vector<dtensor::Unflattening> unflatten;
   int reshard_k = 0;
@@ -251,8 +253,8 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   }
 
   // FSDP: one group per transformer block, then the root (bottom-up).
-  auto unsharded_mem = std::make_shared<nn::TrackingAllocator>();
-  auto buffer_mem = std::make_shared<nn::TrackingAllocator>();
+  auto unsharded_mem = std::make_shared<nn::TrackingAllocator>(std::make_shared<kernels::CachingAllocator>(), total_mem);
+  auto buffer_mem = std::make_shared<nn::TrackingAllocator>(std::make_shared<kernels::CachingAllocator>(), total_mem);
   fsdp::FSDPModule* root = nullptr;
   if (use_fsdp) {
     fsdp::FullyShardOptions o;
@@ -400,6 +402,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   RunResult result;
   result.first_step = first_step;
   std::vector<double> step_seconds;
+  total_mem->reset_peak();  // the training's peak: initialisation and --dump-init left out
   for (int step = first_step; step < a.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     double step_loss = 0;
@@ -447,8 +450,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
           "step {}/{} loss {:.9g} ms {:.3f} tokens/s {:.0f} peak_bytes {} param_bytes {} grad_bytes {} "
           "optim_bytes {} buffer_bytes {}\n",
           step + 1, a.steps, step_loss, seconds * 1e3, static_cast<double>(a.batch * a.seq) / seconds,
-          memory->peak_bytes() + unsharded_mem->peak_bytes() + buffer_mem->peak_bytes(),
-          param_bytes + unsharded_mem->peak_bytes(), grad_bytes, optim_bytes, buffer_mem->peak_bytes());
+          total_mem->peak_bytes(), param_bytes + unsharded_mem->peak_bytes(), grad_bytes, optim_bytes, buffer_mem->peak_bytes());
       std::fflush(stdout);
     }
     if (!a.save_dir.empty() && ((a.save_every > 0 && (step + 1) % a.save_every == 0) || step + 1 == a.steps))
@@ -460,14 +462,14 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   std::vector<double> steady(step_seconds.begin() + (step_seconds.size() > 1 ? 1 : 0), step_seconds.end());
   const double med = median(steady);
   result.tokens_per_s = med > 0 ? static_cast<double>(a.batch * a.seq) / med : 0;
+  // The training's peak, before the full parameters are gathered for the parity check.
+  const int64_t training_peak = total_mem->peak_bytes();
   for (const auto& [name, p] : master) {
     Tensor full = p->data().full_tensor().to(kernels::Device{});
     if (rank0) result.params[name] = full.clone();
   }
   // On the backend's device (the nccl backend moves CUDA tensors only).
-  Tensor peak = Tensor::full(
-      {1}, static_cast<double>(memory->peak_bytes() + unsharded_mem->peak_bytes() + buffer_mem->peak_bytes()),
-      DType::kF64, device);
+  Tensor peak = Tensor::full({1}, static_cast<double>(training_peak), DType::kF64, device);
   world.wait(world.all_reduce(peak, peak, collectives::Reduction(collectives::ReduceOp::kMax)));
   result.peak_bytes = static_cast<int64_t>(peak.to(kernels::Device{}).item({0}));
   return result;

@@ -8,6 +8,13 @@
 //   ... train ...
 //   mem->peak_bytes();       // the largest sum of live tensor bytes seen
 //   mem->reset_peak();       // peak = live now
+// Several trackers (one per kind of memory: parameters, buffers, ...) can also count into one
+// `total` tracker, whose peak is the largest sum live AT ONE TIME over all of them (the sum of
+// their own peaks overstates it: they peak at different moments):
+//   auto total = std::make_shared<TrackingAllocator>();
+//   auto params = std::make_shared<TrackingAllocator>(std::make_shared<kernels::CachingAllocator>(), total);
+//   auto buffers = std::make_shared<TrackingAllocator>(std::make_shared<kernels::CachingAllocator>(), total);
+//   total->peak_bytes();     // <= params->peak_bytes() + buffers->peak_bytes()
 // Thread-safe.
 #pragma once
 
@@ -23,19 +30,17 @@ namespace nn {
 class TrackingAllocator final : public kernels::Allocator {
  public:
   explicit TrackingAllocator(
-      std::shared_ptr<kernels::Allocator> inner = std::make_shared<kernels::CachingAllocator>())
-      : inner_(std::move(inner)) {}
+      std::shared_ptr<kernels::Allocator> inner = std::make_shared<kernels::CachingAllocator>(),
+      std::shared_ptr<TrackingAllocator> total = nullptr)
+      : inner_(std::move(inner)), total_(std::move(total)) {}
 
   void* allocate(size_t nbytes, kernels::Device device) override {
     void* p = inner_->allocate(nbytes, device);
-    const int64_t now = live_.fetch_add(static_cast<int64_t>(nbytes)) + static_cast<int64_t>(nbytes);
-    int64_t peak = peak_.load();
-    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
-    }
+    add(static_cast<int64_t>(nbytes));
     return p;
   }
   void deallocate(void* p, size_t nbytes, kernels::Device device) noexcept override {
-    live_.fetch_sub(static_cast<int64_t>(nbytes));
+    add(-static_cast<int64_t>(nbytes));
     inner_->deallocate(p, nbytes, device);
   }
 
@@ -44,7 +49,16 @@ class TrackingAllocator final : public kernels::Allocator {
   void reset_peak() { peak_.store(live_.load()); }
 
  private:
+  void add(int64_t delta) noexcept {
+    const int64_t now = live_.fetch_add(delta) + delta;
+    int64_t peak = peak_.load();
+    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+    }
+    if (total_) total_->add(delta);
+  }
+
   std::shared_ptr<kernels::Allocator> inner_;
+  std::shared_ptr<TrackingAllocator> total_;  // also counts into it (may be null)
   std::atomic<int64_t> live_{0}, peak_{0};
 };
 
