@@ -103,6 +103,10 @@ struct FullyShardOptions {
   // casts (buffer_allocator). Tests and fsdp-train count them apart with nn::TrackingAllocator.
   std::shared_ptr<kernels::Allocator> unsharded_allocator;
   std::shared_ptr<kernels::Allocator> buffer_allocator;
+  // CPU threads of one chunk_cat / split_copy (copy-in, copy-out, the param_dtype cast of the
+  // shard): 0 picks by size (kernels/ops/chunk_cat.h), 1 keeps every copy on the calling thread
+  // (the local backend already runs one thread per rank). CUDA copies are one kernel launch.
+  int copy_threads = 0;
 };
 
 // The sub-mesh unflattening reshard_after_forward = k needs, to pass to MeshComms at creation
