@@ -729,6 +729,8 @@ FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr
                         const FullyShardOptions& options) {
   if (modules.empty()) throw InvalidArgument("fully_shard: no modules given");
   if (!comms) throw InvalidArgument("fully_shard: no mesh given");
+  if (options.copy_threads < 0)
+    throw InvalidArgument(fmt::format("fully_shard: copy_threads {}: expected 0 (by size) or more", options.copy_threads));
   auto group = std::make_shared<Group>();
   Group& g = *group;
   g.modules = modules;

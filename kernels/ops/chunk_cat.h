@@ -54,8 +54,11 @@ class ChunkCatLayout {
   int64_t chunk_numel_ = 0;
 };
 
-// Up to how many threads a CPU chunk_cat / split_copy uses: 0 picks by size (one thread below
-// kParallelCopyBytes moved, else up to kMaxCopyThreads and the hardware's threads).
+// Up to how many threads a CPU chunk_cat / split_copy uses (the caller's and threads - 1 new
+// ones): 0 picks by size (one thread below kParallelCopyBytes moved, else up to kMaxCopyThreads
+// and the hardware's threads). The default is 1: on the shared 2-core machine more threads did
+// not help (the copies are memory-bound; bench/RESULTS.md "fsdp copies"), and FSDP's ranks are
+// already one thread or process each.
 inline constexpr int64_t kParallelCopyBytes = int64_t{4} << 20;
 inline constexpr int kMaxCopyThreads = 4;
 
@@ -65,11 +68,11 @@ inline constexpr int kMaxCopyThreads = 4;
 // defined input has its layout shape (any strides, any dtype each), lives on out's device and
 // does not overlap out.
 void chunk_cat(const Tensor& out, const std::vector<Tensor>& inputs, const ChunkCatLayout& layout,
-               int threads = 0);
+               int threads = 1);
 // The inverse: every defined outputs[i] = its pieces of `flat`, cast to its dtype (padding
 // dropped); undefined outputs are skipped. Same checks, with outputs writable and not
 // overlapping flat. REQUIRES: the outputs do not overlap one another.
 void split_copy(const std::vector<Tensor>& outputs, const Tensor& flat, const ChunkCatLayout& layout,
-                int threads = 0);
+                int threads = 1);
 
 }  // namespace kernels
