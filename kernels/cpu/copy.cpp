@@ -9,6 +9,7 @@
 #include "kernels/detail/dispatch.h"
 #include "kernels/detail/layout.h"
 #include "kernels/cpu/parallel.h"
+#include "kernels/cpu/vec.h"
 #include "kernels/error.h"
 
 namespace kernels::detail {
@@ -172,6 +173,22 @@ void cpu_copy_cast(void* dst, DType dst_dtype, const Dims& dst_strides, const vo
   if (dst_dtype == src_dtype && dst_inner == 1 && src_inner == 1) {
     for_each_row<2>(space, [&](const std::array<int64_t, 2>& off, int64_t n) {
       std::memcpy(d + off[0] * dsize, s + off[1] * ssize, static_cast<size_t>(n * dsize));
+    });
+    return;
+  }
+  // f32 <-> bf16 rows, unit stride on both sides (FSDP's mixed-precision copies): the ISA-
+  // dispatched conversions of vec.h, bit-identical to cast_value (the same rounding and NaN
+  // rule); this file is compiled for the baseline ISA, where cast_row runs near scalar speed.
+  const bool f32_bf16 = (dst_dtype == DType::kBF16 && src_dtype == DType::kF32) ||
+                        (dst_dtype == DType::kF32 && src_dtype == DType::kBF16);
+  if (f32_bf16 && dst_inner == 1 && src_inner == 1) {
+    const VecOps<float>& ops = vec_ops<float>();
+    for_each_row<2>(space, [&](const std::array<int64_t, 2>& off, int64_t n) {
+      if (dst_dtype == DType::kBF16) {
+        ops.narrow_bf16(reinterpret_cast<uint16_t*>(d + off[0] * dsize), reinterpret_cast<const float*>(s + off[1] * ssize), n);
+      } else {
+        ops.widen_bf16(reinterpret_cast<float*>(d + off[0] * dsize), reinterpret_cast<const uint16_t*>(s + off[1] * ssize), n);
+      }
     });
     return;
   }
