@@ -9,6 +9,7 @@
 
 #include "dtensor/layout.h"
 #include "kernels/error.h"
+#include "kernels/format.h"
 #include "kernels/ops/chunk_cat.h"
 #include "kernels/ops/elementwise.h"
 #include "kernels/storage.h"
@@ -394,6 +395,11 @@ class Group {
       g = s.accum;
       s.accum = Tensor();
     }
+    for (size_t i = 0; i < slots.size(); ++i)
+      if (grads[i].defined() && !(grads[i].shape() == slots[i].local_shape))
+        throw InvalidArgument(fmt::format("FSDP group '{}': the gradient of '{}' has local shape {}, expected {}", name,
+                                          slots[i].name, kernels::to_string(grads[i].shape()),
+                                          kernels::to_string(slots[i].local_shape)));
     Tensor in = Tensor::empty(Dims{dp * slot_numel}, reduce_dtype, compute_device, buffer_alloc);
     kernels::chunk_cat(in, grads, layout, opts.copy_threads);
     grads.clear();
