@@ -44,6 +44,7 @@ void reference_split_copy(const std::vector<Tensor>& out, const Tensor& flat, co
 
 bool same_bytes(const Tensor& a, const Tensor& b) {
   if (a.dtype() != b.dtype() || !(a.shape() == b.shape())) return false;
+  if (a.numel() == 0) return true;  // (no storage to compare; memcmp must not see a null pointer)
   const Tensor x = a.contiguous(), y = b.contiguous();
   return std::memcmp(x.data_ptr(), y.data_ptr(), static_cast<size_t>(x.numel()) * kernels::itemsize(x.dtype())) == 0;
 }

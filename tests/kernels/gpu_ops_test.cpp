@@ -306,6 +306,7 @@ TEST_CASE("CUDA chunk_cat / split_copy give the CPU bytes", "[kernels][ops][gpu]
       split_copy(cpu_out, c, l);
       split_copy(gpu_out, g, l);
       for (size_t i = 1; i < shapes.size(); ++i) {
+        if (shapes[i].product() == 0) continue;
         const Tensor a = host(gpu_out[i]).contiguous(), b = cpu_out[i].contiguous();
         REQUIRE(std::memcmp(a.data_ptr(), b.data_ptr(), static_cast<size_t>(b.numel()) * itemsize(src)) == 0);
       }
