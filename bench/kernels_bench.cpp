@@ -45,6 +45,9 @@ struct Options {
   bool check = true;
   std::string only;      // comma list of sections
   std::string openblas;  // path of a libopenblas.so to time cblas_sgemm beside Eigen
+  int64_t copy_dim = 1024;  // fsdp-copy: the transformer block's dim
+  int64_t copy_world = 4;   // fsdp-copy: ranks
+  std::vector<int> copy_threads = {1, 2, 4};
 };
 
 // cblas_sgemm, looked up at run time so the build needs no BLAS (bench/README.md "OpenBLAS").
@@ -321,6 +324,101 @@ void run_attention(const Options& o, Recorder& rec) {
   }
 }
 
+// FSDP's copies for one group on one rank: copy-in (the unsharded gradients chunk-cat into the
+// reduce-scatter input, cast to the reduce dtype, zero padding), copy-out (the all-gather output
+// split-copied into the unsharded parameters) and the shard's param_dtype cast, per-parameter
+// strided copy_ (what fsdp did before: a zero fill, then one copy_ per parameter and rank) vs the
+// fused chunk_cat / split_copy on 1 or more threads. The group is a transformer block of dim D
+// (LayerNorms, q/k/v/o, MLP 4D, biases) over --copy-world ranks.
+void run_fsdp_copy(const Options& o, Recorder& rec) {
+  const int64_t d = o.copy_dim, world = o.copy_world;
+  std::vector<kernels::Dims> shapes = {{d}, {d}};  // norm1 weight, bias
+  for (int i = 0; i < 4; ++i) {                    // wq, wk, wv, wo
+    shapes.push_back({d, d});
+    shapes.push_back({d});
+  }
+  shapes.push_back({d});  // norm2
+  shapes.push_back({d});
+  shapes.push_back({4 * d, d});  // fc1
+  shapes.push_back({4 * d});
+  shapes.push_back({d, 4 * d});  // fc2
+  shapes.push_back({d});
+  const kernels::ChunkCatLayout layout(shapes, world);
+  int64_t numel = 0;
+  for (const auto& s : shapes) numel += s.product();
+  fmt::print("\n== fsdp copies: transformer block D = {} ({} parameters, {} elements) over {} ranks; one rank's copies\n",
+             d, shapes.size(), numel, world);
+  fmt::print("{:<10} {:<12} {:<14} {:>11} {:>8} {:>9}\n", "copy", "dtypes", "variant", "median_us", "GB/s", "vs old");
+  auto make = [&](DType dt) {
+    std::vector<Tensor> v;
+    for (size_t i = 0; i < shapes.size(); ++i) v.push_back(filled(shapes[i], dt, 0.5 + static_cast<double>(i)));
+    return v;
+  };
+  auto bytes_of = [&](DType a, DType b, int64_t n) {
+    return static_cast<double>(n) * static_cast<double>(kernels::itemsize(a) + kernels::itemsize(b));
+  };
+  auto piece = [&](const Tensor& flat, size_t i, int64_t c) {
+    return flat.narrow(0, c * layout.chunk_numel() + layout.offset(i), layout.padded_shape(i).product())
+        .view(layout.padded_shape(i))
+        .narrow(0, 0, layout.piece_size(i, c));
+  };
+  auto report = [&](const std::string& copy, const std::string& dts, const std::string& variant, double bytes,
+                    double sec, double old) {
+    fmt::print("{:<10} {:<12} {:<14} {:>11.1f} {:>8.2f} {:>9.2f}\n", copy, dts, variant, sec * 1e6,
+               bytes / sec / 1e9, old / sec);
+    rec.add({{"section", "fsdp-copy"}, {"copy", copy}, {"dtypes", dts}, {"variant", variant}, {"dim", d},
+             {"world", world}, {"median_us", sec * 1e6}, {"gbps", bytes / sec / 1e9}, {"speedup_vs_old", old / sec}});
+  };
+  auto name = [](DType a, DType b) {
+    return fmt::format("{}->{}", kernels::to_string(a), kernels::to_string(b));
+  };
+  const std::vector<int> thread_list = o.copy_threads;
+  for (auto [src, dst] : {std::pair{DType::kF32, DType::kF32}, std::pair{DType::kF32, DType::kBF16},
+                          std::pair{DType::kBF16, DType::kF32}}) {
+    const std::vector<Tensor> grads = make(src);
+    Tensor in = Tensor::empty({layout.numel()}, dst);
+    const double bytes = bytes_of(src, dst, numel);
+    const double old = time_it(o, [&] {
+      in.fill_(0.0);
+      for (size_t i = 0; i < shapes.size(); ++i)
+        for (int64_t c = 0; c < world; ++c)
+          if (layout.piece_size(i, c) > 0)
+            piece(in, i, c).copy_(grads[i].narrow(0, layout.piece_offset(i, c), layout.piece_size(i, c)));
+    });
+    report("copy-in", name(src, dst), "per-param", bytes, old, old);
+    for (int t : thread_list)
+      report("copy-in", name(src, dst), fmt::format("chunk_cat t={}", t), bytes,
+             time_it(o, [&] { kernels::chunk_cat(in, grads, layout, t); }), old);
+  }
+  for (auto [src, dst] : {std::pair{DType::kF32, DType::kF32}, std::pair{DType::kBF16, DType::kBF16}}) {
+    const Tensor flat = filled({layout.numel()}, src, 0.25);
+    std::vector<Tensor> params = make(dst);
+    const double bytes = bytes_of(src, dst, numel);
+    const double old = time_it(o, [&] {
+      for (size_t i = 0; i < shapes.size(); ++i)
+        for (int64_t c = 0; c < world; ++c)
+          if (layout.piece_size(i, c) > 0)
+            params[i].narrow(0, layout.piece_offset(i, c), layout.piece_size(i, c)).copy_(piece(flat, i, c));
+    });
+    report("copy-out", name(src, dst), "per-param", bytes, old, old);
+    for (int t : thread_list)
+      report("copy-out", name(src, dst), fmt::format("split_copy t={}", t), bytes,
+             time_it(o, [&] { kernels::split_copy(params, flat, layout, t); }), old);
+  }
+  {
+    const int64_t p = layout.chunk_numel();
+    const Tensor shard = filled({p}, DType::kF32, 0.75);
+    Tensor cast = Tensor::empty({p}, DType::kBF16);
+    const kernels::ChunkCatLayout one({{p}}, 1);
+    const double bytes = bytes_of(DType::kF32, DType::kBF16, p);
+    const double old = time_it(o, [&] { cast.copy_(shard); });
+    report("shard-cast", "f32->bf16", "copy_", bytes, old, old);
+    for (int t : thread_list)
+      report("shard-cast", "f32->bf16", fmt::format("chunk_cat t={}", t), bytes,
+             time_it(o, [&] { kernels::chunk_cat(cast, {shard}, one, t); }), old);
+  }
+}
+
 bool wants(const Options& o, const std::string& section) {
   return o.only.empty() || ("," + o.only + ",").find("," + section + ",") != std::string::npos;
 }
@@ -353,7 +451,16 @@ int main(int argc, char** argv) {
     app.add_option("--seq", o.seq, "sequence length T of the attention case")
         ->check(CLI::Range(int64_t{1}, int64_t{1} << 16))
         ->capture_default_str();
-    app.add_option("--only", o.only, "comma list of sections: gemm, elementwise, rows, attention");
+    app.add_option("--only", o.only, "comma list of sections: gemm, elementwise, rows, attention, fsdp-copy");
+    app.add_option("--copy-dim", o.copy_dim, "fsdp-copy: dim D of the transformer block")
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 14))
+        ->capture_default_str();
+    app.add_option("--copy-world", o.copy_world, "fsdp-copy: ranks the group is sharded over")
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 12))
+        ->capture_default_str();
+    app.add_option("--copy-threads", o.copy_threads, "fsdp-copy: thread counts of the fused kernels")
+        ->delimiter(',')
+        ->check(CLI::Range(1, 64));
     app.add_option("--json", o.json, "also write every row as JSON to this file");
     app.add_option("--openblas", o.openblas, "libopenblas.so to time cblas_sgemm beside Eigen (gemm)");
     app.add_flag("!--no-check", o.check, "skip the check of each GEMM variant against f64");
@@ -364,9 +471,9 @@ int main(int argc, char** argv) {
       if (e == std::string::npos) e = o.only.size();
       const std::string section = o.only.substr(b, e - b);
       if (!o.only.empty() && section != "gemm" && section != "elementwise" && section != "rows" &&
-          section != "attention")
+          section != "attention" && section != "fsdp-copy")
         throw kernels::InvalidArgument(fmt::format(
-            "--only '{}': unknown section '{}', expected gemm, elementwise, rows or attention",
+            "--only '{}': unknown section '{}', expected gemm, elementwise, rows, attention or fsdp-copy",
             kernels::clip(o.only), kernels::clip(section, 40)));
       b = e + 1;
     }
@@ -379,6 +486,7 @@ int main(int argc, char** argv) {
     if (wants(o, "elementwise")) run_elementwise(o, rec);
     if (wants(o, "rows")) run_rows(o, rec);
     if (wants(o, "attention")) run_attention(o, rec);
+    if (wants(o, "fsdp-copy")) run_fsdp_copy(o, rec);
     if (!o.json.empty()) {
       std::ofstream f(o.json);
       f << nlohmann::json{{"isa", std::string(kernels::detail::to_string(kernels::detail::vec_kernels().isa))},

@@ -9,6 +9,8 @@
 
 #include "dtensor/layout.h"
 #include "kernels/error.h"
+#include "kernels/format.h"
+#include "kernels/ops/chunk_cat.h"
 #include "kernels/ops/elementwise.h"
 #include "kernels/storage.h"
 
@@ -95,6 +97,7 @@ class Group {
   std::shared_ptr<kernels::Allocator> unsharded_alloc, buffer_alloc;
   std::vector<Slot> slots;
   int64_t slot_numel = 0;  // P: one rank's flat elements
+  kernels::ChunkCatLayout layout;  // the slots, rank-major: chunk_cat / split_copy copies
   int64_t unsharded_numel = 0;
   std::optional<DTensor> sharded_flat;
   std::shared_ptr<Storage> flat_storage, param_storage;
@@ -167,12 +170,6 @@ class Group {
     return Tensor::from_storage(param_storage, param_dtype, s.local_shape, Tensor::contiguous_strides(s.local_shape),
                                 s.unsharded_offset);
   }
-  // Piece `d` of slot s inside a rank-major flat tensor of slot_numel per rank.
-  Tensor block(const Tensor& flat, const Slot& s, int64_t d) const {
-    return flat.narrow(0, d * slot_numel + s.offset, s.padded_numel)
-        .view(s.padded_shape)
-        .narrow(s.shard_dim, 0, s.chunks[d].size);
-  }
   DTensor sharded_grad_view(const Slot& s) const {
     Tensor l = grad_flat.narrow(0, s.offset, s.padded_numel)
                    .view(s.padded_shape)
@@ -193,7 +190,10 @@ class Group {
       DTensor src = *sharded_flat;
       if (local.dtype() != param_dtype || local.device() != compute_device) {
         ag_input = Tensor::empty(local.shape(), param_dtype, compute_device, buffer_alloc);
-        ag_input.copy_(local);
+        if (local.device() == compute_device)
+          kernels::chunk_cat(ag_input, {local}, kernels::ChunkCatLayout({local.shape()}, 1), opts.copy_threads);
+        else
+          ag_input.copy_(local);  // offload: host -> device (and cast)
         src = DTensor(dp_comms, flat_spec(flat_sharded_placements(), param_dtype), ag_input);
       }
       ag_handle = dtensor::redistribute_async(src, filled(dp_ndim(), dtensor::Replicate{}), {}, out);
@@ -211,15 +211,11 @@ class Group {
     k_buffer.reset();
     const Tensor flat = full.to_local();
     ensure_param_storage();
-    // Split-copy: rank d's piece of every parameter into its unsharded tensor.
-    for (const Slot& s : slots) {
-      Tensor dst = unsharded_local(s);
-      for (int64_t d = 0; d < dp; ++d) {
-        const dtensor::Chunk& c = s.chunks[d];
-        if (c.size == 0) continue;
-        dst.narrow(s.shard_dim, c.offset, c.size).copy_(block(flat, s, d));
-      }
-    }
+    // Split-copy: every rank's piece of every parameter into its unsharded tensor, one pass.
+    std::vector<Tensor> outs;
+    outs.reserve(slots.size());
+    for (const Slot& s : slots) outs.push_back(unsharded_local(s));
+    kernels::split_copy(outs, flat, layout, opts.copy_threads);
     flat_storage->free();
     for (const Slot& s : slots) {
       DTensorSpec spec = s.unsharded_spec;
@@ -247,13 +243,10 @@ class Group {
   // backward.
   void reshard_to_k_buffer() {
     const Tensor flat = flat_view();
-    for (const Slot& s : slots) {
-      const Tensor src = unsharded_local(s);
-      for (int64_t d = 0; d < dp; ++d) {
-        const dtensor::Chunk& c = s.chunks[d];
-        if (c.size > 0) block(flat, s, d).copy_(src.narrow(s.shard_dim, c.offset, c.size));
-      }
-    }
+    std::vector<Tensor> ins;
+    ins.reserve(slots.size());
+    for (const Slot& s : slots) ins.push_back(unsharded_local(s));
+    kernels::chunk_cat(flat, ins, layout, opts.copy_threads);
     DTensor whole(dp_comms, flat_spec(filled(dp_ndim(), dtensor::Replicate{}), param_dtype), flat);
     const int kn = k_comms->mesh().ndim();
     DTensor on_k = whole.view_on(k_comms, filled(kn, dtensor::Replicate{}));
@@ -392,24 +385,23 @@ class Group {
         rt->pending.erase(rt->pending.begin());
         g->finish_reduce();
       }
-    // Chunk-cat copy-in (cast to the reduce dtype fused into the copy), zero padding.
-    Tensor in = Tensor::empty(Dims{dp * slot_numel}, reduce_dtype, compute_device, buffer_alloc);
-    in.fill_(0.0);
+    // Chunk-cat copy-in: one pass over every gradient and rank, the cast to the reduce dtype
+    // and the zero padding (and zeros for a gradient this rank lacks) fused into it.
     for (size_t i = 0; i < slots.size(); ++i) {
       Slot& s = slots[i];
-      Tensor g = grads[i];
-      if (s.accum.defined()) {
-        if (g.defined()) kernels::add_out(s.accum, s.accum, g.dtype() == reduce_dtype ? g : g.to(reduce_dtype));
-        g = s.accum;
-      }
-      if (!g.defined()) continue;
-      for (int64_t d = 0; d < dp; ++d) {
-        const dtensor::Chunk& c = s.chunks[d];
-        if (c.size == 0) continue;
-        block(in, s, d).copy_(g.narrow(s.shard_dim, c.offset, c.size));
-      }
+      if (!s.accum.defined()) continue;
+      Tensor& g = grads[i];
+      if (g.defined()) kernels::add_out(s.accum, s.accum, g.dtype() == reduce_dtype ? g : g.to(reduce_dtype));
+      g = s.accum;
       s.accum = Tensor();
     }
+    for (size_t i = 0; i < slots.size(); ++i)
+      if (grads[i].defined() && !(grads[i].shape() == slots[i].local_shape))
+        throw InvalidArgument(fmt::format("FSDP group '{}': the gradient of '{}' has local shape {}, expected {}", name,
+                                          slots[i].name, kernels::to_string(grads[i].shape()),
+                                          kernels::to_string(slots[i].local_shape)));
+    Tensor in = Tensor::empty(Dims{dp * slot_numel}, reduce_dtype, compute_device, buffer_alloc);
+    kernels::chunk_cat(in, grads, layout, opts.copy_threads);
     grads.clear();
     DTensor flat_in(dp_comms, flat_spec(filled(dp_ndim(), dtensor::Partial{}), reduce_dtype), in);
     Pending p;
@@ -743,6 +735,8 @@ FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr
                         const FullyShardOptions& options) {
   if (modules.empty()) throw InvalidArgument("fully_shard: no modules given");
   if (!comms) throw InvalidArgument("fully_shard: no mesh given");
+  if (options.copy_threads < 0)
+    throw InvalidArgument(fmt::format("fully_shard: copy_threads {}: expected 0 (by size) or more", options.copy_threads));
   auto group = std::make_shared<Group>();
   Group& g = *group;
   g.modules = modules;
@@ -890,6 +884,19 @@ FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr
   }
   g.slot_numel = offset;
   g.unsharded_numel = uoffset;
+  {
+    std::vector<Dims> shapes;
+    std::vector<int> dims;
+    for (const Slot& s : g.slots) {
+      shapes.push_back(s.local_shape);
+      dims.push_back(s.shard_dim);
+    }
+    g.layout = kernels::ChunkCatLayout(std::move(shapes), std::move(dims), g.dp);
+    for (size_t i = 0; i < g.slots.size(); ++i)
+      if (g.layout.offset(i) != g.slots[i].offset || g.layout.chunk_numel() != g.slot_numel)
+        throw kernels::InternalError(fmt::format("fully_shard({}): the chunk_cat layout of '{}' disagrees with the slot",
+                                                 g.name, g.slots[i].name));
+  }
   g.param_dtype = mp.param_dtype.value_or(g.orig_dtype);
   g.reduce_dtype = mp.reduce_dtype.value_or(g.param_dtype);
   g.storage_device = options.offload_policy.offload_to_cpu ? kernels::Device{} : g.compute_device;

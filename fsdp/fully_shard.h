@@ -103,6 +103,11 @@ struct FullyShardOptions {
   // casts (buffer_allocator). Tests and fsdp-train count them apart with nn::TrackingAllocator.
   std::shared_ptr<kernels::Allocator> unsharded_allocator;
   std::shared_ptr<kernels::Allocator> buffer_allocator;
+  // CPU threads of one chunk_cat / split_copy (copy-in, copy-out, the param_dtype cast of the
+  // shard): 1 keeps every copy on the calling thread (the local backend already runs one thread
+  // per rank, mpi one process), 0 picks by size (kernels/ops/chunk_cat.h). CUDA copies are one
+  // kernel launch whatever this says.
+  int copy_threads = 1;
 };
 
 // The sub-mesh unflattening reshard_after_forward = k needs, to pass to MeshComms at creation

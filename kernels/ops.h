@@ -7,10 +7,12 @@
 //   embedding.h     embedding gather and its deterministic scatter-add backward (also sharded)
 //   cross_entropy.h fused cross-entropy + dlogits; the vocab-shard pieces for loss parallel
 //   attention.h     causal scaled dot-product attention forward/backward
+//   chunk_cat.h     chunk_cat / split_copy: many tensors to and from one rank-major flat buffer
 //   optim.h         fused AdamW / Adam and SGD (momentum, nesterov) steps
 #pragma once
 
 #include "kernels/ops/attention.h"
+#include "kernels/ops/chunk_cat.h"
 #include "kernels/ops/cross_entropy.h"
 #include "kernels/ops/elementwise.h"
 #include "kernels/ops/embedding.h"

@@ -8,6 +8,8 @@
 #include "kernels/detail/convert.h"
 #include "kernels/detail/dispatch.h"
 #include "kernels/detail/layout.h"
+#include "kernels/cpu/parallel.h"
+#include "kernels/cpu/vec.h"
 #include "kernels/error.h"
 
 namespace kernels::detail {
@@ -174,6 +176,22 @@ void cpu_copy_cast(void* dst, DType dst_dtype, const Dims& dst_strides, const vo
     });
     return;
   }
+  // f32 <-> bf16 rows, unit stride on both sides (FSDP's mixed-precision copies): the ISA-
+  // dispatched conversions of vec.h, bit-identical to cast_value (the same rounding and NaN
+  // rule); this file is compiled for the baseline ISA, where cast_row runs near scalar speed.
+  const bool f32_bf16 = (dst_dtype == DType::kBF16 && src_dtype == DType::kF32) ||
+                        (dst_dtype == DType::kF32 && src_dtype == DType::kBF16);
+  if (f32_bf16 && dst_inner == 1 && src_inner == 1) {
+    const VecOps<float>& ops = vec_ops<float>();
+    for_each_row<2>(space, [&](const std::array<int64_t, 2>& off, int64_t n) {
+      if (dst_dtype == DType::kBF16) {
+        ops.narrow_bf16(reinterpret_cast<uint16_t*>(d + off[0] * dsize), reinterpret_cast<const float*>(s + off[1] * ssize), n);
+      } else {
+        ops.widen_bf16(reinterpret_cast<float*>(d + off[0] * dsize), reinterpret_cast<const uint16_t*>(s + off[1] * ssize), n);
+      }
+    });
+    return;
+  }
   if (nd >= 2 && is_transposed_pair(space)) {
     copy_tiled(space, row, d, dsize, s, ssize);
     return;
@@ -195,6 +213,76 @@ void cpu_fill(void* dst, size_t itemsize, const Dims& strides, const Dims& shape
     case 8: fill_words<uint64_t>(d, space, pattern); break;
     default: throw InternalError("cpu_fill: bad itemsize " + std::to_string(itemsize));
   }
+}
+
+namespace {
+
+void run_item(const CopyItem& it) {
+  if (it.shape.product() == 0) return;
+  if (it.src == nullptr) {
+    cpu_fill(it.dst, itemsize(it.dst_dtype), it.dst_strides, it.shape, 0);
+  } else {
+    cpu_copy_cast(it.dst, it.dst_dtype, it.dst_strides, it.src, it.src_dtype, it.src_strides,
+                  it.shape);
+  }
+}
+
+int64_t item_bytes(const CopyItem& it) {
+  const int64_t per = static_cast<int64_t>(itemsize(it.dst_dtype)) +
+                      (it.src ? static_cast<int64_t>(itemsize(it.src_dtype)) : 0);
+  return it.shape.product() * per;
+}
+
+// Pieces of `it` (coalesced, split along its outermost dim) of about `grain` bytes or more.
+void split_item(const CopyItem& it, int64_t grain, std::vector<CopyItem>& out) {
+  const bool fill = it.src == nullptr;
+  const auto space = coalesce<2>(it.shape, {it.dst_strides, fill ? it.dst_strides : it.src_strides});
+  const int64_t rows = space.shape[0];
+  const int64_t row_bytes = item_bytes(it) / std::max<int64_t>(rows, 1);
+  const int64_t step = std::max<int64_t>(1, grain / std::max<int64_t>(row_bytes, 1));
+  const int64_t dsize = static_cast<int64_t>(itemsize(it.dst_dtype));
+  const int64_t ssize = static_cast<int64_t>(itemsize(it.src_dtype));
+  for (int64_t r = 0; r < rows; r += step) {
+    CopyItem p = it;
+    p.shape = space.shape;
+    p.shape[0] = std::min(step, rows - r);
+    p.dst_strides = space.strides[0];
+    p.dst = static_cast<char*>(it.dst) + r * space.strides[0][0] * dsize;
+    if (!fill) {
+      p.src_strides = space.strides[1];
+      p.src = static_cast<const char*>(it.src) + r * space.strides[1][0] * ssize;
+    }
+    out.push_back(p);
+  }
+}
+
+}  // namespace
+
+void cpu_copy_batch(const std::vector<CopyItem>& items, int threads) {
+  int64_t total = 0;
+  for (const CopyItem& it : items) total += item_bytes(it);
+  if (threads <= 1 || total == 0) {
+    for (const CopyItem& it : items) run_item(it);
+    return;
+  }
+  // Four pieces per worker at most per item keeps the split cheap; workers then take contiguous
+  // runs of pieces of about total / threads bytes each (neighbouring pieces share cache lines).
+  const int64_t grain = std::max<int64_t>(total / (4 * threads), 64 * 1024);
+  std::vector<CopyItem> pieces;
+  pieces.reserve(items.size() + static_cast<size_t>(4 * threads));
+  for (const CopyItem& it : items)
+    if (it.shape.product() > 0) split_item(it, grain, pieces);
+  std::vector<size_t> start(static_cast<size_t>(threads) + 1, pieces.size());
+  start[0] = 0;
+  int64_t acc = 0;
+  int w = 1;
+  for (size_t i = 0; i < pieces.size() && w < threads; ++i) {
+    acc += item_bytes(pieces[i]);
+    while (w < threads && acc >= total * w / threads) start[static_cast<size_t>(w++)] = i + 1;
+  }
+  parallel_tasks(threads, threads, [&](int64_t t, int64_t) {
+    for (size_t i = start[static_cast<size_t>(t)]; i < start[static_cast<size_t>(t) + 1]; ++i) run_item(pieces[i]);
+  });
 }
 
 uint64_t encode_value(double value, DType dtype) {

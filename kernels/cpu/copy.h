@@ -6,6 +6,9 @@
 #include <cstddef>
 #include <cstdint>
 
+#include <vector>
+
+#include "kernels/detail/copy_batch.h"
 #include "kernels/dims.h"
 #include "kernels/dtype.h"
 
@@ -14,6 +17,10 @@ namespace kernels::detail {
 // dst[i] = cast(src[i]) for every multi-index i of shape. REQUIRES: no partial overlap.
 void cpu_copy_cast(void* dst, DType dst_dtype, const Dims& dst_strides, const void* src,
                    DType src_dtype, const Dims& src_strides, const Dims& shape);
+// Every item of the batch, as cpu_copy_cast / a zero fill would, on up to `threads` threads
+// (the caller's and threads - 1 new ones; items are split along their outer dim so the workers
+// get equal bytes). REQUIRES: no item's destination overlaps another item's operands.
+void cpu_copy_batch(const std::vector<CopyItem>& items, int threads);
 // Writes the low `itemsize` bytes of `pattern` to every element.
 void cpu_fill(void* dst, size_t itemsize, const Dims& strides, const Dims& shape, uint64_t pattern);
 // The bits of `value` converted to dtype, in the low itemsize(dtype) bytes.

@@ -24,6 +24,7 @@ void cuda_memcpy(void*, Device, const void*, Device, size_t) { no_cuda(); }
 void cuda_copy_cast(void*, DType, const Dims&, const void*, DType, const Dims&, const Dims&, int) {
   no_cuda();
 }
+void cuda_copy_batch(const std::vector<CopyItem>&, int) { no_cuda(); }
 void cuda_fill(void*, size_t, const Dims&, const Dims&, uint64_t, int) { no_cuda(); }
 void cuda_reduce_into(void*, const void*, DType, int64_t, ReduceOp, double, int) { no_cuda(); }
 void cuda_scale(void*, DType, int64_t, double, int) { no_cuda(); }

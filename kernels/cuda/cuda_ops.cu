@@ -377,3 +377,106 @@ void cuda_scale(void* data, DType dtype, int64_t n, double factor, int device) {
 
 }  // namespace detail
 }  // namespace kernels
+
+// ---- batched copies (chunk_cat / split_copy) ----
+namespace kernels {
+namespace {
+
+struct BatchItem {
+  char* dst;
+  const char* src;  // nullptr: zero fill
+  DType dst_dtype, src_dtype;
+  int dst_size, src_size;
+  int64_t start;  // first element of this item in the batch's index space
+  Layout2 l;
+};
+
+// Element i of the batch: the item whose [start, start + numel) holds i (binary search over a
+// few dozen items, cached), then the same conversion as cast_kernel / move_kernel / fill_kernel.
+__global__ void batch_kernel(const BatchItem* items, int count, int64_t n) {
+  using detail::widen;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    int lo = 0, hi = count - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (items[mid].start <= i) lo = mid;
+      else hi = mid - 1;
+    }
+    const BatchItem& it = items[lo];
+    int64_t d_off, s_off;
+    offsets_of(it.l, i - it.start, d_off, s_off);
+    char* d = it.dst + d_off * it.dst_size;
+    if (it.src == nullptr) {
+      switch (it.dst_size) {
+        case 1: *reinterpret_cast<uint8_t*>(d) = 0; break;
+        case 2: *reinterpret_cast<uint16_t*>(d) = 0; break;
+        case 4: *reinterpret_cast<uint32_t*>(d) = 0; break;
+        default: *reinterpret_cast<uint64_t*>(d) = 0; break;
+      }
+      continue;
+    }
+    const char* s = it.src + s_off * it.src_size;
+    if (it.dst_dtype == it.src_dtype) {
+      switch (it.dst_size) {
+        case 1: *reinterpret_cast<uint8_t*>(d) = load<uint8_t>(s); break;
+        case 2: *reinterpret_cast<uint16_t*>(d) = load<uint16_t>(s); break;
+        case 4: *reinterpret_cast<uint32_t*>(d) = load<uint32_t>(s); break;
+        default: *reinterpret_cast<uint64_t*>(d) = load<uint64_t>(s); break;
+      }
+      continue;
+    }
+    switch (it.src_dtype) {
+      case DType::kF32: store_as(d, it.dst_dtype, widen(load<float>(s))); break;
+      case DType::kF64: store_as(d, it.dst_dtype, widen(load<double>(s))); break;
+      case DType::kBF16: store_as(d, it.dst_dtype, widen(load<BFloat16>(s))); break;
+      case DType::kF16: store_as(d, it.dst_dtype, widen(load<Half>(s))); break;
+      case DType::kI32: store_as(d, it.dst_dtype, widen(load<int32_t>(s))); break;
+      case DType::kI64: store_as(d, it.dst_dtype, widen(load<int64_t>(s))); break;
+      case DType::kU8: store_as(d, it.dst_dtype, widen(load<uint8_t>(s))); break;
+      case DType::kF8E4M3: store_as(d, it.dst_dtype, widen(load<Float8E4M3>(s))); break;
+      case DType::kF8E5M2: store_as(d, it.dst_dtype, widen(load<Float8E5M2>(s))); break;
+    }
+  }
+}
+
+}  // namespace
+
+namespace detail {
+
+void cuda_copy_batch(const std::vector<CopyItem>& items, int device) {
+  std::vector<BatchItem> batch;
+  batch.reserve(items.size());
+  int64_t n = 0;
+  for (const CopyItem& it : items) {
+    const int64_t numel = it.shape.product();
+    if (numel == 0) continue;
+    BatchItem b{};
+    b.dst = static_cast<char*>(it.dst);
+    b.src = static_cast<const char*>(it.src);
+    b.dst_dtype = it.dst_dtype;
+    b.src_dtype = it.src ? it.src_dtype : it.dst_dtype;
+    b.dst_size = static_cast<int>(itemsize(b.dst_dtype));
+    b.src_size = static_cast<int>(itemsize(b.src_dtype));
+    b.start = n;
+    b.l = make_layout(it.shape, it.dst_strides, it.src ? it.src_strides : it.dst_strides);
+    batch.push_back(b);
+    n += numel;
+  }
+  if (n == 0) return;
+  cuda_check_device(device);
+  DeviceGuard guard(device);
+  // The descriptors travel in stream-ordered memory on the legacy default stream (NOTE [cuda
+  // ordering]): allocated, filled, used and freed in order without a device-wide sync.
+  const size_t bytes = batch.size() * sizeof(BatchItem);
+  void* table = nullptr;
+  check(cudaMallocAsync(&table, bytes, 0), "cudaMallocAsync of the copy batch table");
+  check(cudaMemcpyAsync(table, batch.data(), bytes, cudaMemcpyHostToDevice, 0), "copying the copy batch table");
+  batch_kernel<<<blocks_for(n), kThreads>>>(static_cast<const BatchItem*>(table), static_cast<int>(batch.size()),
+                                            n);
+  check_launch("batch_kernel", device);
+  check(cudaFreeAsync(table, 0), "cudaFreeAsync of the copy batch table");
+}
+
+}  // namespace detail
+}  // namespace kernels

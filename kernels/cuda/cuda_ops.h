@@ -11,6 +11,9 @@
 #include <cstddef>
 #include <cstdint>
 
+#include <vector>
+
+#include "kernels/detail/copy_batch.h"
 #include "kernels/device.h"
 #include "kernels/dims.h"
 #include "kernels/dtype.h"
@@ -30,6 +33,10 @@ void cuda_memcpy(void* dst, Device dst_device, const void* src, Device src_devic
 // kernels/detail/convert.h; bit-identical to the CPU copy). Both operands on `device`.
 void cuda_copy_cast(void* dst, DType dst_dtype, const Dims& dst_strides, const void* src,
                     DType src_dtype, const Dims& src_strides, const Dims& shape, int device);
+// Every item of the batch (copies with cast, zero fills) in one kernel launch on `device`, each
+// element as cuda_copy_cast / cuda_fill would write it. REQUIRES: no item's destination overlaps
+// another item's operands; all pointers on `device`.
+void cuda_copy_batch(const std::vector<CopyItem>& items, int device);
 // Writes the low `itemsize` bytes of `pattern` (little-endian) to every element.
 void cuda_fill(void* dst, size_t itemsize, const Dims& strides, const Dims& shape, uint64_t pattern,
                int device);

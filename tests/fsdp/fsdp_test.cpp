@@ -691,3 +691,46 @@ TEST_CASE("fsdp: activation checkpointing and explicit unshard / reshard", "[fsd
   checks.report();
   check_parity(got, reference(s));
 }
+
+TEST_CASE("fsdp: copies over 3 threads (copy_threads) give the single-thread run's bits", "[fsdp]") {
+  // FSDP 3 (uneven: padding) with bf16 parameters and f32 reduction: copy-in (bf16 -> f32),
+  // copy-out and the shard cast (f32 -> bf16) all go through chunk_cat / split_copy.
+  int ran = 0;
+  Result runs[2];
+  for (int threads : {1, 3}) {
+    Setup s;
+    s.mesh = Dims{3};
+    s.batch = 12;
+    s.options.mp_policy.param_dtype = DType::kBF16;
+    s.options.mp_policy.reduce_dtype = DType::kF32;
+    s.options.copy_threads = threads;
+    testing_support::Checks checks;
+    runs[ran++] = train(s, checks);
+    checks.report();
+  }
+  REQUIRE(ran == 2);
+  REQUIRE(runs[0].losses.size() == 3);
+  REQUIRE(runs[0].losses == runs[1].losses);
+  REQUIRE(runs[0].params.size() == runs[1].params.size());
+  for (const auto& [name, t] : runs[0].params) {
+    INFO(name);
+    REQUIRE(runs[1].params.count(name) == 1);
+    REQUIRE(runs[1].params[name].to_vector() == t.to_vector());
+  }
+  // A negative thread count is refused naming it.
+  fsdp::FullyShardOptions bad;
+  bad.copy_threads = -1;
+  const DeviceMesh mesh = DeviceMesh::from_shape(Dims{1}, {"dp_shard"});
+  std::string error;  // asserted on the main thread
+  collectives::run_ranks(1, [&](Communicator& world) {
+    auto comms = MeshComms::create(mesh, world);
+    nn::GPT model(nn::ModuleOptions{comms, DType::kF32, {}}, tiny());
+    nn::materialize(model, 1);
+    try {
+      fsdp::fully_shard(model, comms, bad);
+    } catch (const kernels::InvalidArgument& e) {
+      error = e.what();
+    }
+  });
+  CHECK_THAT(error, Catch::Matchers::Contains("copy_threads -1: expected 0 (by size) or more"));
+}

@@ -274,3 +274,44 @@ TEST_CASE("CUDA embedding, attention and optimizer steps match the CPU", "[kerne
   }
   REQUIRE(cases == 4 + 4);
 }
+
+TEST_CASE("CUDA chunk_cat / split_copy give the CPU bytes", "[kernels][ops][gpu][chunk_cat]") {
+  // Uneven rows (padding), an empty tensor, a split along dim 1, strided inputs, f32 -> bf16
+  // and bf16 -> f32, an absent input (zeros) and an absent output (skipped).
+  const std::vector<Dims> shapes{{10, 6}, {3}, {0, 5}, {4, 8}, {7, 3, 2}};
+  const std::vector<int> dims{0, 0, 0, 1, 0};
+  int cases = 0;
+  for (int64_t chunks : {1, 3, 4}) {
+    const ChunkCatLayout l(shapes, dims, chunks);
+    for (auto [src, dst] : {std::pair{DType::kF32, DType::kBF16}, std::pair{DType::kBF16, DType::kF32},
+                            std::pair{DType::kF32, DType::kF32}}) {
+      INFO("chunks " << chunks << " " << to_string(src) << " -> " << to_string(dst));
+      std::vector<Tensor> cpu_in, gpu_in;
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        cpu_in.push_back(relayout(random_tensor(shapes[i], src, 50 + i), static_cast<int>(i % kLayouts)));
+        gpu_in.push_back(gpu_layout(cpu_in.back(), static_cast<int>(i % kLayouts)));
+      }
+      cpu_in[1] = gpu_in[1] = Tensor();
+      Tensor c = Tensor::full(Dims{l.numel()}, 3.0, dst), g = Tensor::full(Dims{l.numel()}, 3.0, dst, kGpu);
+      chunk_cat(c, cpu_in, l);
+      chunk_cat(g, gpu_in, l);
+      const Tensor gh = host(g);
+      REQUIRE(std::memcmp(gh.data_ptr(), c.data_ptr(), static_cast<size_t>(c.numel()) * itemsize(dst)) == 0);
+      std::vector<Tensor> cpu_out, gpu_out;
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        cpu_out.push_back(Tensor::full(shapes[i], -2.0, src));
+        gpu_out.push_back(gpu_layout(cpu_out.back(), static_cast<int>((i + 1) % kLayouts)));
+      }
+      cpu_out[0] = gpu_out[0] = Tensor();
+      split_copy(cpu_out, c, l);
+      split_copy(gpu_out, g, l);
+      for (size_t i = 1; i < shapes.size(); ++i) {
+        if (shapes[i].product() == 0) continue;
+        const Tensor a = host(gpu_out[i]).contiguous(), b = cpu_out[i].contiguous();
+        REQUIRE(std::memcmp(a.data_ptr(), b.data_ptr(), static_cast<size_t>(b.numel()) * itemsize(src)) == 0);
+      }
+      ++cases;
+    }
+  }
+  REQUIRE(cases == 9);
+}

@@ -118,6 +118,38 @@ TEST_CASE("cast semantics", "[kernels][tensor][copy]") {
       CHECK(rb.data<BFloat16>()[k].bits == float_to_bf16_bits(x));
     }
   }
+  SECTION("f32 <-> bf16 contiguous rows (vectorised) equal the scalar bit functions") {
+    // Special values (ties both ways, carries into the exponent, overflow to inf, denormals,
+    // NaNs with payloads and signs) then pseudo-random bit patterns; 1037 elements so every
+    // vector width sees full blocks and a tail, and an odd offset so loads are unaligned.
+    std::vector<uint32_t> bits{0x3F808000u, 0x3F818000u, 0x3F80FFFFu, 0x7F7FFFFFu, 0x7F7F8000u, 0xFF7F8000u,
+                               0x00000001u, 0x80008000u, 0x7F800000u, 0xFF800000u, 0x7F800001u, 0xFFC12345u,
+                               0x7FFFFFFFu, 0x00000000u, 0x80000000u, 0x3F800000u};
+    uint64_t z = 12345;
+    while (bits.size() < 1037) {
+      z = z * 6364136223846793005ull + 1442695040888963407ull;
+      bits.push_back(static_cast<uint32_t>(z >> 32));
+    }
+    const int64_t n = static_cast<int64_t>(bits.size());
+    Tensor f = Tensor::empty({n + 1}, DType::kF32);
+    for (int64_t k = 0; k < n; ++k) f.data<float>()[k + 1] = std::bit_cast<float>(bits[static_cast<size_t>(k)]);
+    const Tensor src = f.narrow(0, 1, n);
+    Tensor b = Tensor::empty({n + 1}, DType::kBF16);
+    Tensor bv = b.narrow(0, 1, n);
+    bv.copy_(src);
+    Tensor back = Tensor::empty({n}, DType::kF32);
+    back.copy_(bv);
+    int checked = 0;
+    for (int64_t k = 0; k < n; ++k) {
+      const float x = src.data<float>()[k];
+      const uint16_t want = float_to_bf16_bits(x);
+      INFO("element " << k << " bits " << bits[static_cast<size_t>(k)]);
+      CHECK(bv.data<BFloat16>()[k].bits == want);
+      CHECK(std::bit_cast<uint32_t>(back.data<float>()[k]) == std::bit_cast<uint32_t>(bf16_bits_to_float(want)));
+      ++checked;
+    }
+    CHECK(checked == 1037);
+  }
   SECTION("f64 <-> f32 round to nearest") {
     Tensor d = Tensor::from_vector({0.1, 1.0 / 3, 1e300}, {3}, DType::kF64);
     const Tensor f = d.to(DType::kF32);
