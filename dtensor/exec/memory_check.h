@@ -4,8 +4,10 @@
 // ResourceError naming both numbers before any buffer exists.
 //
 //   const int64_t need = transition_bytes(plan, specs, comms, dtypes, caller_outs);  // once
-//   comms.exec_cache().memory_gauge().check(need, comms.allocator().get(), device,
+//   comms.exec_cache().memory_gauge().check(need, comms.allocator().get(), device, comms.rank(),
 //                                           [&] { return std::string("S(0) -> R of f32[4096]"); });
+//   // throws, e.g.: "S(0) -> R of f32[4096] needs 16384 bytes of buffers on rank 0 (cpu), but the
+//   // allocator's limit of 8192 bytes has 8192 bytes left"
 //
 // What counts (per rank; an upper bound of what issue() allocates, from the local shapes): for
 // every communicating step, the step's result for every tensor of the batch in the dtype it
