@@ -1,6 +1,11 @@
 #include "kernels/allocator.h"
 
+#include <unistd.h>
+
 #include <bit>
+#include <cstdio>
+#include <cstring>
+#include <limits>
 #include <new>
 #include <string>
 
@@ -28,7 +33,67 @@ void system_deallocate(void* p, size_t, Device device) noexcept {
   else ::operator delete(p, kCpuAlignment);
 }
 
+namespace {
+
+// MemAvailable of /proc/meminfo in bytes, or -1 (no /proc, or a kernel older than 3.14).
+int64_t proc_mem_available() {
+  std::FILE* f = std::fopen("/proc/meminfo", "r");
+  if (f == nullptr) return -1;
+  char line[256];
+  int64_t bytes = -1;
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    long long kib = 0;
+    if (std::strncmp(line, "MemAvailable:", 13) == 0 && std::sscanf(line + 13, "%lld", &kib) == 1 && kib >= 0) {
+      bytes = kib > std::numeric_limits<int64_t>::max() / 1024 ? std::numeric_limits<int64_t>::max()
+                                                                : static_cast<int64_t>(kib) * 1024;
+      break;
+    }
+  }
+  std::fclose(f);
+  return bytes;
+}
+
+}  // namespace
+
+int64_t machine_available_bytes(Device device) {
+  if (device.is_cuda()) return detail::cuda_available_bytes(device.index);
+  if (const int64_t b = proc_mem_available(); b >= 0) return b;
+  const long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages < 0 || page <= 0) return -1;
+  return static_cast<int64_t>(pages) > std::numeric_limits<int64_t>::max() / page
+             ? std::numeric_limits<int64_t>::max()
+             : static_cast<int64_t>(pages) * page;
+}
+
+int64_t Allocator::available_bytes(Device device) const { return machine_available_bytes(device); }
+
 CachingAllocator::~CachingAllocator() { release_cached(); }
+
+int64_t CachingAllocator::available_bytes(Device device) const {
+  size_t in_use = 0, cached = 0;
+  {
+    std::lock_guard lk(mu_);
+    const auto it = in_use_.find({static_cast<int>(device.type), device.index});
+    if (it != in_use_.end()) in_use = it->second;
+    cached = stats_.cached_bytes;
+  }
+  if (options_.limit_bytes > 0)
+    return in_use >= options_.limit_bytes ? 0 : static_cast<int64_t>(options_.limit_bytes - in_use);
+  const int64_t machine = machine_available_bytes(device);
+  if (machine < 0) return -1;
+  const auto extra = static_cast<int64_t>(std::min<size_t>(cached, std::numeric_limits<int64_t>::max() / 2));
+  return machine > std::numeric_limits<int64_t>::max() - extra ? std::numeric_limits<int64_t>::max() : machine + extra;
+}
+
+void CachingAllocator::reserve_locked(size_t size, Device device, size_t requested) {
+  size_t& in_use = in_use_locked(device);
+  if (options_.limit_bytes > 0 && (size > options_.limit_bytes || in_use > options_.limit_bytes - size))
+    throw ResourceError("cannot allocate " + std::to_string(requested) + " bytes on " + to_string(device) +
+                        ": the allocator's limit is " + std::to_string(options_.limit_bytes) + " bytes and " +
+                        std::to_string(in_use) + " are in use");
+  in_use += size;
+  stats_.in_use_bytes += size;
+}
 
 size_t CachingAllocator::block_size(size_t nbytes) const {
   if (nbytes < options_.min_block) return nbytes;
@@ -38,25 +103,39 @@ size_t CachingAllocator::block_size(size_t nbytes) const {
 
 void* CachingAllocator::allocate(size_t nbytes, Device device) {
   const size_t size = block_size(nbytes);
-  if (size < options_.min_block) return system_allocate(size, device);
+  bool make_room = false;
   {
     std::lock_guard lk(mu_);
-    auto it = free_.find(Key{static_cast<int>(device.type), device.index, size});
-    if (it != free_.end()) {
-      void* p = it->second.second;
-      age_.erase(it->second.first);
-      free_.erase(it);
-      stats_.cached_bytes -= size;
-      ++stats_.hits;
-      return p;
+    reserve_locked(size, device, nbytes);  // throws past the limit
+    if (size >= options_.min_block) {
+      auto it = free_.find(Key{static_cast<int>(device.type), device.index, size});
+      if (it != free_.end()) {
+        void* p = it->second.second;
+        age_.erase(it->second.first);
+        free_.erase(it);
+        stats_.cached_bytes -= size;
+        ++stats_.hits;
+        return p;
+      }
+      ++stats_.misses;
     }
-    ++stats_.misses;
+    // Under a limit, the blocks in use and the cached ones stay within it: the cache makes room.
+    make_room = options_.limit_bytes > 0 && stats_.in_use_bytes + stats_.cached_bytes > options_.limit_bytes;
   }
+  if (make_room) release_cached();
   try {
-    return system_allocate(size, device);
-  } catch (const Error&) {
-    release_cached();  // out of memory: give the cache back and try once more
-    return system_allocate(size, device);
+    try {
+      return system_allocate(size, device);
+    } catch (const Error&) {
+      if (size < options_.min_block) throw;
+      release_cached();  // out of memory: give the cache back and try once more
+      return system_allocate(size, device);
+    }
+  } catch (...) {
+    std::lock_guard lk(mu_);
+    in_use_locked(device) -= size;
+    stats_.in_use_bytes -= size;
+    throw;
   }
 }
 
@@ -78,6 +157,11 @@ void CachingAllocator::deallocate(void* p, size_t nbytes, Device device) noexcep
   const size_t size = block_size(nbytes);
   std::vector<std::pair<Key, void*>> evicted;
   bool cached = false;
+  {
+    std::lock_guard lk(mu_);
+    in_use_locked(device) -= size;
+    stats_.in_use_bytes -= size;
+  }
   if (size >= options_.min_block && size <= options_.max_cached_bytes) {
     std::lock_guard lk(mu_);
     // Recently freed sizes are the likeliest to come back: make room by giving back the oldest.

@@ -11,6 +11,21 @@
 //   Tensor b = Tensor::empty({1 << 24}, DType::kF32, Device::cpu(), cache);  // same block
 //
 // A Storage keeps its allocator alive (shared_ptr), so tensors may outlive whoever made the cache.
+//
+// NOTE [memory limit] Every allocator reports the bytes it can still hand out (available_bytes),
+// which the executor compares with what a transition needs before allocating any of its buffers
+// (dtensor/exec/memory_check.h), so a redistribute too large for the machine fails with a
+// ResourceError naming both numbers instead of being OOM-killed halfway. By default that is the
+// machine's figure: MemAvailable of /proc/meminfo on the CPU (sysconf's free pages where there is
+// no /proc), cudaMemGetInfo's free bytes on a GPU (unknown, -1, in a build without CUDA: no
+// check). A CachingAllocator may be given a limit instead:
+//
+//   CachingAllocator::Options o;
+//   o.limit_bytes = size_t{4} << 30;                        // 4 GiB for what this cache serves
+//   auto cache = std::make_shared<CachingAllocator>(o);
+//   cache->available_bytes(Device::cpu());                   // 4 GiB minus the blocks in use
+//
+// and then refuses (ResourceError) any allocation that would take its blocks in use past it.
 // Thread-safe. Blocks are cached per device; CUDA blocks are reused without stream tracking, so
 // a CUDA caller must have finished with a block (synchronised) before freeing it.
 #pragma once
@@ -35,7 +50,18 @@ class Allocator {
   virtual void* allocate(size_t nbytes, Device device) = 0;
   // Returns a block from allocate() with the same nbytes and device.
   virtual void deallocate(void* p, size_t nbytes, Device device) noexcept = 0;
+  // The bytes allocate() can still hand out on `device` (NOTE [memory limit]), or -1 when
+  // unknown. Default: the machine's figure (machine_available_bytes). Cheap enough to call per
+  // transition only for allocators with a limit: the machine's figure reads /proc (microseconds).
+  virtual int64_t available_bytes(Device device) const;
+  // The configured limit on the bytes in use (0: none, the machine's memory is the limit).
+  virtual int64_t limit_bytes() const { return 0; }
 };
+
+// The memory the machine can still give on `device` now: MemAvailable from /proc/meminfo for the
+// CPU (fallback: free physical pages from sysconf), cudaMemGetInfo's free bytes for a CUDA
+// device; -1 when unknown (no CUDA in this build, no GPU, nothing readable).
+int64_t machine_available_bytes(Device device);
 
 // The system allocator (what a Storage without an allocator uses).
 void* system_allocate(size_t nbytes, Device device);
@@ -46,11 +72,16 @@ class CachingAllocator final : public Allocator {
   struct Options {
     size_t max_cached_bytes = size_t{1} << 30;  // free blocks kept; beyond it the oldest go back
     size_t min_block = size_t{256} << 10;       // smaller blocks bypass the cache (malloc is fine)
+    // The most bytes in use (handed out and not yet freed) per device; an allocation past it
+    // throws ResourceError naming the request, the limit and what is in use. Cached free blocks
+    // do not count (they are given back to make room). 0: no limit but the machine's.
+    size_t limit_bytes = 0;
   };
   struct Stats {
     size_t cached_bytes = 0;  // free blocks held now
     int64_t hits = 0;         // allocations served from the cache
     int64_t misses = 0;       // allocations of cacheable size that went to the system
+    size_t in_use_bytes = 0;  // blocks handed out and not freed, every device (block sizes)
   };
 
   CachingAllocator() : CachingAllocator(Options{}) {}
@@ -61,6 +92,11 @@ class CachingAllocator final : public Allocator {
 
   void* allocate(size_t nbytes, Device device) override;
   void deallocate(void* p, size_t nbytes, Device device) noexcept override;
+
+  // With a limit: the limit minus the bytes in use on `device` (cached free blocks are
+  // available). Without: the machine's available bytes plus the cached free blocks (-1 unknown).
+  int64_t available_bytes(Device device) const override;
+  int64_t limit_bytes() const override { return static_cast<int64_t>(options_.limit_bytes); }
 
   // Gives every cached free block back to the system (PyTorch's empty_cache).
   void release_cached();
@@ -74,6 +110,9 @@ class CachingAllocator final : public Allocator {
  private:
   using Key = std::tuple<int, int, size_t>;  // device type, device index, block size
   void evict_oldest_locked(std::vector<std::pair<Key, void*>>& out);
+  // Counts size bytes in use on device, refusing past the limit (REQUIRES: mu_ held).
+  void reserve_locked(size_t size, Device device, size_t requested);
+  size_t& in_use_locked(Device device) { return in_use_[{static_cast<int>(device.type), device.index}]; }
 
   Options options_;
   mutable std::mutex mu_;
@@ -81,6 +120,7 @@ class CachingAllocator final : public Allocator {
   std::map<uint64_t, Key> age_;                           // oldest free block first
   uint64_t clock_ = 0;
   Stats stats_;
+  std::map<std::pair<int, int>, size_t> in_use_;  // (device type, index) -> bytes handed out
 };
 
 }  // namespace kernels

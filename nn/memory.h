@@ -44,6 +44,10 @@ class TrackingAllocator final : public kernels::Allocator {
     inner_->deallocate(p, nbytes, device);
   }
 
+  // The inner allocator's figures (its limit, when it has one: NOTE [memory limit]).
+  int64_t available_bytes(kernels::Device device) const override { return inner_->available_bytes(device); }
+  int64_t limit_bytes() const override { return inner_->limit_bytes(); }
+
   int64_t live_bytes() const { return live_.load(); }
   int64_t peak_bytes() const { return peak_.load(); }
   void reset_peak() { peak_.store(live_.load()); }

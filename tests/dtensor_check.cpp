@@ -46,6 +46,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <limits>
 #include <optional>
 #include <random>
 #include <string>
@@ -63,6 +64,7 @@
 #include "dtensor/placement.h"
 #include "dtensor/plan/planner.h"
 #include "dtensor/spec.h"
+#include "kernels/allocator.h"
 #include "kernels/checked.h"
 #include "kernels/device.h"
 #include "kernels/error.h"
@@ -293,6 +295,7 @@ std::string rank_line(const RankResult& r) {
 struct RedistributeArgs {
   std::string mesh, shape, from, to, dtype = "f32", backend = "local", planner = "search", names;
   int64_t timeout_ms = 60'000;
+  int64_t memory_limit = 0;  // bytes the redistribute may allocate per rank (0: the machine's memory)
   int inject_failure = -1;  // test of the failure path: this rank fails before redistributing
 };
 
@@ -302,7 +305,17 @@ struct Prepared {
   DTensorSpec src, dst;
   Plan plan;
   int64_t modulus = testing_support::kDefaultModulus;
+  int64_t memory_limit = 0;
   int inject_failure = -1;
+
+  // The allocator of a rank's MeshComms: the default (the machine's memory), or one capped at
+  // --memory-limit (NOTE [memory limit] in kernels/allocator.h).
+  std::shared_ptr<kernels::Allocator> allocator() const {
+    if (memory_limit <= 0) return nullptr;
+    kernels::CachingAllocator::Options o;
+    o.limit_bytes = static_cast<size_t>(memory_limit);
+    return std::make_shared<kernels::CachingAllocator>(o);
+  }
 };
 
 Prepared prepare(const RedistributeArgs& a) {
@@ -318,6 +331,7 @@ Prepared prepare(const RedistributeArgs& a) {
   p.dst = dtensor::make_spec(p.mesh, p.plan.dst, shape, dtype);
   p.modulus = testing_support::exact_modulus(dtype, p.mesh->size());
   p.inject_failure = a.inject_failure;
+  p.memory_limit = a.memory_limit;
   return p;
 }
 
@@ -358,7 +372,7 @@ std::vector<RankResult> run_threads(const Prepared& p, bool nccl, Millis timeout
         program::on_rank(world.rank(), [&] {
           std::unique_ptr<Communicator> gpu;
           if (nccl) gpu = collectives::nccl_communicator(world, world.rank(), timeout);
-          MeshComms comms(*p.mesh, nccl ? *gpu : world);
+          MeshComms comms(*p.mesh, nccl ? *gpu : world, {}, p.allocator());
           results[world.rank()] =
               run_rank(p, comms, nccl ? kernels::Device::cuda(world.rank()) : kernels::Device{});
         });
@@ -387,7 +401,7 @@ int run_mpi(collectives::MpiWorld& mpi, const Prepared& p, const std::string& me
   const std::unique_ptr<Communicator> world = mpi.communicator(timeout);
   const std::unique_ptr<Communicator> control = mpi.communicator(control_timeout(timeout));
   std::optional<MeshComms> comms;
-  comms.emplace(*p.mesh, *world);
+  comms.emplace(*p.mesh, *world, std::vector<std::vector<int>>{}, p.allocator());
   if (mpi.rank() == 0) {
     fmt::print("{}\n", plan_line(p.plan));
     std::fflush(stdout);
@@ -928,6 +942,9 @@ int main(int argc, char** argv) {
     redistribute->add_option("--planner", rargs.planner, "search (default) or greedy (PyTorch's)");
     redistribute->add_option("--names", rargs.names, "mesh dim names, comma-separated (dp,tp)");
     program::add_timeout(*redistribute, rargs.timeout_ms);
+    redistribute->add_option("--memory-limit", rargs.memory_limit,
+                             "bytes the redistribute may allocate per rank (default: the machine's available memory)")
+        ->check(CLI::Range(int64_t{1}, std::numeric_limits<int64_t>::max()));
     redistribute->add_option("--inject-failure", rargs.inject_failure, "this rank fails at once (tests the failure path)")
         ->group("");  // hidden
 

@@ -20,6 +20,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "dtensor/exec/memory_check.h"
+
 namespace dtensor {
 
 struct StepSchedule;
@@ -57,6 +59,8 @@ class ExecCache {
     std::lock_guard lk(mu_);
     return map_.size();
   }
+  // The memory check of transitions on these communicators (NOTE [memory gauge]).
+  MemoryGauge& memory_gauge() const { return gauge_; }
 
  private:
   // Looked up by a span as well (no vector built per look-up).
@@ -82,6 +86,7 @@ class ExecCache {
     bool operator()(const Key& a, std::span<const int64_t> b) const { return same(a, b); }
   };
   mutable std::mutex mu_;
+  mutable MemoryGauge gauge_;
   std::unordered_map<Key, std::shared_ptr<const StepSchedule>, Hash, Equal> map_;
   std::unordered_map<Key, std::shared_ptr<const Recipe>, Hash, Equal> recipes_;
 };

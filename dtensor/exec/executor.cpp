@@ -12,6 +12,7 @@
 #include <functional>
 
 #include "dtensor/exec/exec_cache.h"
+#include "dtensor/exec/memory_check.h"
 #include "kernels/error.h"
 #include "kernels/reduce.h"
 
@@ -272,6 +273,8 @@ struct Recipe {
     std::array<std::shared_ptr<const StepSchedule>, static_cast<size_t>(Path::kCount)> by_path;
   };
   std::vector<PerStep> per_step;
+  // The bytes issuing allocates on this rank without an out, and with one (memory_check.h).
+  int64_t bytes = 0, bytes_with_out = 0;
 };
 
 namespace {
@@ -471,6 +474,16 @@ bool same_view(const Tensor& a, const Tensor& b) {
          a.storage_offset() == b.storage_offset() && a.shape() == b.shape() && a.strides() == b.strides();
 }
 
+// The bytes a transition allocates (memory_check.h), from the executor's step dtypes.
+int64_t batch_bytes(const MeshComms& comms, const Plan& plan, const std::vector<Item>& items,
+                    const std::vector<ExecStep>& steps, bool outs) {
+  std::vector<const DTensorSpec*> specs;
+  std::vector<StepDTypes> dtypes;
+  for (const Item& it : items) specs.push_back(it.spec);
+  for (const ExecStep& p : steps) dtypes.push_back({p.in, p.out, p.work, p.post_scale != 1.0});
+  return transition_bytes(plan, specs, comms, dtypes, outs);
+}
+
 class Issuer {
  public:
   // A batch: schedules per tensor from the step cache.
@@ -490,6 +503,7 @@ class Issuer {
   }
 
   ExecHandle run() {
+    check_memory();
     works_.reserve(plan_.steps.size());
     for (size_t i = 0; i < plan_.steps.size(); ++i) {
       const Placements& before = plan_.states[i];
@@ -558,6 +572,19 @@ class Issuer {
 
   Communicator& comm() const { return comms_.dim(m_); }
   const ExecStep& sp() const { return (*steps_)[step_]; }
+
+  // Refuses, before any buffer is allocated, a transition the allocator cannot serve
+  // (NOTE [memory limit] in kernels/allocator.h); a recipe knows its bytes already.
+  void check_memory() const {
+    const bool outs = !outs_.empty();
+    const int64_t need = recipe_ != nullptr ? (outs ? recipe_->bytes_with_out : recipe_->bytes)
+                                            : batch_bytes(comms_, plan_, items_, *steps_, outs);
+    comms_.exec_cache().memory_gauge().check(need, comms_.allocator().get(), device(), comms_.rank(), [&] {
+      return fmt::format("redistribute [{}] -> [{}] of {} [{}]{}", to_string(plan_.src), to_string(plan_.dst),
+                         kernels::to_string(items_[0].spec->dtype), fmt::join(items_[0].spec->shape, ","),
+                         items_.size() > 1 ? fmt::format(" (and {} more tensors)", items_.size() - 1) : "");
+    });
+  }
   kernels::Device device() const { return items_[0].local.device(); }
   Tensor alloc(const Dims& shape, DType dtype) const {
     return Tensor::empty(shape, dtype, device(), comms_.allocator());
@@ -1003,6 +1030,9 @@ std::shared_ptr<const Recipe> make_recipe(const MeshComms& comms, const Plan& pl
     }
     r->per_step.push_back(std::move(ps));
   }
+  const std::vector<Item> item{{&spec, Tensor()}};
+  r->bytes = batch_bytes(comms, plan, item, r->steps, false);
+  r->bytes_with_out = batch_bytes(comms, plan, item, r->steps, true);
   return r;
 }
 

@@ -32,8 +32,10 @@
 // and can never pair one rank's step of the first with another rank's step of the second (a
 // mismatch, or a deadlock when each waits for input the other has not produced). Any number of
 // redistributes may be in flight on one mesh; on each communicator they complete in issue order.
-// Buffers are allocated at issue, so issuing never waits for data. The inputs must stay
-// unchanged, and the outputs unread, until the handle is ready.
+// Buffers are allocated at issue, so issuing never waits for data; before the first one, issue
+// checks the bytes they take against what the mesh's allocator can hand out and throws
+// ResourceError naming both when they do not fit (NOTE [memory limit], memory_check.h). The
+// inputs must stay unchanged, and the outputs unread, until the handle is ready.
 //
 // NOTE [reduce policy] The reducing steps of a plan (all_reduce, reduce_scatter, and the
 // exchange + local reduce of an uneven reduce-scatter) compute in policy.reduce_dtype: the data

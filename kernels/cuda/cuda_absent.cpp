@@ -20,6 +20,7 @@ namespace {
 void cuda_check_device(int) { no_cuda(); }
 void* cuda_malloc(size_t, int) { no_cuda(); }
 void cuda_free(void*, int) noexcept {}
+int64_t cuda_available_bytes(int) noexcept { return -1; }
 void cuda_memcpy(void*, Device, const void*, Device, size_t) { no_cuda(); }
 void cuda_copy_cast(void*, DType, const Dims&, const void*, DType, const Dims&, const Dims&, int) {
   no_cuda();

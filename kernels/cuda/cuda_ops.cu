@@ -228,6 +228,21 @@ void cuda_free(void* ptr, int device) noexcept {
   (void)cudaGetLastError();
 }
 
+int64_t cuda_available_bytes(int device) noexcept {
+  int count = 0;
+  if (device < 0 || cudaGetDeviceCount(&count) != cudaSuccess || device >= count) {
+    (void)cudaGetLastError();
+    return -1;
+  }
+  int previous = -1;
+  if (cudaGetDevice(&previous) == cudaSuccess && previous != device) (void)cudaSetDevice(device);
+  size_t free_bytes = 0, total = 0;
+  const bool ok = cudaMemGetInfo(&free_bytes, &total) == cudaSuccess;
+  if (previous >= 0 && previous != device) (void)cudaSetDevice(previous);
+  (void)cudaGetLastError();
+  return ok ? static_cast<int64_t>(free_bytes) : -1;
+}
+
 void cuda_memcpy(void* dst, Device dst_device, const void* src, Device src_device, size_t nbytes) {
   if (nbytes == 0) return;
   if (dst_device.is_cpu() && src_device.is_cpu()) {

@@ -27,6 +27,9 @@ void cuda_check_device(int device);
 void* cuda_malloc(size_t nbytes, int device);
 // Never throws (errors at process exit are ignored).
 void cuda_free(void* ptr, int device) noexcept;
+// The free bytes of the device (cudaMemGetInfo), or -1 when unknown (no CUDA, no such device).
+// Never throws.
+int64_t cuda_available_bytes(int device) noexcept;
 // Copies nbytes between any two of host and CUDA memory; returns when the copy is complete.
 void cuda_memcpy(void* dst, Device dst_device, const void* src, Device src_device, size_t nbytes);
 // dst[i] = cast(src[i]) for every multi-index i of shape (NOTE [cast rules] in

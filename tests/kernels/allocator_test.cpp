@@ -1,6 +1,7 @@
 // Allocators (kernels/allocator.h): CachingAllocator's size classes, hits and misses, the cap on
 // cached bytes, release_cached, alignment, thread safety; Storage and Tensor::empty through an
-// allocator (the storage keeps it alive; free / reallocate / resize go through it).
+// allocator (the storage keeps it alive; free / reallocate / resize go through it); a limit on the
+// bytes in use (NOTE [memory limit]) and the bytes available.
 #include "kernels/allocator.h"
 
 #include <atomic>
@@ -12,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "kernels/error.h"
 #include "kernels/storage.h"
 #include "kernels/tensor.h"
 
@@ -341,4 +343,44 @@ TEST_CASE("caching allocator: a freed block that does not fit evicts the oldest 
   void* huge = cache.allocate(4 * MiB, cpu);
   cache.deallocate(huge, 4 * MiB, cpu);
   CHECK(cache.stats().cached_bytes == MiB);
+}
+
+TEST_CASE("caching allocator: a limit on the bytes in use refuses past it; available_bytes", "[kernels][allocator]") {
+  CachingAllocator::Options o;
+  o.limit_bytes = size_t{1} << 20;
+  o.min_block = size_t{64} << 10;
+  CachingAllocator a(o);
+  const Device cpu{};
+  CHECK(a.limit_bytes() == int64_t{1} << 20);
+  CHECK(a.available_bytes(cpu) == int64_t{1} << 20);
+  void* big = a.allocate(size_t{512} << 10, cpu);  // cacheable
+  void* small = a.allocate(1000, cpu);             // below min_block: still counted
+  CHECK(a.stats().in_use_bytes == (size_t{512} << 10) + 1000);
+  CHECK(a.available_bytes(cpu) == (int64_t{512} << 10) - 1000);
+  try {
+    (void)a.allocate(size_t{600} << 10, cpu);
+    FAIL("an allocation past the limit was served");
+  } catch (const ResourceError& e) {
+    const std::string m = e.what();
+    CHECK_THAT(m, Catch::Contains(std::to_string(size_t{600} << 10)) && Catch::Contains("1048576") &&
+                      Catch::Contains(std::to_string((size_t{512} << 10) + 1000)));
+  }
+  CHECK(a.stats().in_use_bytes == (size_t{512} << 10) + 1000);  // the refused request left no trace
+  a.deallocate(big, size_t{512} << 10, cpu);
+  CHECK(a.stats().cached_bytes == size_t{512} << 10);
+  CHECK(a.available_bytes(cpu) == (int64_t{1} << 20) - 1000);  // cached blocks are available
+  // The cache makes room: a different size past (in use + cached) fits once the cache is given back.
+  void* other = a.allocate(size_t{768} << 10, cpu);
+  CHECK(a.stats().cached_bytes == 0);
+  CHECK(a.available_bytes(cpu) == (int64_t{256} << 10) - 1000);
+  a.deallocate(other, size_t{768} << 10, cpu);
+  a.deallocate(small, 1000, cpu);
+  CHECK(a.stats().in_use_bytes == 0);
+  CHECK(a.available_bytes(cpu) == int64_t{1} << 20);
+
+  // Without a limit: the machine's figure (plus the cache), which this machine has.
+  CachingAllocator unlimited;
+  CHECK(unlimited.limit_bytes() == 0);
+  CHECK(unlimited.available_bytes(cpu) > 0);
+  CHECK(machine_available_bytes(cpu) > 0);
 }
