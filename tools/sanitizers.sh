@@ -3,8 +3,8 @@
 # targets its tests need, at -O1 (fast to build, close enough to release to find real bugs),
 # and runs those tests; tools/test_summary.py counts them with the main tree's.
 #   tools/sanitizers.sh asan   build-asan: gcc, AddressSanitizer + UndefinedBehaviorSanitizer;
-#                              every local-backend test, the programs' bad inputs and one mpirun
-#                              test (OpenMPI's own leaks suppressed: tools/sanitizers/lsan.supp)
+#                              every local-backend test (FSDP, checkpoints and fsdp-train included),
+#                              the programs' bad inputs and one mpirun test (OpenMPI's own leaks suppressed: tools/sanitizers/lsan.supp)
 #   tools/sanitizers.sh tsan   build-tsan: gcc, ThreadSanitizer, no MPI: the collectives and
 #                              dtensor tests (ranks as threads)
 #   tools/sanitizers.sh fuzz   build-fuzz: clang + libFuzzer: layout-fuzz (the mesh and
@@ -22,10 +22,14 @@ case $kind in
     opts=(-Db_sanitize=address,undefined)
     targets=(tests/kernels/kernels_test tests/collectives/collectives_test tests/dtensor/dtensor_test
              tests/conformance/conformance_test tests/dtensor-check tests/plan-quality
-             bench/collectives-bench bench/dtensor-bench examples/layout-example examples/api-example)
+             bench/collectives-bench bench/dtensor-bench examples/layout-example examples/api-example
+             bench/kernels-bench bench/fsdp-bench bench/checkpoint-bench examples/fsdp-train
+             examples/checkpoint-tool  # every program of the bad-input runner
+             tests/fsdp/fsdp_test tests/checkpoint/checkpoint_test)
     tests=(kernels collectives-local conformance cli-layout cli-redistribute fuzz bench-smoke
            bench-smoke-detects-wrong dtensor-bench-smoke dtensor-bench-odd-world dtensor-bench-host-cost
-           bad-inputs layout-example api-example dtensor-asan)
+           bad-inputs layout-example api-example dtensor-asan fsdp checkpoint fsdp-train-fsdp4
+           fsdp-train-hsdp2x2xtp2-bf16 fsdp-train-checkpoint-resume)
     ;;
   tsan)
     dir=build-tsan
