@@ -458,8 +458,7 @@ Plan plan_redistribute(const DTensorSpec& src, const Placements& dst_in, Planner
   // miss). Only a search over its work budget returns greedy's route instead.
   if (kind == PlannerKind::kGreedy) return greedy(src, dst, cost, validity);
   if (std::optional<Plan> s = search(src, dst, cost, allow_partial_target, validity)) return std::move(*s);
-  Validity fresh(src, also_valid_for);
-  Plan g = greedy(src, dst, cost, fresh);
+  Plan g = greedy(src, dst, cost, validity);  // the layouts the search computed serve it too
   g.planner = PlannerKind::kSearch;
   return g;
 }
