@@ -96,18 +96,38 @@ void CachingAllocator::reserve_locked(size_t size, Device device, size_t request
 }
 
 size_t CachingAllocator::block_size(size_t nbytes) const {
-  if (nbytes < options_.min_block) return nbytes;
+  if (nbytes == 0) return 0;
   const size_t step = std::max<size_t>(std::bit_floor(nbytes) / 8, 64);
   return (nbytes + step - 1) / step * step;
+}
+
+// Small classes in order: 64, 128, ..., 448 (multiples of 64 below 512), then from 512 up eight
+// per power of two b: b, b + b/8, ..., b + 7b/8.
+int CachingAllocator::small_class(size_t size, Device device) const {
+  if (!device.is_cpu() || size == 0 || size >= options_.min_block || options_.max_small_cached_bytes == 0) return -1;
+  if (size < 512) return static_cast<int>(size / 64) - 1;
+  const size_t b = std::bit_floor(size);
+  return 7 + (std::countr_zero(b) - 9) * 8 + static_cast<int>((size - b) / (b / 8));
 }
 
 void* CachingAllocator::allocate(size_t nbytes, Device device) {
   const size_t size = block_size(nbytes);
   bool make_room = false;
+  const int cls = small_class(size, device);
   {
     std::lock_guard lk(mu_);
     reserve_locked(size, device, nbytes);  // throws past the limit
-    if (size >= options_.min_block) {
+    if (cls >= 0) {
+      if (static_cast<size_t>(cls) < small_.size() && !small_[cls].empty()) {
+        void* p = small_[cls].back();
+        small_[cls].pop_back();
+        small_cached_bytes_ -= size;
+        stats_.cached_bytes -= size;
+        ++stats_.hits;
+        return p;
+      }
+      ++stats_.misses;
+    } else if (size >= options_.min_block) {
       auto it = free_.find(Key{static_cast<int>(device.type), device.index, size});
       if (it != free_.end()) {
         void* p = it->second.second;
@@ -157,10 +177,21 @@ void CachingAllocator::deallocate(void* p, size_t nbytes, Device device) noexcep
   const size_t size = block_size(nbytes);
   std::vector<std::pair<Key, void*>> evicted;
   bool cached = false;
+  const int cls = small_class(size, device);
   {
     std::lock_guard lk(mu_);
     in_use_locked(device) -= size;
     stats_.in_use_bytes -= size;
+    if (cls >= 0 && small_cached_bytes_ + size <= options_.max_small_cached_bytes) {
+      try {
+        if (small_.size() <= static_cast<size_t>(cls)) small_.resize(static_cast<size_t>(cls) + 1);
+        small_[cls].push_back(p);
+        small_cached_bytes_ += size;
+        stats_.cached_bytes += size;
+        return;
+      } catch (const std::bad_alloc&) {  // no room for the list entry: the block goes back
+      }
+    }
   }
   if (size >= options_.min_block && size <= options_.max_cached_bytes) {
     std::lock_guard lk(mu_);
@@ -179,15 +210,21 @@ void CachingAllocator::deallocate(void* p, size_t nbytes, Device device) noexcep
 
 void CachingAllocator::release_cached() {
   std::multimap<Key, std::pair<uint64_t, void*>> blocks;
+  std::vector<std::vector<void*>> small;
   {
     std::lock_guard lk(mu_);
     blocks.swap(free_);
+    small.swap(small_);
     age_.clear();
     stats_.cached_bytes = 0;
+    small_cached_bytes_ = 0;
   }
   for (const auto& [key, entry] : blocks)
     system_deallocate(entry.second, std::get<2>(key),
                       Device{static_cast<DeviceType>(std::get<0>(key)), std::get<1>(key)});
+  // Small lists: CPU blocks; class c's size is the block size its members were freed with.
+  for (const std::vector<void*>& list : small)
+    for (void* q : list) system_deallocate(q, 0, Device::cpu());
 }
 
 CachingAllocator::Stats CachingAllocator::stats() const {

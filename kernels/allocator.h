@@ -1,9 +1,11 @@
 // Allocators for Storage. The default (no allocator) takes every block from the system and gives
-// it back on free. A CachingAllocator keeps freed blocks of at least `min_block` bytes and hands
-// them out again, so a loop that allocates the same sizes every iteration (redistribute outputs,
-// exchange buffers, FSDP's unsharded parameters) stops paying for fresh pages: on Linux a block
-// above glibc's mmap threshold (at most 32 MiB) is new memory on every malloc, and touching it
-// page-faults and zeroes every 4 KiB page (measured: 3-7x the time of the copy into it).
+// it back on free. A CachingAllocator keeps freed blocks and hands them out again, so a loop that
+// allocates the same sizes every iteration (redistribute outputs, exchange buffers, FSDP's
+// unsharded parameters) stops paying for fresh pages: on Linux a block above glibc's mmap
+// threshold (at most 32 MiB) is new memory on every malloc, and touching it page-faults and
+// zeroes every 4 KiB page (measured: 3-7x the time of the copy into it). Small CPU blocks (below
+// `min_block`) are kept too, in a free list per size class: a 64-byte aligned malloc and free
+// cost about as much as the rest of a cached redistribute of a tiny tensor.
 //
 //   auto cache = std::make_shared<CachingAllocator>();
 //   Tensor a = Tensor::empty({1 << 24}, DType::kF32, Device::cpu(), cache);
@@ -71,14 +73,18 @@ class CachingAllocator final : public Allocator {
  public:
   struct Options {
     size_t max_cached_bytes = size_t{1} << 30;  // free blocks kept; beyond it the oldest go back
-    size_t min_block = size_t{256} << 10;       // smaller blocks bypass the cache (malloc is fine)
+    size_t min_block = size_t{256} << 10;       // smaller blocks: the per-class lists below
+    // Free CPU blocks below min_block kept in per-class lists (never evicted by age: past this
+    // many bytes a freed small block goes back to the system). 0: small blocks bypass the cache.
+    // Other devices' small blocks always bypass it.
+    size_t max_small_cached_bytes = size_t{16} << 20;
     // The most bytes in use (handed out and not yet freed) per device; an allocation past it
     // throws ResourceError naming the request, the limit and what is in use. Cached free blocks
     // do not count (they are given back to make room). 0: no limit but the machine's.
     size_t limit_bytes = 0;
   };
   struct Stats {
-    size_t cached_bytes = 0;  // free blocks held now
+    size_t cached_bytes = 0;  // free blocks held now (small ones included)
     int64_t hits = 0;         // allocations served from the cache
     int64_t misses = 0;       // allocations of cacheable size that went to the system
     size_t in_use_bytes = 0;  // blocks handed out and not freed, every device (block sizes)
@@ -103,13 +109,16 @@ class CachingAllocator final : public Allocator {
   Stats stats() const;
 
   // The size a request is served with: nbytes rounded up to an eighth of its power of two
-  // (at most 12.5% more from 512 bytes up; the step is at least 64 bytes), so nearby sizes
-  // share blocks. Requests below min_block are unchanged.
+  // (at most 12.5% more from 512 bytes up; the step is at least 64 bytes, so below 512 bytes a
+  // multiple of 64), so nearby sizes share blocks. 0 stays 0.
   size_t block_size(size_t nbytes) const;
 
  private:
   using Key = std::tuple<int, int, size_t>;  // device type, device index, block size
   void evict_oldest_locked(std::vector<std::pair<Key, void*>>& out);
+  // The free list of a small CPU block size (a block_size below min_block), or -1 when such
+  // blocks are not cached.
+  int small_class(size_t size, Device device) const;
   // Counts size bytes in use on device, refusing past the limit (REQUIRES: mu_ held).
   void reserve_locked(size_t size, Device device, size_t requested);
   size_t& in_use_locked(Device device) { return in_use_[{static_cast<int>(device.type), device.index}]; }
@@ -121,6 +130,8 @@ class CachingAllocator final : public Allocator {
   uint64_t clock_ = 0;
   Stats stats_;
   std::map<std::pair<int, int>, size_t> in_use_;  // (device type, index) -> bytes handed out
+  std::vector<std::vector<void*>> small_;          // per small_class: free CPU blocks
+  size_t small_cached_bytes_ = 0;
 };
 
 }  // namespace kernels

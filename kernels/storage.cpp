@@ -9,12 +9,12 @@
 
 namespace kernels {
 
-Storage::Storage(size_t nbytes, Device device, std::shared_ptr<Allocator> allocator)
+Storage::Storage(Key, size_t nbytes, Device device, std::shared_ptr<Allocator> allocator)
     : nbytes_(nbytes), device_(device), allocator_(std::move(allocator)) {}
 
 std::shared_ptr<Storage> Storage::allocate(size_t nbytes, Device device, std::shared_ptr<Allocator> allocator) {
   if (device.is_cuda()) detail::cuda_check_device(device.index);  // even for zero bytes
-  std::shared_ptr<Storage> s(new Storage(nbytes, device, std::move(allocator)));
+  auto s = std::make_shared<Storage>(Key{}, nbytes, device, std::move(allocator));
   s->reallocate();
   return s;
 }

@@ -21,6 +21,12 @@ class Storage {
   // (re)allocation and free of this storage goes through it (kept alive by the storage).
   static std::shared_ptr<Storage> allocate(size_t nbytes, Device device,
                                            std::shared_ptr<Allocator> allocator = nullptr);
+  // For allocate() only (make_shared needs a public constructor: one allocation, not two).
+  class Key {
+    friend class Storage;
+    Key() = default;
+  };
+  Storage(Key, size_t nbytes, Device device, std::shared_ptr<Allocator> allocator);
   ~Storage();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
@@ -39,7 +45,6 @@ class Storage {
   void resize(size_t nbytes);
 
  private:
-  Storage(size_t nbytes, Device device, std::shared_ptr<Allocator> allocator);
   void release() noexcept;
   void* data_ = nullptr;
   size_t nbytes_ = 0;

@@ -270,6 +270,7 @@ struct Recipe {
   std::vector<ExecStep> steps;
   struct PerStep {
     Placements after;
+    bool plain = false;  // is_plain_step(the step, its placements before, the mesh)
     std::array<std::shared_ptr<const StepSchedule>, static_cast<size_t>(Path::kCount)> by_path;
   };
   std::vector<PerStep> per_step;
@@ -475,7 +476,7 @@ bool same_view(const Tensor& a, const Tensor& b) {
 }
 
 // The bytes a transition allocates (memory_check.h), from the executor's step dtypes.
-int64_t batch_bytes(const MeshComms& comms, const Plan& plan, const std::vector<Item>& items,
+int64_t batch_bytes(const MeshComms& comms, const Plan& plan, std::span<const Item> items,
                     const std::vector<ExecStep>& steps, bool outs) {
   std::vector<const DTensorSpec*> specs;
   std::vector<StepDTypes> dtypes;
@@ -487,9 +488,9 @@ int64_t batch_bytes(const MeshComms& comms, const Plan& plan, const std::vector<
 class Issuer {
  public:
   // A batch: schedules per tensor from the step cache.
-  Issuer(const MeshComms& comms, const Plan& plan, std::vector<Item> items, std::vector<Tensor> outs,
+  Issuer(const MeshComms& comms, const Plan& plan, std::span<const Item> items, TensorList outs,
          const ReducePolicy& policy)
-      : comms_(comms), plan_(plan), items_(std::move(items)), outs_(std::move(outs)) {
+      : comms_(comms), plan_(plan), items_(items.begin(), items.end()), outs_(std::move(outs)) {
     const DType input = items_[0].spec->dtype;
     const DType output = outs_.empty() || !outs_[0].defined() ? input : outs_[0].dtype();
     own_steps_ = plan_dtypes(plan, comms.mesh(), input, output, policy);
@@ -520,15 +521,16 @@ class Issuer {
       k_ = comms_.mesh().size(m_);
       r_ = comms_.coord()[m_];
       const bool final_step = i + 1 == plan_.steps.size();
-      dests_.assign(items_.size(), Tensor());
+      dests_.clear();
+      if (final_step && !outs_.empty()) dests_.assign(items_.size(), Tensor());
       if (final_step && !outs_.empty())
         for (size_t j = 0; j < items_.size(); ++j)
           if (outs_[j].dtype() == sp().out) dests_[j] = outs_[j];
-      std::vector<Tensor> next = k_ == 1 ? single(step) : std::visit([&](const auto& s) { return this->run_step(s); }, step);
+      TensorList next = k_ == 1 ? single(step) : std::visit([&](const auto& s) { return this->run_step(s); }, step);
       for (size_t j = 0; j < items_.size(); ++j) items_[j].local = std::move(next[j]);
     }
     // The results into the caller's tensors where no step wrote them there.
-    std::vector<Tensor> results;
+    TensorList results;
     results.reserve(items_.size());
     for (size_t j = 0; j < items_.size(); ++j) {
       if (outs_.empty() || same_view(items_[j].local, outs_[j])) {
@@ -560,7 +562,6 @@ class Issuer {
     if (stream_ != nullptr && stream_ != &c) c.wait_for(last_);
     stream_ = &c;
     if (used_.empty() || (used_.back() != &c && std::find(used_.begin(), used_.end(), &c) == used_.end())) {
-      if (used_.empty()) used_.reserve(static_cast<size_t>(comms_.mesh().ndim()));
       used_.push_back(&c);
     }
     return c;
@@ -571,6 +572,10 @@ class Issuer {
   }
 
   Communicator& comm() const { return comms_.dim(m_); }
+  bool plain_step() const {
+    return recipe_ != nullptr ? recipe_->per_step[step_].plain
+                              : is_plain_step(plan_.steps[step_], *before_, comms_.mesh().shape());
+  }
   const ExecStep& sp() const { return (*steps_)[step_]; }
 
   // Refuses, before any buffer is allocated, a transition the allocator cannot serve
@@ -578,7 +583,7 @@ class Issuer {
   void check_memory() const {
     const bool outs = !outs_.empty();
     const int64_t need = recipe_ != nullptr ? (outs ? recipe_->bytes_with_out : recipe_->bytes)
-                                            : batch_bytes(comms_, plan_, items_, *steps_, outs);
+                                            : batch_bytes(comms_, plan_, {items_.data(), items_.size()}, *steps_, outs);
     comms_.exec_cache().memory_gauge().check(need, comms_.allocator().get(), device(), comms_.rank(), [&] {
       return fmt::format("redistribute [{}] -> [{}] of {} [{}]{}", to_string(plan_.src), to_string(plan_.dst),
                          kernels::to_string(items_[0].spec->dtype), fmt::join(items_[0].spec->shape, ","),
@@ -592,6 +597,7 @@ class Issuer {
   // The step's result for item j: the caller's out when it fits (the final step writes straight
   // into it), else a new tensor.
   Tensor result(size_t j, const Dims& shape, DType dtype, bool need_contiguous) const {
+    if (j >= dests_.size()) return alloc(shape, dtype);
     const Tensor& d = dests_[j];
     if (d.defined() && d.dtype() == dtype && d.shape() == shape && (!need_contiguous || d.is_contiguous())) return d;
     return alloc(shape, dtype);
@@ -603,8 +609,8 @@ class Issuer {
   }
 
   // ---- steps on a group of one: nothing moves ----
-  std::vector<Tensor> single(const Step& step) {
-    std::vector<Tensor> out;
+  TensorList single(const Step& step) {
+    TensorList out;
     const ExecStep& p = sp();
     const bool transform = is_reducing(step) && (p.in != p.out || p.reduction.pre_multiplier != 1.0 || p.post_scale != 1.0);
     for (size_t j = 0; j < items_.size(); ++j) {
@@ -628,17 +634,17 @@ class Issuer {
   }
 
   // ---- all-gather ----
-  std::vector<Tensor> run_step(const AllGather& s) {
+  TensorList run_step(const AllGather& s) {
     // A valid step that is not plain (a later mesh dim shards the dim too) gathers pieces that
     // are not the result's chunks in coordinate order: only the exchange places them.
-    bool direct = s.tensor_dim == 0 && is_plain_step(plan_.steps[step_], *before_, comms_.mesh().shape());
+    bool direct = s.tensor_dim == 0 && plain_step();
     if (items_.size() == 1 && direct) {
       // Straight from the local tensor into the result (the caller's out when contiguous).
       const std::shared_ptr<const StepSchedule> sc = sched(0, Path::kAllGather);
       if (sc->post_shape[0] % k_ == 0 && items_[0].local.is_contiguous()) {
         Tensor out = result(0, sc->post_shape, sp().work, true);
-        call(on(comm()).all_gather(flat(items_[0].local), flat(out)));
-        return {out};
+        call(on(comm()).all_gather(items_[0].local, out));  // contiguous: collectives go by numel
+        return {std::move(out)};
       }
       return exchange();
     }
@@ -653,9 +659,9 @@ class Issuer {
     int64_t total = 0;
     for (const Item& it : items_) total += it.local.numel();
     Tensor send = alloc({total}, dt), recv = alloc({k_ * total}, dt);
-    std::vector<Tensor> outs;
+    TensorList outs;
     for (size_t j = 0; j < items_.size(); ++j) outs.push_back(result(j, scheds[j]->post_shape, dt, false));
-    std::vector<Tensor> ins;
+    TensorList ins;
     for (const Item& it : items_) ins.push_back(it.local);
     local([=] {  // copy-in
       int64_t off = 0;
@@ -679,13 +685,13 @@ class Issuer {
     });
     return outs;
   }
-  std::vector<Tensor> run_step(const StridedAllGather&) { return exchange(); }
-  std::vector<Tensor> run_step(const AllToAll&) { return exchange(); }
-  std::vector<Tensor> run_step(const Regroup&) { return exchange(); }
+  TensorList run_step(const StridedAllGather&) { return exchange(); }
+  TensorList run_step(const AllToAll&) { return exchange(); }
+  TensorList run_step(const Regroup&) { return exchange(); }
 
   // ---- local steps ----
-  std::vector<Tensor> run_step(const LocalChunk&) {
-    std::vector<Tensor> out;
+  TensorList run_step(const LocalChunk&) {
+    TensorList out;
     for (size_t j = 0; j < items_.size(); ++j) {
       auto sc = sched(j, Path::kLocalChunk);
       Tensor o = result(j, sc->post_shape, sp().out, false);
@@ -701,8 +707,8 @@ class Issuer {
 
   // S(d) -> P(sum): zeros of the group's extent, this rank's shard at its place (what it holds of
   // the new layout; NOTE [step validity] makes every element of it held by one member).
-  std::vector<Tensor> run_step(const LocalEmbed&) {
-    std::vector<Tensor> out;
+  TensorList run_step(const LocalEmbed&) {
+    TensorList out;
     for (size_t j = 0; j < items_.size(); ++j) {
       const DTensorSpec& spec = *items_[j].spec;
       const ShardLayout pre = compute_layout(spec.shape, comms_.mesh().shape(), *before_, comms_.coord());
@@ -722,10 +728,10 @@ class Issuer {
     return out;
   }
 
-  std::vector<Tensor> run_step(const LocalPartial& s) {
+  TensorList run_step(const LocalPartial& s) {
     if (s.op == ReduceOp::kProd)
       throw kernels::Unsupported("Replicate -> P(prod) has no partition (PyTorch rejects it too)");
-    std::vector<Tensor> out;
+    TensorList out;
     const double scale = s.op == ReduceOp::kSum ? 1.0 / static_cast<double>(k_) : 1.0;
     for (size_t j = 0; j < items_.size(); ++j) {
       Tensor o = result(j, items_[j].local.shape(), sp().out, false);
@@ -746,7 +752,7 @@ class Issuer {
     if (!same_view(acc, dst)) dst.copy_(acc);
   }
 
-  std::vector<Tensor> run_step(const AllReduce&) {
+  TensorList run_step(const AllReduce&) {
     const ExecStep p = sp();
     Communicator& c = on(comm());
     int64_t total = 0;
@@ -755,7 +761,7 @@ class Issuer {
     // Input: the local tensor itself when it is contiguous and already in the reduce dtype, else
     // a copy (cast fused).
     Tensor in;
-    std::vector<Tensor> ins;
+    TensorList ins;
     for (const Item& it : items_) ins.push_back(it.local);
     if (single && ins[0].is_contiguous() && p.in == p.work) {
       in = ins[0].view({total});
@@ -775,7 +781,7 @@ class Issuer {
     Tensor direct = into_out ? result(0, ins[0].shape(), p.out, true) : Tensor();
     Tensor buf = into_out ? direct.view({total}) : alloc({total}, p.work);
     call(c.all_reduce(in, buf, p.reduction));
-    std::vector<Tensor> outs;
+    TensorList outs;
     if (into_out) return {direct};
     if (p.out == p.work && p.post_scale == 1.0 && dests_all_empty()) {
       int64_t off = 0;
@@ -801,12 +807,12 @@ class Issuer {
     return std::all_of(dests_.begin(), dests_.end(), [](const Tensor& t) { return !t.defined(); });
   }
 
-  std::vector<Tensor> run_step(const ReduceScatter&) {
+  TensorList run_step(const ReduceScatter&) {
     const ExecStep p = sp();
     const int64_t k = k_, r = r_;
     std::vector<std::shared_ptr<const StepSchedule>> sc;
     for (size_t j = 0; j < items_.size(); ++j) sc.push_back(sched(j, Path::kReduceScatter));
-    std::vector<Tensor> ins;
+    TensorList ins;
     for (const Item& it : items_) ins.push_back(it.local);
     Communicator& c = on(comm());
     // Member chunks that are consecutive flat ranges of one contiguous input: reduce-scatter
@@ -849,7 +855,7 @@ class Issuer {
       call(c.reduce_scatter(send, mine, p.reduction));
     } else {
       // Uneven chunks: exchange exactly, then reduce in member order (no padding on the wire).
-      std::vector<Tensor> got(k);
+      TensorList got(k);
       std::vector<P2POp> ops;
       for (int64_t g = 0; g < k; ++g) {
         if (g == r) continue;
@@ -868,7 +874,7 @@ class Issuer {
         if (red.op == ReduceOp::kAvg) kernels::scale_(mine, 1.0 / static_cast<double>(k));
       });
     }
-    std::vector<Tensor> outs;
+    TensorList outs;
     for (size_t j = 0; j < items_.size(); ++j) outs.push_back(result(j, sc[j]->post_shape, p.out, false));
     local([=] {
       if (p.post_scale != 1.0) kernels::scale_(mine, p.post_scale);
@@ -882,13 +888,13 @@ class Issuer {
   }
 
   // ---- exchanges (NOTE [exchange]) ----
-  std::vector<Tensor> exchange() { return comm().p2p_views() ? exchange_views() : exchange_packed(); }
+  TensorList exchange() { return comm().p2p_views() ? exchange_views() : exchange_packed(); }
 
   // Every piece goes from this rank's input straight into the peer's result (what this rank
   // keeps too, as a message to itself): one copy per element, nothing packed, all by the backend.
-  std::vector<Tensor> exchange_views() {
+  TensorList exchange_views() {
     const DType dt = sp().work;
-    std::vector<Tensor> out;
+    TensorList out;
     std::vector<P2POp> ops;
     for (size_t j = 0; j < items_.size(); ++j) {
       auto sc = sched(j, Path::kViews);
@@ -906,11 +912,11 @@ class Issuer {
   }
 
   // Per peer one contiguous send and one receive buffer (backends without views).
-  std::vector<Tensor> exchange_packed() {
+  TensorList exchange_packed() {
     const DType dt = sp().work;
     const int64_t k = k_, r = r_;
     std::vector<std::shared_ptr<const StepSchedule>> sc;
-    std::vector<Tensor> out, ins;
+    TensorList out, ins;
     std::vector<int64_t> send_n(k, 0), recv_n(k, 0);
     for (size_t j = 0; j < items_.size(); ++j) {
       sc.push_back(sched(j, Path::kPacked));
@@ -921,7 +927,7 @@ class Issuer {
         recv_n[g] += sc.back()->recv_n[g];
       }
     }
-    std::vector<Tensor> send_buf(k), recv_buf(k);
+    TensorList send_buf(k), recv_buf(k);
     std::vector<P2POp> ops;
     for (int64_t g = 0; g < k; ++g) {
       if (g == r) continue;
@@ -967,8 +973,8 @@ class Issuer {
   const MeshComms& comms_;
   const Plan& plan_;
   const Recipe* recipe_ = nullptr;
-  std::vector<Item> items_;
-  std::vector<Tensor> outs_;
+  boost::container::small_vector<Item, 1> items_;
+  TensorList outs_;
   std::vector<ExecStep> own_steps_;
   const std::vector<ExecStep>* steps_ = nullptr;
   // The current step.
@@ -978,12 +984,12 @@ class Issuer {
   Placements own_after_;
   int m_ = 0;
   int64_t k_ = 1, r_ = 0;
-  std::vector<Tensor> dests_;  // per item: the caller's out when this step may write into it
+  TensorList dests_;  // per item: the caller's out when this step may write into it
   // Where the data is: the communicator whose queue produces it (null: ready now) and its last call.
   Communicator* stream_ = nullptr;
   WorkPtr last_;
-  std::vector<WorkPtr> works_;
-  std::vector<Communicator*> used_;
+  WorkList works_;
+  CommList used_;
 };
 
 std::string shape_text(const Dims& d) { return fmt::format("[{}]", fmt::join(d, ",")); }
@@ -1004,6 +1010,7 @@ std::shared_ptr<const Recipe> make_recipe(const MeshComms& comms, const Plan& pl
     const Placements& before = plan.states[i];
     Recipe::PerStep ps;
     ps.after = apply_step(step, before);
+    ps.plain = is_plain_step(step, before, comms.mesh().shape());
     const int m = mesh_dim_of(step);
     if (comms.mesh().size(m) > 1) {
       const DType moved = r->steps[i].work;
@@ -1065,6 +1072,9 @@ ExecHandle& ExecHandle::operator=(ExecHandle&& other) noexcept {
     works_ = std::move(other.works_);
     results_ = std::move(other.results_);
     used_ = std::move(other.used_);
+    other.works_.clear();  // a moved-from handle waits for nothing
+    other.results_.clear();
+    other.used_.clear();
     default_timeout_ = other.default_timeout_;
     done_ = other.done_;
     failed_ = other.failed_;
@@ -1089,9 +1099,11 @@ bool ExecHandle::ready() {
   return true;
 }
 
-const std::vector<Tensor>& ExecHandle::wait(Milliseconds timeout) {
-  if (done_ == works_.size() && !failed_) return results_;
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+std::span<const Tensor> ExecHandle::wait(Milliseconds timeout) {
+  if (done_ == works_.size() && !failed_) return results();
+  // One call left (a one-collective transition): its own timeout is the whole budget, no clock.
+  const auto deadline = done_ + 1 == works_.size() ? std::chrono::steady_clock::time_point{}
+                                                   : std::chrono::steady_clock::now() + timeout;
   for (size_t i = done_; i < works_.size(); ++i) {
     const auto left = i == done_ ? timeout
                                  : std::max(Milliseconds{0}, std::chrono::duration_cast<Milliseconds>(
@@ -1112,7 +1124,7 @@ const std::vector<Tensor>& ExecHandle::wait(Milliseconds timeout) {
     }
     done_ = i + 1;
   }
-  return results_;
+  return results();
 }
 
 // ---- entry points ----
@@ -1144,8 +1156,10 @@ ExecHandle issue_batch(const Plan& plan, std::span<const DTensorSpec> specs, std
       throw InvalidArgument(fmt::format("execute: tensor {} has global shape {}, which the plan {} was not made for "
                                         "(plan it for this shape)",
                                         i, shape_text(items[i].spec->shape), to_string(plan)));
-  std::vector<Tensor> out_list(outs.begin(), outs.end());
-  if (!comms.in_mesh() || items.empty()) return ExecHandle({}, out_list.empty() ? std::vector<Tensor>(locals.begin(), locals.end()) : out_list, collectives::kDefaultTimeout);
+  TensorList out_list(outs.begin(), outs.end());
+  if (!comms.in_mesh() || items.empty())
+    return ExecHandle({}, out_list.empty() ? TensorList(locals.begin(), locals.end()) : out_list,
+                      collectives::kDefaultTimeout);
   for (size_t i = 0; i < items.size(); ++i) {
     const Item& it = items[i];
     const ShardLayout l = *it.spec->layout(comms.rank());
@@ -1174,7 +1188,7 @@ ExecHandle issue_batch(const Plan& plan, std::span<const DTensorSpec> specs, std
       if (o.numel() > 0 && in.numel() > 0 && o.shares_storage_with(in))
         throw InvalidArgument(fmt::format("execute: out tensor {} shares storage with an input tensor", i));
   }
-  return Issuer(comms, plan, std::move(items), std::move(out_list), policy).run();
+  return Issuer(comms, plan, items, std::move(out_list), policy).run();
 }
 
 ExecHandle issue(const Plan& plan, const DTensorSpec& src, const Tensor& local, const MeshComms& comms,
@@ -1233,7 +1247,8 @@ ExecHandle issue_to(const DTensorSpec& src, const Placements& dst, PlannerKind p
 std::vector<Tensor> execute_batch(const Plan& plan, std::span<const DTensorSpec> specs, std::span<const Tensor> locals,
                                   const MeshComms& comms, const ReducePolicy& policy, std::span<const Tensor> outs) {
   ExecHandle h = issue_batch(plan, specs, locals, comms, policy, outs);
-  return h.wait();
+  const std::span<const Tensor> r = h.wait();
+  return {r.begin(), r.end()};
 }
 
 Tensor execute(const Plan& plan, const DTensorSpec& src, const Tensor& local, const MeshComms& comms,

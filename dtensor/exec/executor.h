@@ -57,6 +57,7 @@
 // takes none.
 #pragma once
 
+#include <boost/container/small_vector.hpp>
 #include <optional>
 #include <span>
 #include <vector>
@@ -79,16 +80,21 @@ struct ReducePolicy {
   bool force_sum = false;                      // FSDP2's force_sum_reduction_for_comms
 };
 
+// Lists of an issue that hold one or two entries on the common path (one tensor, one collective):
+// inline, so a cached redistribute allocates only its result (host cost, bench/RESULTS.md).
+using TensorList = boost::container::small_vector<Tensor, 1>;
+using WorkList = boost::container::small_vector<collectives::WorkPtr, 2>;
+using CommList = boost::container::small_vector<collectives::Communicator*, 2>;
+
 // A redistribute in flight (NOTE [deferred plans]): its results and the calls producing them.
 // Destroying a pending handle completes its calls first (bounded by the communicators'
 // timeout), unless the thread unwinds an exception.
 class ExecHandle {
  public:
   ExecHandle() = default;
-  ExecHandle(std::vector<collectives::WorkPtr> works, std::vector<Tensor> results, Milliseconds default_timeout,
-             std::vector<collectives::Communicator*> used = {})
+  ExecHandle(WorkList&& works, TensorList&& results, Milliseconds default_timeout, CommList&& used = {})
       : works_(std::move(works)), results_(std::move(results)), default_timeout_(default_timeout), used_(std::move(used)) {}
-  ExecHandle(ExecHandle&&) noexcept = default;
+  ExecHandle(ExecHandle&& other) noexcept { *this = std::move(other); }
   ExecHandle& operator=(ExecHandle&& other) noexcept;
   ExecHandle(const ExecHandle&) = delete;
   ExecHandle& operator=(const ExecHandle&) = delete;
@@ -98,10 +104,10 @@ class ExecHandle {
   bool ready();
   // Blocks until every call finished, within `timeout` in all; rethrows the first failure (a
   // timeout names the call, its group and the missing ranks). Then the results are valid.
-  const std::vector<Tensor>& wait(Milliseconds timeout);
-  const std::vector<Tensor>& wait() { return wait(default_timeout_); }
+  std::span<const Tensor> wait(Milliseconds timeout);
+  std::span<const Tensor> wait() { return wait(default_timeout_); }
   // The result tensors (valid once ready; allocated, or the caller's `out`, from issue on).
-  const std::vector<Tensor>& results() const { return results_; }
+  std::span<const Tensor> results() const { return {results_.data(), results_.size()}; }
   // Calls made on the communicators (0 when every step was local).
   size_t calls() const { return works_.size(); }
   // The caller will not wait soon: the communicators' workers start on the calls now
@@ -110,10 +116,10 @@ class ExecHandle {
 
  private:
   void finish_quietly() noexcept;
-  std::vector<collectives::WorkPtr> works_;
-  std::vector<Tensor> results_;
+  WorkList works_;
+  TensorList results_;
   Milliseconds default_timeout_{collectives::kDefaultTimeout};
-  std::vector<collectives::Communicator*> used_;  // the communicators of the calls
+  CommList used_;  // the communicators of the calls
   size_t done_ = 0;     // works_[0, done_) have completed
   bool failed_ = false;  // wait() threw
 };

@@ -47,8 +47,16 @@ class RecordingAllocator final : public Allocator {
 
 TEST_CASE("caching allocator: block sizes round up to an eighth of the power of two", "[kernels][allocator]") {
   CachingAllocator cache;  // min_block 256 KiB
-  // Below min_block: unchanged (served by the system, never cached).
-  for (size_t n : {size_t{1}, size_t{63}, size_t{100}, 4 * KiB + 1, 256 * KiB - 1}) CHECK(cache.block_size(n) == n);
+  // Below 512 bytes: multiples of 64; from there the same eighths as above min_block.
+  CHECK(cache.block_size(0) == 0);
+  CHECK(cache.block_size(1) == 64);
+  CHECK(cache.block_size(63) == 64);
+  CHECK(cache.block_size(64) == 64);
+  CHECK(cache.block_size(100) == 128);
+  CHECK(cache.block_size(449) == 512);
+  CHECK(cache.block_size(513) == 576);
+  CHECK(cache.block_size(4 * KiB + 1) == 4 * KiB + 512);
+  CHECK(cache.block_size(256 * KiB - 1) == 256 * KiB);
   CHECK(cache.block_size(256 * KiB) == 256 * KiB);
   CHECK(cache.block_size(256 * KiB + 1) == 256 * KiB + 32 * KiB);
   CHECK(cache.block_size(MiB) == MiB);
@@ -60,15 +68,15 @@ TEST_CASE("caching allocator: block sizes round up to an eighth of the power of 
   CHECK(cache.block_size(96 * MiB) == 96 * MiB);
   CHECK(cache.block_size(96 * MiB + 1) == 104 * MiB);  // steps of 8 MiB between 64 and 128 MiB
   CHECK(cache.block_size(100 * MiB) == 104 * MiB);
-  // Never more than 12.5% above the request, never below it.
-  for (size_t n = 256 * KiB; n < 64 * MiB; n = n * 5 / 4 + 4097) {
+  // Never more than 12.5% above the request from 512 bytes up, never below it.
+  for (size_t n = 512; n < 64 * MiB; n = n * 5 / 4 + 97) {
     INFO(n);
     CHECK(cache.block_size(n) >= n);
     CHECK(cache.block_size(n) <= n + n / 8);
     CHECK(cache.block_size(cache.block_size(n)) == cache.block_size(n));  // a class is a fixed point
   }
   CachingAllocator small({.max_cached_bytes = MiB, .min_block = 1000});
-  CHECK(small.block_size(999) == 999);
+  CHECK(small.block_size(999) == 1024);
   CHECK(small.block_size(1000) == 1024);  // step 64 below 1 KiB
   CHECK(small.block_size(1025) == 1152);
 }
@@ -115,14 +123,69 @@ TEST_CASE("caching allocator: a freed block is handed out again; sizes of one cl
   cache.deallocate(c2, MiB, cpu);
   CHECK(cache.stats().cached_bytes == 2 * MiB + MiB + 128 * KiB);
 
-  // Small requests bypass the cache: neither a hit nor a miss, never cached.
+  // Small requests (below min_block) are cached too, in a list per class: 1000 and 1020 bytes
+  // are both 1 KiB blocks.
   void* s = cache.allocate(1000, cpu);
+  CHECK(cache.stats().misses == 4);
+  std::memset(s, 3, KiB);
   cache.deallocate(s, 1000, cpu);
-  void* s2 = cache.allocate(1000, cpu);
-  cache.deallocate(s2, 1000, cpu);
-  CHECK(cache.stats().hits == 3);
-  CHECK(cache.stats().misses == 3);
-  CHECK(cache.stats().cached_bytes == 2 * MiB + MiB + 128 * KiB);
+  CHECK(cache.stats().cached_bytes == 2 * MiB + MiB + 128 * KiB + KiB);
+  void* s2 = cache.allocate(1020, cpu);
+  CHECK(s2 == s);
+  void* s3 = cache.allocate(1000, cpu);  // the list is empty: a miss
+  CHECK(s3 != s2);
+  CHECK(cache.stats().hits == 4);
+  CHECK(cache.stats().misses == 5);
+  void* t = cache.allocate(100, cpu);  // another class (128 bytes)
+  CHECK(cache.stats().misses == 6);
+  cache.deallocate(s2, 1020, cpu);
+  cache.deallocate(s3, 1000, cpu);
+  cache.deallocate(t, 100, cpu);
+  CHECK(cache.stats().cached_bytes == 2 * MiB + MiB + 128 * KiB + 2 * KiB + 128);
+  void* t2 = cache.allocate(128, cpu);
+  CHECK(t2 == t);
+  CHECK(cache.stats().hits == 5);
+  cache.deallocate(t2, 128, cpu);
+  cache.release_cached();
+  CHECK(cache.stats().cached_bytes == 0);
+  CHECK(cache.stats().in_use_bytes == 0);
+}
+
+TEST_CASE("caching allocator: small blocks are cached up to max_small_cached_bytes, CPU only",
+          "[kernels][allocator]") {
+  CachingAllocator cache({.max_cached_bytes = MiB, .min_block = 64 * KiB, .max_small_cached_bytes = 8 * KiB});
+  const Device cpu = Device::cpu();
+  std::vector<void*> blocks;
+  for (int i = 0; i < 5; ++i) blocks.push_back(cache.allocate(2 * KiB, cpu));
+  for (void* p : blocks) cache.deallocate(p, 2 * KiB, cpu);
+  CHECK(cache.stats().cached_bytes == 8 * KiB);  // four kept, the fifth went back
+  blocks.clear();
+  for (int i = 0; i < 5; ++i) blocks.push_back(cache.allocate(2 * KiB, cpu));
+  CHECK(cache.stats().hits == 4);
+  CHECK(cache.stats().misses == 6);
+  for (void* p : blocks) CHECK(aligned64(p));
+  for (void* p : blocks) cache.deallocate(p, 2 * KiB, cpu);
+  // Every class from 64 bytes to just below min_block round-trips through its own list.
+  CachingAllocator lists({.min_block = 64 * KiB});
+  int classes = 0;
+  for (size_t n = 1; lists.block_size(n) < 64 * KiB; n = lists.block_size(n) + 1) {
+    void* p = lists.allocate(n, cpu);
+    std::memset(p, 1, lists.block_size(n));
+    lists.deallocate(p, n, cpu);
+    CHECK(lists.allocate(lists.block_size(n), cpu) == p);
+    lists.deallocate(p, lists.block_size(n), cpu);
+    ++classes;
+  }
+  CHECK(lists.stats().hits == classes);
+  CHECK(lists.stats().misses == classes);
+  CHECK(classes == 7 + 7 * 8);  // 64..448, then eight per power of two from 512 to 32 KiB
+  // No small cache: every small request goes to the system.
+  CachingAllocator none({.max_small_cached_bytes = 0});
+  none.deallocate(none.allocate(100, cpu), 100, cpu);
+  none.deallocate(none.allocate(100, cpu), 100, cpu);
+  CHECK(none.stats().hits == 0);
+  CHECK(none.stats().misses == 0);
+  CHECK(none.stats().cached_bytes == 0);
 }
 
 TEST_CASE("caching allocator: max_cached_bytes caps the cache; release_cached empties it",
@@ -191,7 +254,8 @@ TEST_CASE("caching allocator: blocks are 64-byte aligned, cached or not", "[kern
   }
   system_deallocate(nullptr, 8, cpu);  // null is ignored
   cache->deallocate(nullptr, MiB, cpu);
-  CHECK(cache->stats().cached_bytes == MiB + 128 * KiB + 256 * KiB + 3 * MiB + 256 * KiB);
+  // 1 and 3 bytes share the 64-byte block, 100 bytes a 128-byte one; 256 KiB - 1 and 256 KiB one.
+  CHECK(cache->stats().cached_bytes == 64 + 128 + 256 * KiB + MiB + 128 * KiB + 3 * MiB + 256 * KiB);
   for (DType dtype : {DType::kF32, DType::kBF16, DType::kU8, DType::kI64}) {
     Tensor t = Tensor::empty({513, 129}, dtype, cpu, cache);
     CHECK(aligned64(t.data_ptr()));
@@ -287,7 +351,7 @@ TEST_CASE("caching allocator: concurrent allocate / free from several threads", 
       for (int i = 0; i < kIters; ++i) {
         const size_t n = sizes[(i * 7 + t * 3) % 5];
         void* p = cache.allocate(n, Device::cpu());
-        if (n >= 256 * KiB) ++cacheable;
+        ++cacheable;  // every size is (small ones in their lists)
         // Stamp the block; if another thread were handed it too, its stamp would change.
         const auto stamp = static_cast<unsigned char>(t * 16 + i % 16);
         std::memset(p, stamp, 64);
@@ -309,7 +373,7 @@ TEST_CASE("caching allocator: concurrent allocate / free from several threads", 
   CHECK(s.hits + s.misses == cacheable.load());
   CHECK(s.hits > 0);
   CHECK(s.cached_bytes > 0);
-  CHECK(s.cached_bytes <= kCap);
+  CHECK(s.cached_bytes <= kCap + CachingAllocator::Options{}.max_small_cached_bytes);
   // Every block is free again: allocating each cached class back hits until the cache is empty.
   cache.release_cached();
   CHECK(cache.stats().cached_bytes == 0);
@@ -354,25 +418,25 @@ TEST_CASE("caching allocator: a limit on the bytes in use refuses past it; avail
   CHECK(a.limit_bytes() == int64_t{1} << 20);
   CHECK(a.available_bytes(cpu) == int64_t{1} << 20);
   void* big = a.allocate(size_t{512} << 10, cpu);  // cacheable
-  void* small = a.allocate(1000, cpu);             // below min_block: still counted
-  CHECK(a.stats().in_use_bytes == (size_t{512} << 10) + 1000);
-  CHECK(a.available_bytes(cpu) == (int64_t{512} << 10) - 1000);
+  void* small = a.allocate(1000, cpu);             // below min_block: still counted (a 1 KiB block)
+  CHECK(a.stats().in_use_bytes == (size_t{512} << 10) + 1024);
+  CHECK(a.available_bytes(cpu) == (int64_t{512} << 10) - 1024);
   try {
     (void)a.allocate(size_t{600} << 10, cpu);
     FAIL("an allocation past the limit was served");
   } catch (const ResourceError& e) {
     const std::string m = e.what();
     CHECK_THAT(m, Catch::Contains(std::to_string(size_t{600} << 10)) && Catch::Contains("1048576") &&
-                      Catch::Contains(std::to_string((size_t{512} << 10) + 1000)));
+                      Catch::Contains(std::to_string((size_t{512} << 10) + 1024)));
   }
-  CHECK(a.stats().in_use_bytes == (size_t{512} << 10) + 1000);  // the refused request left no trace
+  CHECK(a.stats().in_use_bytes == (size_t{512} << 10) + 1024);  // the refused request left no trace
   a.deallocate(big, size_t{512} << 10, cpu);
   CHECK(a.stats().cached_bytes == size_t{512} << 10);
-  CHECK(a.available_bytes(cpu) == (int64_t{1} << 20) - 1000);  // cached blocks are available
+  CHECK(a.available_bytes(cpu) == (int64_t{1} << 20) - 1024);  // cached blocks are available
   // The cache makes room: a different size past (in use + cached) fits once the cache is given back.
   void* other = a.allocate(size_t{768} << 10, cpu);
   CHECK(a.stats().cached_bytes == 0);
-  CHECK(a.available_bytes(cpu) == (int64_t{256} << 10) - 1000);
+  CHECK(a.available_bytes(cpu) == (int64_t{256} << 10) - 1024);
   a.deallocate(other, size_t{768} << 10, cpu);
   a.deallocate(small, 1000, cpu);
   CHECK(a.stats().in_use_bytes == 0);
