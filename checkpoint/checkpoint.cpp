@@ -546,7 +546,9 @@ SaveHandle start_save(const std::string& dir, const nn::StateDict& sd, collectiv
       fs::remove(fs::path(dir) / (std::string(kMetadataFile) + kTmpSuffix), ec);
       if (fs::is_directory(dir))
         for (const auto& e : fs::directory_iterator(dir))
-          if (e.path().extension() == ".safetensors") fs::remove(e.path(), ec);
+          if (e.path().extension() == ".safetensors" ||
+              (e.path().extension() == kTmpSuffix && e.path().stem().extension() == ".safetensors"))
+            fs::remove(e.path(), ec);  // data files, and those of a save killed midway
       if (!fs::is_directory(dir)) throw InvalidArgument(fmt::format("checkpoint: cannot create directory '{}'", dir));
     }
   } catch (const std::exception& e) {
@@ -600,7 +602,11 @@ SaveHandle start_save(const std::string& dir, const nn::StateDict& sd, collectiv
     try {
       for (const FilePlan& f : s->plan.files) {
         if (f.owner != rank) continue;
-        const std::string path = (fs::path(s->dir) / f.name).string();
+        // Written under a temporary name and renamed once whole: a save killed midway leaves no
+        // truncated .safetensors file (one without the metadata file would read as a foreign
+        // checkpoint with a broken file instead of as an incomplete save).
+        const std::string final_path = (fs::path(s->dir) / f.name).string();
+        const std::string path = final_path + kTmpSuffix;
         Fd fd(path, O_WRONLY | O_CREAT | O_TRUNC);
         const uint64_t n = f.header.size();
         write_all(fd.get(), &n, 8, 0, path);
@@ -613,6 +619,8 @@ SaveHandle start_save(const std::string& dir, const nn::StateDict& sd, collectiv
         }
         if (s->options.fsync) fd.sync();
         fd.close_checked();
+        if (::rename(path.c_str(), final_path.c_str()) != 0)
+          throw kernels::Error(fmt::format("checkpoint: renaming '{}' failed: {}", path, std::strerror(errno)));
         ++s->stats.files;
       }
       if (s->options.fsync) sync_dir(s->dir);
