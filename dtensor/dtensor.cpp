@@ -486,7 +486,7 @@ RedistributeHandle redistribute_async(const DTensor& tensor, const Placements& p
   if (out.defined()) h.spec_.dtype = out.dtype();
   // Plans (and validates) here, so bad input throws on the caller, not from wait().
   h.exec_ = issue_to(tensor.spec(), placements, options.planner, tensor.to_local(), *h.comms_, options.reduce_policy(),
-                     out, &h.spec_.placements);
+                     out, &h.spec_.placements, /*background=*/true);
   h.exec_.kick();  // the caller overlaps it with other work: progress starts now
   return h;
 }

@@ -496,9 +496,9 @@ class Issuer {
     own_steps_ = plan_dtypes(plan, comms.mesh(), input, output, policy);
     steps_ = &own_steps_;
   }
-  // One tensor, everything from its recipe.
-  Issuer(const MeshComms& comms, const Recipe& recipe, Item item, Tensor out)
-      : comms_(comms), plan_(recipe.plan), recipe_(&recipe), items_{item} {
+  // One tensor, everything from its recipe. background: NOTE [background copies].
+  Issuer(const MeshComms& comms, const Recipe& recipe, Item item, Tensor out, bool background)
+      : comms_(comms), plan_(recipe.plan), recipe_(&recipe), items_{item}, background_(background) {
     if (out.defined()) outs_.push_back(std::move(out));
     steps_ = &recipe.steps;
   }
@@ -547,14 +547,16 @@ class Issuer {
  private:
   // ---- where the data is produced ----
 
-  // Runs fn once the data it reads is there: at once when nothing is pending, else as a host
+  // Runs fn once the data it reads is there: at once when nothing is pending (in the background:
+  // as a host task of the current step's communicator, NOTE [background copies]), else as a host
   // task of the communicator producing it (NOTE [deferred plans]).
   void local(std::function<void()> fn) {
-    if (stream_ == nullptr) {
+    if (stream_ == nullptr && !background_) {
       fn();
       return;
     }
-    call(stream_->host_task(std::move(fn)));
+    Communicator& c = stream_ != nullptr ? *stream_ : on(comm());
+    call(c.host_task(std::move(fn)));
   }
   // The communicator of the current step; its next call waits for the data still in flight on
   // another communicator.
@@ -974,6 +976,7 @@ class Issuer {
   const Plan& plan_;
   const Recipe* recipe_ = nullptr;
   boost::container::small_vector<Item, 1> items_;
+  bool background_ = false;
   TensorList outs_;
   std::vector<ExecStep> own_steps_;
   const std::vector<ExecStep>* steps_ = nullptr;
@@ -1198,7 +1201,8 @@ ExecHandle issue(const Plan& plan, const DTensorSpec& src, const Tensor& local, 
 }
 
 ExecHandle issue_to(const DTensorSpec& src, const Placements& dst, PlannerKind planner, const Tensor& local,
-                    const MeshComms& comms, const ReducePolicy& policy, const Tensor& out, Placements* normalized) {
+                    const MeshComms& comms, const ReducePolicy& policy, const Tensor& out, Placements* normalized,
+                    bool background) {
   // The key in a buffer on the stack: a cached call builds no vector.
   std::array<int64_t, 9 + kernels::kMaxDims + 6 * 3 * kernels::kMaxDims> buffer;
   const size_t words = 9 + static_cast<size_t>(src.shape.size()) + 3 * (src.placements.size() + dst.size());
@@ -1241,7 +1245,7 @@ ExecHandle issue_to(const DTensorSpec& src, const Placements& dst, PlannerKind p
                                       shape_text(local.shape()), comms.rank(), shape_text(recipe->src_local),
                                       to_string(src)));
   if (out.defined()) check_out(out, local, recipe->dst_local, comms.rank(), recipe->plan.dst);
-  return Issuer(comms, *recipe, Item{&src, local}, out).run();
+  return Issuer(comms, *recipe, Item{&src, local}, out, background).run();
 }
 
 std::vector<Tensor> execute_batch(const Plan& plan, std::span<const DTensorSpec> specs, std::span<const Tensor> locals,

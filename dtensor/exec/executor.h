@@ -142,9 +142,15 @@ ExecHandle issue(const Plan& plan, const DTensorSpec& src, const Tensor& local, 
 // normalised here) with comms.plans() and keeps the plan, the steps' dtypes and schedules in
 // comms.exec_cache(), so a repeated call costs one look-up; *normalized receives the target.
 // Ranks outside the mesh get a handle with no calls whose result is `out`, or `local`.
+//
+// NOTE [background copies] With background = true (redistribute_async) the caller does none of
+// the copying: the copies that read no pending data (a local step such as R -> S(0), the copy
+// into a reduction's buffer before its collective) become host tasks of the step's communicator
+// too, so they run while the caller computes, progressed like its calls (a caller that waits at
+// once runs them itself). Without it (a synchronous redistribute) they run at issue.
 ExecHandle issue_to(const DTensorSpec& src, const Placements& dst, PlannerKind planner, const Tensor& local,
                     const MeshComms& comms, const ReducePolicy& policy = {}, const Tensor& out = {},
-                    Placements* normalized = nullptr);
+                    Placements* normalized = nullptr, bool background = false);
 
 // issue + wait. Returns the new local tensor (or `out`).
 Tensor execute(const Plan& plan, const DTensorSpec& src, const Tensor& local, const MeshComms& comms,
