@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <deque>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -607,6 +608,11 @@ OverlapRow run_overlap_one(Env& env, const Case& c, int64_t requested_bytes) {
   // the first guess of the compute's length), then after such spells (their median is the
   // compute's length, the same on every rank), then iters times: the compute alone, the
   // transition alone and both overlapped, the latter two each right after a compute-long spell.
+  // The compute's length follows the transition through that loop: it is the median of the
+  // latest `iters` after-idle transitions (max over ranks; the calibration ones, then the loop's
+  // own), so a machine whose speed drifts between the calibration and the loop (runs on our
+  // shared VMs moved by 20-60% within a row) does not leave `compute` shorter or longer than
+  // `comm`, which `exposed` would count as exposure or hide.
   for (int it = 0; it < opt.warmup; ++it) (void)timed(transition);
   std::vector<double> warm;
   for (int it = 0; it < opt.iters; ++it) warm.push_back(timed(transition));
@@ -616,18 +622,23 @@ OverlapRow run_overlap_one(Env& env, const Case& c, int64_t requested_bytes) {
     sleep_us(guess);
     after_idle.push_back(timed(transition));
   }
-  const double compute_target = bench::median(bench::reduce_over_ranks(world, after_idle, ReduceOp::kMax));
+  std::deque<double> recent;  // the latest after-idle transitions, max over ranks (same on every rank)
+  for (double v : bench::reduce_over_ranks(world, after_idle, ReduceOp::kMax)) recent.push_back(v);
+  double compute_target = bench::median({recent.begin(), recent.end()});
   const auto compute = [&] { sleep_us(compute_target); };
   std::vector<double> comm, alone, both;
   for (int it = 0; it < opt.iters; ++it) {
     alone.push_back(timed(compute));  // also the idle spell before comm
     comm.push_back(timed(transition));
+    recent.pop_front();
+    recent.push_back(bench::reduce_over_ranks(world, {comm.back()}, ReduceOp::kMax)[0]);
     sleep_us(compute_target);
     both.push_back(timed([&] {
       dtensor::RedistributeHandle h = dtensor::redistribute_async(x, c.dst, ropt);
       compute();
       (void)h.wait();
     }));
+    compute_target = bench::median({recent.begin(), recent.end()});
   }
   if (opt.check) {
     dtensor::RedistributeHandle h = dtensor::redistribute_async(x, c.dst, ropt);

@@ -1,7 +1,6 @@
 #include "collectives/call_queue.h"
 
 #include <fmt/format.h>
-
 #include <pthread.h>
 #include <sched.h>
 
@@ -358,6 +357,12 @@ void CallQueue::give_up(const std::shared_ptr<QueuedCall>& call, const std::stri
 }
 
 void CallQueue::worker_main() {
+#ifdef SCHED_IDLE
+  if (options_.idle_worker) {  // NOTE [idle worker]; a refusal leaves the default policy
+    sched_param sp{};
+    (void)pthread_setschedparam(pthread_self(), SCHED_IDLE, &sp);
+  }
+#endif
   std::unique_lock lk(mu_);
   for (;;) {
     // Woken by the ticker (or shutdown); after a slice of its own it goes on at once.

@@ -759,7 +759,8 @@ class LocalCommunicator final : public Communicator {
   LocalCommunicator(std::shared_ptr<LocalGroup> group, int rank, Milliseconds timeout)
       : Communicator(rank, group->ranks, group->name, timeout),
         member_(std::make_shared<LocalMember>(std::move(group), rank)),
-        queue_(std::make_shared<CallQueue>(CallQueue::Options{.ticker = member_->group->world->ticker})) {}
+        queue_(std::make_shared<CallQueue>(
+            CallQueue::Options{.ticker = member_->group->world->ticker, .idle_worker = true})) {}
   ~LocalCommunicator() override;
   LocalCommunicator(const LocalCommunicator&) = delete;
   LocalCommunicator& operator=(const LocalCommunicator&) = delete;

@@ -8,6 +8,8 @@
 #include <catch2/catch.hpp>
 #include <fmt/format.h>
 
+#include <sched.h>
+
 #include <atomic>
 #include <chrono>
 #include <mutex>
@@ -131,6 +133,40 @@ TEST_CASE("engine: calls progress with no thread waiting, and complete in call o
     if (r != 0) ++finished;
   });
   checks.report();
+}
+
+TEST_CASE("engine: the local worker progresses kicked calls under SCHED_IDLE (NOTE [idle worker])",
+          "[collectives][engine]") {
+#ifndef SCHED_IDLE
+  SKIP("no SCHED_IDLE on this system");
+#else
+  Checks checks;
+  std::atomic<int> ran{0};
+  collectives::run_ranks(2, [&](Communicator& world) {
+    const std::thread::id caller = std::this_thread::get_id();
+    std::atomic<bool> done{false};
+    std::atomic<int> policy{-1};
+    std::thread::id runner;
+    WorkPtr w = world.host_task([&] {
+      runner = std::this_thread::get_id();
+      policy = sched_getscheduler(0);
+      done = true;
+    });
+    world.kick();
+    // Neither wait nor poll: only the worker can run the task.
+    const auto deadline = std::chrono::steady_clock::now() + 30s;
+    while (!done.load() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
+    world.wait(w);
+    checks.check(done.load(), fmt::format("rank {}: the kicked host task did not run without a wait", world.rank()));
+    checks.check(runner != caller, fmt::format("rank {}: the caller ran the task", world.rank()));
+    checks.check(policy.load() == SCHED_IDLE,
+                 fmt::format("rank {}: the worker's policy is {}, not SCHED_IDLE ({})", world.rank(), policy.load(),
+                             SCHED_IDLE));
+    ++ran;
+  });
+  checks.report();
+  CHECK(ran.load() == 2);
+#endif
 }
 
 TEST_CASE("engine: host tasks run after every earlier call, their exceptions stay with their Work",
