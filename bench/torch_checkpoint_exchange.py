@@ -59,68 +59,6 @@ def model_args() -> list[str]:
 # The torch side
 # ---------------------------------------------------------------------------------------------
 
-def build_gpt(cfg):
-    import torch.nn as nn
-    import torch.nn.functional as F
-
-    D, H, V, T = cfg["dim"], cfg["heads"], cfg["vocab"], cfg["seq"]
-    E = D // H
-
-    class Attention(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wq = nn.Linear(D, D, bias=False)
-            self.wk = nn.Linear(D, D, bias=False)
-            self.wv = nn.Linear(D, D, bias=False)
-            self.wo = nn.Linear(D, D, bias=False)
-
-        def forward(self, x):
-            B, Tq = x.shape[0], x.shape[1]
-            q = self.wq(x).view(B, Tq, -1, E).transpose(1, 2)
-            k = self.wk(x).view(B, Tq, -1, E).transpose(1, 2)
-            v = self.wv(x).view(B, Tq, -1, E).transpose(1, 2)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return self.wo(a.transpose(1, 2).reshape(B, Tq, -1))
-
-    class MLP(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1 = nn.Linear(D, 4 * D, bias=False)
-            self.fc2 = nn.Linear(4 * D, D, bias=False)
-
-        def forward(self, x):
-            return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln1 = nn.LayerNorm(D, eps=cfg["norm_eps"])
-            self.attn = Attention()
-            self.ln2 = nn.LayerNorm(D, eps=cfg["norm_eps"])
-            self.mlp = MLP()
-
-        def forward(self, x):
-            x = x + self.attn(self.ln1(x))
-            return x + self.mlp(self.ln2(x))
-
-    class GPT(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.tok_emb = nn.Embedding(V, D)
-            self.pos_emb = nn.Embedding(T, D)
-            self.blocks = nn.ModuleList([Block() for _ in range(cfg["layers"])])
-            self.ln_f = nn.LayerNorm(D, eps=cfg["norm_eps"])
-            self.lm_head = nn.Linear(D, V, bias=False)
-
-        def forward(self, ids, positions):
-            h = self.tok_emb(ids) + self.pos_emb(positions)
-            for b in self.blocks:
-                h = b(h)
-            return self.lm_head(self.ln_f(h))
-
-    return GPT()
-
-
 def load_worker(rank: int, world: int, cfg: dict, port: int, out_path: str) -> None:
     """Loads our checkpoints into DTensors on meshes other than the saving one and compares."""
     import torch
@@ -183,18 +121,16 @@ def fsdp_worker(rank: int, world: int, cfg: dict, port: int, out_path: str) -> N
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     import torch.nn.functional as F
-    from safetensors.torch import load_file
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch_train_compare import make_batch
+    from torch_train_compare import build_gpt, make_batch  # fsdp-train's GPT, loaded from cfg["init"]
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     model = build_gpt(cfg)
-    model.load_state_dict(load_file(cfg["init"]), strict=True)
     mesh = init_device_mesh("cpu", (world,))
     for b in model.blocks:
         fully_shard(b, mesh=mesh)
@@ -317,7 +253,8 @@ def main() -> int:
         log(f"reading the init config failed: {e}")
     tcfg = dict(MODEL)
     tcfg.update({"world": 2, "init": init, "lr": LR, "seed": 0, "k": args.k, "n": args.n,
-                 "norm_eps": meta_cfg.get("norm_eps", 1e-5), "torch_ckpt": os.path.join(tmp, "torch")})
+                 "norm_eps": meta_cfg.get("norm_eps", 1e-5), "mlp_hidden": meta_cfg.get("mlp_hidden", 4 * MODEL["dim"]),
+                 "torch_ckpt": os.path.join(tmp, "torch")})
     out = os.path.join(tmp, "fsdp.json")
     run([args.python, os.path.abspath(__file__), "--torch-worker", "fsdp_worker", "--torch-config",
          json.dumps(tcfg), "--torch-out", out], timeout=600)

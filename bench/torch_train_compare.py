@@ -86,7 +86,7 @@ def make_batch(seed: int, step: int, first: int, rows: int, seq: int, vocab: int
 
 def build_gpt(cfg: dict):
     """fsdp-train's GPT (nn/transformer.h with fsdp-train's config) in torch, loaded from cfg["init"]
-    (fsdp-train --dump-init). Shared with torch_fsdp_compare.py."""
+    (fsdp-train --dump-init). Shared with torch_fsdp_compare.py and torch_checkpoint_exchange.py."""
     import torch.nn as nn
     import torch.nn.functional as F
     from safetensors.torch import load_file
