@@ -38,6 +38,15 @@ namespace {
 
 double secs(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
+// The bytes a load read over the bytes it needed, summed over the ranks (collective).
+double read_over_needed_all(const checkpoint::LoadStats& st, collectives::Communicator& w) {
+  kernels::Tensor b = kernels::Tensor::full({2}, 0, kernels::DType::kF64);
+  b.set_item({0}, static_cast<double>(st.bytes_read));
+  b.set_item({1}, static_cast<double>(st.bytes_needed));
+  w.wait(w.all_reduce(b, b, collectives::Reduction(collectives::ReduceOp::kSum)));
+  return b.item({0}) / b.item({1});
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0 : v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
@@ -197,11 +206,7 @@ int main(int argc, char** argv) {
         const checkpoint::LoadStats st = checkpoint::load(ck.string(), cols_target, w);
         barrier();
         const double reshard_s = secs(t0);
-        // Sum the bytes over ranks.
-        kernels::Tensor b = kernels::Tensor::full({2}, 0, kernels::DType::kF64);
-        b.set_item({0}, static_cast<double>(st.bytes_read));
-        b.set_item({1}, static_cast<double>(st.bytes_needed));
-        w.wait(w.all_reduce(b, b, collectives::Reduction(collectives::ReduceOp::kSum)));
+        const double read_over_needed = read_over_needed_all(st, w);
         if (w.rank() == 0) {
           m["save"].push_back(total / save_s);
           m["async_blocked_s"].push_back(blocked);
@@ -210,7 +215,7 @@ int main(int argc, char** argv) {
           m["sync_save_s"].push_back(save_s);
           m["load"].push_back(total / load_s);
           m["reshard_s0_to_s1"].push_back(total / reshard_s);
-          m["reshard_read_over_needed"].push_back(b.item({0}) / b.item({1}));
+          m["reshard_read_over_needed"].push_back(read_over_needed);
         }
       });
       // S(0) over world -> S(0) over world - 1 (a smaller job).
@@ -227,13 +232,10 @@ int main(int argc, char** argv) {
         const checkpoint::LoadStats st = checkpoint::load(ck.string(), target, w);
         w.wait(w.barrier());
         const double s = secs(t0);
-        kernels::Tensor b = kernels::Tensor::full({2}, 0, kernels::DType::kF64);
-        b.set_item({0}, static_cast<double>(st.bytes_read));
-        b.set_item({1}, static_cast<double>(st.bytes_needed));
-        w.wait(w.all_reduce(b, b, collectives::Reduction(collectives::ReduceOp::kSum)));
+        const double read_over_needed = read_over_needed_all(st, w);
         if (w.rank() == 0) {
           m["reshard_world_minus_1"].push_back(total / s);
-          m["reshard_smaller_read_over_needed"].push_back(b.item({0}) / b.item({1}));
+          m["reshard_smaller_read_over_needed"].push_back(read_over_needed);
         }
       });
       fs::remove_all(ck);

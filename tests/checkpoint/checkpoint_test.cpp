@@ -133,6 +133,17 @@ bool same_local(const DTensor& a, const DTensor& b) {
   return cx.nbytes() == 0 || std::memcmp(cx.data_ptr(), cy.data_ptr(), cx.nbytes()) == 0;
 }
 
+// The GPT of the module tests: one layer, 16 wide.
+nn::GPTConfig tiny_gpt() {
+  nn::GPTConfig cfg;
+  cfg.vocab = 16;
+  cfg.dim = 16;
+  cfg.heads = 4;
+  cfg.layers = 1;
+  cfg.max_seq = 8;
+  return cfg;
+}
+
 void save_layout(const Layout& l, const std::string& dir, uint64_t salt) {
   run_on(l.mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
     checkpoint::save(dir, make_sd(l, comms, salt), world);
@@ -222,12 +233,7 @@ TEST_CASE("checkpoint: the layout on disk (one chunk per key per file, replicas 
 
 TEST_CASE("checkpoint: module and optimizer state round trip across tensor-parallel and FSDP-like layouts",
           "[checkpoint]") {
-  nn::GPTConfig cfg;
-  cfg.vocab = 16;
-  cfg.dim = 16;
-  cfg.heads = 4;
-  cfg.layers = 1;
-  cfg.max_seq = 8;
+  const nn::GPTConfig cfg = tiny_gpt();
   TempDir tmp("module");
   std::map<std::string, std::vector<double>> saved;  // full values of params and state (rank 0)
   std::mutex mu;
@@ -519,12 +525,7 @@ TEST_CASE("checkpoint: export writes consolidated safetensors (one file, or seve
 }
 
 TEST_CASE("state dicts: Module / Optimizer load_state_dict check everything before writing", "[checkpoint][nn]") {
-  nn::GPTConfig cfg;
-  cfg.vocab = 16;
-  cfg.dim = 16;
-  cfg.heads = 4;
-  cfg.layers = 1;
-  cfg.max_seq = 8;
+  const nn::GPTConfig cfg = tiny_gpt();
   testing_support::Checks checks;
   run_on({2}, [&](std::shared_ptr<MeshComms> comms, Communicator&) {
     nn::GPT a(nn::ModuleOptions{comms, DType::kF32, {}}, cfg);
