@@ -222,7 +222,7 @@ void CachingAllocator::release_cached() {
   for (const auto& [key, entry] : blocks)
     system_deallocate(entry.second, std::get<2>(key),
                       Device{static_cast<DeviceType>(std::get<0>(key)), std::get<1>(key)});
-  // Small lists: CPU blocks; class c's size is the block size its members were freed with.
+  // Small lists hold CPU blocks only, which system_deallocate frees without their size.
   for (const std::vector<void*>& list : small)
     for (void* q : list) system_deallocate(q, 0, Device::cpu());
 }

@@ -521,11 +521,12 @@ class Issuer {
       k_ = comms_.mesh().size(m_);
       r_ = comms_.coord()[m_];
       const bool final_step = i + 1 == plan_.steps.size();
-      dests_.clear();
-      if (final_step && !outs_.empty()) dests_.assign(items_.size(), Tensor());
-      if (final_step && !outs_.empty())
+      dests_.clear();  // only the final step may write into the caller's outs
+      if (final_step && !outs_.empty()) {
+        dests_.assign(items_.size(), Tensor());
         for (size_t j = 0; j < items_.size(); ++j)
           if (outs_[j].dtype() == sp().out) dests_[j] = outs_[j];
+      }
       TensorList next = k_ == 1 ? single(step) : std::visit([&](const auto& s) { return this->run_step(s); }, step);
       for (size_t j = 0; j < items_.size(); ++j) items_[j].local = std::move(next[j]);
     }
@@ -987,7 +988,7 @@ class Issuer {
   Placements own_after_;
   int m_ = 0;
   int64_t k_ = 1, r_ = 0;
-  TensorList dests_;  // per item: the caller's out when this step may write into it
+  TensorList dests_;  // per item: the caller's out when this step may write into it (empty: none)
   // Where the data is: the communicator whose queue produces it (null: ready now) and its last call.
   Communicator* stream_ = nullptr;
   WorkPtr last_;
