@@ -15,6 +15,7 @@ namespace dtensor {
 
 using collectives::Communicator;
 using collectives::P2POp;
+using kernels::Device;
 using kernels::InvalidArgument;
 using kernels::Unsupported;
 
@@ -561,31 +562,31 @@ std::vector<DTensor> redistribute_batch(std::span<const DTensor> tensors, const 
 // ---- factories ----
 
 DTensor empty(const Dims& shape, DType dtype, std::shared_ptr<const MeshComms> comms,
-              const Placements& placements) {
+              const Placements& placements, Device device) {
   return make_factory("empty", shape, dtype, std::move(comms), placements,
-                      [&](const ShardLayout& l) { return Tensor::empty(l.local_shape, dtype); });
+                      [&](const ShardLayout& l) { return Tensor::empty(l.local_shape, dtype, device); });
 }
 
 DTensor zeros(const Dims& shape, DType dtype, std::shared_ptr<const MeshComms> comms,
-              const Placements& placements) {
+              const Placements& placements, Device device) {
   return make_factory("zeros", shape, dtype, std::move(comms), placements,
-                      [&](const ShardLayout& l) { return Tensor::zeros(l.local_shape, dtype); });
+                      [&](const ShardLayout& l) { return Tensor::zeros(l.local_shape, dtype, device); });
 }
 
 DTensor ones(const Dims& shape, DType dtype, std::shared_ptr<const MeshComms> comms,
-             const Placements& placements) {
+             const Placements& placements, Device device) {
   return make_factory("ones", shape, dtype, std::move(comms), placements,
-                      [&](const ShardLayout& l) { return Tensor::full(l.local_shape, 1.0, dtype); });
+                      [&](const ShardLayout& l) { return Tensor::full(l.local_shape, 1.0, dtype, device); });
 }
 
 DTensor full(const Dims& shape, double value, DType dtype, std::shared_ptr<const MeshComms> comms,
-             const Placements& placements) {
+             const Placements& placements, Device device) {
   return make_factory("full", shape, dtype, std::move(comms), placements,
-                      [&](const ShardLayout& l) { return Tensor::full(l.local_shape, value, dtype); });
+                      [&](const ShardLayout& l) { return Tensor::full(l.local_shape, value, dtype, device); });
 }
 
 DTensor rand(const Dims& shape, uint64_t seed, DType dtype, std::shared_ptr<const MeshComms> comms,
-             const Placements& placements) {
+             const Placements& placements, Device device) {
   const int bits = uniform_bits(dtype);
   if (bits == 0)
     throw InvalidArgument(
@@ -604,7 +605,7 @@ DTensor rand(const Dims& shape, uint64_t seed, DType dtype, std::shared_ptr<cons
         flat = flat * static_cast<uint64_t>(shape[t]) + static_cast<uint64_t>(idx[t][local[t]]);
       return static_cast<double>(mix64(key ^ flat) >> (64 - bits)) * scale;
     });
-    return out;
+    return device.is_cpu() ? out : out.to(device);  // drawn on the host, like the CPU values
   });
 }
 

@@ -160,19 +160,20 @@ RedistributeHandle redistribute_async(const DTensor& tensor, const Placements& p
 std::vector<DTensor> redistribute_batch(std::span<const DTensor> tensors, const Placements& placements,
                                         const RedistributeOptions& options = {}, std::span<const Tensor> outs = {});
 
-// Factories: each rank allocates only its local shard.
+// Factories: each rank allocates only its local shard, on `device` (the mesh's device type in
+// PyTorch's factories; here given, CPU by default, e.g. a parameter's to_local().device()).
 DTensor empty(const Dims& shape, kernels::DType dtype, std::shared_ptr<const MeshComms> comms,
-              const Placements& placements);
+              const Placements& placements, kernels::Device device = {});
 DTensor zeros(const Dims& shape, kernels::DType dtype, std::shared_ptr<const MeshComms> comms,
-              const Placements& placements);
+              const Placements& placements, kernels::Device device = {});
 DTensor ones(const Dims& shape, kernels::DType dtype, std::shared_ptr<const MeshComms> comms,
-             const Placements& placements);
+             const Placements& placements, kernels::Device device = {});
 DTensor full(const Dims& shape, double value, kernels::DType dtype,
-             std::shared_ptr<const MeshComms> comms, const Placements& placements);
+             std::shared_ptr<const MeshComms> comms, const Placements& placements, kernels::Device device = {});
 // Uniform [0, 1) values that are a function of (seed, global index) only, so every sharding of
 // the same (shape, seed) holds the same global tensor. Partial placements are rejected.
 DTensor rand(const Dims& shape, uint64_t seed, kernels::DType dtype,
-             std::shared_ptr<const MeshComms> comms, const Placements& placements);
+             std::shared_ptr<const MeshComms> comms, const Placements& placements, kernels::Device device = {});
 
 // The text of DTensor::ownership() for any spec (pure; no communication), e.g. for tools:
 //   rank  coord     local       offset        held indices per tensor dim

@@ -66,7 +66,9 @@ DTensor& Optimizer::state_tensor(size_t i, const std::string& key) {
       return t;
     }
   const DTensor& d = params_[i].second->data();
-  state_[i].tensors.emplace_back(key, dtensor::zeros(d.shape(), d.dtype(), d.comms(), d.placements()));
+  // On the parameter's device (a CUDA parameter's state is CUDA memory).
+  state_[i].tensors.emplace_back(key,
+                                 dtensor::zeros(d.shape(), d.dtype(), d.comms(), d.placements(), d.to_local().device()));
   return state_[i].tensors.back().second;
 }
 
@@ -145,7 +147,8 @@ void Optimizer::load_state_dict(const StateDict& sd, bool strict) {
       std::optional<DTensor> existing;
       for (const auto& [ek, et] : state_[i].tensors)
         if (ek == k && et.placements() == d.placements() && et.dtype() == d.dtype()) existing = et;
-      DTensor t = existing ? *existing : dtensor::zeros(d.shape(), d.dtype(), d.comms(), d.placements());
+      DTensor t = existing ? *existing
+                           : dtensor::zeros(d.shape(), d.dtype(), d.comms(), d.placements(), d.to_local().device());
       const DTensor& src = *sd.find(base + k);
       if (!(src.to_local().defined() && t.to_local().defined() &&
             src.to_local().shares_storage_with(t.to_local()) &&
