@@ -15,7 +15,12 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
+
+#ifdef __linux__
+#include <sched.h>
+#endif
 
 #include "collectives/communicator.h"
 #include "collectives/local.h"
@@ -136,6 +141,16 @@ inline std::string load_average() {
   double a = 0, b = 0, c = 0;
   if (!(f >> a >> b >> c)) return "unknown";
   return fmt::format("{:.2f} {:.2f} {:.2f}", a, b, c);
+}
+
+// CPUs this process may run on (its affinity mask; mpirun may bind a process to one core).
+inline int affinity_cpus() {
+#ifdef __linux__
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+#endif
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
 inline bool under_mpirun() {

@@ -1032,9 +1032,25 @@ int64_t run_mpi_rank(const Options& opt, collectives::MpiWorld& mpi) {
   std::unique_ptr<Communicator> world = mpi.communicator(Milliseconds{opt.timeout_ms});
   const int n = world->size();
   const std::vector<Case> cases = suite_cases(opt, n);
-  const std::string desc = fmt::format("mpi ({} processes)", n);
+  // NOTE [one core per process] Each process's worker progresses its calls on a CPU of the
+  // process's own affinity mask. OpenMPI binds each process to one core when np <= 2 (by
+  // default; to sockets beyond): caller and worker then share that core, so a transition issued
+  // asynchronously runs only when the caller sleeps or waits, and --overlap measures the
+  // binding, not the engine (exposed 0.3-1.0 with 2 processes on a 16-core machine, 0.0-0.1 with
+  // --bind-to none; bench/RESULTS.md). The header says how many CPUs each process may use.
+  const std::vector<double> cpus = bench::reduce_over_ranks(
+      *world, {static_cast<double>(bench::affinity_cpus()), -static_cast<double>(bench::affinity_cpus())},
+      ReduceOp::kMin);
+  const int min_cpus = static_cast<int>(cpus[0]), max_cpus = static_cast<int>(-cpus[1]);
+  const std::string desc =
+      min_cpus == max_cpus ? fmt::format("mpi ({} processes, {} CPU{} each by affinity)", n, min_cpus, min_cpus == 1 ? "" : "s")
+                           : fmt::format("mpi ({} processes, {}-{} CPUs each by affinity)", n, min_cpus, max_cpus);
   Printer printer(opt, desc, n);
   if (world->rank() == 0) print_header(opt, printer);
+  if (world->rank() == 0 && opt.overlap && min_cpus < 2)
+    fmt::print("# warning: a process may run on one CPU only (its affinity): its worker shares it with the caller, so "
+               "nothing overlaps (NOTE [one core per process]); OpenMPI binds each of np <= 2 processes to one core: "
+               "run mpirun with --bind-to none\n");
   Env env{*world, Device::cpu(), opt, {}, {}, {}};
   Result res = run_rank(env, world->rank() == 0 ? &printer : nullptr, cases);
   if (world->rank() == 0) return finish(opt, printer, desc, n, res);
