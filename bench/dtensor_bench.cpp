@@ -1032,12 +1032,14 @@ int64_t run_mpi_rank(const Options& opt, collectives::MpiWorld& mpi) {
   std::unique_ptr<Communicator> world = mpi.communicator(Milliseconds{opt.timeout_ms});
   const int n = world->size();
   const std::vector<Case> cases = suite_cases(opt, n);
-  // NOTE [one core per process] Each process's worker progresses its calls on a CPU of the
-  // process's own affinity mask. OpenMPI binds each process to one core when np <= 2 (by
-  // default; to sockets beyond): caller and worker then share that core, so a transition issued
-  // asynchronously runs only when the caller sleeps or waits, and --overlap measures the
-  // binding, not the engine (exposed 0.3-1.0 with 2 processes on a 16-core machine, 0.0-0.1 with
-  // --bind-to none; bench/RESULTS.md). The header says how many CPUs each process may use.
+  // NOTE [one core per process] Each process's worker progresses its calls on the CPUs of the
+  // process's affinity mask. OpenMPI binds each process to one core when np <= 2 (by default; to
+  // sockets beyond): caller and worker then share that core, and the worker moves data only while
+  // the caller sleeps or waits (as the --overlap stand-in does, and as a thread driving a GPU
+  // mostly does), never while the caller computes on the CPU. Before the workers ran under
+  // SCHED_BATCH (NOTE [batch worker] in collectives/call_queue.h) the worker took the core at the
+  // hand-off and nothing overlapped at all there (exposed 0.3-1.0 with 2 processes, also on a
+  // 16-core machine). The header says how many CPUs each process may use.
   const std::vector<double> cpus = bench::reduce_over_ranks(
       *world, {static_cast<double>(bench::affinity_cpus()), -static_cast<double>(bench::affinity_cpus())},
       ReduceOp::kMin);
@@ -1048,9 +1050,9 @@ int64_t run_mpi_rank(const Options& opt, collectives::MpiWorld& mpi) {
   Printer printer(opt, desc, n);
   if (world->rank() == 0) print_header(opt, printer);
   if (world->rank() == 0 && opt.overlap && min_cpus < 2)
-    fmt::print("# warning: a process may run on one CPU only (its affinity): its worker shares it with the caller, so "
-               "nothing overlaps (NOTE [one core per process]); OpenMPI binds each of np <= 2 processes to one core: "
-               "run mpirun with --bind-to none\n");
+    fmt::print("# note: a process may run on one CPU only (its affinity): its worker shares it with the caller and "
+               "moves data only while the caller sleeps or waits (NOTE [one core per process]); OpenMPI binds each "
+               "of np <= 2 processes to one core, --bind-to none gives them every core\n");
   Env env{*world, Device::cpu(), opt, {}, {}, {}};
   Result res = run_rank(env, world->rank() == 0 ? &printer : nullptr, cases);
   if (world->rank() == 0) return finish(opt, printer, desc, n, res);

@@ -357,10 +357,10 @@ void CallQueue::give_up(const std::shared_ptr<QueuedCall>& call, const std::stri
 }
 
 void CallQueue::worker_main() {
-#ifdef SCHED_IDLE
-  if (options_.idle_worker) {  // NOTE [idle worker]; a refusal leaves the default policy
+#ifdef SCHED_BATCH
+  {  // NOTE [batch worker]; a refusal leaves the default policy
     sched_param sp{};
-    (void)pthread_setschedparam(pthread_self(), SCHED_IDLE, &sp);
+    (void)pthread_setschedparam(pthread_self(), SCHED_BATCH, &sp);
   }
 #endif
   std::unique_lock lk(mu_);

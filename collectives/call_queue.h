@@ -149,18 +149,23 @@ class CallQueue : public std::enable_shared_from_this<CallQueue> {
     bool worker = true;
     std::weak_ptr<WorkerTicker> ticker;  // owned by the world
     Milliseconds slice{20};  // longest a holder blocks before re-checking
-    // NOTE [idle worker] The worker runs under SCHED_IDLE (Linux; elsewhere: ignored), so the
-    // background progress of calls nobody waits on uses only CPU time no other thread wants: a
-    // caller waking from its compute takes a core at once. With the default policy, Linux 6.6+'s
-    // EEVDF scheduler lets a running thread finish its slice before a woken one preempts it
-    // (RUN_TO_PARITY), so a caller whose compute ended while every core copied for workers waited
-    // 2-3 ms (measured: a 3.2 ms sleep took 5.2-6.5 ms; dtensor-bench --overlap, 4 local ranks on
-    // 2 cores, went from 4-5 to 10-15 of 28 rows within its target). Waiters progress the queue
-    // themselves at their own priority, so nothing that is waited on runs at idle priority.
-    // Only for threads in one process (local): an mpi worker must answer peers in other
-    // processes that spin at normal priority (idle workers there measured worse: 8-15 of 28
-    // rows against 15-21).
-    bool idle_worker = false;
+    // NOTE [batch worker] The worker runs under SCHED_BATCH (Linux; elsewhere: ignored): a fair
+    // share of the CPU like any thread, but its wake-up never preempts the running thread (the
+    // kernel's rule for the batch and idle policies). Under the default policy, a kick (or the
+    // ticker) with no core free woke the worker onto the caller's own core, where it took over at
+    // once and, under EEVDF's RUN_TO_PARITY, kept the core for its slice: the caller came back
+    // from redistribute_async only after the copy it had handed off (R -> S(0) of 32 MiB: 1.5-2.5
+    // ms of issue, the whole copy), so nothing overlapped; mpi with 2 processes, which OpenMPI
+    // binds to one core each, showed it on every machine (exposed 0.3-1.0, also on 16 cores).
+    // Now the caller goes on to its compute and the worker runs while the caller sleeps or
+    // waits, or on a free core. SCHED_IDLE (the local workers' policy before) never preempts
+    // either, but runs only when nothing else wants the CPU, so other ranks' spinning waiters
+    // starved it. dtensor-bench --overlap, rows within the target, before -> after (alternated
+    // runs, bench/RESULTS.md): 2 vCPUs: local 4 ranks 10 / 10 -> 19 / 22 of 28, local 2 ranks
+    // 5 / 8 -> 7 / 6 of 14, mpi 2 processes 6 / 8 -> 12 / 14 of 14, mpi 4 processes 18 / 16 ->
+    // 24 / 15 of 28; 16 cores: mpi 2 processes 8 / 8 -> 13 / 14 of 14, local unchanged (noise).
+    // A waiter progresses the queue itself under its own policy, so nothing waited on runs as a
+    // batch thread.
   };
   explicit CallQueue(Options options)
       : options_(options), with_worker_(options.worker && !options.ticker.expired()) {}

@@ -760,7 +760,7 @@ class LocalCommunicator final : public Communicator {
       : Communicator(rank, group->ranks, group->name, timeout),
         member_(std::make_shared<LocalMember>(std::move(group), rank)),
         queue_(std::make_shared<CallQueue>(
-            CallQueue::Options{.ticker = member_->group->world->ticker, .idle_worker = true})) {}
+            CallQueue::Options{.ticker = member_->group->world->ticker})) {}
   ~LocalCommunicator() override;
   LocalCommunicator(const LocalCommunicator&) = delete;
   LocalCommunicator& operator=(const LocalCommunicator&) = delete;

@@ -18,6 +18,9 @@
 #include <fmt/ranges.h>
 
 #include <catch2/catch.hpp>
+#include <sched.h>
+
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -694,6 +697,31 @@ TEST_CASE("mpi engine: calls complete while a rank makes no MPI call at all", "[
   W().wait(W().barrier());
   if (me == 0) std::filesystem::remove_all(dir);
   REQUIRE(others_done);
+}
+
+TEST_CASE("mpi engine: the worker progresses kicked calls under SCHED_BATCH (NOTE [batch worker])",
+          "[mpi][engine]") {
+#ifndef SCHED_BATCH
+  SKIP("no SCHED_BATCH on this system");
+#else
+  const std::thread::id caller = std::this_thread::get_id();
+  std::atomic<bool> done{false};
+  std::atomic<int> policy{-1};
+  std::thread::id runner;
+  WorkPtr w = W().host_task([&] {
+    runner = std::this_thread::get_id();
+    policy = sched_getscheduler(0);
+    done = true;
+  });
+  W().kick();
+  // Neither wait nor poll: only the worker can run the task.
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  while (!done.load() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
+  W().wait(w);
+  CHECK(done.load());
+  CHECK(runner != caller);
+  CHECK(policy.load() == SCHED_BATCH);
+#endif
 }
 
 TEST_CASE("mpi engine: chains across communicators issued at once, in any timing", "[mpi][engine]") {
