@@ -1040,9 +1040,8 @@ int64_t run_mpi_rank(const Options& opt, collectives::MpiWorld& mpi) {
   // SCHED_BATCH (NOTE [batch worker] in collectives/call_queue.h) the worker took the core at the
   // hand-off and nothing overlapped at all there (exposed 0.3-1.0 with 2 processes, also on a
   // 16-core machine). The header says how many CPUs each process may use.
-  const std::vector<double> cpus = bench::reduce_over_ranks(
-      *world, {static_cast<double>(bench::affinity_cpus()), -static_cast<double>(bench::affinity_cpus())},
-      ReduceOp::kMin);
+  const double mine = bench::affinity_cpus();
+  const std::vector<double> cpus = bench::reduce_over_ranks(*world, {mine, -mine}, ReduceOp::kMin);  // min, -max
   const int min_cpus = static_cast<int>(cpus[0]), max_cpus = static_cast<int>(-cpus[1]);
   const std::string desc =
       min_cpus == max_cpus ? fmt::format("mpi ({} processes, {} CPU{} each by affinity)", n, min_cpus, min_cpus == 1 ? "" : "s")

@@ -19,6 +19,16 @@ using dtensor::Partial;
 using dtensor::Replicate;
 using kernels::InvalidArgument;
 
+namespace {
+
+// A zero state tensor for parameter value d: its shape, dtype and placements, on its device (a
+// CUDA parameter's state is CUDA memory).
+DTensor zero_state(const DTensor& d) {
+  return dtensor::zeros(d.shape(), d.dtype(), d.comms(), d.placements(), d.to_local().device());
+}
+
+}  // namespace
+
 // ---- Optimizer ----
 
 Optimizer::Optimizer(NamedParameters params) : params_(std::move(params)), state_(params_.size()) {
@@ -66,9 +76,7 @@ DTensor& Optimizer::state_tensor(size_t i, const std::string& key) {
       return t;
     }
   const DTensor& d = params_[i].second->data();
-  // On the parameter's device (a CUDA parameter's state is CUDA memory).
-  state_[i].tensors.emplace_back(key,
-                                 dtensor::zeros(d.shape(), d.dtype(), d.comms(), d.placements(), d.to_local().device()));
+  state_[i].tensors.emplace_back(key, zero_state(d));
   return state_[i].tensors.back().second;
 }
 
@@ -147,8 +155,7 @@ void Optimizer::load_state_dict(const StateDict& sd, bool strict) {
       std::optional<DTensor> existing;
       for (const auto& [ek, et] : state_[i].tensors)
         if (ek == k && et.placements() == d.placements() && et.dtype() == d.dtype()) existing = et;
-      DTensor t = existing ? *existing
-                           : dtensor::zeros(d.shape(), d.dtype(), d.comms(), d.placements(), d.to_local().device());
+      DTensor t = existing ? *existing : zero_state(d);
       const DTensor& src = *sd.find(base + k);
       if (!(src.to_local().defined() && t.to_local().defined() &&
             src.to_local().shares_storage_with(t.to_local()) &&

@@ -88,12 +88,8 @@ TEST_CASE("optimizers keep their state on the parameters' GPU and step as on the
     REQUIRE(gpu.params.size() == 2);
     REQUIRE(cpu.params.size() == gpu.params.size());
     for (size_t i = 0; i < cpu.params.size(); ++i) {
-      REQUIRE(cpu.params[i].numel() == gpu.params[i].numel());
-      double worst = 0;
-      for (int64_t k = 0; k < cpu.params[i].numel(); ++k)
-        worst = std::max(worst, std::abs(cpu.params[i].reshape({cpu.params[i].numel()}).item({k}) -
-                                         gpu.params[i].reshape({gpu.params[i].numel()}).item({k})));
-      CHECK(worst <= 1e-5);
+      REQUIRE(cpu.params[i].shape() == gpu.params[i].shape());
+      CHECK(kernels::allclose(gpu.params[i], cpu.params[i], /*rtol=*/0, /*atol=*/1e-5));
     }
     REQUIRE(!gpu.state_devices.empty());
     for (const std::string& d : gpu.state_devices) CHECK(d == "cuda:0");
@@ -105,7 +101,7 @@ TEST_CASE("optimizers keep their state on the parameters' GPU and step as on the
 
 TEST_CASE("DTensor factories allocate each shard on the given GPU with the CPU's values", "[dtensor][gpu]") {
   std::vector<std::string> devices;
-  std::vector<double> worst;
+  std::vector<bool> same;  // per factory with values: the GPU's equal the CPU's
   collectives::run_ranks(1, [&](Communicator& world) {
     auto comms = MeshComms::create(DeviceMesh::from_shape({1}), world);
     const dtensor::Placements r{dtensor::Replicate{}};
@@ -121,14 +117,11 @@ TEST_CASE("DTensor factories allocate each shard on the given GPU with the CPU's
     for (size_t i = 0; i < gpu.size(); ++i) {
       devices.push_back(kernels::to_string(gpu[i].to_local().device()));
       if (i + 1 == gpu.size()) break;  // empty: no values to compare
-      const Tensor a = cpu[i].to_local().reshape({24}), b = gpu[i].to_local().to(Device{}).reshape({24});
-      double w = 0;
-      for (int64_t k = 0; k < 24; ++k) w = std::max(w, std::abs(a.item({k}) - b.item({k})));
-      worst.push_back(w);
+      same.push_back(kernels::equal(gpu[i].to_local().to(Device{}), cpu[i].to_local()));
     }
   });
   REQUIRE(devices.size() == 5);
   for (const std::string& d : devices) CHECK(d == "cuda:0");
-  REQUIRE(worst.size() == 4);
-  for (double w : worst) CHECK(w == 0);
+  REQUIRE(same.size() == 4);
+  for (bool s : same) CHECK(s);
 }
