@@ -34,7 +34,7 @@ HOST_KEYS = {"kind": str, "transition": str, "mesh": str, "bytes": int, "shape":
 OVERLAP_KEYS = {"kind": str, "transition": str, "src": str, "dst": str, "mesh": str, "backend": str, "world": int,
                 "bytes": int, "local_bytes": int, "shape": list, "route": str, "collectives": int, "iters": int,
                 "comm_us": float, "comm_warm_us": float, "compute_us": float, "overlapped_us": float,
-                "exposed": float, "wrong": int}
+                "issue_us": float, "exposed": float, "wrong": int}
 
 failures = []
 
@@ -146,6 +146,7 @@ def main():
             check(math.isclose(r["exposed"], (r["overlapped_us"] - r["compute_us"]) / r["comm_us"], rel_tol=1e-6),
                   f"{name}: exposed != (overlapped - compute) / comm")
             check(r["comm_us"] > 0 and r["compute_us"] > 0 and r["overlapped_us"] > 0, f"{name}: times")
+            check(0 < r["issue_us"] <= r["overlapped_us"], f"{name}: issue_us {r['issue_us']} not within (0, overlapped_us]")
         if args.plot and not failures:
             out = os.path.join(tmp, "figures")
             proc = subprocess.run([sys.executable, args.plot, sweep, host, overlap, "--out", out],
