@@ -363,6 +363,15 @@ void CallQueue::worker_main() {
     (void)pthread_setschedparam(pthread_self(), SCHED_BATCH, &sp);
   }
 #endif
+#ifdef __linux__
+  if (!options_.worker_cpus.empty()) {  // a refusal leaves the inherited mask
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int cpu : options_.worker_cpus)
+      if (cpu >= 0 && cpu < CPU_SETSIZE) CPU_SET(cpu, &set);
+    (void)pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+  }
+#endif
   std::unique_lock lk(mu_);
   for (;;) {
     // Woken by the ticker (or shutdown); after a slice of its own it goes on at once.

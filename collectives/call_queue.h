@@ -149,6 +149,9 @@ class CallQueue : public std::enable_shared_from_this<CallQueue> {
     bool worker = true;
     std::weak_ptr<WorkerTicker> ticker;  // owned by the world
     Milliseconds slice{20};  // longest a holder blocks before re-checking
+    // The CPUs the worker may run on (NOTE [worker cpus] in collectives/local.cpp); empty: those
+    // of the thread that starts it.
+    std::vector<int> worker_cpus;
     // NOTE [batch worker] The worker runs under SCHED_BATCH (Linux; elsewhere: ignored): a fair
     // share of the CPU like any thread, but its wake-up never preempts the running thread (the
     // kernel's rule for the batch and idle policies). Under the default policy, a kick (or the

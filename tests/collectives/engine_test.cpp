@@ -7,9 +7,11 @@
 // Rank threads record failures in testing_support::Checks; Catch2 runs on the test thread only.
 #include <catch2/catch.hpp>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <sched.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <mutex>
@@ -166,6 +168,97 @@ TEST_CASE("engine: the local worker progresses kicked calls under SCHED_BATCH (N
   });
   checks.report();
   CHECK(ran.load() == 2);
+#endif
+}
+
+#ifdef __linux__
+namespace {
+std::vector<int> cpus_of_this_thread() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> cpus;
+  if (sched_getaffinity(0, sizeof set, &set) == 0)
+    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu)
+      if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
+  return cpus;
+}
+}  // namespace
+#endif
+
+TEST_CASE("engine: each rank's local workers run on their own share of the process's CPUs (NOTE [worker cpus])",
+          "[collectives][engine]") {
+#ifndef __linux__
+  SKIP("CPU affinity is Linux-only here");
+#else
+  const std::vector<int> process = cpus_of_this_thread();
+  REQUIRE(!process.empty());
+  const int n = static_cast<int>(process.size());
+  int worlds = 0;
+  for (int size : {1, 2, 3, 5}) {
+    std::mutex mu;
+    std::vector<std::vector<int>> world_cpus(static_cast<size_t>(size)), split_cpus(static_cast<size_t>(size));
+    std::vector<int> caller_cpu_counts(static_cast<size_t>(size), 0);
+    collectives::run_ranks(size, [&](Communicator& world) {
+      const int r = world.rank();
+      auto worker_cpus = [&](Communicator& comm) {
+        std::vector<int> seen;
+        std::atomic<bool> done{false};
+        const std::thread::id caller = std::this_thread::get_id();
+        std::thread::id runner;
+        WorkPtr w = comm.host_task([&] {
+          seen = cpus_of_this_thread();
+          runner = std::this_thread::get_id();
+          done = true;
+        });
+        comm.kick();
+        // Neither wait nor poll until the task ran: only the worker can run it.
+        const auto deadline = std::chrono::steady_clock::now() + 30s;
+        while (!done.load() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
+        comm.wait(w);
+        if (runner == caller) seen.clear();  // reported as an empty share
+        return seen;
+      };
+      std::vector<int> mine = worker_cpus(world);
+      // A communicator of a subgroup, in which this rank has another group rank: still its share.
+      std::vector<int> reversed(static_cast<size_t>(size));
+      for (int i = 0; i < size; ++i) reversed[static_cast<size_t>(i)] = size - 1 - i;
+      auto sub = world.split(reversed, "reversed");
+      std::vector<int> sub_mine = worker_cpus(*sub);
+      std::lock_guard lk(mu);
+      world_cpus[static_cast<size_t>(r)] = std::move(mine);
+      split_cpus[static_cast<size_t>(r)] = std::move(sub_mine);
+      caller_cpu_counts[static_cast<size_t>(r)] = static_cast<int>(cpus_of_this_thread().size());
+    });
+    INFO("world of " << size << " ranks, process CPUs " << fmt::format("{}", fmt::join(process, ",")));
+    std::vector<int> uses(static_cast<size_t>(CPU_SETSIZE), 0);
+    for (int r = 0; r < size; ++r) {
+      const std::vector<int>& m = world_cpus[static_cast<size_t>(r)];
+      INFO("rank " << r << " worker CPUs " << fmt::format("{}", fmt::join(m, ",")));
+      CHECK(caller_cpu_counts[static_cast<size_t>(r)] == n);  // callers are never pinned
+      CHECK(split_cpus[static_cast<size_t>(r)] == m);
+      CHECK(!m.empty());
+      for (int cpu : m) {
+        CHECK(std::find(process.begin(), process.end(), cpu) != process.end());
+        ++uses[static_cast<size_t>(cpu)];
+      }
+      if (size == 1 || n == 1) CHECK(m == process);
+      else if (size > n) CHECK(m.size() == 1);
+    }
+    if (size > 1 && n > 1) {
+      // Every CPU of the process is used, each by the same number of workers within one
+      // (disjoint shares when there are at least as many CPUs as ranks).
+      int lo = size, hi = 0;
+      for (int cpu : process) {
+        lo = std::min(lo, uses[static_cast<size_t>(cpu)]);
+        hi = std::max(hi, uses[static_cast<size_t>(cpu)]);
+      }
+      CHECK(lo >= 1);
+      CHECK(hi - lo <= 1);
+      if (size <= n) CHECK(hi == 1);
+    }
+    ++worlds;
+  }
+  CHECK(worlds == 4);
 #endif
 }
 
