@@ -490,6 +490,27 @@ void WorkerTicker::main() {
   }
 }
 
+std::vector<int> thread_cpus() {
+  std::vector<int> cpus;
+#ifdef __linux__
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0)
+    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu)
+      if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
+#endif
+  return cpus;
+}
+
+std::vector<int> cpu_share(const std::vector<int>& cpus, int index, int count) {
+  const int n = static_cast<int>(cpus.size());
+  if (n <= 1 || count <= 1 || index < 0) return {};
+  if (count >= n) return {cpus[static_cast<size_t>(index % n)]};
+  std::vector<int> mine;
+  for (int k = index % count; k < n; k += count) mine.push_back(cpus[static_cast<size_t>(k)]);
+  return mine;
+}
+
 // ---- GroupWork ----
 
 void GroupWork::wait(Milliseconds timeout) {

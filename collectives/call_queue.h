@@ -98,6 +98,13 @@ class HostTask final : public QueuedCall {
   std::string group_;
 };
 
+// The CPUs the calling thread may run on (Linux; elsewhere: none).
+std::vector<int> thread_cpus();
+// Member `index` of `count`'s share of `cpus` (NOTE [worker cpus] in collectives/local.cpp): the
+// CPUs at positions index, index + count, ... when there are at least `count`, else the one at
+// index mod cpus.size(); empty (nothing pinned) for one CPU or one member.
+std::vector<int> cpu_share(const std::vector<int>& cpus, int index, int count);
+
 // What the ticker shares with one queue: the queue's worker sleeps on `cv` (with the queue's own
 // mutex), and `idle_since` says since when the queue has had unfinished calls nobody progressed.
 // Separate from the queue so that the ticker never owns a queue (and never destroys one).

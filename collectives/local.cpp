@@ -1,7 +1,5 @@
 #include "collectives/local.h"
 
-#include <sched.h>
-
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -32,22 +30,6 @@ namespace detail {
 
 class LocalGroup;
 
-namespace {
-// The CPUs the calling thread may run on: the process's, unless the thread was pinned (Linux;
-// elsewhere: none, and nothing is pinned).
-std::vector<int> process_cpus() {
-  std::vector<int> cpus;
-#ifdef __linux__
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof set, &set) == 0)
-    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu)
-      if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
-#endif
-  return cpus;
-}
-}  // namespace
-
 // Shared by every rank of one LocalWorld. Each group has its own lock and condition variable;
 // the world keeps a list of its groups so that aborting it, or a rank returning, wakes every waiter.
 class LocalWorldState {
@@ -67,7 +49,7 @@ class LocalWorldState {
   std::vector<std::weak_ptr<LocalGroup>> groups;
   // Wakes the workers of the world's communicators (NOTE [call queue]).
   const std::shared_ptr<WorkerTicker> ticker = std::make_shared<WorkerTicker>();
-  const std::vector<int> cpus = process_cpus();  // the CPUs of the thread that made the world
+  const std::vector<int> cpus = thread_cpus();  // the CPUs of the thread that made the world
 
   // NOTE [worker cpus] Each rank's communicator workers run on their own share of the process's
   // CPUs: with n CPUs and `size` ranks, rank r gets the CPUs at positions r, r + size, ... of
@@ -80,17 +62,12 @@ class LocalWorldState {
   // and since each wake-up goes back to the CPU the worker last ran on, whole rows of
   // `dtensor-bench --overlap` were hit. With the shares (2 vCPUs, alternated, rows within
   // exposed 0.10): 2 ranks 9 / 9 / 9 -> 11 / 10 / 12 of 14, 4 ranks 19 / 20 / 22 -> 22 / 22 / 24
-  // of 28; fsdp-bench over 2 ranks, where the callers compute on every CPU: step unchanged
-  // (prefetch 1: 159.0 against 162.0 ms, medians of 5). Callers are never pinned, and a world
-  // of one rank or a process with one CPU pins nothing.
-  std::vector<int> worker_cpus(int world_rank) const {
-    const int n = static_cast<int>(cpus.size());
-    if (n <= 1 || size <= 1) return {};
-    if (size >= n) return {cpus[static_cast<size_t>(world_rank % n)]};
-    std::vector<int> mine;
-    for (int k = world_rank; k < n; k += size) mine.push_back(cpus[static_cast<size_t>(k)]);
-    return mine;
-  }
+  // of 28; fsdp-bench, where the callers compute on every CPU: step unchanged (2 ranks, prefetch
+  // 1: 159.0 against 162.0 ms, medians of 5; 4 ranks: 174.1 against 174.6 ms, medians of 4).
+  // Callers are never pinned, and a world of one rank or a process with one CPU pins nothing.
+  // The mpi backend does not do this: there it made fsdp-bench's step 2-5% slower with 4
+  // processes on 2 vCPUs (bench/results/worker_cpus/).
+  std::vector<int> worker_cpus(int world_rank) const { return cpu_share(cpus, world_rank, size); }
 
   // Wakes every waiter of every group (after aborted / exited changed).
   void wake_all();
