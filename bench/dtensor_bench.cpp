@@ -565,7 +565,7 @@ HostRow run_host_cost(Env& env) {
 
 struct OverlapRow {
   std::string transition, src, dst, mesh, route;
-  Dims shape;
+  Dims mesh_shape, shape;
   int64_t bytes = 0, local_bytes = 0;
   int collectives = 0, iters = 0;
   Stats comm, compute, overlapped;
@@ -610,6 +610,7 @@ OverlapRow run_overlap_one(Env& env, const Case& c, int64_t requested_bytes) {
   row.src = c.src_text;
   row.dst = c.dst_text;
   row.mesh = mesh_text(c.mesh_shape);
+  row.mesh_shape = c.mesh_shape;
   row.shape = shape;
   row.bytes = shape.product() * item;
   row.route = dtensor::to_string(plan);
@@ -948,6 +949,7 @@ void write_json(const Options& opt, const std::string& desc, int world, const st
     o["src"] = r.src;
     o["dst"] = r.dst;
     o["mesh"] = r.mesh;
+    o["mesh_shape"] = r.mesh_shape.vec();
     common(o);
     o["bytes"] = r.bytes;
     o["local_bytes"] = r.local_bytes;
@@ -955,6 +957,7 @@ void write_json(const Options& opt, const std::string& desc, int world, const st
     o["route"] = r.route;
     o["collectives"] = r.collectives;
     o["iters"] = r.iters;
+    o["warmup"] = opt.warmup;
     o["comm_us"] = r.comm.median_us;
     o["comm_warm_us"] = r.comm_warm_us;
     o["compute_us"] = r.compute.median_us;

@@ -31,8 +31,9 @@ NULLABLE = {"raw_time_us": float, "raw_min_us": float, "raw_max_us": float, "ove
 HOST_KEYS = {"kind": str, "transition": str, "mesh": str, "bytes": int, "shape": list, "calls": int,
              "world": int, "redistribute_us": float, "raw_us": float, "framework_us": float,
              "time_us": float, "time_min_us": float, "time_max_us": float}
-OVERLAP_KEYS = {"kind": str, "transition": str, "src": str, "dst": str, "mesh": str, "backend": str, "world": int,
-                "bytes": int, "local_bytes": int, "shape": list, "route": str, "collectives": int, "iters": int,
+OVERLAP_KEYS = {"kind": str, "transition": str, "src": str, "dst": str, "mesh": str, "mesh_shape": list,
+                "backend": str, "world": int, "bytes": int, "local_bytes": int, "shape": list, "route": str,
+                "collectives": int, "iters": int, "warmup": int,
                 "comm_us": float, "comm_warm_us": float, "compute_us": float, "overlapped_us": float,
                 "issue_us": float, "exposed": float, "wrong": int}
 

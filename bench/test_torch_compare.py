@@ -5,8 +5,9 @@ Run:  python3 bench/test_torch_compare.py        (from anywhere; exit status 0 =
 
 It runs `torch_compare.py table` as a user would, then checks the console table, the merged JSON
 and the Markdown: ratios recomputed from the times, the "ours ratio < torch" column, a transition
-without collectives, a transition torch rejected, the host-cost row; and that importing the module
-does not import torch.
+without collectives, a transition torch rejected, the host-cost row; the same for the --overlap
+comparison (lost and exposed recomputed, the rows the summary counts); and that importing the
+module does not import torch.
 """
 
 import json
@@ -19,6 +20,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "torch_compare.py")
 OURS = os.path.join(HERE, "testdata", "torch_compare_ours.json")
 TORCH = os.path.join(HERE, "testdata", "torch_compare_torch.json")
+OURS_OVERLAP = os.path.join(HERE, "testdata", "torch_compare_ours_overlap.json")
+TORCH_OVERLAP = os.path.join(HERE, "testdata", "torch_compare_torch_overlap.json")
 
 failures = []
 
@@ -37,16 +40,55 @@ def line_with(text, *needles):
     return None
 
 
-def main():
+def run_table(ours, torch, what):
+    """`torch_compare.py table` on two fixtures: (console text, merged JSON records, Markdown)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        cmd = [sys.executable, SCRIPT, "table", "--ours", OURS, "--torch", TORCH, "--out", out_dir]
+        cmd = [sys.executable, SCRIPT, "table", "--ours", ours, "--torch", torch, "--out", out_dir]
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        check(proc.returncode == 0, f"table exits 0 (stderr: {proc.stderr.strip()[-300:]})")
-        text = proc.stdout
+        check(proc.returncode == 0, f"{what} exits 0 (stderr: {proc.stderr.strip()[-300:]})")
         with open(os.path.join(out_dir, "torch_compare.json")) as f:
             merged = json.load(f)
         with open(os.path.join(out_dir, "torch_compare.md")) as f:
             md = f.read()
+    return proc.stdout, merged, md
+
+
+def check_overlap():
+    """The --overlap comparison (records of kind "overlap" on both sides)."""
+    text, merged, md = run_table(OURS_OVERLAP, TORCH_OVERLAP, "overlap table")
+    # S(0)->R 8M (local 4M): torch lost 1220 - 820 = 400 us, exposed 400 / 800 = 0.50; ours 20 us, 0.05.
+    row = line_with(text, "8M", "4M", "800.0")
+    check(row == ["8M", "4M", "800.0", "300.0", "400.0", "0.50", "400.0", "6.00", "20.0", "0.05", "yes"],
+          f"overlap S(0)->R 8M row: {row}")
+    # 4M (local 2M): torch 10 us (0.03), ours 30 us (0.30): ours loses more.
+    row = line_with(text, "4M", "2M", "400.0")
+    check(row == ["4M", "2M", "400.0", "280.0", "10.0", "0.03", "100.0", "4.00", "30.0", "0.30", "no"],
+          f"overlap S(0)->R 4M row: {row}")
+    row = line_with(text, "8M", "unsupported")
+    check(row == ["8M", "8M", "unsupported", "-", "-", "-", "500.0", "8.00", "100.0", "0.20", "-"],
+          f"overlap unsupported row: {row}")
+    row = line_with(text, "not run")
+    check(row == ["8M", "8M", "not", "run", "-", "-", "-", "100.0", "50.0", "2.00", "0.02", "-"],
+          f"overlap row torch did not run: {row}")
+    # Counted: local >= 4M with a collective (S(0)->R 8M, P->S(0) 8M; not the 2M row, not R->S(0)).
+    check("within exposed 0.10: ours 1 of 2, torch 0 of 1; ours loses no more time than torch on 1 of 1" in text,
+          "overlap summary line")
+    check("ratio = redistribute time" not in text, "no transition-ratio legend without transition rows")
+    by_key = {(r["transition"], r["bytes"]): r for r in merged}
+    check(len(merged) == 4 and all(r["kind"] == "overlap" for r in merged), f"4 overlap records (got {len(merged)})")
+    big = by_key.get(("S(0)->R", 8388608), {})
+    check(abs(big.get("torch_exposed", 0) - 0.5) < 1e-12 and abs(big.get("ours_exposed", 0) - 0.05) < 1e-12
+          and big.get("counted") is True and big.get("ours_better") is True, f"merged S(0)->R 8M: {big}")
+    small = by_key.get(("S(0)->R", 4194304), {})
+    check(small.get("counted") is False and small.get("ours_better") is False, "merged S(0)->R 4M not counted")
+    check(by_key.get(("R->S(0)", 8388608), {}).get("counted") is False, "a transition without collectives not counted")
+    check("| `S(0)->R` | 2 | 8M | 4M | 800.0 | 300.0 | 400.0 | 0.50 | 400.0 | 6.00 | 20.0 | 0.05 | yes |" in md,
+          "overlap markdown row")
+    check("| transition | mesh | bytes | shape | torch us |" not in md, "no empty transition table in the markdown")
+
+
+def main():
+    text, merged, md = run_table(OURS, TORCH, "table")
 
     # Console: S(0)->R 1K: torch 300/100 = 3.00, ours 20/10 = 2.00 -> yes.
     row = line_with(text, "1K", "16x16", "300.0")
@@ -97,6 +139,8 @@ def main():
     check("| `S(0),S(1)->S(1),S(0)` | 2x2 | 1K | 16x16 | unsupported | - | - | 50.0 | 40.0 | 1.25 | - |" in md,
           "markdown unsupported row")
     check("| `S(0)->R` | 1 | 4x4 | 30.0 | 1.50 | 20.00 |" in md, "markdown host row")
+
+    check_overlap()
 
     # The table path must not need torch.
     probe = ("import sys; sys.path.insert(0, sys.argv[1]); import torch_compare; "

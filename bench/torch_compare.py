@@ -26,6 +26,9 @@ Usage (from the repository root; `python` must have torch for `run` and `torch`)
     # re-print the comparison from saved files (no torch needed)
     python bench/torch_compare.py table --ours OURS.json OURS_HOST.json --torch TORCH.json
 
+    # overlap instead: dtensor-bench --overlap, then torch's redistribute(async_op=True) the same way
+    python bench/torch_compare.py run --overlap --sizes 4M:32M --ours-backend local --np 2 --out OUT
+
 `run` writes into --out: ours.json and ours_host.json (dtensor-bench --json; its console tables
 in ours.txt), torch.json (the torch side, same record layout), torch_compare.json (the merged
 records), torch_compare.md (Markdown tables ready to paste into bench/RESULTS.md) and, under
@@ -65,6 +68,14 @@ How torch is measured (mirrors dtensor-bench, see bench/README.md):
     after one untimed batch; median, min and max over the repeats. `calls` and the repeats are
     those of our record unless --host-calls / --host-repeats say otherwise (2000 and 20 if
     neither does).
+  * overlap (`run --overlap`): ours is `dtensor-bench --overlap`; torch repeats its procedure
+    (bench/README.md, "Overlap") with `redistribute(..., async_op=True)` and a wait on the result's
+    local tensor: the transition back to back (the first guess of the compute's length), after
+    idle spells of that length, then `iters` times the compute stand-in alone (a sleep of the
+    median of the latest `iters` after-idle transitions, max over ranks), the transition alone and
+    both (issue, sleep, wait), each after a barrier; the sleeps run with a timer slack of 1 ns as
+    ours do; exposed = (overlapped - compute) / comm on medians, max over ranks. Python's host
+    cost and gloo's threads are what a torch user overlaps with, so they count, as ours do.
 
 Nothing in this module imports torch at import time: the torch worker imports it lazily, so the
 `table` path (and bench/test_torch_compare.py) run with a plain python3.
@@ -206,6 +217,20 @@ def mesh_shape_of(mesh):
 # ================================================================================================
 
 
+def _pair_notes(o, t):
+    """The notes of one paired row: a side that did not run, torch's own note, ours' wrong elements."""
+    notes = []
+    if not t:
+        notes.append("torch: not run")
+    elif t.get("note"):
+        notes.append("torch: " + t["note"])
+    if not o:
+        notes.append("ours: not run")
+    elif o.get("wrong"):
+        notes.append(f"ours: {o['wrong']} wrong elements")
+    return notes
+
+
 def merge(ours_records, torch_records):
     """Pair ours and torch's records; returns (transition rows, host rows), each a list of dicts.
 
@@ -228,15 +253,7 @@ def merge(ours_records, torch_records):
         o, t = ours_t.get(key, {}), torch_t.get(key, {})
         src = o or t
         supported = bool(t.get("supported", False)) if t else False
-        notes = []
-        if not t:
-            notes.append("torch: not run")
-        elif t.get("note"):
-            notes.append("torch: " + t["note"])
-        if not o:
-            notes.append("ours: not run")
-        elif o.get("wrong"):
-            notes.append(f"ours: {o['wrong']} wrong elements")
+        notes = _pair_notes(o, t)
         torch_time = t.get("time_us") if supported else None
         torch_raw = t.get("raw_time_us") if supported else None
         torch_ratio = ratio(torch_time, torch_raw)
@@ -290,6 +307,137 @@ def merge(ours_records, torch_records):
     return rows, host_rows
 
 
+def overlap_key(rec):
+    return (rec["transition"], str(rec.get("mesh")), int(rec["bytes"]))
+
+
+OVERLAP_TARGET = 0.10        # issue 9: exposed <= 0.10 ...
+OVERLAP_MIN_LOCAL = 4 << 20  # ... at a local shard of at least 4 MiB
+
+
+def merge_overlap(ours_records, torch_records):
+    """Pair ours' and torch's overlap records by (transition, mesh, bytes), ours' order first.
+
+    exposed is recomputed from the medians on both sides (the same definition). A row counts
+    towards the target (`counted`) when ours' local shard is >= 4 MiB and ours' plan has a
+    collective (dtensor-bench's own summary rule).
+    """
+    ours_o = {overlap_key(r): r for r in ours_records if record_kind(r) == "overlap"}
+    torch_o = {overlap_key(r): r for r in torch_records if record_kind(r) == "overlap"}
+    torch_version = next((r.get("torch_version") for r in torch_records if r.get("torch_version")), None)
+    rows = []
+    for key in list(ours_o) + [k for k in torch_o if k not in ours_o]:
+        o, t = ours_o.get(key, {}), torch_o.get(key, {})
+        supported = bool(t.get("supported", False)) if t else False
+
+        def exposed(r):
+            if r.get("overlapped_us") is None or r.get("compute_us") is None:
+                return None
+            return ratio(r["overlapped_us"] - r["compute_us"], r.get("comm_us"))
+
+        def lost(r):  # what the overlapped step took beyond the compute alone (us)
+            if r.get("overlapped_us") is None or r.get("compute_us") is None:
+                return None
+            return r["overlapped_us"] - r["compute_us"]
+
+        ours_exposed = exposed(o) if o else None
+        torch_exposed = exposed(t) if supported else None
+        ours_lost = lost(o) if o else None
+        torch_lost = lost(t) if supported else None
+        notes = _pair_notes(o, t)
+        row = {"kind": "overlap", "transition": key[0], "mesh": key[1], "bytes": key[2],
+               "shape": (o or t).get("shape"), "local_bytes": o.get("local_bytes", t.get("local_bytes")),
+               "counted": bool(o) and (o.get("local_bytes") or 0) >= OVERLAP_MIN_LOCAL
+               and (o.get("collectives") or 0) > 0,
+               "ours_backend": o.get("backend"), "torch_version": t.get("torch_version", torch_version),
+               "torch_run": bool(t), "torch_supported": supported, "torch_collectives": t.get("collectives_issued"),
+               "ours_route": o.get("route"), "ours_exposed": ours_exposed, "torch_exposed": torch_exposed,
+               "ours_lost_us": ours_lost, "torch_lost_us": torch_lost,
+               "ours_better": None if ours_lost is None or torch_lost is None else ours_lost <= torch_lost}
+        for side, r in (("ours", o), ("torch", t if supported else {})):
+            for field in ("comm_us", "compute_us", "overlapped_us", "issue_us"):
+                row[f"{side}_{field}"] = r.get(field)
+        row["note"] = "; ".join(notes)
+        rows.append(row)
+    return rows
+
+
+OVERLAP_HEADER = ["bytes", "local", "torch comm us", "torch issue us", "torch lost us", "torch exposed",
+                  "ours comm us", "ours issue us", "ours lost us", "ours exposed", "ours loses less"]
+
+
+def _overlap_cells(r):
+    if r["torch_supported"]:
+        torch_cells = [fmt_us(r["torch_comm_us"]), fmt_us(r["torch_issue_us"]), fmt_us(r["torch_lost_us"]),
+                       fmt_ratio(r["torch_exposed"])]
+    else:
+        torch_cells = ["unsupported" if r["torch_run"] else "not run", "-", "-", "-"]
+    return ([fmt_bytes(r["bytes"]), fmt_bytes(r["local_bytes"])] + torch_cells
+            + [fmt_us(r["ours_comm_us"]), fmt_us(r["ours_issue_us"]), fmt_us(r["ours_lost_us"]),
+               fmt_ratio(r["ours_exposed"]), _yes_no(r["ours_better"])])
+
+
+def overlap_summary(rows):
+    """'rows with a local shard >= 4M within 0.10: ours 11 of 14, torch 3 of 14; ...' (or '')."""
+    counted = [r for r in rows if r["counted"]]
+    if not counted:
+        return ""
+
+    def within(side):
+        vals = [r[f"{side}_exposed"] for r in counted]
+        return sum(1 for v in vals if v is not None and v <= OVERLAP_TARGET), sum(1 for v in vals if v is not None)
+
+    (ours_ok, ours_n), (torch_ok, torch_n) = within("ours"), within("torch")
+    wins = [r["ours_better"] for r in counted if r["ours_better"] is not None]
+    return (f"rows with a local shard >= {fmt_bytes(OVERLAP_MIN_LOCAL)} within exposed {OVERLAP_TARGET:.2f}: "
+            f"ours {ours_ok} of {ours_n}, torch {torch_ok} of {torch_n}; "
+            f"ours loses no more time than torch on {sum(wins)} of {len(wins)}")
+
+
+def _group_heading(title, group):
+    """The console lines that open one (transition, mesh) table: its title, ours' routes, torch's collectives."""
+    lines = ["", f"== {title}"]
+    for label, route in _runs(group, "ours_route"):
+        lines.append(f"   ours route{' ' + label if label else ''}:  {route}")
+    for label, issued in _runs(group, "torch_collectives"):
+        lines.append(f"   torch issues{' ' + label if label else ''}: {issued or 'no collective'}")
+    return lines
+
+
+def render_overlap_text(rows):
+    lines = ["", "== overlap: lost = overlapped - compute (the time the step loses), exposed = lost / comm "
+             "(0 = hidden, 1 = not at all); medians, max over ranks"]
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["transition"], r["mesh"]), []).append(r)
+    for (transition, mesh), group in groups.items():
+        lines += _group_heading(f"{transition}   mesh {mesh}   (overlap)", group)
+        lines.extend("   " + line for line in _text_table(OVERLAP_HEADER, [_overlap_cells(r) for r in group],
+                                                           left={0, 1, 10}))
+        for note in dict.fromkeys(r["note"] for r in group if r["note"]):
+            lines.append(f"   note: {note}")
+    summary = overlap_summary(rows)
+    if summary:
+        lines += ["", summary]
+    return lines
+
+
+def render_overlap_markdown(rows):
+    def md_row(cells):
+        return "| " + " | ".join(str(c) for c in cells) + " |"
+
+    out = ["", "Overlap (`--overlap`; lost = overlapped - compute, exposed = lost / comm, medians in us, max over "
+           "ranks; torch: `redistribute(..., async_op=True)`, the same procedure):", "",
+           md_row(["transition", "mesh"] + OVERLAP_HEADER),
+           md_row(["---", "---", "---:", "---:"] + ["---:"] * (len(OVERLAP_HEADER) - 3) + ["---"])]
+    for r in rows:
+        out.append(md_row([f"`{r['transition']}`", r["mesh"]] + _overlap_cells(r)))
+    summary = overlap_summary(rows)
+    if summary:
+        out += ["", summary[0].upper() + summary[1:] + "."]
+    return out
+
+
 def _yes_no(b):
     return "-" if b is None else ("yes" if b else "no")
 
@@ -335,24 +483,21 @@ def _runs(group, field):
             for a, b, v in runs]
 
 
-def render_text(rows, host_rows):
-    """The console report: one table per (transition, mesh), then the host-cost table."""
+def render_text(rows, host_rows, overlap_rows=()):
+    """The console report: one table per (transition, mesh), the host-cost table, the overlap tables."""
     lines = []
-    versions = sorted({r["torch_version"] for r in rows + host_rows if r.get("torch_version")})
-    backends = sorted({r["ours_backend"] for r in rows if r.get("ours_backend")})
+    every = list(rows) + list(host_rows) + list(overlap_rows)
+    versions = sorted({r["torch_version"] for r in every if r.get("torch_version")})
+    backends = sorted({r["ours_backend"] for r in list(rows) + list(overlap_rows) if r.get("ours_backend")})
     lines.append(f"ours: backend {', '.join(backends) or '?'};  torch {', '.join(versions) or '?'}: gloo, CPU")
-    lines.append("ratio = redistribute time / raw-collective time (median us, max over ranks); lower is better")
+    if rows:
+        lines.append("ratio = redistribute time / raw-collective time (median us, max over ranks); lower is better")
 
     groups = {}
     for r in rows:
         groups.setdefault((r["transition"], r["mesh"]), []).append(r)
     for (transition, mesh), group in groups.items():
-        lines.append("")
-        lines.append(f"== {transition}   mesh {mesh}")
-        for label, route in _runs(group, "ours_route"):
-            lines.append(f"   ours route{' ' + label if label else ''}:  {route}")
-        for label, issued in _runs(group, "torch_collectives"):
-            lines.append(f"   torch issues{' ' + label if label else ''}: {issued or 'no collective'}")
+        lines += _group_heading(f"{transition}   mesh {mesh}", group)
         body = []
         for r in group:
             body.append([fmt_bytes(r["bytes"]), fmt_shape(r["shape"])] + _torch_cells(r) + [
@@ -379,25 +524,28 @@ def render_text(rows, host_rows):
     if rows:
         lines.append("")
         lines.append(f"ours ratio < torch ratio on {sum(wins)} of {len(wins)} comparable rows")
+    if overlap_rows:
+        lines += render_overlap_text(overlap_rows)
     return "\n".join(lines) + "\n"
 
 
-def render_markdown(rows, host_rows):
+def render_markdown(rows, host_rows, overlap_rows=()):
     """Markdown tables for bench/RESULTS.md."""
     def md_row(cells):
         return "| " + " | ".join(str(c) for c in cells) + " |"
 
-    versions = sorted({r["torch_version"] for r in rows + host_rows if r.get("torch_version")})
-    backends = sorted({r["ours_backend"] for r in rows if r.get("ours_backend")})
+    every = list(rows) + list(host_rows) + list(overlap_rows)
+    versions = sorted({r["torch_version"] for r in every if r.get("torch_version")})
+    backends = sorted({r["ours_backend"] for r in list(rows) + list(overlap_rows) if r.get("ours_backend")})
     out = [
         f"ours: `{', '.join(backends) or '?'}` backend; torch {', '.join(versions) or '?'} DTensor on gloo (CPU). "
         "Times are medians in microseconds, max over ranks; ratio = redistribute / raw collectives "
         "(lower is better).",
-        "",
-        md_row(["transition", "mesh"] + TRANSITION_HEADER),
-        # text columns left-aligned, numbers right-aligned
-        md_row(["---", "---", "---:", "---"] + ["---:"] * (len(TRANSITION_HEADER) - 3) + ["---"]),
     ]
+    if rows:
+        out += ["", md_row(["transition", "mesh"] + TRANSITION_HEADER),
+                # text columns left-aligned, numbers right-aligned
+                md_row(["---", "---", "---:", "---"] + ["---:"] * (len(TRANSITION_HEADER) - 3) + ["---"])]
     for r in rows:
         out.append(md_row([f"`{r['transition']}`", r["mesh"], fmt_bytes(r["bytes"]), fmt_shape(r["shape"])]
                           + _torch_cells(r)
@@ -425,26 +573,29 @@ def render_markdown(rows, host_rows):
             out.append(md_row([f"`{h['transition']}`", h["mesh"], fmt_shape(h["shape"]),
                                fmt_us(h["torch_time_us"]) if h["torch_supported"] else "unsupported",
                                fmt_us(h["ours_time_us"]), fmt_ratio(h["torch_over_ours"])]))
+    if overlap_rows:
+        out += render_overlap_markdown(overlap_rows)
     return "\n".join(out) + "\n"
 
 
-def write_outputs(rows, host_rows, out_dir):
+def write_outputs(rows, host_rows, out_dir, overlap_rows=()):
     os.makedirs(out_dir, exist_ok=True)
     json_path = os.path.join(out_dir, "torch_compare.json")
     md_path = os.path.join(out_dir, "torch_compare.md")
     with open(json_path, "w") as f:
-        json.dump(rows + host_rows, f, indent=1)
+        json.dump(rows + host_rows + list(overlap_rows), f, indent=1)
         f.write("\n")
     with open(md_path, "w") as f:
-        f.write(render_markdown(rows, host_rows))
+        f.write(render_markdown(rows, host_rows, overlap_rows))
     return json_path, md_path
 
 
 def report(ours_records, torch_records, out_dir):
     rows, host_rows = merge(ours_records, torch_records)
-    sys.stdout.write(render_text(rows, host_rows))
+    overlap_rows = merge_overlap(ours_records, torch_records)
+    sys.stdout.write(render_text(rows, host_rows, overlap_rows))
     if out_dir:
-        paths = write_outputs(rows, host_rows, out_dir)
+        paths = write_outputs(rows, host_rows, out_dir, overlap_rows)
         print("wrote " + " and ".join(paths))
     return rows, host_rows
 
@@ -493,6 +644,8 @@ def run_ours(args, out_dir):
               "--iters", str(args.iters), "--warmup", str(args.warmup)]
     if args.mesh:
         common += ["--mesh", args.mesh]
+    if args.overlap:
+        common += ["--overlap"]
 
     ours_json = os.path.join(out_dir, "ours.json")
     ours_log = os.path.join(out_dir, "ours.txt")
@@ -514,7 +667,7 @@ def run_ours(args, out_dir):
         run_command(launcher + ["--suite", args.suite] + common + ["--json", ours_json], "ours", ours_log)
 
     host_json = None
-    if not args.no_host_cost:
+    if not args.no_host_cost and not args.overlap:
         host_json = os.path.join(out_dir, "ours_host.json")
         run_command([bench, "--backend", "local", "--world", "1", "--host-cost", "--json", host_json],
                     "ours host cost", ours_log)
@@ -593,6 +746,19 @@ def torch_cases_from(ours_records):
     return cases
 
 
+def overlap_cases_from(ours_records):
+    """The torch side's overlap work list, from ours' overlap records (dtensor-bench --overlap)."""
+    cases = []
+    for r in ours_records:
+        if record_kind(r) != "overlap":
+            continue
+        case = {k: r.get(k) for k in ("transition", "src", "dst", "mesh", "mesh_shape", "bytes", "local_bytes",
+                                      "shape", "dtype", "iters", "warmup")}
+        case["mesh_shape"] = case["mesh_shape"] or mesh_shape_of(case["mesh"])
+        cases.append(case)
+    return cases
+
+
 def host_cases_from(ours_records):
     """The host-cost cases: ours' host records (same mesh of ones, shape, calls and repeats)."""
     cases = [{"transition": r["transition"], "mesh": str(r.get("mesh", "1")), "shape": r["shape"],
@@ -613,7 +779,8 @@ def run_torch_side(args, ours_records, out_dir, with_host=True):
     python = args.torch_python or sys.executable
     work_dir = os.path.join(out_dir, "torch_work")
     cases = torch_cases_from(ours_records)
-    worlds = {math.prod(c["mesh_shape"]) for c in cases if c.get("mesh_shape")}
+    overlap_cases = overlap_cases_from(ours_records)
+    worlds = {math.prod(c["mesh_shape"]) for c in cases + overlap_cases if c.get("mesh_shape")}
     world = args.np
     if worlds and worlds != {world}:
         if len(worlds) > 1:
@@ -621,15 +788,17 @@ def run_torch_side(args, ours_records, out_dir, with_host=True):
         world = worlds.pop()
         print(f"torch_compare: using world {world} (from ours' mesh shapes)", file=sys.stderr)
     records = []
-    if cases:
-        print(f"[torch] {len(cases)} cases on {world} processes (gloo)", file=sys.stderr, flush=True)
-        for case in cases:
+    for mode, mode_cases in (("transitions", cases), ("overlap", overlap_cases)):
+        if not mode_cases:
+            continue
+        print(f"[torch {mode}] {len(mode_cases)} cases on {world} processes (gloo)", file=sys.stderr, flush=True)
+        for case in mode_cases:
             if args.torch_iters is not None:
                 case["iters"] = args.torch_iters
             if args.torch_warmup is not None:
                 case["warmup"] = args.torch_warmup
-        records += launch_workers(python, {"mode": "transitions", "cases": cases}, world, work_dir, args.timeout)
-    if with_host:
+        records += launch_workers(python, {"mode": mode, "cases": mode_cases}, world, work_dir, args.timeout)
+    if with_host and not any(record_kind(r) == "overlap" for r in ours_records):
         host = {"mode": "host", "cases": host_cases_from(ours_records),
                 "calls": args.host_calls, "repeats": args.host_repeats}
         print(f"[torch host cost] {len(host['cases'])} cases on 1 process", file=sys.stderr, flush=True)
@@ -651,12 +820,38 @@ def _worker_main(plan_path):
         plan = json.load(f)
     worker = _TorchWorker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     try:
-        records = worker.run_host(plan) if plan["mode"] == "host" else worker.run_transitions(plan)
+        run = {"host": worker.run_host, "overlap": worker.run_overlap}.get(plan["mode"], worker.run_transitions)
+        records = run(plan)
         if worker.rank == 0:
             with open(plan["result"], "w") as f:
                 json.dump(records, f, indent=1)
     finally:
         worker.close()
+
+
+class _TimerSlack:
+    """The calling thread's timer slack at 1 ns while in the block (Linux; elsewhere nothing), as
+    dtensor-bench's TimerSlack: Linux's default 50 us made its compute stand-in's sleeps overrun."""
+
+    PR_SET_TIMERSLACK, PR_GET_TIMERSLACK = 29, 30
+
+    def __enter__(self):
+        self.old = 0
+        try:
+            import ctypes
+
+            self.libc = ctypes.CDLL(None, use_errno=True)
+            old = self.libc.prctl(self.PR_GET_TIMERSLACK, 0, 0, 0, 0)
+            if old > 0 and self.libc.prctl(self.PR_SET_TIMERSLACK, 1, 0, 0, 0) == 0:
+                self.old = old
+        except (OSError, AttributeError):
+            pass
+        return self
+
+    def __exit__(self, *exc):
+        if self.old > 0:
+            self.libc.prctl(self.PR_SET_TIMERSLACK, self.old, 0, 0, 0)
+        return False
 
 
 class _TorchWorker:
@@ -849,7 +1044,13 @@ class _TorchWorker:
             records.append(rec)
         return records
 
-    def run_transition(self, case, rec):
+    def prepare(self, case, rec, async_op=False):
+        """The case's mesh, destination placements and source DTensor, checked once before timing.
+
+        The redistribute runs under CommDebugMode (rec["collectives_issued"]) and its full tensor
+        must equal the source's (rec["correct"]). Returns (mesh, dst, x), or None with rec["note"]
+        saying why when torch rejected the transition or got it wrong on any rank.
+        """
         import torch
         from torch.distributed.tensor.debug import CommDebugMode
 
@@ -864,7 +1065,7 @@ class _TorchWorker:
             x = self.source(glob, mesh, src)
             comm = CommDebugMode()
             with comm:
-                y = self.wait(x.redistribute(mesh, dst))
+                y = self.wait(x.redistribute(mesh, dst, async_op=async_op))
             rec["collectives_issued"] = self.issued(comm.get_comm_counts())
             ref = x.full_tensor()
             got = y.full_tensor()
@@ -878,12 +1079,18 @@ class _TorchWorker:
         # Everyone must agree before any timed collective, or the ranks would wait on each other.
         if not self.all_ok(error is None):
             rec["note"] = error or "failed on another rank"
-            return
+            return None
         if not self.all_ok(rec["correct"]):
             rec["note"] = "WRONG RESULT: full_tensor() differs from the source; not timed"
-            return
+            return None
         rec["supported"] = True
+        return mesh, dst, x
 
+    def run_transition(self, case, rec):
+        prepared = self.prepare(case, rec)
+        if prepared is None:
+            return
+        mesh, dst, x = prepared
         iters, warmup = rec["iters"], rec["warmup"]
         times = self.time_loop(lambda: self.wait(x.redistribute(mesh, dst)), iters, warmup)
         raw_ops = case.get("raw_ops") or []
@@ -907,6 +1114,86 @@ class _TorchWorker:
         if raw:
             rec.update(raw_time_us=statistics.median(raw), raw_min_us=min(raw), raw_max_us=max(raw),
                        overhead=statistics.median(red) / statistics.median(raw))
+
+    def run_overlap(self, plan):
+        import torch
+
+        records = []
+        with _TimerSlack():  # the sleeps last what they are asked, as dtensor-bench's do
+            for i, case in enumerate(plan["cases"]):
+                warmup = case.get("warmup")
+                rec = {k: case.get(k) for k in ("transition", "src", "dst", "mesh", "mesh_shape", "bytes",
+                                                 "local_bytes", "shape", "dtype")}
+                rec.update(kind="overlap", backend="gloo", world=self.world, torch_version=torch.__version__,
+                           iters=case.get("iters") or 20, warmup=3 if warmup is None else warmup,
+                           supported=False, note="", collectives_issued=None, correct=None,
+                           comm_us=None, comm_warm_us=None, compute_us=None, overlapped_us=None,
+                           issue_us=None, exposed=None)
+                self.log(f"[torch overlap] {i + 1}/{len(plan['cases'])} {case['transition']} mesh {case['mesh']} "
+                         f"{fmt_bytes(case['bytes'])} {fmt_shape(case['shape'])}")
+                self.run_overlap_case(case, rec)
+                records.append(rec)
+        return records
+
+    def run_overlap_case(self, case, rec):
+        """dtensor-bench's --overlap procedure (run_overlap_one) with redistribute(async_op=True)."""
+        import collections
+
+        prepared = self.prepare(case, rec, async_op=True)
+        if prepared is None:
+            return
+        mesh, dst, x = prepared
+        dist = self.dist
+        iters, warmup = rec["iters"], rec["warmup"]
+        now = time.perf_counter_ns
+
+        def timed(body):
+            dist.barrier()
+            t0 = now()
+            body()
+            return (now() - t0) / 1e3
+
+        def transition():
+            self.wait(x.redistribute(mesh, dst, async_op=True))
+
+        def sleep_us(us):
+            time.sleep(us / 1e6)
+
+        for _ in range(warmup):
+            timed(transition)
+        warm = [timed(transition) for _ in range(iters)]
+        guess = statistics.median(self.max_over_ranks(warm))  # the same on every rank
+        after_idle = []
+        for _ in range(iters):
+            sleep_us(guess)
+            after_idle.append(timed(transition))
+        recent = collections.deque(self.max_over_ranks(after_idle))
+        target = statistics.median(recent)
+        alone, comm_t, both, issue = [], [], [], []
+
+        def overlapped():
+            t = now()
+            h = x.redistribute(mesh, dst, async_op=True)
+            issue.append((now() - t) / 1e3)
+            sleep_us(target)
+            self.wait(h)
+
+        for _ in range(iters):
+            alone.append(timed(lambda: sleep_us(target)))  # also the idle spell before comm
+            comm_t.append(timed(transition))
+            recent.popleft()
+            recent.append(self.max_over_ranks([comm_t[-1]])[0])
+            sleep_us(target)
+            both.append(timed(overlapped))
+            target = statistics.median(recent)
+        v = self.max_over_ranks(alone + both + comm_t + issue)
+        n = iters
+        compute_us, overlapped_us = statistics.median(v[:n]), statistics.median(v[n:2 * n])
+        comm_us, issue_us = statistics.median(v[2 * n:3 * n]), statistics.median(v[3 * n:])
+        rec.update(comm_us=comm_us, comm_warm_us=guess, compute_us=compute_us, overlapped_us=overlapped_us,
+                   issue_us=issue_us, comm_min_us=min(v[2 * n:3 * n]), comm_max_us=max(v[2 * n:3 * n]),
+                   overlapped_min_us=min(v[n:2 * n]), overlapped_max_us=max(v[n:2 * n]),
+                   exposed=(overlapped_us - compute_us) / comm_us if comm_us > 0 else None)
 
     def run_host(self, plan):
         import torch
@@ -1001,6 +1288,9 @@ def main(argv=None):
     run.add_argument("--ours-json", nargs="+", metavar="FILE",
                      help="reuse saved dtensor-bench JSON (transitions and host records) instead of running it")
     run.add_argument("--no-host-cost", action="store_true", help="skip the host-cost comparison")
+    run.add_argument("--overlap", action="store_true",
+                     help="compare overlap instead (dtensor-bench --overlap; torch: redistribute(async_op=True)); "
+                          "no host cost")
     run.add_argument("--out", default=DEFAULT_OUT, help="output directory (default build/torch_compare)")
     add_torch_options(run)
 
