@@ -330,20 +330,15 @@ def merge_overlap(ours_records, torch_records):
         o, t = ours_o.get(key, {}), torch_o.get(key, {})
         supported = bool(t.get("supported", False)) if t else False
 
-        def exposed(r):
-            if r.get("overlapped_us") is None or r.get("compute_us") is None:
-                return None
-            return ratio(r["overlapped_us"] - r["compute_us"], r.get("comm_us"))
-
         def lost(r):  # what the overlapped step took beyond the compute alone (us)
             if r.get("overlapped_us") is None or r.get("compute_us") is None:
                 return None
             return r["overlapped_us"] - r["compute_us"]
 
-        ours_exposed = exposed(o) if o else None
-        torch_exposed = exposed(t) if supported else None
         ours_lost = lost(o) if o else None
         torch_lost = lost(t) if supported else None
+        ours_exposed = ratio(ours_lost, o.get("comm_us"))
+        torch_exposed = ratio(torch_lost, t.get("comm_us")) if supported else None
         notes = _pair_notes(o, t)
         row = {"kind": "overlap", "transition": key[0], "mesh": key[1], "bytes": key[2],
                "shape": (o or t).get("shape"), "local_bytes": o.get("local_bytes", t.get("local_bytes")),
