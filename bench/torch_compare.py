@@ -307,10 +307,6 @@ def merge(ours_records, torch_records):
     return rows, host_rows
 
 
-def overlap_key(rec):
-    return (rec["transition"], str(rec.get("mesh")), int(rec["bytes"]))
-
-
 OVERLAP_TARGET = 0.10        # issue 9: exposed <= 0.10 ...
 OVERLAP_MIN_LOCAL = 4 << 20  # ... at a local shard of at least 4 MiB
 
@@ -322,8 +318,8 @@ def merge_overlap(ours_records, torch_records):
     towards the target (`counted`) when ours' local shard is >= 4 MiB and ours' plan has a
     collective (dtensor-bench's own summary rule).
     """
-    ours_o = {overlap_key(r): r for r in ours_records if record_kind(r) == "overlap"}
-    torch_o = {overlap_key(r): r for r in torch_records if record_kind(r) == "overlap"}
+    ours_o = {transition_key(r): r for r in ours_records if record_kind(r) == "overlap"}
+    torch_o = {transition_key(r): r for r in torch_records if record_kind(r) == "overlap"}
     torch_version = next((r.get("torch_version") for r in torch_records if r.get("torch_version")), None)
     rows = []
     for key in list(ours_o) + [k for k in torch_o if k not in ours_o]:
@@ -1154,9 +1150,7 @@ class _TorchWorker:
         def sleep_us(us):
             time.sleep(us / 1e6)
 
-        for _ in range(warmup):
-            timed(transition)
-        warm = [timed(transition) for _ in range(iters)]
+        warm = [t / 1e3 for t in self.time_loop(transition, iters, warmup)]
         guess = statistics.median(self.max_over_ranks(warm))  # the same on every rank
         after_idle = []
         for _ in range(iters):
@@ -1188,7 +1182,7 @@ class _TorchWorker:
         rec.update(comm_us=comm_us, comm_warm_us=guess, compute_us=compute_us, overlapped_us=overlapped_us,
                    issue_us=issue_us, comm_min_us=min(v[2 * n:3 * n]), comm_max_us=max(v[2 * n:3 * n]),
                    overlapped_min_us=min(v[n:2 * n]), overlapped_max_us=max(v[n:2 * n]),
-                   exposed=(overlapped_us - compute_us) / comm_us if comm_us > 0 else None)
+                   exposed=ratio(overlapped_us - compute_us, comm_us))
 
     def run_host(self, plan):
         import torch

@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "collectives/call_queue.h"
 #include "collectives/local.h"
 #include "kernels/error.h"
 #include "kernels/tensor.h"
@@ -171,26 +172,12 @@ TEST_CASE("engine: the local worker progresses kicked calls under SCHED_BATCH (N
 #endif
 }
 
-#ifdef __linux__
-namespace {
-std::vector<int> cpus_of_this_thread() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  std::vector<int> cpus;
-  if (sched_getaffinity(0, sizeof set, &set) == 0)
-    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu)
-      if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
-  return cpus;
-}
-}  // namespace
-#endif
-
 TEST_CASE("engine: each rank's local workers run on their own share of the process's CPUs (NOTE [worker cpus])",
           "[collectives][engine]") {
 #ifndef __linux__
   SKIP("CPU affinity is Linux-only here");
 #else
-  const std::vector<int> process = cpus_of_this_thread();
+  const std::vector<int> process = collectives::detail::thread_cpus();
   REQUIRE(!process.empty());
   const int n = static_cast<int>(process.size());
   int worlds = 0;
@@ -206,7 +193,7 @@ TEST_CASE("engine: each rank's local workers run on their own share of the proce
         const std::thread::id caller = std::this_thread::get_id();
         std::thread::id runner;
         WorkPtr w = comm.host_task([&] {
-          seen = cpus_of_this_thread();
+          seen = collectives::detail::thread_cpus();
           runner = std::this_thread::get_id();
           done = true;
         });
@@ -227,7 +214,7 @@ TEST_CASE("engine: each rank's local workers run on their own share of the proce
       std::lock_guard lk(mu);
       world_cpus[static_cast<size_t>(r)] = std::move(mine);
       split_cpus[static_cast<size_t>(r)] = std::move(sub_mine);
-      caller_cpu_counts[static_cast<size_t>(r)] = static_cast<int>(cpus_of_this_thread().size());
+      caller_cpu_counts[static_cast<size_t>(r)] = static_cast<int>(collectives::detail::thread_cpus().size());
     });
     INFO("world of " << size << " ranks, process CPUs " << fmt::format("{}", fmt::join(process, ",")));
     std::vector<int> uses(static_cast<size_t>(CPU_SETSIZE), 0);
