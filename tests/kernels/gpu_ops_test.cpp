@@ -1,6 +1,6 @@
 // [gpu] The CUDA compute kernels against the CPU ones, op by op, on strided views and every
 // floating dtype. Without a usable GPU (or in a build without CUDA) the program reports skipped:
-// its main (gpu_ops_main.cpp) exits 77, which Meson counts as SKIP, never as a pass.
+// its main (tests/support/gpu_test_main.cpp) exits 77, which Meson counts as SKIP, never as a pass.
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <functional>

@@ -14,7 +14,9 @@
 
 int main(int argc, char** argv) {
   const int gpus = kernels::cuda_device_count();
-  const char* missing = gpus == 0 ? "no usable GPU" : nullptr;
+  const char* missing = gpus > 0                 ? nullptr
+                        : kernels::cuda_built() ? "built with CUDA but no GPU is usable on this machine"
+                                                : "this build has no CUDA (configure with -Dcuda=enabled)";
 #ifdef GPU_TEST_NEEDS_NCCL
   if (!missing && !collectives::nccl_built()) missing = "this build has no NCCL";
 #endif
