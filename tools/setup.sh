@@ -8,7 +8,8 @@ cd "$here"
 
 packages=(meson ninja-build pkg-config g++ python3 libeigen3-dev libfmt-dev catch2 libcli11-dev
           nlohmann-json3-dev libboost-dev libopenmpi-dev openmpi-bin python3-matplotlib
-          clang libclang-rt-dev)  # clang + its runtime: the libFuzzer tree (tools/sanitizers.sh)
+          clang libclang-rt-dev  # clang + its runtime: the libFuzzer tree (tools/sanitizers.sh)
+          ccache)                # meson wraps the compilers in it: a second build of the same sources is a cache hit
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
@@ -21,6 +22,7 @@ if ((${#missing[@]})); then
   $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
+source tools/ccache_env.sh
 build=${1:-build}; shift || true
 if [ ! -f "$build/build.ninja" ]; then
   echo "setup: configuring $build $*"
