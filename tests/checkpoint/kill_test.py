@@ -32,8 +32,8 @@ try:
             p = subprocess.Popen([args.helper, "save", d], stdout=out, stderr=subprocess.STDOUT)
             # Wait for the first commit of this run (so a committed checkpoint exists), then kill
             # at a random point of a later save.
-            deadline = time.time() + 60
-            while time.time() < deadline:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
                 with open(out_path) as f:
                     if "committed" in f.read():
                         break

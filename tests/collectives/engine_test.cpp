@@ -286,13 +286,15 @@ TEST_CASE("engine: a call held up by a dependency times out naming what it waits
   // 1's wait on the tp call says it never started and names the dp call and the missing rank.
   Checks checks;
   std::vector<std::string> messages(8);
+  std::atomic<bool> rank1_done{false};
   collectives::run_ranks(
       8,
       [&](Communicator& world) {
         Grid g = grid(world);
         const int r = world.rank();
-        if (r == 5) {
-          std::this_thread::sleep_for(600ms);
+        if (r == 5) {  // alive, never joining, until rank 1 is through (however slow the machine)
+          const auto deadline = std::chrono::steady_clock::now() + 30s;
+          while (!rank1_done.load() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
           return;
         }
         if (r != 1) return;
@@ -303,9 +305,13 @@ TEST_CASE("engine: a call held up by a dependency times out naming what it waits
         WorkPtr ar = g.tp->all_reduce(x, x, ReduceOp::kSum);
         const auto t0 = std::chrono::steady_clock::now();
         messages[r] = message_of([&] { ar->wait(200ms); });
-        const auto ms = std::chrono::duration_cast<Milliseconds>(std::chrono::steady_clock::now() - t0).count();
-        checks.check(ms >= 190, fmt::format("gave up after {} ms", ms));
+        // Exact: wait() takes its deadline when entered and gives up no earlier (nobody else
+        // waits on this call to give it up sooner); the upper bound leaves 5 s to get a core.
+        const auto took = std::chrono::steady_clock::now() - t0;
+        checks.check(took >= 200ms && took < 200ms + 5s,
+                     fmt::format("gave up after {} ms", std::chrono::duration_cast<Milliseconds>(took).count()));
         messages[r] += " | " + message_of([&] { ag->wait(100ms); });
+        rank1_done.store(true);
       },
       30s);
   checks.report();
