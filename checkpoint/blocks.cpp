@@ -1,6 +1,7 @@
 // Checksums: xxh64 (libxxhash) of chunks and of the blocks of a chunk (internal.h).
 #include <xxhash.h>
 
+#include <algorithm>
 #include <bit>
 #include <memory>
 
@@ -31,10 +32,16 @@ BlockRange block_range(const Dims& offsets, const Dims& sizes, const Dims& block
 Dims choose_block_shape(const Dims& sizes, uint64_t itemsize, uint64_t block_bytes) {
   const int nd = sizes.size();
   if (block_bytes == 0 || nd == 0) return {};
-  for (int d = 0; d < nd; ++d)
+  uint64_t elems = 1;
+  for (int d = 0; d < nd; ++d) {
     if (sizes[d] == 0) return {};
-  const uint64_t elems = static_cast<uint64_t>(sizes.product());
-  if (elems <= block_bytes / itemsize) return {};
+    if (__builtin_mul_overflow(elems, static_cast<uint64_t>(sizes[d]), &elems)) elems = UINT64_MAX;
+  }
+  uint64_t chunk_bytes = 0;
+  if (__builtin_mul_overflow(elems, itemsize, &chunk_bytes)) chunk_bytes = UINT64_MAX;
+  const uint64_t floor = std::min(kMinBlockBytes, block_bytes);
+  const uint64_t target = std::clamp(chunk_bytes / kMinBlocksPerChunk, floor, block_bytes);
+  if (chunk_bytes <= target) return {};
   Dims b;
   for (int d = 0; d < nd; ++d) b.push_back(static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(sizes[d]))));
   auto block_elems = [&] {  // saturating: the rounded-up extents may not fit a product
@@ -43,7 +50,7 @@ Dims choose_block_shape(const Dims& sizes, uint64_t itemsize, uint64_t block_byt
       if (__builtin_mul_overflow(p, static_cast<uint64_t>(b[d]), &p)) return UINT64_MAX;
     return p;
   };
-  while (block_elems() > std::max<uint64_t>(block_bytes / itemsize, 1)) {
+  while (block_elems() > std::max<uint64_t>(target / itemsize, 1)) {
     int widest = 0;
     for (int d = 1; d < nd; ++d)
       if (b[d] > b[widest]) widest = d;

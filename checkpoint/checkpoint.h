@@ -57,7 +57,7 @@ using kernels::DType;
 
 inline constexpr const char* kMetadataFile = "checkpoint.json";
 // The default block size of block checksums (SaveOptions::block_bytes).
-inline constexpr uint64_t kDefaultBlockBytes = uint64_t{256} << 10;
+inline constexpr uint64_t kDefaultBlockBytes = uint64_t{64} << 10;
 
 // xxh64 of `n` bytes (seed 0; libxxhash): the chunks' and blocks' checksum.
 // xxh64("", 0) == 0xEF46DB3751D8E999.
@@ -115,9 +115,10 @@ struct StagingCache {
 struct SaveOptions {
   bool fsync = true;  // data files and the metadata reach the disk before the commit
   std::shared_ptr<StagingCache> staging;  // async_save only; nullptr: fresh buffers, freed as written
-  // Block checksums for chunks larger than this (detail::choose_block_shape), so a resharded
-  // load verifies what it reads while reading little more than it needs; 0: chunk checksums
-  // only. Every rank must pass the same value (checked with the plan).
+  // The largest block of block checksums (smaller chunks get smaller blocks, down to 4 KiB:
+  // detail::choose_block_shape), so a resharded load verifies what it reads while reading
+  // little more than it needs; 0: chunk checksums only. Every rank must pass the same value
+  // (checked with the plan).
   uint64_t block_bytes = kDefaultBlockBytes;
 };
 

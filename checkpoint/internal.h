@@ -66,11 +66,18 @@ BlockRange block_range(const Dims& offsets, const Dims& sizes, const Dims& block
 
 // The block shape a writer records for a chunk: power-of-two extents, starting from the chunk's
 // sizes rounded up, halving the largest extent (the first of equal ones) until a block holds at
-// most block_bytes. Empty (no block checksums: the chunk checksum serves) when the chunk holds
-// at most block_bytes, has no dims, or block_bytes is 0.
-//   choose_block_shape({4096, 4096}, 4, 262144) == {256, 256}
-//   choose_block_shape({1366, 4096}, 4, 262144) == {256, 256}
-//   choose_block_shape({100000}, 4, 262144)     == {65536}
+// most `target` bytes, where target = chunk bytes / kMinBlocksPerChunk clamped to
+// [min(kMinBlockBytes, block_bytes), block_bytes]: big chunks get blocks of block_bytes, smaller
+// ones at least about kMinBlocksPerChunk blocks (about 16 per dim of a matrix) down to 4 KiB, so
+// a cut costs a small fraction of the part read either way. Empty (no block checksums: the chunk
+// checksum serves) when the chunk holds at most `target`, has no dims, or block_bytes is 0.
+//   choose_block_shape({4096, 4096}, 4, 65536)  == {128, 128}   (64 MiB: 64 KiB blocks)
+//   choose_block_shape({1366, 4096}, 4, 65536)  == {128, 128}
+//   choose_block_shape({512, 512}, 4, 65536)    == {32, 32}     (1 MiB: 4 KiB blocks, 256 of them)
+//   choose_block_shape({100000}, 4, 65536)      == {1024}       (400 KB: 4 KiB blocks)
+//   choose_block_shape({1024}, 4, 65536)        == {}           (4 KiB: the chunk checksum only)
+inline constexpr uint64_t kMinBlockBytes = 4096;
+inline constexpr uint64_t kMinBlocksPerChunk = 256;
 Dims choose_block_shape(const Dims& sizes, uint64_t itemsize, uint64_t block_bytes);
 
 // xxh64 of each block of `range` that lies inside a buffer box: the buffer holds the global box

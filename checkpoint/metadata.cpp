@@ -138,6 +138,9 @@ ChunkInfo parse_chunk(const Json& c, const TensorInfo& ti, const std::map<std::s
   if (ci.offsets.size() != nd || ci.sizes.size() != nd)
     malformed(where, fmt::format("offsets {} and sizes {} do not have the {} dims of the shape {}", ci.offsets, ci.sizes,
                                  nd, ti.shape));
+  for (int d = 0; d < nd; ++d)  // offset + size <= shape, without forming the sum
+    if (ci.sizes[d] > ti.shape[d] || ci.offsets[d] > ti.shape[d] - ci.sizes[d])
+      malformed(where, fmt::format("the chunk at {} size {} lies outside its shape {}", ci.offsets, ci.sizes, ti.shape));
   ci.file = as_string(field(c, "file", where), "file", where);
   check_file_name(ci.file, where);
   ci.byte_offset = static_cast<uint64_t>(as_int(field(c, "byte_offset", where), "byte_offset", where));

@@ -635,6 +635,35 @@ void flip_byte(const fs::path& file, uint64_t byte) {
 
 }  // namespace
 
+TEST_CASE("checkpoint: block shapes and block boxes", "[checkpoint]") {
+  using checkpoint::detail::choose_block_shape;
+  CHECK(choose_block_shape({4096, 4096}, 4, 65536) == Dims{128, 128});
+  CHECK(choose_block_shape({1366, 4096}, 4, 65536) == Dims{128, 128});
+  CHECK(choose_block_shape({512, 512}, 4, 65536) == Dims{32, 32});
+  CHECK(choose_block_shape({100000}, 4, 65536) == Dims{1024});
+  CHECK(choose_block_shape({1024}, 4, 65536).empty());
+  CHECK(choose_block_shape({4096, 4096}, 4, 0).empty());
+  CHECK(choose_block_shape({0, 4096}, 4, 65536).empty());
+  CHECK(choose_block_shape({3, 5}, 8, 4) == Dims{1, 1});  // a block smaller than an element: one element
+  // The grid is anchored at the origin: a chunk at rows [100, 300) with 128-row blocks meets
+  // blocks 0..2, the first clipped to [100, 128), the last to [256, 300).
+  const auto r = checkpoint::detail::block_range({100, 0}, {200, 64}, {128, 64});
+  CHECK(r.first == Dims{0, 0});
+  CHECK(r.count == Dims{3, 1});
+  Dims off, size;
+  checkpoint::detail::block_box({0, 0}, {100, 0}, {200, 64}, {128, 64}, off, size);
+  CHECK((off == Dims{100, 0} && size == Dims{28, 64}));
+  checkpoint::detail::block_box({2, 0}, {100, 0}, {200, 64}, {128, 64}, off, size);
+  CHECK((off == Dims{256, 0} && size == Dims{44, 64}));
+  // Runs of a box inside a buffer (the file reads and the block hashes both use them).
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  checkpoint::detail::for_each_run({4, 6}, {1, 2}, {2, 3}, [&](int64_t e, int64_t n) { runs.emplace_back(e, n); });
+  CHECK(runs == std::vector<std::pair<int64_t, int64_t>>{{8, 3}, {14, 3}});
+  runs.clear();
+  checkpoint::detail::for_each_run({4, 6}, {1, 0}, {2, 6}, [&](int64_t e, int64_t n) { runs.emplace_back(e, n); });
+  CHECK(runs == std::vector<std::pair<int64_t, int64_t>>{{6, 12}});
+}
+
 TEST_CASE("checkpoint: a resharded load verifies the blocks it reads (default options), reading close to what it "
           "needs; older checkpoints without blocks read whole chunks",
           "[checkpoint]") {
