@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,11 +10,14 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <unordered_map>
 
+#include "checkpoint/internal.h"
 #include "kernels/error.h"
+#include "kernels/file_io.h"
 #include "kernels/format.h"
 #include "nn/safetensors.h"
 
@@ -31,29 +33,54 @@ namespace {
 
 constexpr const char* kTmpSuffix = ".tmp";
 constexpr const char* kWriterKey = "dtensor_runtime";  // our files' __metadata__ marker
-constexpr uint64_t kMaxHeader = uint64_t{100} << 20;
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// ---- xxh64 ----
+// ---- failures carried through an agreement ----
 
-constexpr uint64_t P1 = 0x9E3779B185EBCA87ull, P2 = 0xC2B2AE3D27D4EB4Full, P3 = 0x165667B19E3779F9ull,
-                   P4 = 0x85EBCA77C2B2AE63ull, P5 = 0x27D4EB2F165667C5ull;
-inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
-inline uint64_t read64(const unsigned char* p) {
-  uint64_t v;
-  std::memcpy(&v, p, 8);
-  return v;
+// The exit class of a failure (program/main.h's table), carried to every rank so that each
+// rethrows the class the failing rank met: a full disk on rank 3 is a ResourceError everywhere.
+enum Kind : int64_t { kOk = 0, kOther = 1, kInvalid = 2, kResource = 3, kComm = 4 };
+
+struct Failure {
+  int64_t kind = kOk;
+  std::string message;
+};
+
+Failure capture(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const kernels::InvalidArgument& x) {
+    return {kInvalid, x.what()};
+  } catch (const kernels::Unsupported& x) {
+    return {kInvalid, x.what()};
+  } catch (const kernels::ResourceError& x) {
+    return {kResource, x.what()};
+  } catch (const std::bad_alloc& x) {
+    return {kResource, fmt::format("out of memory: {}", x.what())};
+  } catch (const kernels::CommError& x) {
+    return {kComm, x.what()};
+  } catch (const std::exception& x) {
+    return {kOther, x.what()};
+  } catch (...) {
+    return {kOther, "an exception that is not a std::exception"};
+  }
 }
-inline uint32_t read32(const unsigned char* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
+
+[[noreturn]] void raise(int64_t kind, const std::string& message) {
+  switch (kind) {
+    case kInvalid:
+      throw kernels::InvalidArgument(message);
+    case kResource:
+      throw kernels::ResourceError(message);
+    case kComm:
+      throw kernels::CommError(message);
+    default:
+      throw kernels::Error(message);
+  }
 }
-inline uint64_t xround(uint64_t acc, uint64_t in) { return rotl(acc + in * P2, 31) * P1; }
-inline uint64_t xmerge(uint64_t acc, uint64_t v) { return (acc ^ xround(0, v)) * P1 + P4; }
 
 // ---- boxes ----
 
@@ -110,6 +137,8 @@ struct PlannedChunk {
   int owner = 0;     // world rank
   int slot = 0;      // file index of the owner
   uint64_t nbytes = 0;
+  Dims block_shape;  // empty: no block checksums (detail::choose_block_shape)
+  int64_t blocks = 0;
 };
 
 struct FilePlan {
@@ -138,12 +167,12 @@ void check_saveable(const std::string& key, const DTensor& t) {
         fmt::format("checkpoint: '{}' has dtype {}, which safetensors cannot hold", key, kernels::to_string(t.dtype())));
 }
 
-SavePlan make_save_plan(const nn::StateDict& sd, int world_size) {
+SavePlan make_save_plan(const nn::StateDict& sd, int world_size, uint64_t block_bytes) {
   SavePlan plan;
   std::vector<uint64_t> load(world_size, 0);
   std::map<std::pair<int, size_t>, int> slots_used;  // (owner, key) -> chunks so far
   std::map<int, int> slots_of;                        // owner -> files
-  std::string desc;
+  std::string desc = fmt::format("block_bytes={};", block_bytes);
   std::set<std::string> seen;
   for (size_t k = 0; k < sd.tensors.size(); ++k) {
     const auto& [key, t] = sd.tensors[k];
@@ -190,6 +219,8 @@ SavePlan make_save_plan(const nn::StateDict& sd, int world_size) {
       c.box = box;
       c.owner = owner;
       c.nbytes = static_cast<uint64_t>(box.sizes.product()) * item;
+      c.block_shape = detail::choose_block_shape(box.sizes, item, block_bytes);
+      if (!c.block_shape.empty()) c.blocks = detail::block_range(box.offsets, box.sizes, c.block_shape).total();
       // box.local is right for every holder: ranks holding the same box differ only in mesh dims
       // that replicate the tensor, so their whole layouts (and local positions) are equal.
       load[owner] += c.nbytes;
@@ -241,69 +272,8 @@ SavePlan make_save_plan(const nn::StateDict& sd, int world_size) {
   return plan;
 }
 
+
 // ---- I/O helpers ----
-
-void write_all(int fd, const void* data, uint64_t n, uint64_t offset, const std::string& path) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    const size_t step = static_cast<size_t>(std::min<uint64_t>(n, uint64_t{1} << 30));
-    const ssize_t w = ::pwrite(fd, p, step, static_cast<off_t>(offset));
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      throw kernels::Error(fmt::format("checkpoint: writing '{}' failed: {}", path, std::strerror(errno)));
-    }
-    p += w;
-    n -= static_cast<uint64_t>(w);
-    offset += static_cast<uint64_t>(w);
-  }
-}
-
-// Reads exactly n bytes or throws naming the file and `what`.
-void read_all(int fd, void* data, uint64_t n, uint64_t offset, const std::string& path, const std::string& what) {
-  char* p = static_cast<char*>(data);
-  while (n > 0) {
-    const size_t step = static_cast<size_t>(std::min<uint64_t>(n, uint64_t{1} << 30));
-    const ssize_t r = ::pread(fd, p, step, static_cast<off_t>(offset));
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      throw InvalidArgument(fmt::format("checkpoint: reading {} from '{}' failed: {}", what, path, std::strerror(errno)));
-    }
-    if (r == 0)
-      throw InvalidArgument(fmt::format("checkpoint: '{}' ends before {} (truncated file)", path, what));
-    p += r;
-    n -= static_cast<uint64_t>(r);
-    offset += static_cast<uint64_t>(r);
-  }
-}
-
-class Fd {
- public:
-  Fd(const std::string& path, int flags, mode_t mode = 0644) : path_(path) {
-    fd_ = ::open(path.c_str(), flags | O_CLOEXEC, mode);
-    if (fd_ < 0)
-      throw InvalidArgument(fmt::format("checkpoint: cannot open '{}': {}", path, std::strerror(errno)));
-  }
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  void sync() {
-    if (::fsync(fd_) != 0)
-      throw kernels::Error(fmt::format("checkpoint: fsync of '{}' failed: {}", path_, std::strerror(errno)));
-  }
-  void close_checked() {
-    const int fd = fd_;
-    fd_ = -1;
-    if (::close(fd) != 0)
-      throw kernels::Error(fmt::format("checkpoint: closing '{}' failed: {}", path_, std::strerror(errno)));
-  }
-
- private:
-  std::string path_;
-  int fd_ = -1;
-};
 
 void sync_dir(const std::string& dir) {
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -334,18 +304,19 @@ std::vector<int64_t> all_gather_rows(collectives::Communicator& world, const std
   return result;
 }
 
-// Agreement after a phase that may fail on some ranks: every rank learns whether any failed and
-// the message of the first that did (so every rank's exception names the key and the cause).
-// Returns "" when all succeeded. Collective over world.
-std::string agree(collectives::Communicator& world, const std::string& error, kernels::Device device) {
-  std::vector<int64_t> flags = all_gather_rows(world, {error.empty() ? 0 : 1}, device);
+// Agreement after a phase that may fail on some ranks: every rank learns whether any failed,
+// the class of the first failure and its message (so every rank's exception names the key and
+// the cause). Returns kind kOk when all succeeded. Collective over world.
+Failure agree(collectives::Communicator& world, const Failure& mine, kernels::Device device) {
+  std::vector<int64_t> kinds = all_gather_rows(world, {mine.kind}, device);
   int first = -1;
   for (int r = 0; r < world.size() && first < 0; ++r)
-    if (flags[static_cast<size_t>(r)] != 0) first = r;
-  if (first < 0) return "";
+    if (kinds[static_cast<size_t>(r)] != kOk) first = r;
+  if (first < 0) return {};
   std::string failed;
   for (int r = 0; r < world.size(); ++r)
-    if (flags[static_cast<size_t>(r)] != 0) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
+    if (kinds[static_cast<size_t>(r)] != kOk) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
+  const std::string& error = mine.message;
   int64_t n = world.rank() == first ? static_cast<int64_t>(error.size()) : 0;
   Tensor len = Tensor::full({1}, static_cast<double>(n), DType::kI64);
   Tensor dlen = device.is_cpu() ? len : len.to(device);
@@ -357,10 +328,10 @@ std::string agree(collectives::Communicator& world, const std::string& error, ke
   world.wait(world.broadcast(dtext, first));
   Tensor host = dtext.device().is_cpu() ? dtext : dtext.to(kernels::Device{});
   const std::string msg(static_cast<const char*>(host.data_ptr()), static_cast<size_t>(n));
-  if (world.rank() == first) return error;
-  return fmt::format("{} (on rank {}; failed on rank(s) {})", msg, first, failed);
+  const int64_t kind = kinds[static_cast<size_t>(first)];
+  if (world.rank() == first) return {kind, error};
+  return {kind, fmt::format("{} (on rank {}; failed on rank(s) {})", msg, first, failed)};
 }
-
 
 Json value_to_json(const nn::StateValue& v) {
   if (const auto* i = std::get_if<int64_t>(&v)) return *i;
@@ -368,59 +339,34 @@ Json value_to_json(const nn::StateValue& v) {
   return std::get<std::string>(v);
 }
 
+std::string hex64(uint64_t h) { return fmt::format("{:016x}", h); }
+
+// Rank 0's preparation of the directory: created, the old commit and data files removed (from
+// here on the directory is incomplete until the new commit).
+void prepare_directory(const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) kernels::throw_file_error(ec.value(), fmt::format("checkpoint: cannot create directory '{}'", dir));
+  if (!fs::is_directory(dir, ec))
+    throw InvalidArgument(fmt::format("checkpoint: cannot create directory '{}': a file of that name exists", dir));
+  auto remove = [&](const fs::path& p) {
+    if (!fs::remove(p, ec) && ec && ec != std::errc::no_such_file_or_directory)
+      kernels::throw_file_error(ec.value(), fmt::format("checkpoint: cannot remove '{}'", p.string()));
+  };
+  remove(fs::path(dir) / kMetadataFile);
+  remove(fs::path(dir) / (std::string(kMetadataFile) + kTmpSuffix));
+  std::vector<fs::path> old;
+  fs::directory_iterator it(dir, ec);
+  for (; !ec && it != fs::directory_iterator(); it.increment(ec)) {
+    const fs::path& p = it->path();
+    if (p.extension() == ".safetensors" || (p.extension() == kTmpSuffix && p.stem().extension() == ".safetensors"))
+      old.push_back(p);  // data files, and those of a save killed midway
+  }
+  if (ec) kernels::throw_file_error(ec.value(), fmt::format("checkpoint: cannot list '{}'", dir));
+  for (const fs::path& p : old) remove(p);
+}
+
 }  // namespace
-
-uint64_t xxh64(const void* data, size_t n, uint64_t seed) {
-  const unsigned char* p = static_cast<const unsigned char*>(data);
-  const unsigned char* end = p + n;
-  uint64_t h;
-  if (n >= 32) {
-    uint64_t v1 = seed + P1 + P2, v2 = seed + P2, v3 = seed, v4 = seed - P1;
-    const unsigned char* limit = end - 32;
-    do {
-      v1 = xround(v1, read64(p));
-      v2 = xround(v2, read64(p + 8));
-      v3 = xround(v3, read64(p + 16));
-      v4 = xround(v4, read64(p + 24));
-      p += 32;
-    } while (p <= limit);
-    h = rotl(v1, 1) + rotl(v2, 7) + rotl(v3, 12) + rotl(v4, 18);
-    h = xmerge(h, v1);
-    h = xmerge(h, v2);
-    h = xmerge(h, v3);
-    h = xmerge(h, v4);
-  } else {
-    h = seed + P5;
-  }
-  h += static_cast<uint64_t>(n);
-  while (p + 8 <= end) {
-    h ^= xround(0, read64(p));
-    h = rotl(h, 27) * P1 + P4;
-    p += 8;
-  }
-  if (p + 4 <= end) {
-    h ^= static_cast<uint64_t>(read32(p)) * P1;
-    h = rotl(h, 23) * P2 + P3;
-    p += 4;
-  }
-  while (p < end) {
-    h ^= static_cast<uint64_t>(*p) * P5;
-    h = rotl(h, 11) * P1;
-    ++p;
-  }
-  h ^= h >> 33;
-  h *= P2;
-  h ^= h >> 29;
-  h *= P3;
-  h ^= h >> 32;
-  return h;
-}
-
-const TensorInfo* Metadata::find(const std::string& key) const {
-  for (const auto& [k, t] : tensors)
-    if (k == key) return &t;
-  return nullptr;
-}
 
 // ---- save ----
 
@@ -433,11 +379,12 @@ struct SaveHandle::State {
   std::vector<std::string> keys;
   std::vector<std::pair<std::string, std::pair<Dims, DType>>> tensor_info;
   std::map<std::string, nn::StateValue> values;
-  std::vector<Tensor> staged;             // per plan chunk this rank owns (else undefined)
-  std::vector<uint64_t> checksums;        // per plan chunk (rank 0: everyone's after the gather)
+  std::vector<Tensor> staged;                     // per plan chunk this rank owns (else undefined)
+  std::vector<uint64_t> checksums;                // per plan chunk (everyone's after the gather)
+  std::vector<std::vector<uint64_t>> block_sums;  // per plan chunk: its blocks' (likewise)
   std::thread writer;
   std::atomic<bool> done{false};
-  std::string error;  // the writer's failure
+  Failure error;  // the writer's failure
   SaveStats stats;
   bool waited = false;
   std::shared_ptr<StagingCache> cache;  // released (not busy) when the writer is joined
@@ -485,6 +432,34 @@ SaveStats save(const std::string& dir, const nn::StateDict& sd, collectives::Com
 }
 
 namespace {
+
+// This rank's files, written by the background thread (no communication).
+void write_files(SaveHandle::State& s, int rank) {
+  for (const FilePlan& f : s.plan.files) {
+    if (f.owner != rank) continue;
+    // Written under a temporary name and renamed once whole: a save killed midway leaves no
+    // truncated .safetensors file (one without the metadata file would read as a foreign
+    // checkpoint with a broken file instead of as an incomplete save).
+    const std::string final_path = (fs::path(s.dir) / f.name).string();
+    const std::string path = final_path + kTmpSuffix;
+    kernels::File fd = kernels::File::create(path);
+    const uint64_t n = f.header.size();
+    fd.write_at(&n, 8, 0);
+    fd.write_at(f.header.data(), n, 8);
+    for (size_t j = 0; j < f.chunks.size(); ++j) {
+      const Tensor& t = s.staged[f.chunks[j]];
+      if (t.nbytes() > 0) fd.write_at(t.data_ptr(), t.nbytes(), f.offsets[j]);
+      s.stats.bytes_written += t.nbytes();
+      s.staged[f.chunks[j]] = Tensor();  // free the staged copy as soon as it is written
+    }
+    if (s.options.fsync) fd.sync();
+    fd.close();
+    kernels::rename_file(path, final_path);
+    ++s.stats.files;
+  }
+  if (s.options.fsync) sync_dir(s.dir);
+}
+
 SaveHandle start_save(const std::string& dir, const nn::StateDict& sd, collectives::Communicator& world,
                       const SaveOptions& options, bool copy) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -495,13 +470,14 @@ SaveHandle start_save(const std::string& dir, const nn::StateDict& sd, collectiv
   st->options = options;
   st->values = sd.values;
   const int rank = world.rank();
-  std::string error;
+  Failure error;
   try {
-    st->plan = make_save_plan(sd, world.size());
+    st->plan = make_save_plan(sd, world.size(), options.block_bytes);
     for (const auto& [k, t] : sd.tensors) st->tensor_info.push_back({k, {t.shape(), t.dtype()}});
     const auto& chunks = st->plan.chunks;
     st->staged.resize(chunks.size());
     st->checksums.assign(chunks.size(), 0);
+    st->block_sums.assign(chunks.size(), {});
     StagingCache* cache = copy ? options.staging.get() : nullptr;
     size_t used = 0;
     if (cache) {
@@ -536,62 +512,64 @@ SaveHandle start_save(const std::string& dir, const nn::StateDict& sd, collectiv
                                                : view;
       }
       st->checksums[i] = xxh64(host.nbytes() ? host.data_ptr() : nullptr, host.nbytes());
+      if (c.blocks > 0) {
+        std::vector<uint64_t>& sums = st->block_sums[i];
+        sums.reserve(static_cast<size_t>(c.blocks));
+        detail::hash_blocks(host.data_ptr(), c.box.offsets, c.box.sizes, kernels::itemsize(host.dtype()),
+                            c.box.offsets, c.box.sizes, c.block_shape,
+                            detail::block_range(c.box.offsets, c.box.sizes, c.block_shape),
+                            [&](const Dims&, uint64_t h) { sums.push_back(h); });
+      }
       st->staged[i] = std::move(host);
     }
-    if (rank == 0) {
-      std::error_code ec;
-      fs::create_directories(dir, ec);
-      // The old commit goes first: from here on the directory is incomplete until the new one.
-      fs::remove(fs::path(dir) / kMetadataFile, ec);
-      fs::remove(fs::path(dir) / (std::string(kMetadataFile) + kTmpSuffix), ec);
-      if (fs::is_directory(dir))
-        for (const auto& e : fs::directory_iterator(dir))
-          if (e.path().extension() == ".safetensors" ||
-              (e.path().extension() == kTmpSuffix && e.path().stem().extension() == ".safetensors"))
-            fs::remove(e.path(), ec);  // data files, and those of a save killed midway
-      if (!fs::is_directory(dir)) throw InvalidArgument(fmt::format("checkpoint: cannot create directory '{}'", dir));
-    }
-  } catch (const std::exception& e) {
-    error = e.what();
+    if (rank == 0) prepare_directory(dir);
+  } catch (...) {
+    error = capture(std::current_exception());
   }
-  // One gather: status, plan hash and this rank's checksums (the commit needs them all); also
-  // the barrier after rank 0 cleared the directory.
-  int64_t mine = 0;
-  for (const auto& c : st->plan.chunks) mine += c.owner == rank;
-  int64_t most = 0;
-  {
-    std::vector<int64_t> counts(world.size(), 0);
-    for (const auto& c : st->plan.chunks) ++counts[c.owner];
-    for (int64_t n : counts) most = std::max(most, n);
-  }
+  // One gather: status, plan hash, and this rank's chunk and block checksums (the commit needs
+  // them all); also the barrier after rank 0 cleared the directory. Row of rank r: its chunks'
+  // checksums, then their blocks', in plan order (a pure function of the plan: every rank
+  // knows every row's layout).
+  std::vector<int64_t> per_rank(world.size(), 0);
+  for (const auto& c : st->plan.chunks) per_rank[c.owner] += 1 + c.blocks;
+  const int64_t most = *std::max_element(per_rank.begin(), per_rank.end());
   // Every rank must use the same row length: the plan's, or 0 chunks when planning failed
   // (then the hash differs as well and everyone raises).
   std::vector<int64_t> row(2 + static_cast<size_t>(most), 0);
-  row[0] = error.empty() ? 0 : 1;
+  row[0] = error.kind;
   row[1] = static_cast<int64_t>(st->plan.hash);
   {
     size_t j = 2;
     for (size_t i = 0; i < st->plan.chunks.size(); ++i)
       if (st->plan.chunks[i].owner == rank) row[j++] = static_cast<int64_t>(st->checksums[i]);
+    for (size_t i = 0; i < st->plan.chunks.size(); ++i)
+      if (st->plan.chunks[i].owner == rank)
+        for (uint64_t h : st->block_sums[i]) row[j++] = static_cast<int64_t>(h);
   }
   // Row lengths must agree before the gather: agree on the maximum first.
   std::vector<int64_t> lengths = all_gather_rows(world, {static_cast<int64_t>(row.size())}, st->device);
   const int64_t width = *std::max_element(lengths.begin(), lengths.end());
   row.resize(static_cast<size_t>(width), 0);
   std::vector<int64_t> all = all_gather_rows(world, row, st->device);
-  const std::string agreed = agree(world, error, st->device);
-  if (!agreed.empty()) throw InvalidArgument(agreed);
+  const Failure agreed = agree(world, error, st->device);
+  if (agreed.kind != kOk) raise(agreed.kind, agreed.message);
   for (int r = 0; r < world.size(); ++r)
     if (all[static_cast<size_t>(r) * width + 1] != static_cast<int64_t>(st->plan.hash))
       throw InvalidArgument(fmt::format(
-          "checkpoint: save to '{}': rank {} passed a different state dict (keys, shapes, dtypes, placements or "
-          "meshes) than rank {}",
+          "checkpoint: save to '{}': rank {} passed a different state dict (keys, shapes, dtypes, placements, "
+          "meshes or block_bytes) than rank {}",
           dir, r, rank));
   {
     std::vector<size_t> next(world.size(), 2);
     for (size_t i = 0; i < st->plan.chunks.size(); ++i) {
       const int o = st->plan.chunks[i].owner;
       st->checksums[i] = static_cast<uint64_t>(all[static_cast<size_t>(o) * width + next[o]++]);
+    }
+    for (size_t i = 0; i < st->plan.chunks.size(); ++i) {
+      const int o = st->plan.chunks[i].owner;
+      auto& sums = st->block_sums[i];
+      sums.resize(static_cast<size_t>(st->plan.chunks[i].blocks));
+      for (uint64_t& h : sums) h = static_cast<uint64_t>(all[static_cast<size_t>(o) * width + next[o]++]);
     }
   }
   st->stats.stage_seconds = seconds_since(t0);
@@ -600,32 +578,9 @@ SaveHandle start_save(const std::string& dir, const nn::StateDict& sd, collectiv
   s->writer = std::thread([s, rank] {
     const auto t1 = std::chrono::steady_clock::now();
     try {
-      for (const FilePlan& f : s->plan.files) {
-        if (f.owner != rank) continue;
-        // Written under a temporary name and renamed once whole: a save killed midway leaves no
-        // truncated .safetensors file (one without the metadata file would read as a foreign
-        // checkpoint with a broken file instead of as an incomplete save).
-        const std::string final_path = (fs::path(s->dir) / f.name).string();
-        const std::string path = final_path + kTmpSuffix;
-        Fd fd(path, O_WRONLY | O_CREAT | O_TRUNC);
-        const uint64_t n = f.header.size();
-        write_all(fd.get(), &n, 8, 0, path);
-        write_all(fd.get(), f.header.data(), n, 8, path);
-        for (size_t j = 0; j < f.chunks.size(); ++j) {
-          const Tensor& t = s->staged[f.chunks[j]];
-          if (t.nbytes() > 0) write_all(fd.get(), t.data_ptr(), t.nbytes(), f.offsets[j], path);
-          s->stats.bytes_written += t.nbytes();
-          s->staged[f.chunks[j]] = Tensor();  // free the staged copy as soon as it is written
-        }
-        if (s->options.fsync) fd.sync();
-        fd.close_checked();
-        if (::rename(path.c_str(), final_path.c_str()) != 0)
-          throw kernels::Error(fmt::format("checkpoint: renaming '{}' failed: {}", path, std::strerror(errno)));
-        ++s->stats.files;
-      }
-      if (s->options.fsync) sync_dir(s->dir);
-    } catch (const std::exception& e) {
-      s->error = e.what();
+      write_files(*s, rank);
+    } catch (...) {
+      s->error = capture(std::current_exception());
     }
     s->stats.write_seconds = seconds_since(t1);
     s->done = true;
@@ -634,6 +589,47 @@ SaveHandle start_save(const std::string& dir, const nn::StateDict& sd, collectiv
   SaveAccess::set(h, std::move(st));
   return h;
 }
+
+// checkpoint.json (README "On disk").
+std::string metadata_text(const SaveHandle::State& s, int world_size) {
+  Json meta = Json::object();
+  meta["format"] = "dtensor-runtime-checkpoint";
+  meta["version"] = 1;
+  meta["world_size"] = world_size;
+  meta["checksum"] = "xxh64";
+  Json tensors = Json::object();
+  for (const auto& [k, info] : s.tensor_info)
+    tensors[k] = {{"shape", std::vector<int64_t>(info.first.begin(), info.first.end())},
+                  {"dtype", nn::safetensors_dtype_name(info.second)},
+                  {"chunks", Json::array()}};
+  for (const FilePlan& f : s.plan.files)
+    for (size_t j = 0; j < f.chunks.size(); ++j) {
+      const PlannedChunk& c = s.plan.chunks[f.chunks[j]];
+      Json chunk = {{"offsets", std::vector<int64_t>(c.box.offsets.begin(), c.box.offsets.end())},
+                    {"sizes", std::vector<int64_t>(c.box.sizes.begin(), c.box.sizes.end())},
+                    {"file", f.name},
+                    {"byte_offset", f.offsets[j]},
+                    {"nbytes", c.nbytes},
+                    {"xxh64", hex64(s.checksums[f.chunks[j]])}};
+      if (c.blocks > 0) {
+        std::string blocks;
+        blocks.reserve(static_cast<size_t>(c.blocks) * 16);
+        for (uint64_t h : s.block_sums[f.chunks[j]]) blocks += hex64(h);
+        chunk["block_shape"] = std::vector<int64_t>(c.block_shape.begin(), c.block_shape.end());
+        chunk["block_xxh64"] = std::move(blocks);
+      }
+      tensors[s.tensor_info[c.key].first]["chunks"].push_back(std::move(chunk));
+    }
+  meta["tensors"] = std::move(tensors);
+  Json files = Json::object();
+  for (const FilePlan& f : s.plan.files) files[f.name] = f.size;
+  meta["files"] = std::move(files);
+  Json values = Json::object();
+  for (const auto& [k, v] : s.values) values[k] = value_to_json(v);
+  meta["values"] = std::move(values);
+  return meta.dump(1);
+}
+
 }  // namespace
 
 SaveStats SaveHandle::wait() {
@@ -645,280 +641,92 @@ SaveStats SaveHandle::wait() {
   s.release_cache();
   collectives::Communicator& world = *s.world;
   const int rank = world.rank();
-  const std::string agreed = agree(world, s.error, s.device);
-  if (!agreed.empty()) throw kernels::Error(agreed + " (the checkpoint was not committed)");
-  std::string commit_error;
+  const Failure agreed = agree(world, s.error, s.device);
+  if (agreed.kind != kOk) raise(agreed.kind, agreed.message + " (the checkpoint was not committed)");
+  Failure commit_error;
   if (rank == 0) {
     try {
-      Json meta = Json::object();
-      meta["format"] = "dtensor-runtime-checkpoint";
-      meta["version"] = 1;
-      meta["world_size"] = world.size();
-      meta["checksum"] = "xxh64";
-      Json tensors = Json::object();
-      for (const auto& [k, info] : s.tensor_info)
-        tensors[k] = {{"shape", std::vector<int64_t>(info.first.begin(), info.first.end())},
-                      {"dtype", nn::safetensors_dtype_name(info.second)},
-                      {"chunks", Json::array()}};
-      for (const FilePlan& f : s.plan.files)
-        for (size_t j = 0; j < f.chunks.size(); ++j) {
-          const PlannedChunk& c = s.plan.chunks[f.chunks[j]];
-          tensors[s.tensor_info[c.key].first]["chunks"].push_back(
-              {{"offsets", std::vector<int64_t>(c.box.offsets.begin(), c.box.offsets.end())},
-               {"sizes", std::vector<int64_t>(c.box.sizes.begin(), c.box.sizes.end())},
-               {"file", f.name},
-               {"byte_offset", f.offsets[j]},
-               {"nbytes", c.nbytes},
-               {"xxh64", fmt::format("{:016x}", s.checksums[f.chunks[j]])}});
-        }
-      meta["tensors"] = std::move(tensors);
-      Json files = Json::object();
-      for (const FilePlan& f : s.plan.files) files[f.name] = f.size;
-      meta["files"] = std::move(files);
-      Json values = Json::object();
-      for (const auto& [k, v] : s.values) values[k] = value_to_json(v);
-      meta["values"] = std::move(values);
-      const std::string text = meta.dump(1);
+      const std::string text = metadata_text(s, world.size());
       const std::string final_path = (fs::path(s.dir) / kMetadataFile).string();
       const std::string tmp = final_path + kTmpSuffix;
-      {
-        Fd fd(tmp, O_WRONLY | O_CREAT | O_TRUNC);
-        write_all(fd.get(), text.data(), text.size(), 0, tmp);
-        if (s.options.fsync) fd.sync();
-        fd.close_checked();
-      }
-      if (::rename(tmp.c_str(), final_path.c_str()) != 0)
-        throw kernels::Error(fmt::format("checkpoint: renaming '{}' failed: {}", tmp, std::strerror(errno)));
+      kernels::File fd = kernels::File::create(tmp);
+      fd.write_at(text.data(), text.size(), 0);
+      if (s.options.fsync) fd.sync();
+      fd.close();
+      kernels::rename_file(tmp, final_path);
       if (s.options.fsync) sync_dir(s.dir);
-    } catch (const std::exception& e) {
-      commit_error = e.what();
+    } catch (...) {
+      commit_error = capture(std::current_exception());
     }
   }
-  const std::string committed = agree(world, commit_error, s.device);
-  if (!committed.empty()) throw kernels::Error(committed);
+  const Failure committed = agree(world, commit_error, s.device);
+  if (committed.kind != kOk) raise(committed.kind, committed.message + " (the checkpoint was not committed)");
   return s.stats;
-}
-
-
-
-// ---- metadata ----
-
-namespace {
-
-Dims json_dims(const nlohmann::json& j) {
-  Dims d;
-  for (const auto& v : j) d.push_back(v.get<int64_t>());
-  return d;
-}
-
-struct SafetensorsHeader {
-  nlohmann::json header;
-  uint64_t data_start = 0;
-  uint64_t file_size = 0;
-};
-
-SafetensorsHeader read_header(const std::string& path) {
-  Fd fd(path, O_RDONLY);
-  struct stat sb;
-  if (::fstat(fd.get(), &sb) != 0) throw InvalidArgument(fmt::format("checkpoint: cannot stat '{}'", path));
-  SafetensorsHeader h;
-  h.file_size = static_cast<uint64_t>(sb.st_size);
-  uint64_t n = 0;
-  if (h.file_size < 8) throw InvalidArgument(fmt::format("checkpoint: '{}' is too short for a safetensors file", path));
-  read_all(fd.get(), &n, 8, 0, path, "the header length");
-  if (n > kMaxHeader || 8 + n > h.file_size)
-    throw InvalidArgument(fmt::format("checkpoint: '{}' has an invalid safetensors header length {}", path, n));
-  std::string text(n, '\0');
-  read_all(fd.get(), text.data(), n, 8, path, "the header");
-  try {
-    h.header = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    throw InvalidArgument(fmt::format("checkpoint: '{}' has a malformed safetensors header: {}", path, e.what()));
-  }
-  h.data_start = 8 + n;
-  return h;
-}
-
-Metadata read_foreign(const std::string& dir, const std::vector<fs::path>& files) {
-  Metadata md;
-  md.foreign = true;
-  std::map<std::string, size_t> index;
-  for (const fs::path& p : files) {
-    SafetensorsHeader h = read_header(p.string());
-    nlohmann::json sharding;
-    if (h.header.contains("__metadata__")) {
-      const auto& m = h.header["__metadata__"];
-      if (m.contains(kWriterKey))
-        throw InvalidArgument(fmt::format(
-            "checkpoint: '{}' is incomplete: it has data files but no {} (the save did not finish; load the "
-            "previous checkpoint)",
-            dir, kMetadataFile));
-      if (m.contains("DCP_SHARDING_INFO")) sharding = nlohmann::json::parse(m["DCP_SHARDING_INFO"].get<std::string>());
-    }
-    for (auto it = h.header.begin(); it != h.header.end(); ++it) {
-      if (it.key() == "__metadata__") continue;
-      const std::string& key = it.key();
-      ChunkInfo c;
-      c.file = p.filename().string();
-      c.sizes = json_dims((*it)["shape"]);
-      c.offsets = sharding.contains(key) ? json_dims(sharding[key]["saved_offsets"])
-                                         : Dims::filled(c.sizes.size(), 0);
-      const DType dt = nn::parse_safetensors_dtype((*it)["dtype"].get<std::string>());
-      const uint64_t b = (*it)["data_offsets"][0].get<uint64_t>(), e = (*it)["data_offsets"][1].get<uint64_t>();
-      c.byte_offset = h.data_start + b;
-      c.nbytes = e - b;
-      if (e < b || h.data_start + e > h.file_size ||
-          c.nbytes != static_cast<uint64_t>(c.sizes.product()) * kernels::itemsize(dt))
-        throw InvalidArgument(fmt::format("checkpoint: '{}' in '{}' has data offsets [{}, {}] that do not fit its "
-                                          "shape {} or the file",
-                                          key, p.string(), b, e, c.sizes));
-      if (c.offsets.size() != c.sizes.size())
-        throw InvalidArgument(fmt::format("checkpoint: '{}' in '{}' has saved_offsets {} for shape {}", key,
-                                          p.string(), c.offsets, c.sizes));
-      auto found = index.find(key);
-      if (found == index.end()) {
-        index[key] = md.tensors.size();
-        TensorInfo ti;
-        ti.dtype = dt;
-        ti.shape = Dims::filled(c.sizes.size(), 0);
-        md.tensors.emplace_back(key, std::move(ti));
-        found = index.find(key);
-      }
-      TensorInfo& ti = md.tensors[found->second].second;
-      if (ti.dtype != dt || ti.shape.size() != c.sizes.size())
-        throw InvalidArgument(fmt::format("checkpoint: '{}' has chunks of different dtypes or ranks in '{}'", key, dir));
-      for (int d = 0; d < c.sizes.size(); ++d) ti.shape[d] = std::max(ti.shape[d], c.offsets[d] + c.sizes[d]);
-      ti.chunks.push_back(std::move(c));
-    }
-  }
-  return md;
-}
-
-}  // namespace
-
-Metadata read_metadata(const std::string& dir) {
-  if (!fs::is_directory(dir)) throw InvalidArgument(fmt::format("checkpoint: '{}' is not a directory", dir));
-  const fs::path meta_path = fs::path(dir) / kMetadataFile;
-  if (!fs::exists(meta_path)) {
-    std::vector<fs::path> files;
-    for (const auto& e : fs::directory_iterator(dir))
-      if (e.is_regular_file() && e.path().extension() == ".safetensors") files.push_back(e.path());
-    std::sort(files.begin(), files.end());
-    if (files.empty())
-      throw InvalidArgument(fmt::format(
-          "checkpoint: '{}' is not a checkpoint (or an incomplete one): no {} and no .safetensors files", dir,
-          kMetadataFile));
-    return read_foreign(dir, files);
-  }
-  Metadata md;
-  Json j;  // ordered: the tensors keep their save order
-  try {
-    std::ifstream in(meta_path);
-    j = Json::parse(in);
-    if (j.value("format", "") != "dtensor-runtime-checkpoint")
-      throw InvalidArgument(fmt::format("checkpoint: '{}' is not a dtensor-runtime checkpoint metadata file",
-                                        meta_path.string()));
-    for (auto it = j["files"].begin(); it != j["files"].end(); ++it) md.file_sizes[it.key()] = it->get<uint64_t>();
-    for (auto it = j["tensors"].begin(); it != j["tensors"].end(); ++it) {
-      TensorInfo ti;
-      ti.shape = json_dims((*it)["shape"]);
-      ti.dtype = nn::parse_safetensors_dtype((*it)["dtype"].get<std::string>());
-      for (const auto& c : (*it)["chunks"]) {
-        ChunkInfo ci;
-        ci.offsets = json_dims(c["offsets"]);
-        ci.sizes = json_dims(c["sizes"]);
-        ci.file = c["file"].get<std::string>();
-        ci.byte_offset = c["byte_offset"].get<uint64_t>();
-        ci.nbytes = c["nbytes"].get<uint64_t>();
-        if (c.contains("xxh64")) ci.checksum = std::stoull(c["xxh64"].get<std::string>(), nullptr, 16);
-        if (ci.nbytes != static_cast<uint64_t>(ci.sizes.product()) * kernels::itemsize(ti.dtype) ||
-            ci.offsets.size() != ti.shape.size() || ci.sizes.size() != ti.shape.size())
-          throw InvalidArgument(fmt::format("checkpoint: '{}' lists a chunk of '{}' that does not fit its shape",
-                                            meta_path.string(), it.key()));
-        ti.chunks.push_back(std::move(ci));
-      }
-      md.tensors.emplace_back(it.key(), std::move(ti));
-    }
-    for (auto it = j["values"].begin(); it != j["values"].end(); ++it) {
-      if (it->is_number_integer())
-        md.values[it.key()] = it->get<int64_t>();
-      else if (it->is_number())
-        md.values[it.key()] = it->get<double>();
-      else
-        md.values[it.key()] = it->get<std::string>();
-    }
-  } catch (const nlohmann::json::exception& e) {
-    throw InvalidArgument(fmt::format("checkpoint: '{}' is malformed: {}", meta_path.string(), e.what()));
-  } catch (const std::invalid_argument& e) {
-    throw InvalidArgument(fmt::format("checkpoint: '{}' is malformed: {}", meta_path.string(), e.what()));
-  }
-  // Every data file present with the size the commit recorded (a truncated or replaced file is
-  // caught before any read).
-  for (const auto& [name, size] : md.file_sizes) {
-    std::error_code ec;
-    const uint64_t got = fs::file_size(fs::path(dir) / name, ec);
-    if (ec || got != size) {
-      std::string key;
-      for (const auto& [k, t] : md.tensors)
-        for (const auto& c : t.chunks)
-          if (c.file == name) key += fmt::format("{}'{}'", key.empty() ? "" : ", ", k);
-      throw InvalidArgument(fmt::format("checkpoint: '{}': data file '{}' (holding {}) is {}; the "
-                                        "metadata says {} bytes",
-                                        dir, name, key, ec ? "missing" : fmt::format("{} bytes", got), size));
-    }
-  }
-  return md;
 }
 
 // ---- load ----
 
 namespace {
 
-// Checks that a tensor's chunks tile its global shape: inside it, pairwise disjoint, and their
-// volumes add up to the whole (so every element is saved exactly once).
-void check_coverage(const std::string& dir, const std::string& key, const TensorInfo& ti) {
-  const int nd = ti.shape.size();
-  int64_t total = 0;
-  for (const auto& c : ti.chunks) {
-    for (int d = 0; d < nd; ++d)
-      if (c.offsets[d] < 0 || c.sizes[d] < 0 || c.offsets[d] + c.sizes[d] > ti.shape[d])
-        throw InvalidArgument(fmt::format("checkpoint: '{}': a chunk of '{}' at {} size {} lies outside its shape {}",
-                                          dir, key, c.offsets, c.sizes, ti.shape));
-    total += c.sizes.product();
-  }
-  for (size_t a = 0; a < ti.chunks.size(); ++a)
-    for (size_t b = a + 1; b < ti.chunks.size(); ++b) {
-      bool overlap = true;
-      for (int d = 0; d < nd; ++d) {
-        const auto& x = ti.chunks[a];
-        const auto& y = ti.chunks[b];
-        if (std::max(x.offsets[d], y.offsets[d]) >= std::min(x.offsets[d] + x.sizes[d], y.offsets[d] + y.sizes[d]))
-          overlap = false;
-      }
-      if (overlap && ti.chunks[a].sizes.product() > 0 && ti.chunks[b].sizes.product() > 0)
-        throw InvalidArgument(fmt::format("checkpoint: '{}': chunks of '{}' at {} and {} overlap", dir, key,
-                                          ti.chunks[a].offsets, ti.chunks[b].offsets));
-    }
-  if (total != ti.shape.product())
-    throw InvalidArgument(fmt::format("checkpoint: '{}': the chunks of '{}' cover {} of its {} elements (missing data "
-                                      "files?)",
-                                      dir, key, total, ti.shape.product()));
-}
-
 struct FileCache {
   std::string dir;
-  std::map<std::string, std::unique_ptr<Fd>> open;
-  Fd& get(const std::string& name) {
+  std::map<std::string, kernels::File> open;
+  const kernels::File& get(const std::string& name) {
     auto it = open.find(name);
-    if (it == open.end())
-      it = open.emplace(name, std::make_unique<Fd>((fs::path(dir) / name).string(), O_RDONLY)).first;
-    return *it->second;
+    if (it == open.end())  // regular files only: a FIFO never blocks the load
+      it = open.emplace(name, kernels::File::open_read((fs::path(dir) / name).string())).first;
+    return it->second;
   }
 };
 
+// Reads the box `off`/`size` (global, inside chunk c) into `buf` (contiguous, of `size`): one
+// pread per contiguous run in the file.
+void read_box(FileCache& files, const ChunkInfo& c, uint64_t item, const Dims& off, const Dims& size, void* buf,
+              const std::string& what, LoadStats& stats) {
+  if (c.nbytes == 0) return;
+  const kernels::File& f = files.get(c.file);
+  Dims rel(off);
+  for (int d = 0; d < rel.size(); ++d) rel[d] = off[d] - c.offsets[d];
+  char* dst = static_cast<char*>(buf);
+  detail::for_each_run(c.sizes, rel, size, [&](int64_t elem, int64_t n) {
+    const uint64_t bytes = static_cast<uint64_t>(n) * item;
+    f.read_at(dst, bytes, c.byte_offset + static_cast<uint64_t>(elem) * item, what);
+    dst += bytes;
+    stats.bytes_read += bytes;
+    ++stats.reads;
+  });
+}
+
+[[noreturn]] void corrupt(const std::string& dir, const std::string& what, const ChunkInfo& c,
+                          const std::string& detail = "") {
+  throw InvalidArgument(
+      fmt::format("checkpoint: checksum mismatch in '{}': {} in '{}' is corrupt{}", dir, what, c.file, detail));
+}
+
+// Checks the blocks of chunk c that lie inside the buffer box buf_off/buf_size.
+void verify_blocks(const std::string& dir, const ChunkInfo& c, uint64_t item, const void* buf, const Dims& buf_off,
+                   const Dims& buf_size, const std::string& what) {
+  const detail::BlockRange all = detail::block_range(c.offsets, c.sizes, c.block_shape);
+  const detail::BlockRange mine = detail::block_range(buf_off, buf_size, c.block_shape);
+  detail::hash_blocks(buf, buf_off, buf_size, item, c.offsets, c.sizes, c.block_shape, mine,
+                      [&](const Dims& block, uint64_t h) {
+                        int64_t index = 0;
+                        for (int d = 0; d < block.size(); ++d)
+                          index = index * all.count[d] + (block[d] - all.first[d]);
+                        if (h != c.block_checksums[static_cast<size_t>(index)]) {
+                          Dims off, size;
+                          detail::block_box(block, c.offsets, c.sizes, c.block_shape, off, size);
+                          corrupt(dir, what, c, fmt::format(" (the block at {} size {})", off, size));
+                        }
+                      });
+}
+
 // Reads the part `want` (global offsets/sizes, inside chunk c) of chunk c into a contiguous
-// tensor of want's sizes, reading only its bytes (one pread per contiguous run in the file), or
-// the whole chunk when verifying it.
+// tensor of want's sizes, verifying what it reads (LoadOptions::verify):
+//   whole chunk                  read whole, its xxh64 checked
+//   part, with block checksums   the blocks it overlaps read whole and checked
+//   part, chunk checksum only    the chunk read whole and checked (kRead, kAll)
+//   kNone, or no checksum        exactly the part's bytes, unchecked
 // into: where the region goes (want_size, any strides); when it is contiguous the bytes are read
 // straight into it (no extra buffer or copy) and it is returned.
 Tensor read_region(FileCache& files, const std::string& key, const TensorInfo& ti, const ChunkInfo& c,
@@ -927,54 +735,37 @@ Tensor read_region(FileCache& files, const std::string& key, const TensorInfo& t
   const bool direct = into.defined() && into.is_contiguous() && into.device().is_cpu();
   const int nd = ti.shape.size();
   const uint64_t item = kernels::itemsize(ti.dtype);
-  const bool whole = want_size == c.sizes;
-  const std::string path = (fs::path(files.dir) / c.file).string();
-  Fd& fd = files.get(c.file);
   const std::string what = fmt::format("'{}' chunk at {}", key, c.offsets);
-  if (whole || (verify == Verify::kAll && c.checksum)) {
-    Tensor buf = whole && direct ? into : Tensor::empty(c.sizes, ti.dtype);
-    if (c.nbytes > 0) read_all(fd.get(), buf.data_ptr(), c.nbytes, c.byte_offset, path, what);
-    stats.bytes_read += c.nbytes;
-    ++stats.reads;
-    if (verify != Verify::kNone && c.checksum && xxh64(buf.data_ptr(), c.nbytes) != *c.checksum)
-      throw InvalidArgument(fmt::format("checkpoint: checksum mismatch in '{}': {} in '{}' is corrupt", files.dir,
-                                        what, c.file));
-    if (whole) return buf;
-    Dims rel(want_off);
-    for (int d = 0; d < nd; ++d) rel[d] = want_off[d] - c.offsets[d];
-    return narrow_box(buf, rel, want_size).contiguous();
-  }
-  // Partial: the innermost dims where want spans the whole chunk form one contiguous run with
-  // the next outer dim's extent.
-  Tensor out = direct ? into : Tensor::empty(want_size, ti.dtype);
-  int inner = nd;  // dims [inner, nd) are whole
-  while (inner > 0 && want_size[inner - 1] == c.sizes[inner - 1]) --inner;
-  int64_t run_elems = 1;
-  for (int d = inner; d < nd; ++d) run_elems *= c.sizes[d];
-  int outer_dims = inner;  // dims [0, outer_dims) iterate; dim inner-1 contributes its extent to the run
-  if (inner > 0) {
-    run_elems *= want_size[inner - 1];
-    outer_dims = inner - 1;
-  }
-  Dims cstride = Tensor::contiguous_strides(c.sizes);
-  Dims idx = Dims::filled(outer_dims, 0);
-  char* dst = static_cast<char*>(out.data_ptr());
-  const int64_t total = out.numel();
-  for (int64_t done = 0; done < total; done += run_elems) {
-    int64_t elem = 0;
-    for (int d = 0; d < outer_dims; ++d) elem += (want_off[d] - c.offsets[d] + idx[d]) * cstride[d];
-    if (inner > 0) elem += (want_off[inner - 1] - c.offsets[inner - 1]) * cstride[inner - 1];
-    read_all(fd.get(), dst, static_cast<uint64_t>(run_elems) * item, c.byte_offset + static_cast<uint64_t>(elem) * item,
-             path, what);
-    stats.bytes_read += static_cast<uint64_t>(run_elems) * item;
-    ++stats.reads;
-    dst += run_elems * static_cast<int64_t>(item);
-    for (int d = outer_dims - 1; d >= 0; --d) {
-      if (++idx[d] < want_size[d]) break;
-      idx[d] = 0;
+  const bool blocks = !c.block_checksums.empty();
+  const bool check = verify != Verify::kNone && (c.checksum || blocks);
+  // The box read: the part itself, or grown to whole blocks or to the whole chunk to verify it.
+  Dims off(want_off), size(want_size);
+  if (check && (verify == Verify::kAll || !blocks)) {
+    off = c.offsets;
+    size = c.sizes;
+  } else if (check) {
+    for (int d = 0; d < nd; ++d) {  // inside the chunk: no overflow
+      const int64_t b = c.block_shape[d], end = want_off[d] + want_size[d], chunk_end = c.offsets[d] + c.sizes[d];
+      off[d] = std::max(c.offsets[d], want_off[d] / b * b);
+      const int64_t last = (end - 1) / b;  // the last block the part touches
+      size[d] = (chunk_end - last * b > b ? last * b + b : chunk_end) - off[d];
     }
   }
-  return out;
+  const bool whole = off == c.offsets && size == c.sizes;
+  const bool exact = off == want_off && size == want_size;
+  Tensor buf = exact && direct ? into : Tensor::empty(size, ti.dtype);
+  read_box(files, c, item, off, size, buf.data_ptr(), what, stats);
+  if (check) {
+    if (whole && c.checksum) {
+      if (xxh64(buf.data_ptr(), c.nbytes) != *c.checksum) corrupt(files.dir, what, c);
+    } else {
+      verify_blocks(files.dir, c, item, buf.data_ptr(), off, size, what);
+    }
+  }
+  if (exact) return buf;
+  Dims rel(want_off);
+  for (int d = 0; d < nd; ++d) rel[d] = want_off[d] - off[d];
+  return narrow_box(buf, rel, want_size).contiguous();
 }
 
 }  // namespace
@@ -982,18 +773,21 @@ Tensor read_region(FileCache& files, const std::string& key, const TensorInfo& t
 LoadStats load(const std::string& dir, nn::StateDict& sd, collectives::Communicator& world,
                const LoadOptions& options) {
   LoadStats stats;
-  const int rank = world.rank();
   const kernels::Device device = comm_device(sd);
   std::vector<Tensor> staged(sd.tensors.size());
   std::map<std::string, nn::StateValue> values;
-  std::string error;
+  Failure error;
   try {
     const Metadata md = read_metadata(dir);
+    std::unordered_map<std::string, const TensorInfo*> saved;
+    for (const auto& [key, ti] : md.tensors) saved.emplace(key, &ti);
     std::set<std::string> wanted;
     for (const auto& [key, t] : sd.tensors) {
       wanted.insert(key);
-      const TensorInfo* ti = md.find(key);
-      if (!ti) throw InvalidArgument(fmt::format("checkpoint: '{}' has no tensor '{}' (missing key)", dir, key));
+      const auto found = saved.find(key);
+      if (found == saved.end())
+        throw InvalidArgument(fmt::format("checkpoint: '{}' has no tensor '{}' (missing key)", dir, key));
+      const TensorInfo* ti = found->second;
       if (!(ti->shape == t.shape()))
         throw InvalidArgument(fmt::format("checkpoint: '{}': '{}' was saved with shape {}, the target has shape {}", dir,
                                           key, ti->shape, t.shape()));
@@ -1001,7 +795,7 @@ LoadStats load(const std::string& dir, nn::StateDict& sd, collectives::Communica
         throw InvalidArgument(fmt::format("checkpoint: '{}': '{}' was saved as {}, the target is {}", dir, key,
                                           nn::safetensors_dtype_name(ti->dtype) ? nn::safetensors_dtype_name(ti->dtype) : "?",
                                           kernels::to_string(t.dtype())));
-      check_coverage(dir, key, *ti);
+      detail::check_coverage(dir, key, *ti);
     }
     values = md.values;
     FileCache files{dir, {}};
@@ -1022,7 +816,7 @@ LoadStats load(const std::string& dir, nn::StateDict& sd, collectives::Communica
     for (size_t k = 0; k < sd.tensors.size(); ++k) {
       const auto& [key, t] = sd.tensors[k];
       if (!t.comms()->in_mesh()) continue;
-      const TensorInfo& ti = *md.find(key);
+      const TensorInfo& ti = *saved.at(key);
       const Tensor& local = t.to_local();
       Tensor stage = Tensor::empty(local.shape(), t.dtype());
       auto layout = t.spec().layout(t.comms()->rank());
@@ -1031,7 +825,7 @@ LoadStats load(const std::string& dir, nn::StateDict& sd, collectives::Communica
         for (const ChunkInfo& c : ti.chunks) {
           Dims lo(b.offsets), sz(b.sizes);
           bool any = true;
-          for (int d = 0; d < b.offsets.size(); ++d) {
+          for (int d = 0; d < b.offsets.size() && any; ++d) {
             lo[d] = std::max(b.offsets[d], c.offsets[d]);
             const int64_t hi = std::min(b.offsets[d] + b.sizes[d], c.offsets[d] + c.sizes[d]);
             if (hi <= lo[d]) any = false;
@@ -1047,13 +841,12 @@ LoadStats load(const std::string& dir, nn::StateDict& sd, collectives::Communica
       }
       staged[k] = std::move(stage);
     }
-  } catch (const std::exception& e) {
-    error = e.what();
+  } catch (...) {
+    error = capture(std::current_exception());
   }
   // Agreement: nothing is written unless every rank read everything.
-  const std::string agreed = agree(world, error, device);
-  if (!agreed.empty()) throw InvalidArgument(agreed + "; nothing was changed");
-  (void)rank;
+  const Failure agreed = agree(world, error, device);
+  if (agreed.kind != kOk) raise(agreed.kind, agreed.message + "; nothing was changed");
   for (size_t k = 0; k < sd.tensors.size(); ++k) {
     if (!staged[k].defined()) continue;
     Tensor local = sd.tensors[k].second.to_local();
@@ -1077,7 +870,7 @@ std::vector<std::string> export_safetensors(const std::string& dir, const std::s
   std::vector<Item> items;
   for (const auto& [key, ti] : md.tensors) {
     if (key.compare(0, options.prefix.size(), options.prefix) != 0) continue;
-    check_coverage(dir, key, ti);
+    detail::check_coverage(dir, key, ti);
     items.push_back({&key, &ti, options.strip_prefix ? key.substr(options.prefix.size()) : key,
                      static_cast<uint64_t>(ti.shape.product()) * kernels::itemsize(ti.dtype)});
   }
@@ -1097,6 +890,7 @@ std::vector<std::string> export_safetensors(const std::string& dir, const std::s
   }
   std::error_code ec;
   fs::create_directories(out_dir, ec);
+  if (ec) kernels::throw_file_error(ec.value(), fmt::format("checkpoint: export: cannot create directory '{}'", out_dir));
   std::vector<std::string> written;
   Json weight_map = Json::object();
   uint64_t total = 0;
@@ -1120,33 +914,35 @@ std::vector<std::string> export_safetensors(const std::string& dir, const std::s
     std::string text = header.dump();
     while (text.size() % 8 != 0) text += ' ';
     const std::string path = (fs::path(out_dir) / name).string();
-    Fd fd(path, O_WRONLY | O_CREAT | O_TRUNC);
+    kernels::File fd = kernels::File::create(path);
     const uint64_t n = text.size();
-    write_all(fd.get(), &n, 8, 0, path);
-    write_all(fd.get(), text.data(), n, 8, path);
+    fd.write_at(&n, 8, 0);
+    fd.write_at(text.data(), n, 8);
     uint64_t pos = 8 + n;
     for (size_t i : groups[g]) {
       const Item& it = items[i];
       Tensor full = Tensor::empty(it.ti->shape, it.ti->dtype);
       for (const ChunkInfo& c : it.ti->chunks) {
         if (c.nbytes == 0) continue;
-        Tensor part = read_region(files, *it.key, *it.ti, c, c.offsets, c.sizes, Verify::kChunksReadWhole, stats);
+        Tensor part = read_region(files, *it.key, *it.ti, c, c.offsets, c.sizes, Verify::kRead, stats);
         Tensor dst = narrow_box(full, c.offsets, c.sizes);
         dst.copy_(part);
       }
-      if (it.nbytes > 0) write_all(fd.get(), full.data_ptr(), it.nbytes, pos, path);
+      if (it.nbytes > 0) fd.write_at(full.data_ptr(), it.nbytes, pos);
       pos += it.nbytes;
     }
     fd.sync();
-    fd.close_checked();
+    fd.close();
     written.push_back(path);
   }
   if (groups.size() > 1) {
     Json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
     const std::string path = (fs::path(out_dir) / "model.safetensors.index.json").string();
-    std::ofstream out(path);
-    out << index.dump(2);
-    if (!out) throw kernels::Error(fmt::format("checkpoint: writing '{}' failed", path));
+    const std::string text = index.dump(2);
+    kernels::File fd = kernels::File::create(path);
+    fd.write_at(text.data(), text.size(), 0);
+    fd.sync();
+    fd.close();
     written.push_back(path);
   }
   return written;

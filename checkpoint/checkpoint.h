@@ -1,6 +1,7 @@
 // Distributed checkpoints of sharded state dicts (layer above nn): save on one mesh, load on
-// any other (resharding by box intersection, reading only the bytes a rank needs), in the
-// Hugging Face safetensors layout that PyTorch's HuggingFaceStorageReader reads.
+// any other (resharding by box intersection, reading the bytes a rank needs and the checksum
+// blocks around them), in the Hugging Face safetensors layout that PyTorch's
+// HuggingFaceStorageReader reads.
 //
 //   nn::StateDict sd = model.state_dict();
 //   sd.merge(opt.state_dict(), "optim.");
@@ -20,15 +21,19 @@
 //       [...]}} (each chunk's global offset), DCP_VERSION, format "pt" (what PyTorch writes).
 //   checkpoint.json   written last by rank 0, to checkpoint.json.tmp then renamed: its presence
 //       means complete. Every tensor's global shape, dtype and chunks (offsets, sizes, file,
-//       byte_offset, nbytes, xxh64 of the bytes), every file's size, and the non-tensor values.
+//       byte_offset, nbytes, xxh64 of the bytes and, for chunks larger than a block, the block
+//       shape and each block's xxh64), every file's size, and the non-tensor values.
 // A chunk is a box in global coordinates. A rank whose shard is not one box (_StridedShard,
 // nested uneven shards) writes several. Chunks replicated over ranks are written once, each by
 // the holder with the fewest bytes so far (the plan is a pure function of the specs, the same
 // on every rank: no communication but one gather of checksums and the commit's agreement).
 //
 // Errors: kernels::InvalidArgument naming the directory, the key and what differs (missing,
-// unexpected, shape, dtype, incomplete, checksum, truncated file). A load that fails on any
-// rank changes no tensor on any rank (everything is read into staging buffers first and the
+// unexpected, shape, dtype, incomplete, checksum, truncated file, a value out of range, a path
+// that is not a regular file); writes: kernels::ResourceError when the device or quota is full
+// (naming the path and the bytes), InvalidArgument for a path that cannot be written
+// (permission, read-only filesystem, missing directory); kernels/file_io.h. A load that fails on
+// any rank changes no tensor on any rank (everything is read into staging buffers first and the
 // ranks agree before copying).
 #pragma once
 
@@ -51,17 +56,25 @@ using dtensor::Dims;
 using kernels::DType;
 
 inline constexpr const char* kMetadataFile = "checkpoint.json";
+// The default block size of block checksums (SaveOptions::block_bytes).
+inline constexpr uint64_t kDefaultBlockBytes = uint64_t{64} << 10;
 
-// xxh64 of `n` bytes (seed 0): the chunks' checksum. xxh64("", 0) == 0xEF46DB3751D8E999.
+// xxh64 of `n` bytes (seed 0; libxxhash): the chunks' and blocks' checksum.
+// xxh64("", 0) == 0xEF46DB3751D8E999.
 uint64_t xxh64(const void* data, size_t n, uint64_t seed = 0);
 
 // One saved box of a tensor and where its bytes are (row-major, contiguous).
 struct ChunkInfo {
   Dims offsets, sizes;
-  std::string file;          // relative to the checkpoint directory
+  std::string file;          // relative to the checkpoint directory (a plain name)
   uint64_t byte_offset = 0;  // of the first byte in the file
   uint64_t nbytes = 0;
-  std::optional<uint64_t> checksum;  // xxh64; absent in directories PyTorch wrote
+  std::optional<uint64_t> checksum;  // xxh64 of the chunk; absent in directories PyTorch wrote
+  // Block checksums (absent: empty): the chunk cut by a grid of `block_shape` anchored at the
+  // tensor's origin; one xxh64 per block, row-major over the blocks the chunk meets, each over
+  // the block's elements in row-major order. A partial read verifies the blocks it overlaps.
+  Dims block_shape;
+  std::vector<uint64_t> block_checksums;
 };
 
 struct TensorInfo {
@@ -82,7 +95,9 @@ struct Metadata {
 // safetensors files PyTorch (or Hugging Face) wrote, their headers (DCP_SHARDING_INFO offsets;
 // a file without it holds whole tensors). Throws InvalidArgument for a directory that is not a
 // checkpoint, an incomplete one of ours (data files but no checkpoint.json: the save did not
-// finish), malformed metadata, or a data file missing or of the wrong size.
+// finish), malformed metadata (every integer is range-checked; the message names the file, the
+// tensor and the field), a file that is not a regular file (a FIFO, a directory: never opened
+// for reading), or a data file missing or of the wrong size. Reads no tensor data.
 Metadata read_metadata(const std::string& dir);
 
 // Host buffers an asynchronous save stages into, kept for the next save: the first save pays for
@@ -100,6 +115,11 @@ struct StagingCache {
 struct SaveOptions {
   bool fsync = true;  // data files and the metadata reach the disk before the commit
   std::shared_ptr<StagingCache> staging;  // async_save only; nullptr: fresh buffers, freed as written
+  // The largest block of block checksums (smaller chunks get smaller blocks, down to 4 KiB:
+  // detail::choose_block_shape), so a resharded load verifies what it reads while reading
+  // little more than it needs; 0: chunk checksums only. Every rank must pass the same value
+  // (checked with the plan).
+  uint64_t block_bytes = kDefaultBlockBytes;
 };
 
 struct SaveStats {
@@ -146,18 +166,22 @@ SaveStats save(const std::string& dir, const nn::StateDict& sd, collectives::Com
                const SaveOptions& options = {});
 
 enum class Verify {
-  kNone,
-  kChunksReadWhole,  // every chunk this rank reads whole is checked (free: no extra reads)
-  kAll,              // every chunk this rank touches is read whole and checked
+  kNone,  // nothing is checked; exactly the needed bytes are read
+  // Every byte read is checked (the default): a chunk read whole by its xxh64; part of a chunk
+  // by the xxh64 of every block it overlaps (those blocks are read whole: a little more than
+  // needed); part of a chunk without block checksums (older checkpoints, chunks of one block)
+  // by reading the whole chunk. Directories PyTorch wrote carry no checksums: read unverified.
+  kRead,
+  kAll,  // every chunk this rank touches is read whole and checked by its xxh64
 };
 
 struct LoadOptions {
   bool strict = true;  // a checkpoint tensor no key of the target asks for is an error
-  Verify verify = Verify::kChunksReadWhole;
+  Verify verify = Verify::kRead;
 };
 
 struct LoadStats {
-  uint64_t bytes_read = 0;    // this rank's reads
+  uint64_t bytes_read = 0;    // this rank's reads (verification's extra bytes included)
   uint64_t bytes_needed = 0;  // the bytes of this rank's shards (replicated ones count per holder)
   int64_t reads = 0;          // pread calls
 };
@@ -165,7 +189,8 @@ struct LoadStats {
 // Loads the tensors of `sd` (their keys, global shapes, dtypes, meshes and placements say what
 // to load; any placements, any world size) in place, and replaces sd.values by the
 // checkpoint's (in a foreign directory: its one-element tensors no key asks for, e.g.
-// PyTorch's optimizer steps). Each rank reads only the saved bytes overlapping its own boxes.
+// PyTorch's optimizer steps). Each rank reads only the saved bytes overlapping its own boxes,
+// grown to whole checksum blocks to verify them (Verify).
 // Collective over `world` (one agreement; no data moves between ranks).
 LoadStats load(const std::string& dir, nn::StateDict& sd, collectives::Communicator& world,
                const LoadOptions& options = {});
@@ -179,7 +204,9 @@ struct ExportOptions {
 // Writes the checkpoint consolidated into `out_dir` as Hugging Face safetensors: one
 // model.safetensors, or model-0000i-of-0000N.safetensors plus model.safetensors.index.json
 // ({"metadata": {"total_size"}, "weight_map"}), loadable by Python's safetensors and PyTorch.
-// One process, one tensor in memory at a time; checksums verified. Returns the files written.
+// One process, one tensor in memory at a time; chunk checksums verified (every chunk is read
+// whole). Write errors: ResourceError when out of space (naming the path and the bytes),
+// InvalidArgument when out_dir cannot be created or written. Returns the files written.
 std::vector<std::string> export_safetensors(const std::string& dir, const std::string& out_dir,
                                             const ExportOptions& options = {});
 

@@ -9,17 +9,21 @@
 //       (1-D placements; default the 2-D ones) on a local world of the mesh's size; element i
 //       (row-major flat index) of tensor k is (i % 1000) * 0.5 + k (exact in f32).
 //
-// Exit status: 0 ok, 2 invalid input (a bad or corrupt checkpoint: the message names the key).
+// Exit status: 0 ok, 2 invalid input (a bad or corrupt checkpoint: the message names the key and
+// the file; a path that is not a regular file, cannot be read or cannot be written), 3 out of
+// space or quota while writing (the message names the path and the bytes).
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/checkpoint.h"
 #include "collectives/local.h"
 #include "kernels/error.h"
+#include "kernels/file_io.h"
 #include "kernels/format.h"
 #include "program/cli.h"
 #include "program/main.h"
@@ -47,6 +51,19 @@ int info(const std::string& dir) {
   }
   fmt::print("{}\n", out.dump(1));
   return 0;
+}
+
+// Runs a subcommand; a filesystem or JSON error the library did not already wrap still leaves
+// with the contract's status (program/main.h would report it as an internal error, 1).
+template <class F>
+int wrapped(F&& f) {
+  try {
+    return f();
+  } catch (const std::filesystem::filesystem_error& e) {
+    kernels::throw_file_error(e.code().value(), fmt::format("checkpoint-tool: '{}'", e.path1().string()));
+  } catch (const nlohmann::json::exception& e) {
+    throw kernels::InvalidArgument(fmt::format("malformed JSON: {}", e.what()));
+  }
 }
 
 int demo(const std::string& dir, const std::string& mesh_text, const std::string& p2, std::string p1) {
@@ -104,7 +121,7 @@ int main(int argc, char** argv) {
   demo_cmd->add_option("--placements", placements, "placements of the 2-D tensors");
   demo_cmd->add_option("--placements-1d", placements1, "placements of the 1-D tensor (default: --placements)");
   program::parse(app, argc, argv);
-  {
+  return wrapped([&] {
     if (*info_cmd) return info(dir);
     if (*export_cmd) {
       checkpoint::ExportOptions o;
@@ -114,6 +131,6 @@ int main(int argc, char** argv) {
       return 0;
     }
     return demo(dir, mesh, placements, placements1);
-  }
+  });
   });
 }

@@ -7,7 +7,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$here"
 
 packages=(meson ninja-build pkg-config g++ python3 libeigen3-dev libfmt-dev catch2 libcli11-dev
-          nlohmann-json3-dev libboost-dev libopenmpi-dev openmpi-bin python3-matplotlib
+          nlohmann-json3-dev libboost-dev libopenmpi-dev openmpi-bin python3-matplotlib libxxhash-dev
           clang libclang-rt-dev  # clang + its runtime: the libFuzzer tree (tools/sanitizers.sh)
           ccache)                # meson wraps the compilers in it: a second build of the same sources is a cache hit
 missing=()

@@ -11,9 +11,12 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/internal.h"
+#include "kernels/file_io.h"
 #include "collectives/local.h"
 #include "kernels/format.h"
 #include "nn/optim.h"
@@ -144,9 +147,9 @@ nn::GPTConfig tiny_gpt() {
   return cfg;
 }
 
-void save_layout(const Layout& l, const std::string& dir, uint64_t salt) {
+void save_layout(const Layout& l, const std::string& dir, uint64_t salt, checkpoint::SaveOptions options = {}) {
   run_on(l.mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
-    checkpoint::save(dir, make_sd(l, comms, salt), world);
+    checkpoint::save(dir, make_sd(l, comms, salt), world, options);
   });
 }
 
@@ -161,32 +164,56 @@ TEST_CASE("checkpoint: xxh64 matches the reference values", "[checkpoint]") {
 
 TEST_CASE("checkpoint: every layout loads bit-identically under every other, reading only what it needs",
           "[checkpoint]") {
+  // Blocks of 32 bytes (8 f32, 4 i64): the test tensors (a few hundred bytes) have block
+  // checksums, so resharded loads verify partial reads by blocks.
   TempDir tmp("reshard");
   const auto& ls = layouts();
-  for (size_t s = 0; s < ls.size(); ++s) save_layout(ls[s], tmp.str(ls[s].name), s + 1);
+  checkpoint::SaveOptions blocks;
+  blocks.block_bytes = 32;
+  for (size_t s = 0; s < ls.size(); ++s) save_layout(ls[s], tmp.str(ls[s].name), s + 1, blocks);
   int pairs = 0;
   testing_support::Checks checks;
+  std::mutex mu;
+  uint64_t read = 0, needed = 0;
   for (size_t s = 0; s < ls.size(); ++s)
     for (const Layout& dst : ls) {
       run_on(dst.mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
-        nn::StateDict target = make_sd(dst, comms, 999);  // other values: must all be overwritten
         const nn::StateDict expected = make_sd(dst, comms, s + 1);
-        const checkpoint::LoadStats st = checkpoint::load(tmp.str(ls[s].name), target, world);
-        for (size_t i = 0; i < target.tensors.size(); ++i)
-          checks.check(same_local(target.tensors[i].second, expected.tensors[i].second),
-                       fmt::format("{} -> {}: rank {} '{}' differs", ls[s].name, dst.name, world.rank(),
-                                   target.tensors[i].first));
-        checks.check(st.bytes_read == st.bytes_needed,
-                     fmt::format("{} -> {}: rank {} read {} bytes for {} needed", ls[s].name, dst.name, world.rank(),
-                                 st.bytes_read, st.bytes_needed));
-        checks.check(target.int_value("train.step") == int64_t(s + 1) && target.double_value("lr") == 0.5 &&
-                         std::get<std::string>(target.values.at("name")) == "run-" + std::to_string(s + 1),
-                     fmt::format("{} -> {}: values", ls[s].name, dst.name));
+        // kNone reads exactly the bytes needed; the default (kRead) reads whole blocks, checked.
+        for (checkpoint::Verify v : {checkpoint::Verify::kNone, checkpoint::Verify::kRead}) {
+          nn::StateDict target = make_sd(dst, comms, 999);  // other values: must all be overwritten
+          checkpoint::LoadOptions o;
+          o.verify = v;
+          const checkpoint::LoadStats st = checkpoint::load(tmp.str(ls[s].name), target, world, o);
+          for (size_t i = 0; i < target.tensors.size(); ++i)
+            checks.check(same_local(target.tensors[i].second, expected.tensors[i].second),
+                         fmt::format("{} -> {}: rank {} '{}' differs", ls[s].name, dst.name, world.rank(),
+                                     target.tensors[i].first));
+          if (v == checkpoint::Verify::kNone) {
+            checks.check(st.bytes_read == st.bytes_needed,
+                         fmt::format("{} -> {}: rank {} read {} bytes for {} needed (kNone)", ls[s].name, dst.name,
+                                     world.rank(), st.bytes_read, st.bytes_needed));
+          } else {
+            checks.check(st.bytes_read >= st.bytes_needed,
+                         fmt::format("{} -> {}: rank {} read {} bytes for {} needed", ls[s].name, dst.name,
+                                     world.rank(), st.bytes_read, st.bytes_needed));
+            std::lock_guard lk(mu);
+            read += st.bytes_read;
+            needed += st.bytes_needed;
+          }
+          checks.check(target.int_value("train.step") == int64_t(s + 1) && target.double_value("lr") == 0.5 &&
+                           std::get<std::string>(target.values.at("name")) == "run-" + std::to_string(s + 1),
+                       fmt::format("{} -> {}: values", ls[s].name, dst.name));
+        }
       });
       ++pairs;
     }
   checks.report();
   CHECK(pairs == static_cast<int>(ls.size() * ls.size()));
+  // The blocks' margin over the 100 pairs (each tensor a few rows of blocks: a coarse grid).
+  const double ratio = static_cast<double>(read) / static_cast<double>(needed);
+  fmt::print("reshard matrix with 32-byte blocks: bytes read / needed = {:.3f} ({} / {})\n", ratio, read, needed);
+  CHECK(ratio < 1.6);
 }
 
 TEST_CASE("checkpoint: the layout on disk (one chunk per key per file, replicas written once, strided shards "
@@ -571,4 +598,385 @@ TEST_CASE("state dicts: Module / Optimizer load_state_dict check everything befo
                  "a refused optimizer load created state");
   });
   checks.report();
+}
+
+// ---- issue 32: verified partial reads, hostile metadata, many chunks, files and write errors ----
+
+namespace {
+
+// A full tensor whose element i is f(key, i) (exact in f32), distributed with `placements`.
+DTensor indexed(const std::shared_ptr<MeshComms>& comms, const Dims& shape, int key, const std::string& placements) {
+  Tensor full = Tensor::empty(shape, DType::kF32);
+  float* p = full.data<float>();
+  for (int64_t i = 0; i < shape.product(); ++i) p[i] = static_cast<float>((i % 4096) * 0.25 + key);
+  return dtensor::distribute_tensor(full, comms, dtensor::parse_placements(placements), std::nullopt);
+}
+
+nlohmann::ordered_json read_json(const fs::path& p) {
+  std::ifstream in(p);
+  return nlohmann::ordered_json::parse(in);
+}
+
+void write_json(const fs::path& p, const nlohmann::ordered_json& j) {
+  std::ofstream out(p, std::ios::trunc);
+  out << j.dump(1);
+}
+
+// Flips one bit of the byte at `byte` of the file.
+void flip_byte(const fs::path& file, uint64_t byte) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  char c = 0;
+  f.seekg(static_cast<std::streamoff>(byte));
+  f.read(&c, 1);
+  c ^= 0x08;
+  f.seekp(static_cast<std::streamoff>(byte));
+  f.write(&c, 1);
+}
+
+}  // namespace
+
+TEST_CASE("checkpoint: block shapes and block boxes", "[checkpoint]") {
+  using checkpoint::detail::choose_block_shape;
+  CHECK(choose_block_shape({4096, 4096}, 4, 65536) == Dims{128, 128});
+  CHECK(choose_block_shape({1366, 4096}, 4, 65536) == Dims{128, 128});
+  CHECK(choose_block_shape({512, 512}, 4, 65536) == Dims{32, 32});
+  CHECK(choose_block_shape({100000}, 4, 65536) == Dims{1024});
+  CHECK(choose_block_shape({1024}, 4, 65536).empty());
+  CHECK(choose_block_shape({4096, 4096}, 4, 0).empty());
+  CHECK(choose_block_shape({0, 4096}, 4, 65536).empty());
+  CHECK(choose_block_shape({3, 5}, 8, 4) == Dims{1, 1});  // a block smaller than an element: one element
+  // The grid is anchored at the origin: a chunk at rows [100, 300) with 128-row blocks meets
+  // blocks 0..2, the first clipped to [100, 128), the last to [256, 300).
+  const auto r = checkpoint::detail::block_range({100, 0}, {200, 64}, {128, 64});
+  CHECK(r.first == Dims{0, 0});
+  CHECK(r.count == Dims{3, 1});
+  Dims off, size;
+  checkpoint::detail::block_box({0, 0}, {100, 0}, {200, 64}, {128, 64}, off, size);
+  CHECK((off == Dims{100, 0} && size == Dims{28, 64}));
+  checkpoint::detail::block_box({2, 0}, {100, 0}, {200, 64}, {128, 64}, off, size);
+  CHECK((off == Dims{256, 0} && size == Dims{44, 64}));
+  // Runs of a box inside a buffer (the file reads and the block hashes both use them).
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  checkpoint::detail::for_each_run({4, 6}, {1, 2}, {2, 3}, [&](int64_t e, int64_t n) { runs.emplace_back(e, n); });
+  CHECK(runs == std::vector<std::pair<int64_t, int64_t>>{{8, 3}, {14, 3}});
+  runs.clear();
+  checkpoint::detail::for_each_run({4, 6}, {1, 0}, {2, 6}, [&](int64_t e, int64_t n) { runs.emplace_back(e, n); });
+  CHECK(runs == std::vector<std::pair<int64_t, int64_t>>{{6, 12}});
+}
+
+TEST_CASE("checkpoint: a resharded load verifies the blocks it reads (default options), reading close to what it "
+          "needs; older checkpoints without blocks read whole chunks",
+          "[checkpoint]") {
+  // One rank saves w [256, 64] and v [96, 40] (f32, 64 KiB and 15 KiB) with 4 KiB blocks: w's
+  // blocks are [32, 32], and so are v's (clipped to its 40 columns).
+  TempDir tmp("blocks");
+  checkpoint::SaveOptions so;
+  so.block_bytes = 4096;
+  run_on({1}, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+    nn::StateDict sd;
+    sd.tensors.emplace_back("w", indexed(comms, {256, 64}, 1, "R"));
+    sd.tensors.emplace_back("v", indexed(comms, {96, 40}, 2, "R"));
+    checkpoint::save(tmp.str("good"), sd, world, so);
+  });
+  const checkpoint::Metadata md = checkpoint::read_metadata(tmp.str("good"));
+  REQUIRE(md.find("w")->chunks.size() == 1);
+  const checkpoint::ChunkInfo w = md.find("w")->chunks[0];
+  CHECK(w.block_shape == Dims{32, 32});
+  CHECK(w.block_checksums.size() == 16);
+  CHECK(md.find("v")->chunks[0].block_shape == Dims{32, 32});
+
+  struct Target {
+    std::string name;
+    Dims mesh;
+    std::string placements;
+  };
+  const std::vector<Target> targets = {{"fsdp3", {3}, "S(0)"}, {"tp2-rowwise", {2}, "S(1)"},
+                                       {"fsdp2xtp2", {2, 2}, "S(0),S(1)"}, {"fsdp4", {4}, "S(0)"}};
+  testing_support::Checks checks;
+  std::mutex mu;
+  // Loads `dir` under each target: bit-identical (or, when needles are given, refused on every
+  // rank naming them with nothing changed); returns bytes read / needed over all targets.
+  auto load_all = [&](const std::string& dir, const std::vector<std::string>& needles, const std::string& tag) {
+    uint64_t read = 0, needed = 0;
+    int loads = 0;
+    for (const Target& t : targets) {
+      run_on(t.mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+        nn::StateDict target, expected;
+        target.tensors.emplace_back("w", dtensor::zeros(Dims{256, 64}, DType::kF32, comms,
+                                                        dtensor::parse_placements(t.placements)));
+        target.tensors.emplace_back("v", dtensor::zeros(Dims{96, 40}, DType::kF32, comms,
+                                                        dtensor::parse_placements(t.placements)));
+        expected.tensors.emplace_back("w", indexed(comms, {256, 64}, 1, t.placements));
+        expected.tensors.emplace_back("v", indexed(comms, {96, 40}, 2, t.placements));
+        try {
+          const checkpoint::LoadStats st = checkpoint::load(dir, target, world);
+          checks.check(needles.empty(), fmt::format("{} -> {}: rank {}: no exception", tag, t.name, world.rank()));
+          for (size_t i = 0; i < 2; ++i)
+            checks.check(same_local(target.tensors[i].second, expected.tensors[i].second),
+                         fmt::format("{} -> {}: rank {} '{}' differs", tag, t.name, world.rank(),
+                                     target.tensors[i].first));
+          std::lock_guard lk(mu);
+          read += st.bytes_read;
+          needed += st.bytes_needed;
+        } catch (const kernels::InvalidArgument& e) {
+          const std::string msg = e.what();
+          bool names = !needles.empty();
+          for (const std::string& n : needles) names = names && msg.find(n) != std::string::npos;
+          checks.check(names || (!needles.empty() && msg.find("failed on rank") != std::string::npos),
+                       fmt::format("{} -> {}: rank {}: '{}'", tag, t.name, world.rank(), msg));
+          for (const auto& [k, v] : target.tensors)
+            checks.check([&] {
+                           const std::vector<double> x = v.to_local().to_vector();
+                           return std::all_of(x.begin(), x.end(), [](double e) { return e == 0.0; });
+                         }(),
+                         fmt::format("{} -> {}: rank {}: '{}' changed by a failed load", tag, t.name, world.rank(), k));
+        }
+      });
+      ++loads;
+    }
+    CHECK(loads == static_cast<int>(targets.size()));
+    return needed ? static_cast<double>(read) / static_cast<double>(needed) : 0.0;
+  };
+  const double ratio = load_all(tmp.str("good"), {}, "good");
+  fmt::print("block-verified reshard of a one-rank save (4 KiB blocks): bytes read / needed = {:.3f}\n", ratio);
+  CHECK(ratio > 1.0);   // blocks the boxes cut are read whole...
+  CHECK(ratio < 1.25);  // ...but not the whole chunks (kAll: 2 to 4 here)
+
+  // One flipped byte, in element (200, 50) of w: every resharded load meets it (it is inside a
+  // block some rank reads) and fails on every rank, naming the key and the block.
+  auto copy_dir = [&](const std::string& name) {
+    fs::copy(tmp.path / "good", tmp.path / name, fs::copy_options::recursive);
+    return tmp.path / name;
+  };
+  const fs::path bad = copy_dir("bad");
+  flip_byte(bad / w.file, w.byte_offset + (200 * 64 + 50) * 4 + 1);
+  load_all(bad.string(), {"checksum mismatch", "'w'", "block at [192,32] size [32,32]"}, "corrupt");
+
+  // An older checkpoint (no block checksums): a partial read reads the whole chunk to check it.
+  const fs::path old = copy_dir("old");
+  nlohmann::ordered_json j = read_json(old / "checkpoint.json");
+  for (auto& [k, t] : j["tensors"].items())
+    for (auto& c : t["chunks"]) {
+      c.erase("block_shape");
+      c.erase("block_xxh64");
+    }
+  write_json(old / "checkpoint.json", j);
+  CHECK(checkpoint::read_metadata(old.string()).find("w")->chunks[0].block_checksums.empty());
+  const double old_ratio = load_all(old.string(), {}, "old");
+  CHECK(old_ratio > 1.9);  // every rank reads both chunks whole
+  flip_byte(old / w.file, w.byte_offset + (200 * 64 + 50) * 4 + 1);
+  load_all(old.string(), {"checksum mismatch", "'w'"}, "old corrupt");
+  checks.report();
+}
+
+TEST_CASE("checkpoint: hostile checkpoint.json values fail naming the file, the tensor and the field", "[checkpoint]") {
+  TempDir tmp("hostile");
+  const Layout one = layouts()[3];
+  save_layout(one, tmp.str("good"), 4);
+  struct Case {
+    std::string name;
+    std::function<void(nlohmann::ordered_json&)> edit;
+    std::vector<std::string> needles;
+  };
+  auto chunk0 = [](nlohmann::ordered_json& j) -> nlohmann::ordered_json& { return j["tensors"]["blocks.0.w"]["chunks"][0]; };
+  const std::vector<Case> cases = {
+      // The offset of issue 32: offset + size overflows int64; once passed the coverage check.
+      {"offset-max", [&](auto& j) { chunk0(j)["offsets"][0] = int64_t{9223372036854775807}; },
+       {"blocks.0.w", "lies outside its shape"}},
+      {"offset-negative", [&](auto& j) { chunk0(j)["offsets"][0] = -1; }, {"blocks.0.w", "chunk 0", "'offsets' is -1"}},
+      {"size-u64", [&](auto& j) { chunk0(j)["sizes"][0] = uint64_t{18446744073709551615ull}; },
+       {"blocks.0.w", "'sizes' is 18446744073709551615"}},
+      {"byte-offset-overflow", [&](auto& j) { chunk0(j)["byte_offset"] = int64_t{9223372036854775807}; },
+       {"blocks.0.w", "byte_offset + nbytes"}},
+      {"past-file-end", [&](auto& j) { chunk0(j)["byte_offset"] = 1000000; }, {"blocks.0.w", "past the end"}},
+      {"nbytes", [&](auto& j) { chunk0(j)["nbytes"] = 4; }, {"blocks.0.w", "'nbytes' is 4"}},
+      {"xxh64-malformed", [&](auto& j) { chunk0(j)["xxh64"] = "zz"; }, {"blocks.0.w", "'xxh64' is \"zz\""}},
+      {"xxh64-number", [&](auto& j) { chunk0(j)["xxh64"] = 12; }, {"blocks.0.w", "'xxh64' is 12"}},
+      {"xxh64-long", [&](auto& j) { chunk0(j)["xxh64"] = "00112233445566778"; }, {"blocks.0.w", "'xxh64'"}},
+      {"shape-overflow", [&](auto& j) { j["tensors"]["blocks.0.w"]["shape"] = {int64_t{1} << 40, int64_t{1} << 40}; },
+       {"blocks.0.w", "element count overflows"}},
+      {"file-escape", [&](auto& j) { chunk0(j)["file"] = "../checkpoint.json"; }, {"blocks.0.w", "not a plain file name"}},
+      {"file-unlisted", [&](auto& j) { chunk0(j)["file"] = "other.safetensors"; }, {"blocks.0.w", "not listed"}},
+      {"file-size-negative", [&](auto& j) { j["files"].begin().value() = -5; }, {"'size' is -5"}},
+      {"block-count", [&](auto& j) { chunk0(j)["block_shape"] = {1, 1}; chunk0(j)["block_xxh64"] = "00"; },
+       {"blocks.0.w", "'block_xxh64' holds 2 characters"}},
+      {"block-zero", [&](auto& j) { chunk0(j)["block_shape"] = {0, 1}; chunk0(j)["block_xxh64"] = ""; },
+       {"blocks.0.w", "'block_shape' is 0"}},
+      {"value-u64", [&](auto& j) { j["values"]["train.step"] = uint64_t{18446744073709551615ull}; },
+       {"train.step", "18446744073709551615"}},
+      {"value-object", [&](auto& j) { j["values"]["train.step"] = nlohmann::ordered_json::object(); }, {"train.step"}},
+      {"tensors-array", [&](auto& j) { j["tensors"] = nlohmann::ordered_json::array(); }, {"'tensors' is []"}},
+      {"dtype", [&](auto& j) { j["tensors"]["blocks.0.w"]["dtype"] = "F128"; }, {"blocks.0.w", "F128"}},
+  };
+  testing_support::Checks checks;
+  int ran = 0;
+  for (const Case& c : cases) {
+    fs::copy(tmp.path / "good", tmp.path / c.name, fs::copy_options::recursive);
+    const fs::path meta = tmp.path / c.name / "checkpoint.json";
+    nlohmann::ordered_json j = read_json(meta);
+    c.edit(j);
+    write_json(meta, j);
+    run_on(one.mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+      nn::StateDict target = make_sd(one, comms, 42);
+      try {
+        checkpoint::load(tmp.str(c.name), target, world);
+        checks.add(c.name + ": no exception");
+      } catch (const kernels::InvalidArgument& e) {
+        const std::string msg = e.what();
+        for (const std::string& n : c.needles)
+          checks.check(msg.find(n) != std::string::npos, fmt::format("{}: '{}' lacks '{}'", c.name, msg, n));
+      }
+    });
+    ++ran;
+  }
+  checks.report();
+  CHECK(ran == static_cast<int>(cases.size()));
+}
+
+TEST_CASE("checkpoint: the coverage check of 300,000 chunks is O(n log n) and still finds overlaps and gaps",
+          "[checkpoint]") {
+  using checkpoint::ChunkInfo;
+  using checkpoint::TensorInfo;
+  auto chunk = [](Dims off, Dims size) {
+    ChunkInfo c;
+    c.offsets = off;
+    c.sizes = size;
+    return c;
+  };
+  // A grid of 500 x 600 chunks of [2, 3] over [1000, 1800], listed in a scrambled order.
+  TensorInfo grid;
+  grid.shape = {1000, 1800};
+  for (int64_t k = 0; k < 300000; ++k) {
+    const int64_t i = (k * 7919) % 300000;  // 7919 is prime to 300000: a permutation
+    grid.chunks.push_back(chunk({(i / 600) * 2, (i % 600) * 3}, {2, 3}));
+  }
+  REQUIRE(grid.chunks.size() == 300000);
+  checkpoint::detail::check_coverage("grid", "g", grid);
+  // Issue 32's case: one key, 300,000 empty chunks (and the one holding the data).
+  TensorInfo empties;
+  empties.shape = {64, 8};
+  empties.chunks.push_back(chunk({0, 0}, {64, 8}));
+  for (int64_t k = 0; k < 300000; ++k) empties.chunks.push_back(chunk({k % 64, 0}, {0, 8}));
+  checkpoint::detail::check_coverage("empties", "e", empties);
+  // 300,000 row chunks of a 1-D-split tensor (FSDP over many ranks).
+  TensorInfo rows;
+  rows.shape = {300000, 4};
+  for (int64_t k = 299999; k >= 0; --k) rows.chunks.push_back(chunk({k, 0}, {1, 4}));
+  checkpoint::detail::check_coverage("rows", "r", rows);
+  // Broken grids (each edit undone after its check): a chunk moved onto its neighbour (an
+  // overlap and a gap), an extra chunk, one moved out of the shape, one with an overflowing
+  // offset, one missing.
+  int broken = 0;
+  auto expect = [&](const TensorInfo& ti, const std::string& needle) {
+    CHECK_THROWS_WITH(checkpoint::detail::check_coverage("grid", "g", ti), Catch::Contains(needle));
+    ++broken;
+  };
+  const ChunkInfo saved = grid.chunks[12345];
+  grid.chunks[12345].offsets = grid.chunks[12346].offsets;
+  expect(grid, "chunks of 'g' at [892,1122] and [892,1122] overlap");
+  grid.chunks[12345] = saved;
+  grid.chunks.push_back(chunk({10, 10}, {1, 1}));
+  expect(grid, "'g'");
+  grid.chunks.pop_back();
+  const ChunkInfo saved7 = grid.chunks[7];
+  grid.chunks[7].offsets[1] = 1799;
+  expect(grid, "lies outside its shape");
+  grid.chunks[7].offsets[1] = int64_t{9223372036854775807};
+  expect(grid, "lies outside its shape");
+  grid.chunks[7].offsets = saved7.offsets;
+  grid.chunks[7].sizes = {0, 3};  // an empty chunk: the grid misses 6 elements
+  expect(grid, "cover 1799994 of its 1800000 elements");
+  // Chunks no straight cut separates (a pinwheel tiling of [3, 3]) are compared pairwise.
+  TensorInfo pinwheel;
+  pinwheel.shape = {3, 3};
+  pinwheel.chunks = {chunk({0, 0}, {2, 1}), chunk({0, 1}, {1, 2}), chunk({1, 2}, {2, 1}), chunk({2, 0}, {1, 2}),
+                     chunk({1, 1}, {1, 1})};
+  checkpoint::detail::check_coverage("pinwheel", "p", pinwheel);
+  pinwheel.chunks[4] = chunk({0, 0}, {1, 1});  // overlaps the first, leaves the centre empty
+  expect(pinwheel, "overlap");
+  CHECK(broken == 6);
+}
+
+TEST_CASE("checkpoint: only regular files are opened; write errors map to the exit classes", "[checkpoint]") {
+  TempDir tmp("files");
+  const Layout one = layouts()[3];
+  save_layout(one, tmp.str("good"), 2);
+  int cases = 0;
+  auto refused = [&](const std::string& dir, const std::string& needle) {
+    try {
+      checkpoint::read_metadata(dir);
+      FAIL_CHECK(dir + ": no exception");
+    } catch (const kernels::InvalidArgument& e) {
+      CHECK_THAT(e.what(), Catch::Contains(needle));
+    }
+    ++cases;
+  };
+  // A FIFO as checkpoint.json: refused at once (opening it would block until a writer came).
+  fs::copy(tmp.path / "good", tmp.path / "fifo", fs::copy_options::recursive);
+  fs::remove(tmp.path / "fifo" / "checkpoint.json");
+  REQUIRE(::mkfifo((tmp.path / "fifo" / "checkpoint.json").c_str(), 0644) == 0);
+  refused(tmp.str("fifo"), "checkpoint.json' is a FIFO, not a regular file");
+  // A directory as checkpoint.json; a symlink loop as the checkpoint directory.
+  fs::create_directories(tmp.path / "dir" / "checkpoint.json");
+  refused(tmp.str("dir"), "checkpoint.json' is a directory");
+  fs::create_symlink(tmp.path / "loop", tmp.path / "loop");
+  refused(tmp.str("loop"), "Too many levels of symbolic links");
+  // A FIFO as a data file when the metadata lists no files: the load refuses it by name.
+  {
+    fs::copy(tmp.path / "good", tmp.path / "fifo-data", fs::copy_options::recursive);
+    const fs::path meta = tmp.path / "fifo-data" / "checkpoint.json";
+    nlohmann::ordered_json j = read_json(meta);
+    j.erase("files");
+    write_json(meta, j);
+    const std::string file = j["tensors"]["blocks.0.w"]["chunks"][0]["file"];
+    fs::remove(tmp.path / "fifo-data" / file);
+    REQUIRE(::mkfifo((tmp.path / "fifo-data" / file).c_str(), 0644) == 0);
+    testing_support::Checks checks;
+    run_on(one.mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+      nn::StateDict target = make_sd(one, comms, 42);
+      checks.throws<kernels::InvalidArgument>([&] { checkpoint::load(tmp.str("fifo-data"), target, world); },
+                                              file + "': it is a FIFO", "a FIFO data file");
+    });
+    checks.report();
+    ++cases;
+  }
+  // Writes: a full device is a ResourceError naming the path and the bytes.
+  {
+    kernels::File f = kernels::File::create("/dev/full");
+    const std::vector<char> data(4096, 'x');
+    CHECK_THROWS_AS(f.write_at(data.data(), data.size(), 0), kernels::ResourceError);
+    CHECK_THROWS_WITH(f.write_at(data.data(), data.size(), 0),
+                      "writing 4096 bytes at byte 0 of '/dev/full' failed: No space left on device");
+    ++cases;
+  }
+  {
+    const nn::NamedTensors ts = {{"x", Tensor::zeros({64}, DType::kF32)}};
+    CHECK_THROWS_AS(nn::save_safetensors("/dev/full", ts), kernels::ResourceError);
+    CHECK_THROWS_AS(nn::save_safetensors(tmp.str("missing/x.safetensors"), ts), kernels::InvalidArgument);
+    CHECK_THROWS_WITH(nn::save_safetensors(tmp.str("missing/x.safetensors"), ts),
+                      Catch::Contains("missing/x.safetensors") && Catch::Contains("No such file or directory"));
+    ++cases;
+  }
+  // Export into a directory whose output file leads to a full device; export under a file.
+  fs::create_directories(tmp.path / "out");
+  fs::create_symlink("/dev/full", tmp.path / "out" / "model.safetensors");
+  CHECK_THROWS_AS(checkpoint::export_safetensors(tmp.str("good"), tmp.str("out")), kernels::ResourceError);
+  CHECK_THROWS_WITH(checkpoint::export_safetensors(tmp.str("good"), tmp.str("out")),
+                    Catch::Contains("model.safetensors") && Catch::Contains("bytes at byte") &&
+                        Catch::Contains("No space left on device"));
+  std::ofstream(tmp.path / "plain-file") << "x";
+  CHECK_THROWS_AS(checkpoint::export_safetensors(tmp.str("good"), tmp.str("plain-file/out")), kernels::InvalidArgument);
+  cases += 2;
+  // A save under a regular file (not a directory): InvalidArgument on every rank, naming it.
+  {
+    testing_support::Checks checks;
+    run_on({2}, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+      checks.throws<kernels::InvalidArgument>(
+          [&] { checkpoint::save(tmp.str("plain-file/ck"), make_sd(layouts()[0], comms, 1), world); },
+          "plain-file/ck", "save under a file");
+    });
+    checks.report();
+    ++cases;
+  }
+  CHECK(cases == 9);
 }
