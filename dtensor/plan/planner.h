@@ -6,7 +6,7 @@
 //   to_string(p) == "[S(0),R] -AG(0)-> [R,R] -chunk(1->S(1))-> [R,S(1)]"
 //
 // Two planners behind one signature:
-//  - kGreedy: PyTorch's default algorithm (dtensor-semantics.md 4.2), step for step, for
+//  - kGreedy: PyTorch's default algorithm (docs/pytorch-semantics.md 4.2), step for step, for
 //    default-order specs; StridedShard is treated like Shard by its consistency checks, and a
 //    transition no single primitive performs goes through Replicate (as PyTorch does). PyTorch
 //    itself never runs this algorithm on StridedShard (its graph planner takes those), so with
