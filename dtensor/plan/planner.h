@@ -84,10 +84,10 @@ std::string to_string(const Plan& plan);
 // StridedShard source turning Partial, a Shard turning P(avg/min/max/prod), P(a) -> P(b), a
 // new Partial target from Replicate unless allow_partial_target) and InvalidArgument for
 // malformed placements (mesh ndim, shard dims). S(d) -> P(sum) is allowed (PyTorch 2.15: a
-// local zero-fill). allow_partial_target: R -> P(op) local partition is allowed
-// (distribute_tensor uses it). also_valid_for: more global shapes (any ndim) the plan
-// must be valid for (a batch moving tensors of several shapes with one plan); the cost is
-// that of src.shape.
+// local zero-fill). allow_partial_target: R -> P(op) local partition is allowed (the partition
+// distribute_tensor does by itself; no library caller asks for it). also_valid_for: more
+// global shapes (any ndim) the plan must be valid for (a batch moving tensors of several shapes
+// with one plan); the cost is that of src.shape.
 Plan plan_redistribute(const DTensorSpec& src, const Placements& dst, PlannerKind kind,
                        const CostModel& cost = {}, bool allow_partial_target = false,
                        const std::vector<Dims>& also_valid_for = {});
