@@ -3,7 +3,8 @@
 - kernels <- collectives <- dtensor <- nn <- {checkpoint, fsdp}: no include of a higher layer.
   checkpoint and fsdp are siblings on nn; the list below orders them, so it refuses
   checkpoint -> fsdp but would let fsdp include checkpoint (neither does). program/ is not
-  checked here (it includes only kernels/error.h and no library folder includes it);
+  checked here (of the library it includes only kernels/error.h, and no library folder
+  includes it);
 - CUDA and NCCL headers only in .cpp/.cu files under kernels/cuda and collectives/nccl;
 - no environment reads or exit() in library code;
 - fsdp/ moves every byte through dtensor redistribute: it includes no collectives/ header and
