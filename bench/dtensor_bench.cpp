@@ -143,7 +143,7 @@ Case make_case(const Dims& mesh_shape, std::string src, std::string dst) {
   return c;
 }
 
-// The representative set (dtensor-semantics.md sections 3 and 6.2): every single-mesh-dim
+// The representative set (docs/pytorch-semantics.md sections 3 and 6.2): every single-mesh-dim
 // collective, the StridedShard pair, and 2-D / 3-D pairs of PyTorch's redistribute tests.
 // "single" keeps the 1-D entries only.
 std::vector<Case> suite_cases(const Options& opt, int world) {

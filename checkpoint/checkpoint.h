@@ -1,6 +1,6 @@
-// Distributed checkpoints of sharded state dicts (layer above nn): save on one mesh, load on
-// any other (resharding by box intersection, reading the bytes a rank needs and the checksum
-// blocks around them), in the Hugging Face safetensors layout that PyTorch's
+// Distributed checkpoints of sharded state dicts (layer 4, on nn/ beside fsdp/): save on one
+// mesh, load on any other (resharding by box intersection, reading the bytes a rank needs and
+// the checksum blocks around them), in the Hugging Face safetensors layout that PyTorch's
 // HuggingFaceStorageReader reads.
 //
 //   nn::StateDict sd = model.state_dict();

@@ -121,7 +121,7 @@ Tensor distribute_dim(const Tensor& current, const Tensor& input, const Placemen
     comm.wait(comm.broadcast(out, *src));  // the root's buffer is only read
   }
   if (const auto* partial = std::get_if<Partial>(&p); partial && partial->op == ReduceOp::kSum) {
-    // NOTE R -> P(sum) partition (dtensor-semantics.md 2.5): x / k, so the group's sum is x.
+    // NOTE R -> P(sum) partition (docs/pytorch-semantics.md 2.5): x / k, so the group's sum is x.
     if (!out.is_contiguous() || out.shares_storage_with(input)) out = out.clone();
     kernels::scale_(out, 1.0 / static_cast<double>(k));
   }

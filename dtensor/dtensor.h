@@ -1,6 +1,7 @@
 // DTensor: a global tensor distributed over a DeviceMesh: this rank's local shard, the global
 // spec (mesh, placements, shape, stride, dtype) and the mesh communicators that move it.
-// PyTorch names and semantics (dtensor-semantics.md section 5).
+// PyTorch names and semantics (docs/pytorch-semantics.md section 5; the path of a redistribute:
+// docs/architecture.md section 3).
 //
 //   auto comms = std::make_shared<MeshComms>(DeviceMesh::from_shape({2, 2}), world);
 //   DTensor x = distribute_tensor(full, comms, parse_placements("S(0),R"));  // scatter + broadcast

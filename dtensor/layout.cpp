@@ -63,7 +63,7 @@ IndexRuns split_positions(int64_t n, int64_t k, int64_t index, int split_factor)
     return out;
   }
   // NOTE [strided split] chunk n into split_factor pieces, chunk each piece into k, and keep
-  // sub-piece `index` of every piece, concatenated in piece order (dtensor-semantics.md 2.3).
+  // sub-piece `index` of every piece, concatenated in piece order (docs/pytorch-semantics.md 2.3).
   // Pieces past the end are empty: the loop stops at the last non-empty one, so the work is
   // bounded by min(split_factor, n) (split factors are bounded by kMaxSplitFactor too).
   const int64_t piece = ceil_div(n, split_factor);

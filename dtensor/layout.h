@@ -1,5 +1,6 @@
 // Element ownership: which global indices each rank holds, exactly as PyTorch DTensor
-// (dtensor-semantics.md 2.1-2.4). Pure functions of (global shape, mesh shape, placements, coord).
+// (docs/pytorch-semantics.md 2.1-2.4). Pure functions of (global shape, mesh shape, placements,
+// coord).
 //
 // NOTE [chunk rule] An extent of n split over k follows torch.chunk: pieces of c = ceil(n/k),
 // trailing pieces may be empty (9 over 4 -> 3,3,3,0, never 3,2,2,2).

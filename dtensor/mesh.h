@@ -8,7 +8,7 @@
 //   unflatten(1, {2, 2}, {"a", "b"}) is [[[0,1],[2,3]],[[4,5],[6,7]]] named (dp,a,b).
 // A mesh dim's group is the set of ranks that agree on every other coordinate, ordered by their
 // coordinate along that dim, so the group-local rank equals coord[mesh_dim]
-// (dtensor-semantics.md 1.2; everything here is defined by coordinate, never by rank order).
+// (docs/pytorch-semantics.md 1.2; everything here is defined by coordinate, never by rank order).
 #pragma once
 
 #include <optional>

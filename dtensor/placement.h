@@ -29,7 +29,7 @@ struct Shard {
 };
 // PyTorch's _StridedShard: split the current extent into split_factor pieces, split each piece
 // over the mesh dim, and keep the concatenation of this coordinate's sub-pieces
-// (dtensor-semantics.md 2.3).
+// (docs/pytorch-semantics.md 2.3).
 struct StridedShard {
   int dim = 0;
   int split_factor = 1;

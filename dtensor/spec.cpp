@@ -24,7 +24,7 @@ Placements normalize_placements(const Placements& placements, int mesh_ndim, int
   for (const Placement& p : placements) {
     out.push_back(normalize(p, tensor_ndim));
     if (const auto* partial = std::get_if<Partial>(&p)) {
-      // Mixed Partial ops are rejected, except sum with avg (dtensor-semantics.md 2.5).
+      // Mixed Partial ops are rejected, except sum with avg (docs/pytorch-semantics.md 2.5).
       auto linear = [](ReduceOp op) { return op == ReduceOp::kSum || op == ReduceOp::kAvg; };
       if (partial_op && *partial_op != partial->op && !(linear(*partial_op) && linear(partial->op)))
         throw InvalidArgument(fmt::format(

@@ -1,5 +1,6 @@
 // fully_shard: FSDP, HSDP and FSDP x TP over nn modules, as DTensor placement transitions
-// (design.md section 5; PyTorch FSDP2's fully_shard, fsdp2-reference.md sections 1-2).
+// (docs/architecture.md section 4; PyTorch FSDP2's fully_shard, docs/pytorch-semantics.md
+// section 7).
 //
 //   // mesh (dp_shard=4), or (dp_replicate=2, dp_shard=2) for HSDP, or (dp_shard, tp) after
 //   // parallelize_module(model, /*tp mesh dim=*/1, plan): the model's parameters live on this

@@ -43,7 +43,7 @@
 // collective) and cast back once after the last (fused into the copy out of it), so a bf16
 // tensor reduced in f32 is rounded once. Steps between them move the reduce dtype; steps after
 // them move the output's dtype. divide_factor f divides the result, the way FSDP2 divides
-// gradients (fsdp2-reference.md 2.6), with K the product of the reducing steps' group sizes:
+// gradients (docs/pytorch-semantics.md 7.3), with K the product of the reducing steps' group sizes:
 //  - reduce dtype f32 or bf16 (no overflow risk), without force_sum: f == K: every reducing step
 //    averages (avg), so P(sum) with f = K equals P(avg) bit for bit; f == size of the first
 //    reducing step's group: that step averages, the others sum; otherwise the first step is a

@@ -210,7 +210,7 @@ Plan Builder::finish(const Placements& dst) {
   return std::move(plan_);
 }
 
-// PyTorch's greedy planner (dtensor-semantics.md 4.2).
+// PyTorch's greedy planner (docs/pytorch-semantics.md 4.2).
 Plan greedy(const DTensorSpec& spec, const Placements& dst, const CostModel& cost, Validity& validity) {
   Builder b(spec, dst, PlannerKind::kGreedy, cost, validity);
   const int ndim = spec.mesh->ndim();

@@ -6,7 +6,7 @@
 //   to_string(p) == "[S(0),R] -AG(0)-> [R,R] -chunk(1->S(1))-> [R,S(1)]"
 //
 // Two planners behind one signature:
-//  - kGreedy: PyTorch's default algorithm (dtensor-semantics.md 4.2), step for step, for
+//  - kGreedy: PyTorch's default algorithm (docs/pytorch-semantics.md 4.2), step for step, for
 //    default-order specs; StridedShard is treated like Shard by its consistency checks, and a
 //    transition no single primitive performs goes through Replicate (as PyTorch does). PyTorch
 //    itself never runs this algorithm on StridedShard (its graph planner takes those), so with
@@ -84,10 +84,10 @@ std::string to_string(const Plan& plan);
 // StridedShard source turning Partial, a Shard turning P(avg/min/max/prod), P(a) -> P(b), a
 // new Partial target from Replicate unless allow_partial_target) and InvalidArgument for
 // malformed placements (mesh ndim, shard dims). S(d) -> P(sum) is allowed (PyTorch 2.15: a
-// local zero-fill). allow_partial_target: R -> P(op) local partition is allowed
-// (distribute_tensor uses it). also_valid_for: more global shapes (any ndim) the plan
-// must be valid for (a batch moving tensors of several shapes with one plan); the cost is
-// that of src.shape.
+// local zero-fill). allow_partial_target: R -> P(op) local partition is allowed (the partition
+// distribute_tensor does by itself; no library caller asks for it). also_valid_for: more
+// global shapes (any ndim) the plan must be valid for (a batch moving tensors of several shapes
+// with one plan); the cost is that of src.shape.
 Plan plan_redistribute(const DTensorSpec& src, const Placements& dst, PlannerKind kind,
                        const CostModel& cost = {}, bool allow_partial_target = false,
                        const std::vector<Dims>& also_valid_for = {});

@@ -17,10 +17,11 @@
 //  - local (R -> S, _S, P): the new layout is a subset of the old one.
 // A later mesh dim m' > m that shards a tensor dim the step touches splits what m leaves, so
 // the condition depends on the layouts (and so on the global shape when sizes are uneven):
-//   2x4 (dp,tp), 16 rows: [_S(0,4),S(0)] -_AG(0)-> [R,S(0)] is valid (tp rank t holds quarter
-//   t; its dp group holds the two eighths of it), [S(0),S(0)] -AG(0)-> [R,S(0)] is not (the dp
-//   group of tp rank 1 holds eighths 1 and 5, it needs 2 and 3). 7 rows on a 3x2 mesh:
-//   [_S(0,2),S(0)] -_AG(0)-> [R,S(0)] is not valid (row 6 sits on tp rank 0, tp rank 1 needs it).
+//   2x4 (dp,tp), 16 rows: [_S(0,4),S(0)] -_AG(0,sf=4)-> [R,S(0)] is valid (tp rank t holds
+//   quarter t; its dp group holds the two eighths of it), [S(0),S(0)] -AG(0)-> [R,S(0)] is not
+//   (the dp group of tp rank 1 holds eighths 1 and 5, it needs 2 and 3). 7 rows on a 3x2 mesh:
+//   [_S(0,2),S(0)] -_AG(0,sf=2)-> [R,S(0)] is not valid (row 6 sits on tp rank 0, tp rank 1
+//   needs it).
 // When no later mesh dim of size > 1 shards a touched tensor dim, the step is valid for every
 // shape and is the plain collective (pieces are contiguous chunks in coordinate order):
 // is_plain_step. Planners only emit valid steps; a Plan records the shapes it was checked for.
@@ -39,20 +40,26 @@ namespace dtensor {
 
 using kernels::Dims;
 
-struct AllGather {         // S(d) -> R: pad, all-gather along d, narrow
+// How each step runs is the executor's choice (NOTE [exchange] in dtensor/exec/executor.h);
+// none pads: every piece moves at its exact size.
+// S(d) -> R: one all_gather straight into the result when d == 0, the step is plain and the
+// pieces are equal; otherwise an exchange (each piece straight to its place in the result).
+struct AllGather {
   int mesh_dim, tensor_dim;
 };
-struct StridedAllGather {  // _S(d,sf) -> R: pad to the largest piece, all-gather, reorder
+struct StridedAllGather {  // _S(d,sf) -> R: an exchange (each piece straight to its place)
   int mesh_dim, tensor_dim, split_factor;
 };
-struct AllToAll {          // S(i) -> S(j): pad both, all-to-all, narrow
+struct AllToAll {          // S(i) -> S(j): an exchange of exactly the elements each peer needs
   int mesh_dim, from_dim, to_dim;
 };
 struct AllReduce {         // P(op) -> R
   int mesh_dim;
   ReduceOp op;
 };
-struct ReduceScatter {     // P(op) -> S(d) (split_factor 0) or _S(d,split_factor): reduce-scatter
+// P(op) -> S(d) (split_factor 0) or _S(d,split_factor): a reduce_scatter (uneven chunks: an
+// exchange, then a local reduce)
+struct ReduceScatter {
   int mesh_dim, tensor_dim;
   ReduceOp op;
   int split_factor = 0;

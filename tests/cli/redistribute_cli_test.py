@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The `dtensor-check redistribute` and `fuzz` contracts: exact plan line, one ok line per rank in
-rank order, PyTorch's collective counts (dtensor-semantics.md 6.2, greedy planner), exit 2 with
+rank order, PyTorch's collective counts (docs/pytorch-semantics.md 6.2, greedy planner), exit 2 with
 one line on stderr for invalid input or an unsupported transition."""
 import itertools
 import json
@@ -91,7 +91,7 @@ check_ok(redistribute("2x2", "7,5", "S(0),R", "R,S(1)", "--planner", "greedy", "
 r = redistribute("4", "12,3", "S(0)", "R", "--planner", "greedy", "--dtype", "f64")
 check(r.stdout.startswith('{"plan":"[S(0)] -AG(0)-> [R]","collectives":1,"bytes_per_rank":216}'), f"f64 bytes: {r.stdout!r}")
 
-# --- PyTorch's redistribute cases (dtensor-semantics.md 6.2), greedy planner: counts and data. ---
+# --- PyTorch's redistribute cases (docs/pytorch-semantics.md 6.2), greedy planner: counts, data ---
 G = ("--planner", "greedy")
 for shape in ["12,3", "13,3", "14,3", "3,12", "3,13", "3,14"]:
     for d in ["0", "1"]:

@@ -11,7 +11,7 @@ installs torch there (pinned by TORCH_REQUIREMENT below), then re-executes itsel
 interpreter and writes tests/conformance/layout_vectors.json.
 
 `--check` needs no torch: it reads the JSON and compares torch's answers with an independent
-Python model of the layout rules in shared/docs/dtensor-semantics.md section 2 (chunk rule, left-to-right
+Python model of the layout rules in docs/pytorch-semantics.md section 2 (chunk rule, left-to-right
 nested sharding, two-level strided split rule, sentinel offsets). The data file always holds
 torch's answers, never the model's.
 
@@ -169,8 +169,9 @@ def _case(mesh, shape, placements: str, source: str) -> dict:
 
 
 def doc_cases() -> list[dict]:
-    """Cases of dtensor-semantics.md section 6.1 (and worked examples of section 2) that fit in
-    8 ranks. Section 6.1 cases 1, 7 and 20 need more than 8 ranks and are left out."""
+    """The documented layout cases (docs/pytorch-semantics.md 6.1: PyTorch's own layout tests,
+    labelled doc6.1#N, and the worked examples of section 2, labelled doc2.x) that fit in 8 ranks.
+    Cases 1, 7 and 20 need more than 8 ranks and are left out."""
     c = []
     # 6.1 #2, #3
     c.append(_case((4, 2), (18, 2), "S(0),S(0)", "doc6.1#2"))
@@ -469,7 +470,7 @@ def generate(out_path: str, seed: int, n_random: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Independent model of dtensor-semantics.md section 2 (for --check)
+# Independent model of docs/pytorch-semantics.md section 2 (for --check)
 # ----------------------------------------------------------------------------------------------
 
 def m_chunk(lst: list, k: int) -> list[list]:

@@ -18,21 +18,21 @@ executes each collective on every rank's local tensor. Recorded per case:
                   (the busiest member of a bandwidth-optimal all-reduce, the same model the C++
                   planner uses);
   * torch_correct whether every rank's result equals the target layout of the same global
-                  tensor (distribute_tensor of the target, the split rule of dtensor-semantics.md
-                  2.3); a Partial target is reduced with torch's own all-reduce first. Cases
-                  where torch is wrong are kept and marked, so the C++ test lists them instead
-                  of holding the planner to them;
+                  tensor (distribute_tensor of the target, the split rule of
+                  docs/pytorch-semantics.md 2.3); a Partial target is reduced with torch's own
+                  all-reduce first. Cases where torch is wrong are kept and marked, so the C++
+                  test lists them instead of holding the planner to them;
   * error         when torch raised (type and message), instead of the above.
   * verified_by   "local_tensor_mode", or "gloo" for the cases LocalTensorMode could not simulate
                   (it raised): those are re-run with one real gloo process per rank (forked from a
                   fresh interpreter) and keep an error only if the real run fails too
                   (local_tensor_error keeps what LocalTensorMode said).
 
-Cases: PyTorch's own redistribute tests (dtensor-semantics.md 6.2), the FSDP / HSDP / FSDP x TP /
-HSDP x TP transitions, then random ones (seed below): meshes 1-D to 3-D with at most 8 ranks,
-1- to 3-D tensors with sizes 0..13 (mostly uneven), placements S, _S (split factors that
-encode a mesh order and arbitrary ones), R, P; targets S, _S, R, the source's own P, and
-P(sum) from a plain Shard (PyTorch 2.15's zero-fill).
+Cases: PyTorch's own redistribute tests (docs/pytorch-semantics.md 6.2), the FSDP / HSDP /
+FSDP x TP / HSDP x TP transitions, then random ones (seed below): meshes 1-D to 3-D with at
+most 8 ranks, 1- to 3-D tensors with sizes 0..13 (mostly uneven), placements S, _S (split
+factors that encode a mesh order and arbitrary ones), R, P; targets S, _S, R, the source's own
+P, and P(sum) from a plain Shard (PyTorch 2.15's zero-fill).
 """
 
 from __future__ import annotations

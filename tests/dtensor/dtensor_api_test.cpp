@@ -1,4 +1,4 @@
-// The DTensor API (dtensor-semantics.md section 5) on the local backend: distribute_tensor over
+// The DTensor API (docs/pytorch-semantics.md 5) on the local backend: distribute_tensor over
 // meshes (4), (2,2), (3,2), (2,2,2) with every placement kind and src_data_rank 0/1/nullopt,
 // from_local (inference, explicit uneven shape, run_check), redistribute round trips with both
 // planners, batched redistribute, factories, ownership text, to_string and the error cases.

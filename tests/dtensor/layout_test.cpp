@@ -1,4 +1,4 @@
-// The chunk table of dtensor-semantics.md 2.1, the worked examples of 2.2-2.4 and the
+// The chunk table of docs/pytorch-semantics.md 2.1, the worked examples of 2.2-2.4 and the
 // conformance cases of 6.1 (PyTorch's test_utils.py cases, reproduced from their asserted values).
 #include <catch2/catch.hpp>
 

@@ -49,7 +49,7 @@ TEST_CASE("strided splits do work bounded by their non-empty pieces", "[dtensor]
   CHECK(l.local_shape[0] == 8);
   CHECK(compute_layout(Dims{8}, Dims{2}, {StridedShard{0, kMaxSplitFactor}}, Dims{1}).local_shape[0] == 0);
   CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(30));  // a hang guard, not a timing
-  // Small cases still follow the piece-by-piece definition (dtensor-semantics.md 2.3).
+  // Small cases still follow the piece-by-piece definition (docs/pytorch-semantics.md 2.3).
   CHECK(split_positions(10, 2, 1, 3) == IndexRuns{{2, 2}, {6, 2}, {9, 1}});
   CHECK(split_positions(10, 2, 0, 7) == IndexRuns{{0, 1}, {2, 1}, {4, 1}, {6, 1}, {8, 1}});
 }

@@ -83,7 +83,7 @@ TEST_CASE("slicing keeps named dims and fixes the others at the caller", "[dtens
 
 TEST_CASE("flatten is row-major over the merged dims", "[dtensor][mesh]") {
   DeviceMesh mesh = DeviceMesh::from_shape({2, 2, 2}, {"dp", "cp", "tp"});
-  // dtensor-semantics.md 1.4: mesh["dp","cp"]._flatten() gives [0,2,4,6] and [1,3,5,7].
+  // docs/pytorch-semantics.md 1.4: mesh["dp","cp"]._flatten() gives [0,2,4,6] and [1,3,5,7].
   std::vector<std::string> dp_cp{"dp", "cp"};
   CHECK(mesh.slice(dp_cp, 2).flatten() == DeviceMesh({4}, {0, 2, 4, 6}, {"dp_cp"}));
   CHECK(mesh.slice(dp_cp, 5).flatten() == DeviceMesh({4}, {1, 3, 5, 7}, {"dp_cp"}));

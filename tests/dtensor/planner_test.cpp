@@ -1,4 +1,4 @@
-// Planner: PyTorch's greedy collective counts (dtensor-semantics.md 4.2 and 6.2), symbolic
+// Planner: PyTorch's greedy collective counts (docs/pytorch-semantics.md 4.2 and 6.2), symbolic
 // apply == dst for every pair, search never worse than greedy, traffic vs the lower bound.
 #include <catch2/catch.hpp>
 

@@ -87,7 +87,8 @@ std::vector<int64_t> chunk_of(const std::vector<int64_t>& list, int64_t k, int64
   return {list.begin() + begin, list.begin() + end};
 }
 
-// The held index lists of the rank at coord, by the definitions (dtensor-semantics.md 2.1-2.3).
+// The held index lists of the rank at coord, by the definitions (docs/pytorch-semantics.md
+// 2.1-2.3).
 std::vector<std::vector<int64_t>> reference_layout(const Dims& shape, const Dims& mesh_shape,
                                                    const Placements& ps, const Dims& coord) {
   std::vector<std::vector<int64_t>> held(shape.size());

@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
-"""Layering rules of design.md section 2, checked on the source tree:
-- kernels <- collectives <- dtensor <- nn <- checkpoint <- fsdp: no include of a higher layer
-  (checkpoint sits above nn; only fsdp, examples, tests and bench may include it);
+"""Layering rules of docs/architecture.md section 1, checked on the source tree:
+- kernels <- collectives <- dtensor <- nn <- {checkpoint, fsdp}: no include of a higher layer.
+  checkpoint and fsdp are siblings on nn; the list below orders them, so it refuses
+  checkpoint -> fsdp but would let fsdp include checkpoint (neither does). program/ is not
+  checked here (of the library it includes only kernels/error.h, and no library folder
+  includes it);
 - CUDA and NCCL headers only in .cpp/.cu files under kernels/cuda and collectives/nccl;
 - no environment reads or exit() in library code;
 - fsdp/ moves every byte through dtensor redistribute: it includes no collectives/ header and

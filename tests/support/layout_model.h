@@ -1,4 +1,4 @@
-// An independent model of the ownership rules (dtensor-semantics.md 2.1-2.4) on explicit index
+// An independent model of the ownership rules (docs/pytorch-semantics.md 2.1-2.4) on explicit index
 // lists, written apart from dtensor/layout.cpp's run-based code so tests can compare the two.
 //   model_layout({7}, {3, 2}, [_S(0,2),S(0)], {2, 0}) == {{6}}
 #pragma once
