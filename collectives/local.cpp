@@ -975,7 +975,10 @@ std::unique_ptr<Communicator> LocalCommunicator::split(std::span<const int> grou
 }  // namespace detail
 
 LocalWorld::LocalWorld(int size, Milliseconds timeout) {
-  if (size < 1) throw InvalidArgument(fmt::format("LocalWorld: size {} must be >= 1", size));
+  if (size < 1 || size > kMaxLocalRanks)
+    throw InvalidArgument(fmt::format(
+        "LocalWorld: size {} is outside 1..{} (the local backend runs one thread per rank, at most {})", size,
+        kMaxLocalRanks, kMaxLocalRanks));
   state_ = std::make_shared<detail::LocalWorldState>(size, timeout);
 }
 

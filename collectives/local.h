@@ -32,8 +32,13 @@ namespace detail {
 class LocalWorldState;
 }
 
+// The most ranks of one local world: each rank is a thread (run_ranks), and every call of the
+// world's communicator waits on all of them, so more would only exhaust threads or time out.
+inline constexpr int kMaxLocalRanks = 1024;
+
 class LocalWorld {
  public:
+  // Throws InvalidArgument for a size outside 1..kMaxLocalRanks, naming it.
   explicit LocalWorld(int size, Milliseconds timeout = kDefaultTimeout);
   ~LocalWorld();
   LocalWorld(const LocalWorld&) = delete;
@@ -56,7 +61,8 @@ class LocalWorld {
 
 // Runs fn(world communicator) on `size` threads, one per rank, and joins them. When a rank
 // throws, the world is aborted so the others fail fast instead of waiting for it, and after the
-// join the first exception thrown (in time) is re-raised here.
+// join the first exception thrown (in time) is re-raised here. A size outside 1..kMaxLocalRanks
+// is an InvalidArgument naming it, before any thread starts.
 void run_ranks(int size, const std::function<void(Communicator& world)>& fn,
                Milliseconds timeout = Milliseconds{120'000});
 

@@ -596,13 +596,13 @@ DTensor rand(const Dims& shape, uint64_t seed, DType dtype, std::shared_ptr<cons
   const uint64_t key = mix64(seed);
   const double scale = std::ldexp(1.0, -bits);
   return make_factory("rand", shape, dtype, std::move(comms), placements, [&](const ShardLayout& l) {
-    std::vector<std::vector<int64_t>> idx;
-    for (int t = 0; t < shape.size(); ++t) idx.push_back(l.indices(t));
     Tensor out = Tensor::empty(l.local_shape, dtype);
+    std::vector<HeldIndices> held;  // no index lists: memory in the number of runs
+    for (int t = 0; t < shape.size(); ++t) held.emplace_back(l.runs[t]);
     out.fill_index_([&](std::span<const int64_t> local) {
       uint64_t flat = 0;
       for (int t = 0; t < shape.size(); ++t)
-        flat = flat * static_cast<uint64_t>(shape[t]) + static_cast<uint64_t>(idx[t][local[t]]);
+        flat = flat * static_cast<uint64_t>(shape[t]) + static_cast<uint64_t>(held[t][local[t]]);
       return static_cast<double>(mix64(key ^ flat) >> (64 - bits)) * scale;
     });
     return device.is_cpu() ? out : out.to(device);  // drawn on the host, like the CPU values

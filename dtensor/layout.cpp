@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
+
 #include "kernels/checked.h"
 #include "kernels/error.h"
 
@@ -82,6 +84,31 @@ std::vector<int64_t> ShardLayout::indices(int tensor_dim) const {
   for (const IndexRun& run : runs[tensor_dim])
     for (int64_t i = 0; i < run.length; ++i) out.push_back(run.start + i);
   return out;
+}
+
+IndexRuns slice_runs(const IndexRuns& runs, int64_t offset, int64_t size) {
+  int64_t total = 0;
+  for (const IndexRun& r : runs) total = kernels::checked_add(total, r.length, "index run lengths");
+  if (offset < 0 || size < 0 || offset > total || size > total - offset)
+    throw InvalidArgument(
+        fmt::format("slice_runs: positions [{}, {} + {}) of an index list of {}", offset, offset, size, total));
+  IndexRuns out;
+  RunCursor at;
+  select_positions(runs, offset, offset + size, out, at);
+  return out;
+}
+
+HeldIndices::HeldIndices(IndexRuns runs) : runs_(std::move(runs)) {
+  first_.reserve(runs_.size());
+  for (const IndexRun& r : runs_) {
+    first_.push_back(size_);
+    size_ = kernels::checked_add(size_, r.length, "index run lengths");
+  }
+}
+
+size_t HeldIndices::run_of(int64_t pos) const {
+  // The last run whose first position is <= pos.
+  return static_cast<size_t>(std::upper_bound(first_.begin(), first_.end(), pos) - first_.begin()) - 1;
 }
 
 ShardLayout compute_layout(const Dims& global_shape, const Dims& mesh_shape,

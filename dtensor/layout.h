@@ -50,7 +50,9 @@ struct ShardLayout {
   Dims global_offset;
   std::vector<IndexRuns> runs;  // one list per tensor dim, adjacent runs merged
 
-  // Every held global index of tensor_dim, in local order.
+  // Every held global index of tensor_dim, in local order: local_shape[tensor_dim] int64, so
+  // for tools, tests and small tensors only. Library code walks `runs` or uses HeldIndices, which
+  // take memory in the number of runs, never in the size of the dim.
   std::vector<int64_t> indices(int tensor_dim) const;
   // True when tensor_dim is held as one contiguous range (or not at all).
   bool contiguous(int tensor_dim) const { return runs[tensor_dim].size() <= 1; }
@@ -69,6 +71,34 @@ std::optional<ShardLayout> layout_of_rank(const Dims& global_shape, const Device
 // Elements two layouts of the same tensor have in common (per tensor dim, the intersection of
 // the held index sets; the product over dims).
 int64_t common_elements(const ShardLayout& a, const ShardLayout& b);
+
+// Positions [offset, offset + size) of the index list `runs` describes (local order), as runs:
+// a slice of a layout's held indices without listing them.
+//   slice_runs({{0,4},{8,4}}, 2, 4) == {{2,2},{8,2}}
+// REQUIRES: 0 <= offset, 0 <= size, offset + size <= the runs' total length (InvalidArgument).
+IndexRuns slice_runs(const IndexRuns& runs, int64_t offset, int64_t size);
+
+// Local position -> global index of one tensor dim, in O(log runs) and memory in the number of
+// runs (ShardLayout::indices would list every index):
+//   HeldIndices h(IndexRuns{{0,2},{6,2}});   // local positions 0,1,2,3 hold 0,1,6,7
+//   h.size() == 4; h[2] == 6
+class HeldIndices {
+ public:
+  explicit HeldIndices(IndexRuns runs);
+  int64_t size() const { return size_; }
+  // REQUIRES: 0 <= pos < size() (unchecked).
+  int64_t operator[](int64_t pos) const {
+    if (runs_.size() == 1) return runs_[0].start + pos;
+    const size_t i = run_of(pos);
+    return runs_[i].start + (pos - first_[i]);
+  }
+
+ private:
+  size_t run_of(int64_t pos) const;
+  IndexRuns runs_;
+  std::vector<int64_t> first_;  // the local position of each run's first index
+  int64_t size_ = 0;
+};
 
 // The index-list form of one split, for tests and tools: the positions (0..n-1 of the current
 // extent) that piece `index` keeps under Shard (split_factor == 0) or StridedShard.

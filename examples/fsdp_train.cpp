@@ -51,7 +51,12 @@
 //   fsdp-train --tp 2 --steps 20 --save-dir ck --save-every 10
 //   fsdp-train --tp 4 --steps 20 --resume-from ck/step-00000010 --check-parity
 //
-// Exit status: 0 ok, 1 parity mismatch, 2 invalid input, 3 out of resources, 4 communication failure.
+// A non-finite loss or gradient norm stops the run at that step (exit 1, one line naming the step
+// and the value). --timeout-ms bounds every wait (a collective, the mpi closing barrier); under
+// mpirun a failure is printed at once by the rank it happened on (invalid input by rank 0 only).
+//
+// Exit status: 0 ok, 1 parity mismatch or a diverged run, 2 invalid input, 3 out of resources,
+// 4 communication failure.
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -73,6 +78,8 @@
 #include "collectives/nccl.h"
 #include "dtensor/dtensor.h"
 #include "fsdp/fully_shard.h"
+#include "kernels/allocator.h"
+#include "kernels/checked.h"
 #include "kernels/device.h"
 #include "kernels/error.h"
 #include "checkpoint/checkpoint.h"
@@ -88,6 +95,7 @@
 namespace {
 
 using collectives::Communicator;
+using collectives::Milliseconds;
 using dtensor::Dims;
 using dtensor::DTensor;
 using dtensor::Placements;
@@ -114,6 +122,7 @@ struct Args {
   bool sequence_parallel = true;
   int threads = 0;  // 0: hardware threads / ranks of this process
   bool log_implicit = false;
+  int64_t timeout_ms = program::kDefaultTimeoutMs;
   // FSDP
   bool fsdp = false;  // --dp-shard or --dp-replicate given
   std::string reshard_after_forward = "auto";
@@ -125,6 +134,14 @@ struct Args {
   int save_every = 0;  // 0: only after the last step
   bool async_save = false;
   std::string resume_from;
+};
+
+// --threads: at most this many CPU threads per rank.
+constexpr int kMaxThreads = 1024;
+
+// A non-finite loss or gradient norm: the run stops at that step (exit 1, program/main.h).
+struct Diverged : kernels::NonFiniteError {
+  using kernels::NonFiniteError::NonFiniteError;
 };
 
 // The mesh: (dp_replicate, dp_shard, tp) with trivial dims left out (dp_shard stays under FSDP,
@@ -329,12 +346,15 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     nn::StateDict sd = state_dict();
     checkpoint::load(a.resume_from, sd, world);
     opt->load_state_dict(sd.sub("optim."));
-    if (sd.values.count("train.step")) {
-      first_step = static_cast<int>(sd.int_value("train.step"));
-    } else {
-      // A checkpoint PyTorch wrote: the optimizer's step is the training step.
-      first_step = static_cast<int>(opt->step_count(master.front().first));
-    }
+    // The step to continue at, range-checked before it indexes anything: 0..--steps.
+    const bool ours = sd.values.count("train.step") > 0;
+    // A checkpoint PyTorch wrote: the optimizer's step is the training step.
+    const int64_t stored = ours ? sd.int_value("train.step") : opt->step_count(master.front().first);
+    if (stored < 0 || stored > a.steps)
+      throw kernels::InvalidArgument(fmt::format(
+          "--resume-from {}: {} {} is out of range (expected 0..{}, --steps {})", a.resume_from,
+          ours ? "train.step" : "the optimizer's step", stored, a.steps, a.steps));
+    first_step = static_cast<int>(stored);
     if (sd.values.count("train.seed") && static_cast<uint64_t>(sd.int_value("train.seed")) != a.seed)
       throw kernels::InvalidArgument(fmt::format("--resume-from {}: the checkpoint was trained with --seed {}, not {}",
                                                  a.resume_from, sd.int_value("train.seed"), a.seed));
@@ -414,7 +434,13 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
       nn::Ctx ctx(&ops), lctx(&ops);
       DTensor logits = model.forward(ctx, ids);
       DTensor loss = loss_fn.forward(lctx, logits, targets);
-      step_loss += loss.full_tensor().to(kernels::Device{}).item({}) / a.grad_accum;
+      const double micro_loss = loss.full_tensor().to(kernels::Device{}).item({});
+      // The same value on every rank (a replicated scalar): every rank stops at the same step.
+      if (!std::isfinite(micro_loss))
+        throw Diverged(fmt::format("step {}/{}: the loss is {}{}; the training diverged (try a smaller --lr)",
+                                   step + 1, a.steps, micro_loss,
+                                   a.grad_accum > 1 ? fmt::format(" in microbatch {}", m + 1) : ""));
+      step_loss += micro_loss / a.grad_accum;
       DTensor dlogits = loss_fn.backward(lctx, dloss);
       model.backward(ctx, dlogits);
     }
@@ -424,7 +450,15 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
         params[i].second->zero_grad();
       }
     nn::reduce_gradients(master);
-    if (a.clip > 0) nn::clip_grad_norm_(master, a.clip);
+    // Clipping (or, with --clip 0, only measuring) the global norm stops a diverged run: the norm
+    // is the same on every rank.
+    try {
+      nn::clip_grad_norm_(master, a.clip, 2.0, /*error_if_nonfinite=*/true);
+    } catch (const kernels::NonFiniteError& e) {
+      throw Diverged(fmt::format("step {}/{}: the gradient norm is not finite ({}); the training diverged (try a "
+                                 "smaller --lr)",
+                                 step + 1, a.steps, e.what()));
+    }
     int64_t gb = 0;
     for (const auto& [name, p] : master)
       if (p->grad()) gb += static_cast<int64_t>(p->grad()->to_local().nbytes());
@@ -518,12 +552,28 @@ Parity compare(const RunResult& got, const RunResult& ref, double loss_tol, doub
   return p;
 }
 
+// Checked before any rank starts: the flags (exit 2 naming the value), the mesh's rank count
+// against the documented limits, and the model's parameters against the machine's memory.
 void validate(const Args& a) {
   auto bad = [](const std::string& what) { throw kernels::InvalidArgument(what); };
   if (a.backend != "local" && a.backend != "mpi" && a.backend != "nccl")
     bad(fmt::format("--backend {}: expected local, mpi or nccl", a.backend));
   if (a.dp_replicate < 1) bad(fmt::format("--dp-replicate {}: expected >= 1", a.dp_replicate));
   if (a.dp_shard < 1) bad(fmt::format("--dp-shard {}: expected >= 1", a.dp_shard));
+  if (a.tp < 1) bad(fmt::format("--tp {}: expected >= 1", a.tp));
+  if (a.world < 0) bad(fmt::format("--world {}: expected >= 1 (or 0: the mesh's ranks)", a.world));
+  // The rank count in checked arithmetic (65536 x 65536 must not wrap to 0), then the limits.
+  const int64_t ranks = kernels::checked_mul(
+      kernels::checked_mul(a.dp_replicate, a.dp_shard, "mesh ranks (--dp-replicate x --dp-shard)"), a.tp,
+      "mesh ranks (--dp-replicate x --dp-shard x --tp)");
+  const std::string mesh_text =
+      fmt::format("--dp-replicate {} x --dp-shard {} x --tp {} = {} ranks", a.dp_replicate, a.dp_shard, a.tp, ranks);
+  if (ranks > dtensor::kMaxMeshRanks)
+    bad(fmt::format("{}: a mesh holds at most {} ranks (2^20)", mesh_text, dtensor::kMaxMeshRanks));
+  if (a.backend != "mpi" && std::max<int64_t>(ranks, a.world) > collectives::kMaxLocalRanks)
+    bad(fmt::format("{}: --backend {} runs one thread per rank, at most {}",
+                    ranks > collectives::kMaxLocalRanks ? mesh_text : fmt::format("--world {}", a.world), a.backend,
+                    collectives::kMaxLocalRanks));
   if (a.prefetch < 0 || a.prefetch > 2) bad(fmt::format("--prefetch {}: expected 0, 1 or 2", a.prefetch));
   const std::string& r = a.reshard_after_forward;
   if (r != "auto" && r != "true" && r != "false") {
@@ -541,7 +591,6 @@ void validate(const Args& a) {
   }
   if ((a.offload || a.no_sync || r != "auto") && !a.fsdp)
     bad("--offload, --no-sync and --reshard-after-forward need FSDP (--dp-shard / --dp-replicate)");
-  if (a.tp < 1) bad(fmt::format("--tp {}: expected >= 1", a.tp));
   for (auto [v, n] : {std::pair{a.layers, "--layers"},
                       {a.dim, "--dim"},
                       {a.heads, "--heads"},
@@ -554,17 +603,168 @@ void validate(const Args& a) {
   if (a.grad_accum < 1 || a.batch % a.grad_accum != 0)
     bad(fmt::format("--grad-accum {} must divide --batch {} (microbatches of equal size)", a.grad_accum,
                     a.batch));
+  // Sample and token indices of the data (step * batch + g, batch * seq tokens per step).
+  kernels::checked_mul(a.steps, a.batch, "samples (--steps x --batch)");
+  kernels::checked_mul(a.batch, a.seq, "tokens per step (--batch x --seq)");
   if (a.mp != "fp32" && a.mp != "bf16") bad(fmt::format("--mp {}: expected fp32 or bf16", a.mp));
   if (a.log_every < 1) bad(fmt::format("--log-every {}: expected >= 1", a.log_every));
   if (a.optimizer != "adamw" && a.optimizer != "sgd")
     bad(fmt::format("--optimizer {}: expected adamw or sgd", a.optimizer));
-  if (!(a.lr > 0)) bad(fmt::format("--lr {}: expected > 0", a.lr));
+  if (!(a.lr > 0) || !std::isfinite(a.lr)) bad(fmt::format("--lr {}: expected a finite value > 0", a.lr));
+  if (!(a.weight_decay >= 0) || !std::isfinite(a.weight_decay))
+    bad(fmt::format("--weight-decay {}: expected a finite value >= 0", a.weight_decay));
+  if (!(a.clip >= 0) || !std::isfinite(a.clip))
+    bad(fmt::format("--clip {}: expected a finite value >= 0 (0: no clipping)", a.clip));
+  if (a.threads < 0 || a.threads > kMaxThreads)
+    bad(fmt::format("--threads {}: expected 0..{} (0: cores / ranks)", a.threads, kMaxThreads));
   if (a.save_every < 0) bad(fmt::format("--save-every {}: expected >= 0", a.save_every));
   if ((a.save_every > 0 || a.async_save) && a.save_dir.empty())
     bad("--save-every / --async-save need --save-dir");
 }
 
+// A lower bound of the bytes one process's ranks hold of the model: every f32 parameter once
+// (no gradients, optimizer state or activations), split over `ranks_here` of `ranks` ranks. In
+// floating point, so a model past int64 is still a figure to report.
+long double parameter_bytes_lower_bound(const Args& a, int64_t ranks, int64_t ranks_here) {
+  const long double V = a.vocab, D = a.dim, L = a.layers, Q = a.seq, H = 4 * D;
+  const long double elements = V * D /* tok_emb */ + Q * D /* pos_emb */ +
+                               L * (4 * D * D + 2 * D * H + 4 * D) /* attention, MLP, two LayerNorms */ +
+                               2 * D /* final norm */ + D * V /* lm_head */;
+  return 4 * elements * static_cast<long double>(ranks_here) / static_cast<long double>(ranks);
+}
+
+// Refuses (ResourceError, exit 3, naming the bytes) a model whose parameters alone exceed the
+// memory the machine has available, before anything is allocated.
+void check_model_fits(const Args& a, int64_t ranks, int64_t ranks_here) {
+  const long double need = parameter_bytes_lower_bound(a, ranks, ranks_here);
+  const int64_t available = kernels::machine_available_bytes(kernels::Device{});
+  if (available >= 0 && need > static_cast<long double>(available))
+    throw kernels::ResourceError(fmt::format(
+        "the model (--vocab {} --dim {} --layers {} --seq {}) needs at least {:.0f} bytes ({:.1f} GiB) of f32 "
+        "parameters in this process, but the machine has {} bytes ({:.1f} GiB) available",
+        a.vocab, a.dim, a.layers, a.seq, need, static_cast<double>(need / (1 << 30)), available,
+        static_cast<double>(available) / (1 << 30)));
+}
+
 std::string json_number(double v) { return std::isfinite(v) ? fmt::format("{}", v) : "null"; }
+
+// True when the command line asks for the mpi backend (read before parsing succeeded, so that a
+// malformed flag under mpirun is reported by rank 0 only).
+bool mpi_requested(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--backend=mpi" || (arg == "--backend" && i + 1 < argc && std::string(argv[i + 1]) == "mpi"))
+      return true;
+  }
+  return false;
+}
+
+// One rank's part on the local backend: a failure that is the same on every rank (invalid input,
+// a diverged loss) leaves as it is, any other names the rank (program::on_rank).
+template <class F>
+void as_local_rank(int rank, F&& f) {
+  try {
+    f();
+  } catch (const kernels::InvalidArgument&) {
+    throw;
+  } catch (const kernels::Unsupported&) {
+    throw;
+  } catch (const Diverged&) {
+    throw;
+  } catch (...) {
+    throw program::RankError(rank, std::current_exception());
+  }
+}
+
+struct Outcome {
+  std::optional<RunResult> got;  // rank 0's
+  std::string parity = "skipped";
+  std::optional<Parity> cmp;
+};
+
+// --check-parity: the same training on one rank without parallelism, compared with `got`.
+Outcome check_parity(const Args& a, RunResult got) {
+  Outcome o;
+  const double loss_tol = a.mp == "bf16" ? 2e-2 : 1e-5, param_tol = a.mp == "bf16" ? 5e-2 : 1e-5;
+  std::optional<RunResult> ref;
+  const int hw = std::max(1u, std::thread::hardware_concurrency());
+  Args single = a;
+  single.dump_init.clear();
+  single.save_dir.clear();
+  single.resume_from.clear();
+  single.save_every = 0;
+  single.async_save = false;
+  collectives::run_ranks(
+      1,
+      [&](Communicator& w) {
+        ref = train(w, single, false, false, a.threads > 0 ? a.threads : hw, kernels::Device{});
+      },
+      Milliseconds{a.timeout_ms});
+  o.cmp = compare(got, *ref, loss_tol, param_tol);
+  if (!o.cmp->ok)
+    std::fprintf(stderr,
+                 "fsdp-train: parity failed: max relative loss difference %g (limit %g), parameters' "
+                 "relative L2 difference %g (limit %g); %s\n",
+                 o.cmp->max_rel_loss_diff, loss_tol, o.cmp->max_param_diff, param_tol, o.cmp->worst.c_str());
+  o.parity = o.cmp->ok ? "ok" : "fail";
+  o.got = std::move(got);
+  return o;
+}
+
+// Rank 0's last line; the exit status.
+int finish(const Args& a, const Outcome& o) {
+  const RunResult& got = *o.got;
+  fmt::print(
+      "{{\"steps\":{},\"first_loss\":{},\"last_loss\":{},\"parity\":\"{}\",\"max_rel_loss_diff\":{},"
+      "\"max_param_diff\":{},\"tokens_per_s\":{},\"peak_bytes\":{}}}\n",
+      a.steps, json_number(got.losses.front()), json_number(got.losses.back()), o.parity,
+      o.cmp ? json_number(o.cmp->max_rel_loss_diff) : "null", o.cmp ? json_number(o.cmp->max_param_diff) : "null",
+      json_number(std::round(got.tokens_per_s)), got.peak_bytes);
+  std::fflush(stdout);
+  return o.parity == "fail" ? program::kMismatch : program::kOk;
+}
+
+// One process of an mpi job (under program::run_as_rank: invalid input is printed by rank 0
+// only, any other failure at once by the rank it happened on).
+int run_mpi_rank(const Args& a, collectives::MpiWorld& mpi) {
+  validate(a);
+  const int64_t ranks = int64_t{a.dp_replicate} * a.dp_shard * a.tp;  // validated: no overflow
+  if (a.world != 0 && a.world != mpi.size())
+    throw kernels::InvalidArgument(fmt::format("--world {} but mpirun started {} processes", a.world, mpi.size()));
+  if (mpi.size() != ranks)
+    throw kernels::InvalidArgument(
+        fmt::format("mpirun started {} processes for a mesh of {} ranks (--dp-replicate {} --dp-shard {} --tp {})",
+                    mpi.size(), ranks, a.dp_replicate, a.dp_shard, a.tp));
+  check_model_fits(a, ranks, 1);
+  const Milliseconds timeout{a.timeout_ms};
+  const std::unique_ptr<Communicator> world = mpi.communicator(timeout);
+  const int threads = a.threads > 0 ? a.threads : 1;
+  const auto t0 = std::chrono::steady_clock::now();
+  RunResult got;
+  try {
+    got = train(*world, a, true, true, threads, kernels::Device{});
+  } catch (const Diverged&) {  // the same on every rank: rank 0 says it (before the closing barrier)
+    if (mpi.rank() == 0) program::report("fsdp-train", program::classify(std::current_exception()));
+    throw program::Exit{program::kMismatch};
+  }
+  if (!a.check_parity) return mpi.rank() == 0 ? finish(a, Outcome{std::move(got), "skipped", std::nullopt}) : 0;
+  // Rank 0 trains the reference alone; the others wait for its verdict, as long as the reference
+  // may take (the same work on one rank: bounded by world x the parallel run, twice over) plus
+  // the timeout, so a small --timeout-ms does not fail a healthy check.
+  const auto trained = std::chrono::steady_clock::now() - t0;
+  const auto reference_wait =
+      timeout + std::chrono::duration_cast<Milliseconds>(2 * static_cast<int64_t>(mpi.size()) * trained);
+  std::optional<Outcome> o;
+  int verdict = 1;
+  if (mpi.rank() == 0) {
+    o = check_parity(a, std::move(got));
+    verdict = o->parity == "ok" ? 1 : 0;
+  }
+  Tensor v = Tensor::full({1}, verdict, DType::kI32);
+  world->broadcast(v, 0)->wait(reference_wait);
+  if (mpi.rank() == 0) return finish(a, *o);
+  return static_cast<int>(v.item({0})) ? program::kOk : program::kMismatch;
+}
 
 int run(int argc, char** argv) {
   Args a;
@@ -588,7 +788,7 @@ int run(int argc, char** argv) {
   app.add_option("--batch", a.batch, "global batch per step (sequences)");
   app.add_option("--steps", a.steps, "optimizer steps");
   app.add_option("--lr", a.lr, "learning rate");
-  app.add_option("--seed", a.seed, "seed of the initial weights and the data");
+  app.add_option("--seed", a.seed, "seed of the initial weights and the data (0..2^64-1)")->check(program::kUint64);
   app.add_option("--mp", a.mp, "fp32 | bf16");
   app.add_option("--grad-accum", a.grad_accum, "microbatches per step");
   app.add_flag("--check-parity", a.check_parity,
@@ -597,10 +797,10 @@ int run(int argc, char** argv) {
   app.add_option("--log-every", a.log_every, "progress line every N steps");
   app.add_option("--optimizer", a.optimizer, "adamw | sgd (momentum 0.9)");
   app.add_option("--weight-decay", a.weight_decay, "weight decay");
-  app.add_option("--clip", a.clip, "gradient norm clipping (0: off)");
+  app.add_option("--clip", a.clip, "gradient norm clipping (0: off; the norm is still checked to be finite)");
   app.add_option("--sequence-parallel", a.sequence_parallel,
                  "norms on sequence shards under --tp (true|false)");
-  app.add_option("--threads", a.threads, "CPU threads per rank for matmul/attention (0: cores / ranks)");
+  app.add_option("--threads", a.threads, "CPU threads per rank for matmul/attention (0: cores / ranks; at most 1024)");
   app.add_option("--save-dir", a.save_dir, "write checkpoints to DIR/step-NNNNNNNN (after the last step at least)");
   app.add_option("--save-every", a.save_every, "also checkpoint every N steps (0: only at the end)");
   app.add_flag("--async-save", a.async_save, "write checkpoints in the background while training continues");
@@ -608,101 +808,64 @@ int run(int argc, char** argv) {
                  "continue from a checkpoint directory (any mesh; PyTorch HF safetensors directories too)");
   app.add_flag("--log-implicit", a.log_implicit,
                "print every implicit redistribute of a DTensor op (rank 0, stderr)");
-  program::parse(app, argc, argv);  // --help: exit 0; a bad option: one line, exit 2
+  program::add_timeout(app, a.timeout_ms);
+  try {
+    program::parse(app, argc, argv);  // --help: exit 0; a bad option: one line, exit 2
+  } catch (const kernels::InvalidArgument&) {
+    if (!mpi_requested(argc, argv)) throw;
+    // Under mpirun every process parsed the same command line: rank 0 alone reports it, before
+    // the closing barrier (after it the others' exits may end the job first).
+    const std::exception_ptr error = std::current_exception();
+    std::optional<collectives::MpiWorld> mpi;
+    try {
+      mpi.emplace(&argc, &argv, Milliseconds{program::kDefaultTimeoutMs});
+    } catch (const kernels::Error&) {
+    }
+    if (!mpi) throw;
+    return program::run_as_rank("fsdp-train", mpi->rank(), [&]() -> int { std::rethrow_exception(error); });
+  }
   a.fsdp = dp_rep_opt->count() > 0 || dp_shard_opt->count() > 0;
-  validate(a);
-  const int mesh_ranks = a.dp_replicate * a.dp_shard * a.tp;
-  // fp32: rounding only. bf16: both runs compute in bf16, but partial sums are rounded to bf16
-  // at different places (a tensor-parallel product is a sum of bf16-rounded partials).
-  const double loss_tol = a.mp == "bf16" ? 2e-2 : 1e-5, param_tol = a.mp == "bf16" ? 5e-2 : 1e-5;
 
-  std::optional<RunResult> got;
-  int world_rank = 0;
-  std::unique_ptr<collectives::MpiWorld> mpi;
-  std::unique_ptr<Communicator> mpi_world;
   if (a.backend == "mpi") {
-    mpi = std::make_unique<collectives::MpiWorld>(&argc, &argv);
-    mpi_world = mpi->communicator();
-    world_rank = mpi_world->rank();
-    if (a.world != 0 && a.world != mpi_world->size())
-      throw kernels::InvalidArgument(
-          fmt::format("--world {} but mpirun started {} processes", a.world, mpi_world->size()));
-    if (mpi_world->size() != mesh_ranks)
-      throw kernels::InvalidArgument(
-          fmt::format("mpirun started {} processes for a mesh of {} ranks (--dp-replicate {} --dp-shard {} --tp {})",
-                      mpi_world->size(), mesh_ranks, a.dp_replicate, a.dp_shard, a.tp));
-    const int hw = std::max(1u, std::thread::hardware_concurrency());
-    const int threads = a.threads > 0 ? a.threads : 1;
-    (void)hw;
-    got = train(*mpi_world, a, true, true, threads, kernels::Device{});
+    // The closing barrier (MpiWorld's destructor) waits --timeout-ms for the other ranks; a
+    // failure is printed before it.
+    collectives::MpiWorld mpi(&argc, &argv, Milliseconds{a.timeout_ms});
+    return program::run_as_rank("fsdp-train", mpi.rank(), [&] { return run_mpi_rank(a, mpi); });
+  }
+  validate(a);
+  const int mesh_ranks = a.dp_replicate * a.dp_shard * a.tp;  // validated: at most kMaxLocalRanks
+  const int world = a.world != 0 ? a.world : mesh_ranks;
+  if (world != mesh_ranks)
+    throw kernels::InvalidArgument(
+        fmt::format("--world {} but the mesh (--dp-replicate {} --dp-shard {} --tp {}) has {} ranks", world,
+                    a.dp_replicate, a.dp_shard, a.tp, mesh_ranks));
+  const bool nccl = a.backend == "nccl";
+  if (nccl) {
+    if (!collectives::nccl_built())
+      throw kernels::Unsupported("--backend nccl: this build has no NCCL (configure with CUDA)");
+    if (kernels::cuda_device_count() < world)
+      throw kernels::Unsupported(fmt::format("--backend nccl: {} ranks need {} GPUs, {} visible", world, world,
+                                             kernels::cuda_device_count()));
   } else {
-    const int world = a.world != 0 ? a.world : mesh_ranks;
-    if (world != mesh_ranks)
-      throw kernels::InvalidArgument(
-          fmt::format("--world {} but the mesh (--dp-replicate {} --dp-shard {} --tp {}) has {} ranks", world,
-                      a.dp_replicate, a.dp_shard, a.tp, mesh_ranks));
-    const int hw = std::max(1u, std::thread::hardware_concurrency());
-    const int threads = a.threads > 0 ? a.threads : std::max(1, hw / world);
-    const bool nccl = a.backend == "nccl";
-    if (nccl) {
-      if (!collectives::nccl_built())
-        throw kernels::Unsupported("--backend nccl: this build has no NCCL (configure with CUDA)");
-      if (kernels::cuda_device_count() < world)
-        throw kernels::Unsupported(fmt::format("--backend nccl: {} ranks need {} GPUs, {} visible", world,
-                                               world, kernels::cuda_device_count()));
-    }
-    collectives::run_ranks(world, [&](Communicator& w) {
-      std::unique_ptr<Communicator> gpu;
-      if (nccl) gpu = collectives::nccl_communicator(w, w.rank());
-      RunResult r = train(gpu ? *gpu : w, a, true, true, threads,
-                          nccl ? kernels::Device::cuda(w.rank()) : kernels::Device{});
-      if (w.rank() == 0) got = std::move(r);
-    });
+    check_model_fits(a, world, world);  // every rank is a thread of this process
   }
-
-  std::string parity = "skipped";
-  std::optional<Parity> cmp;
-  if (a.check_parity) {
-    // The same training on one rank, no parallelism (rank 0 of an mpi job runs it alone).
-    int verdict = 1;
-    if (world_rank == 0) {
-      std::optional<RunResult> ref;
-      const int hw = std::max(1u, std::thread::hardware_concurrency());
-      Args single = a;
-      single.dump_init.clear();
-      single.save_dir.clear();
-      single.resume_from.clear();
-      single.save_every = 0;
-      single.async_save = false;
-      collectives::run_ranks(1, [&](Communicator& w) {
-        ref = train(w, single, false, false, a.threads > 0 ? a.threads : hw, kernels::Device{});
-      });
-      cmp = compare(*got, *ref, loss_tol, param_tol);
-      if (!cmp->ok)
-        std::fprintf(stderr,
-                     "fsdp-train: parity failed: max relative loss difference %g (limit %g), parameters' "
-                     "relative L2 difference %g (limit %g); %s\n",
-                     cmp->max_rel_loss_diff, loss_tol, cmp->max_param_diff, param_tol, cmp->worst.c_str());
-      verdict = cmp->ok ? 1 : 0;
-      parity = cmp->ok ? "ok" : "fail";
-    }
-    if (mpi_world) {
-      Tensor v = Tensor::full({1}, verdict, DType::kI32);
-      mpi_world->wait(mpi_world->broadcast(v, 0));
-      verdict = static_cast<int>(v.item({0}));
-      parity = verdict ? "ok" : "fail";
-    }
-  }
-  if (world_rank == 0) {
-    fmt::print(
-        "{{\"steps\":{},\"first_loss\":{},\"last_loss\":{},\"parity\":\"{}\",\"max_rel_loss_diff\":{},"
-        "\"max_param_diff\":{},\"tokens_per_s\":{},\"peak_bytes\":{}}}\n",
-        a.steps, json_number(got->losses.front()), json_number(got->losses.back()), parity,
-        cmp ? json_number(cmp->max_rel_loss_diff) : "null", cmp ? json_number(cmp->max_param_diff) : "null",
-        json_number(std::round(got->tokens_per_s)), got->peak_bytes);
-    std::fflush(stdout);
-  }
-  return parity == "fail" ? 1 : 0;
+  const int hw = std::max(1u, std::thread::hardware_concurrency());
+  const int threads = a.threads > 0 ? a.threads : std::max(1, hw / world);
+  std::optional<RunResult> got;
+  collectives::run_ranks(
+      world,
+      [&](Communicator& w) {
+        as_local_rank(w.rank(), [&] {
+          std::unique_ptr<Communicator> gpu;
+          if (nccl) gpu = collectives::nccl_communicator(w, w.rank(), Milliseconds{a.timeout_ms});
+          RunResult r = train(gpu ? *gpu : w, a, true, true, threads,
+                              nccl ? kernels::Device::cuda(w.rank()) : kernels::Device{});
+          if (w.rank() == 0) got = std::move(r);
+        });
+      },
+      Milliseconds{a.timeout_ms});
+  if (!a.check_parity) return finish(a, Outcome{std::move(got), "skipped", std::nullopt});
+  return finish(a, check_parity(a, std::move(*got)));
 }
 
 }  // namespace

@@ -862,9 +862,9 @@ FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr
             "{}: Shard({}) over {} dp ranks needs dim {} (size {} on this tensor-parallel shard) divisible by {}",
             where, sd, g.dp, sd, n, g.dp));
       const dtensor::Chunk c = dtensor::chunk(n, g.dp, coord[g.shard_mesh_dim]);
-      const std::vector<int64_t> all = u.indices(sd), held = sh.indices(sd);
-      const bool ok = static_cast<int64_t>(held.size()) == c.size &&
-                      std::equal(held.begin(), held.end(), all.begin() + c.offset);
+      // The dp shard must hold positions [c.offset, c.offset + c.size) of the tp shard's indices
+      // (compared as runs: memory in the number of runs, not in the size of the dim).
+      const bool ok = sh.local_shape[sd] == c.size && sh.runs[sd] == dtensor::slice_runs(u.runs[sd], c.offset, c.size);
       if (!ok)
         throw Unsupported(fmt::format(
             "{}: under {} the dp shards are not chunks of the tensor-parallel shard (uneven FSDP x TP: dim {} of "

@@ -1,8 +1,10 @@
 // Exception types shared by every layer. User mistakes raise InvalidArgument or Unsupported with
 // a message naming the offending value and what was expected; ResourceError is for memory (or
 // other resources) the machine cannot give, naming the amount asked for; CommError is for
-// transports; InternalError means a bug in this library. Programs map them to exit codes
-// (2 InvalidArgument/Unsupported, 3 ResourceError, 4 CommError; program/main.h).
+// transports; InternalError means a bug in this library; NonFiniteError is a computed value
+// that had to be finite and is not (a NaN or infinite gradient norm: a diverged training).
+// Programs map them to exit codes (1 NonFiniteError, 2 InvalidArgument/Unsupported,
+// 3 ResourceError, 4 CommError; program/main.h).
 #pragma once
 
 #include <stdexcept>
@@ -27,6 +29,9 @@ struct CommError : Error {
   using Error::Error;
 };
 struct InternalError : Error {
+  using Error::Error;
+};
+struct NonFiniteError : Error {
   using Error::Error;
 };
 

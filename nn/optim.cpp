@@ -292,6 +292,13 @@ double clip_grad_norm_(const NamedParameters& params, double max_norm, double no
       const Tensor& l = g->to_local();
       if (!counts || l.numel() == 0) continue;
       if (inf_norm) {
+        // max skips NaN; the norm must not (as torch's): a NaN anywhere makes the sum of squares
+        // (accumulated in f64) NaN.
+        if (std::isnan(kernels::sum_of_squares(l).item({}))) {
+          local = std::numeric_limits<double>::quiet_NaN();
+          continue;
+        }
+        if (std::isnan(local)) continue;
         const Tensor flat = l.reshape({l.numel()});
         const double hi = kernels::max(flat, 0).values.item({});
         const double lo = -kernels::max(kernels::scale(flat, -1.0), 0).values.item({});
@@ -313,8 +320,9 @@ double clip_grad_norm_(const NamedParameters& params, double max_norm, double no
   const double reduced = comms->in_mesh() ? total.to_local().item({0}) : 0.0;
   const double norm = inf_norm ? reduced : std::sqrt(reduced);
   if (error_if_nonfinite && !std::isfinite(norm))
-    throw InvalidArgument(
-        fmt::format("clip_grad_norm_: the total norm of order {} is {} (non-finite)", norm_type, norm));
+    throw kernels::NonFiniteError(fmt::format(
+        "clip_grad_norm_: the total norm of order {} of the gradients is {} (non-finite), so they cannot be clipped",
+        norm_type, norm));
   if (max_norm > 0) {
     const double coef = max_norm / (norm + 1e-6);
     if (coef < 1.0 && comms->in_mesh())

@@ -95,7 +95,13 @@ void reduce_gradients(const NamedParameters& params);
 // each rank sums the squares of its shards (a replicated gradient counts on one rank per
 // replica group) and ONE reduction over the mesh dims that shard a gradient makes the total.
 // norm_type: 2 or infinity. max_norm <= 0 only measures. Throws InvalidArgument for a gradient
-// still Partial (reduce it first) or a non-finite norm with error_if_nonfinite. Collective.
+// still Partial (reduce it first). A NaN or infinite norm is returned (and, as in PyTorch, an
+// infinite one scales the gradients by 0); with error_if_nonfinite it throws
+// kernels::NonFiniteError instead, before any gradient is scaled (on every rank: the norm is the
+// same everywhere; programs exit 1), the check for a diverged training:
+//   try { clip_grad_norm_(params, 1.0, 2.0, /*error_if_nonfinite=*/true); }
+//   catch (const kernels::NonFiniteError& e) { /* stop: "... the total norm of order 2 ... is nan" */ }
+// Collective.
 double clip_grad_norm_(const NamedParameters& params, double max_norm, double norm_type = 2.0,
                        bool error_if_nonfinite = false);
 

@@ -4,8 +4,11 @@
 
 #include <cmath>
 #include <numbers>
+#include <span>
 #include <vector>
 
+#include "kernels/allocator.h"
+#include "kernels/checked.h"
 #include "kernels/error.h"
 #include "kernels/format.h"
 
@@ -135,21 +138,28 @@ void Parameter::materialize(uint64_t seed, std::string_view name) {
   }
   const dtensor::ShardLayout layout = *spec.layout(comms_->rank());
   const int nd = shape_.size();
-  std::vector<std::vector<int64_t>> idx;
-  for (int t = 0; t < nd; ++t) idx.push_back(layout.indices(t));
-  std::vector<double> values(static_cast<size_t>(layout.local_shape.product()));
-  Dims pos = Dims::filled(nd, 0);
-  for (double& v : values) {
-    int64_t flat = 0;
-    for (int t = 0; t < nd; ++t) flat = flat * shape_[t] + idx[t][pos[t]];
-    v = init_.value(seed, name, flat);
-    for (int t = nd - 1; t >= 0; --t) {
-      if (++pos[t] < layout.local_shape[t]) break;
-      pos[t] = 0;
-    }
-  }
+  // The shard's bytes are checked against what the allocator can still hand out before anything
+  // is allocated, and the values are written in place from the layout's runs (no index lists, no
+  // staging copy): a parameter too large for the machine is a ResourceError naming the bytes.
+  const int64_t bytes = kernels::checked_bytes(layout.local_shape.product(), kernels::itemsize(dtype_),
+                                               "Parameter::materialize: bytes of the local shard");
+  const kernels::Allocator* allocator = comms_->allocator().get();
+  const int64_t available =
+      allocator ? allocator->available_bytes(device_) : kernels::machine_available_bytes(device_);
+  if (available >= 0 && bytes > available)
+    throw kernels::ResourceError(fmt::format(
+        "Parameter::materialize: '{}' ({} {}, local shard {}) needs {} bytes ({:.1f} GiB) on rank {} ({}), but {} "
+        "bytes ({:.1f} GiB) are available",
+        name, kernels::to_string(dtype_), shape_, layout.local_shape, bytes, static_cast<double>(bytes) / (1 << 30),
+        comms_->rank(), kernels::to_string(device_), available, static_cast<double>(available) / (1 << 30)));
+  std::vector<dtensor::HeldIndices> held;
+  for (int t = 0; t < nd; ++t) held.emplace_back(layout.runs[t]);
   Tensor local = Tensor::empty(layout.local_shape, dtype_, device_, comms_->allocator());
-  if (local.numel() > 0) local.copy_(Tensor::from_vector(values, layout.local_shape, dtype_));
+  local.fill_index_([&](std::span<const int64_t> pos) {
+    int64_t flat = 0;
+    for (int t = 0; t < nd; ++t) flat = flat * shape_[t] + held[t][pos[t]];
+    return init_.value(seed, name, flat);
+  });
   data_ = DTensor(comms_, spec, local);
   grad_.reset();
 }

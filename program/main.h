@@ -14,8 +14,10 @@
 //
 // Exit statuses:
 //   0 kOk        success
-//   1 kMismatch  a wrong result (the program reports it and returns 1), or a result the runtime
-//                could not produce for a reason of its own (InternalError, unknown exceptions)
+//   1 kMismatch  a wrong result (the program reports it and returns 1), a value that had to be
+//                finite and is not (kernels::NonFiniteError: a diverged training), or a result
+//                the runtime could not produce for a reason of its own (InternalError, unknown
+//                exceptions)
 //   2 kInvalid   invalid input or unsupported: kernels::InvalidArgument, kernels::Unsupported,
 //                command-line errors (program/cli.h), std::invalid_argument / out_of_range /
 //                domain_error
@@ -112,6 +114,8 @@ inline Failure classify(const std::exception_ptr& e) {
     return with(kResource, "out of resources: ", x.what());
   } catch (const kernels::CommError& x) {
     return with(kComm, "communication failed: ", x.what());
+  } catch (const kernels::NonFiniteError& x) {
+    return with(kMismatch, "", x.what());
   } catch (const kernels::InternalError& x) {
     return with(kMismatch, "internal error: ", x.what());
   } catch (const std::bad_alloc& x) {

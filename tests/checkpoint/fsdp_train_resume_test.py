@@ -114,6 +114,27 @@ try:
     p = run("--tp", "2", "--resume-from", bad, expect=2)
     check("incomplete" in p.stderr, f"incomplete message: {p.stderr}")
     cases += 1
+    # train.step out of range (issue 32): refused naming the key and the value, before it indexes
+    # anything (-3 once trained "step -2/12", and --check-parity then read out of bounds;
+    # 4294967298 resumed "at step 2").
+    step_cases = 0
+    for value, extra in ((4294967298, []), (-3, []), (-3, ["--check-parity"]), (13, []), (-9223372036854775808, [])):
+        odd = os.path.join(root, f"step-{step_cases}")
+        shutil.copytree(ck, odd)
+        m = json.load(open(os.path.join(odd, "checkpoint.json")))
+        m["values"]["train.step"] = value
+        json.dump(m, open(os.path.join(odd, "checkpoint.json"), "w"))
+        p = run("--tp", "2", "--resume-from", odd, *extra, expect=2)
+        err = [l for l in p.stderr.splitlines() if l.strip()]
+        check(len(err) == 1 and "train.step" in p.stderr and str(value) in p.stderr and "out of range" in p.stderr,
+              f"train.step {value} {extra}: {p.stderr}")
+        check("step " not in p.stdout, f"train.step {value}: it trained: {p.stdout[:300]}")
+        if mpirun and value == -3 and not extra:  # under mpirun: one line, from rank 0
+            p = run("--tp", "2", "--resume-from", odd, expect=2, np=2)
+            ours = [l for l in p.stderr.splitlines() if l.startswith("fsdp-train:")]
+            check(len(ours) == 1 and "train.step -3" in ours[0], f"mpi train.step -3: {p.stderr}")
+        step_cases += 1
+    check(step_cases == 5, f"{step_cases} of 5 train.step cases ran")
     if mpirun:
         # Processes write, threads read; threads write, processes read.
         p = run("--tp", "2", "--save-dir", os.path.join(root, "mpi"), "--save-every", "6", np=2)

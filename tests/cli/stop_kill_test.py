@@ -4,9 +4,11 @@ run makes the whole job end within --timeout-ms plus 10 s, and the failure names
   - stopped: every survivor's collective times out and its one line names the stopped rank
     among the ranks that never joined or never completed (exit 4, communication failure);
   - killed: mpirun aborts the job and names the rank that died.
-The job is dtensor-bench timing S(0) -> R on 4 processes for far longer than the test waits.
+The job runs on 4 processes for far longer than the test waits: dtensor-bench timing S(0) -> R,
+or fsdp-train training with FSDP over 4 ranks (--dp-shard 4), chosen by the program's name.
 
-  stop_kill_test.py build/bench/dtensor-bench /usr/bin/mpirun"""
+  stop_kill_test.py build/bench/dtensor-bench /usr/bin/mpirun
+  stop_kill_test.py build/examples/fsdp-train /usr/bin/mpirun"""
 import os
 import re
 import signal
@@ -14,7 +16,8 @@ import subprocess
 import sys
 import time
 
-bench, mpirun = sys.argv[1], sys.argv[2]
+program, mpirun = sys.argv[1], sys.argv[2]
+NAME = os.path.basename(program)
 TIMEOUT_MS = 2000
 VICTIM = 2
 failures = 0
@@ -45,9 +48,13 @@ def rank_pids(parent):
 
 def one(sig):
     global ran
-    cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "4", bench, "--backend", "mpi",
-           "--from", "S(0)", "--to", "R", "--sizes", "256K", "--iters", "1000000", "--warmup", "0",
-           "--timeout-ms", str(TIMEOUT_MS)]
+    if NAME == "fsdp-train":
+        job = ["--dp-shard", "4", "--layers", "2", "--dim", "32", "--heads", "4", "--vocab", "48", "--seq", "16",
+               "--batch", "4", "--steps", "1000000", "--log-every", "1000000"]
+    else:
+        job = ["--from", "S(0)", "--to", "R", "--sizes", "256K", "--iters", "1000000", "--warmup", "0"]
+    cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "4", program, "--backend", "mpi"] + job + [
+        "--timeout-ms", str(TIMEOUT_MS)]
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     pids = {}
     deadline = time.monotonic() + 60
@@ -82,9 +89,14 @@ def one(sig):
     check(p.returncode != 0, f"{sig.name}: exit status 0")
     check(took < TIMEOUT_MS / 1000 + 10, f"{sig.name}: took {took:.1f} s, more than the timeout + 10 s")
     if sig == signal.SIGSTOP:
-        ours = [l for l in err.splitlines() if l.startswith("dtensor-bench:")]
+        # The survivors' lines (mpirun continues the victim before it terminates it, so the victim
+        # may print a line of its own).
+        ours = [l for l in err.splitlines() if l.startswith(NAME + ":") and not l.startswith(f"{NAME}: rank {VICTIM}:")]
         named = [l for l in ours if re.search(r"ranks \[[0-9,]*\b%d\b[0-9,]*\] (never joined|have not completed)" % VICTIM, l)]
         check(len(ours) >= 1 and len(named) == len(ours), f"SIGSTOP: not every line names rank {VICTIM}: {ours}")
+        # Every survivor names it: a line from each of the other ranks.
+        speakers = {int(m.group(1)) for l in ours for m in [re.match(NAME + r": rank (\d+): ", l)] if m}
+        check(set(range(4)) - {VICTIM} <= speakers, f"SIGSTOP: lines from ranks {sorted(speakers)}, want every survivor")
         check(p.returncode == 4, f"SIGSTOP: exit {p.returncode}, want 4 (communication failure)")
     else:
         check(re.search(r"process rank %d .*signal 9" % VICTIM, err) is not None,

@@ -1538,6 +1538,20 @@ class MessageContains : public Catch::MatcherBase<std::exception> {
 
 // ---- invalid arguments (thrown by the caller's thread before anything is posted) ----
 
+TEST_CASE("a local world of more than kMaxLocalRanks ranks (or none) is refused naming the size",
+          "[collectives][local]") {
+  // One thread per rank: 1025 would start 1025 threads whose every collective waits on all.
+  std::atomic<int> started{0};
+  for (int size : {kMaxLocalRanks + 1, 2000, 0, -1}) {
+    INFO(size);
+    CHECK_INVALID(run_ranks(size, [&](Communicator&) { ++started; }), MessageContains(std::to_string(size)));
+    CHECK_INVALID(LocalWorld(size), MessageContains("at most 1024"));
+  }
+  CHECK(started == 0);
+  run_ranks(kMaxLocalRanks, [&](Communicator&) { ++started; });  // the limit itself is allowed
+  CHECK(started == kMaxLocalRanks);
+}
+
 TEST_CASE("invalid arguments throw InvalidArgument naming the value, before anything is posted",
           "[collectives][local]") {
   LocalWorld world(3, 5s);

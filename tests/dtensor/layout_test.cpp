@@ -133,6 +133,58 @@ TEST_CASE("StridedShard split rule (2.3)", "[dtensor][layout][strided]") {
   CHECK(rows({7}, {3, 2}, "_S(0,2),S(0)", {2, 1}) == std::pair<int64_t, int64_t>{0, 7});
 }
 
+TEST_CASE("HeldIndices and slice_runs agree with the index list, without building it",
+          "[dtensor][layout][strided]") {
+  // Every layout of small shapes on meshes (4) and (2,3) under shard, strided and nested
+  // placements: position i of HeldIndices is indices()[i], and every slice of the runs lists the
+  // same indices as that slice of the list.
+  int layouts = 0;
+  int64_t slices = 0, want_slices = 0;
+  for (const char* pl : {"S(0)", "_S(0,2)", "_S(0,3)"})
+    for (int64_t n = 0; n <= 13; ++n)
+      for (int64_t r = 0; r < 4; ++r) {
+        const ShardLayout l = at({n}, {4}, pl, {r});
+        const Indices want = l.indices(0);
+        const HeldIndices h(l.runs[0]);
+        REQUIRE(h.size() == static_cast<int64_t>(want.size()));
+        for (int64_t i = 0; i < h.size(); ++i) CHECK(h[i] == want[i]);
+        ++layouts;
+        want_slices += (h.size() + 1) * (h.size() + 2) / 2;
+        for (int64_t off = 0; off <= h.size(); ++off)
+          for (int64_t len = 0; off + len <= h.size(); ++len) {
+            Indices got;
+            for (const IndexRun& run : slice_runs(l.runs[0], off, len))
+              for (int64_t i = 0; i < run.length; ++i) got.push_back(run.start + i);
+            CHECK(got == Indices(want.begin() + off, want.begin() + off + len));
+            ++slices;
+          }
+      }
+  for (const char* pl : {"S(0),_S(0,2)", "_S(0,2),S(0)", "S(0),S(0)"})
+    for (int64_t a = 0; a < 2; ++a)
+      for (int64_t b = 0; b < 3; ++b) {
+        const ShardLayout l = at({17}, {2, 3}, pl, {a, b});
+        const Indices want = l.indices(0);
+        const HeldIndices h(l.runs[0]);
+        REQUIRE(h.size() == static_cast<int64_t>(want.size()));
+        for (int64_t i = 0; i < h.size(); ++i) CHECK(h[i] == want[i]);
+        ++layouts;
+      }
+  CHECK(layouts == 3 * 14 * 4 + 3 * 6);
+  CHECK(slices == want_slices);
+  CHECK(slices > 900);
+  // The worked examples of the header.
+  CHECK(slice_runs({{0, 4}, {8, 4}}, 2, 4) == IndexRuns{{2, 2}, {8, 2}});
+  const HeldIndices h(IndexRuns{{0, 2}, {6, 2}});
+  CHECK(h.size() == 4);
+  CHECK(h[2] == 6);
+  // A huge dim costs nothing: one run of 2^62 indices.
+  const HeldIndices big(IndexRuns{{5, int64_t{1} << 62}});
+  CHECK(big[(int64_t{1} << 62) - 1] == (int64_t{1} << 62) + 4);
+  CHECK(slice_runs({{5, int64_t{1} << 62}}, int64_t{1} << 61, 3) == IndexRuns{{(int64_t{1} << 61) + 5, 3}});
+  CHECK_THROWS_AS(slice_runs({{0, 4}}, 3, 2), kernels::InvalidArgument);
+  CHECK_THROWS_AS(slice_runs({{0, 4}}, -1, 1), kernels::InvalidArgument);
+}
+
 TEST_CASE("PyTorch test_utils conformance cases (6.1)", "[dtensor][layout][conformance]") {
   using P = std::pair<int64_t, int64_t>;
   SECTION("1: (4096,4096) on (30,8) [_S(0,8), S0]") {

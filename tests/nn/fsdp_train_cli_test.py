@@ -108,6 +108,38 @@ for args, text in [(["--dp-shard", "0"], "--dp-shard 0"), (["--tp", "3"], "3 ran
     r = run(args + ["--steps", "2"])
     check(r.returncode == 2 and text in r.stderr, f"{args}: exit {r.returncode}, stderr {r.stderr.strip()}")
 
+# Invalid values that were accepted silently, and limits refused by name (issue 32).
+for args, text in [(["--clip", "nan"], "--clip nan"), (["--threads", "-5"], "--threads -5"),
+                   (["--seed", "-1"], "-1"), (["--seed", "99999999999999999999"], "99999999999999999999"),
+                   (["--dp-shard", "1025"], "at most 1024"), (["--dp-shard", "65536", "--tp", "65536"], "4294967296"),
+                   (["--timeout-ms", "0"], "--timeout-ms")]:
+    r = run(args + ["--steps", "2"])
+    check(r.returncode == 2 and text in r.stderr and len(r.stderr.strip().splitlines()) == 1,
+          f"{args}: exit {r.returncode}, stderr {r.stderr.strip()}")
+# A model too large for the machine: exit 3 naming the bytes, at once.
+r = run(["--dim", "3037000500", "--heads", "4"])
+check(r.returncode == 3 and re.search(r"needs at least \d+ bytes", r.stderr) is not None,
+      f"--dim 3037000500: exit {r.returncode}, stderr {r.stderr.strip()}")
+
+# --timeout-ms is taken and a healthy run is unaffected.
+r = run(SMALL + ["--dp-shard", "2", "--steps", "2", "--timeout-ms", "5000"])
+check(r.returncode == 0 and json.loads(r.stdout.strip().splitlines()[-1])["steps"] == 2,
+      f"--timeout-ms 5000: exit {r.returncode}, {r.stderr.strip()}")
+
+# A diverged run stops at the first non-finite loss (exit 1, one line naming the step and the
+# value, no JSON line), on one rank and under FSDP; a non-finite gradient norm likewise.
+for args, step, what in [(["--steps", "5", "--lr", "1e30"], "2/5", "the loss is"),
+                         (["--steps", "5", "--lr", "1e30", "--dp-shard", "2", "--clip", "0"], "2/5", "the loss is"),
+                         (["--steps", "6", "--lr", "1e10", "--optimizer", "sgd"], "4/6", "the gradient norm is not finite")]:
+    r = run(SMALL + args)
+    err = r.stderr.strip().splitlines()
+    out = r.stdout.strip().splitlines()
+    check(r.returncode == 1 and len(err) == 1 and f"step {step}: {what}" in err[0],
+          f"{args}: exit {r.returncode}, stderr {r.stderr.strip()}")
+    check(not any(l.startswith("{") for l in out), f"{args}: a JSON line after divergence: {out[-1:]}")
+    done = int(step.split("/")[0]) - 1
+    check(len([l for l in out if l.startswith("step ")]) == done, f"{args}: {len(out)} progress lines, want {done}")
+
 for f in failures:
     print("FAIL:", f)
 print(f"fsdp_train_cli_test: {checks} checks, {len(failures)} failures")

@@ -2,6 +2,8 @@
 // gradient buffers, and an FSDP-style parameter swap through the four hook points.
 #include <catch2/catch.hpp>
 
+#include <atomic>
+
 #include "nn/layers.h"
 #include "nn/transformer.h"
 #include "nn_support.h"
@@ -178,13 +180,17 @@ TEST_CASE("module: meta parameters materialise sharded, identical to the full in
   });
   // The same seed under several shardings: every shard holds its slice of the same values.
   testing_support::Checks checks;
-  for (const char* pl : {"S(0)", "S(1)", "R"}) {
+  // _S: a shard of several index runs (each rank's values are found through them, not a list).
+  int layouts = 0;
+  for (const char* pl : {"S(0)", "S(1)", "R", "_S(0,2)", "_S(1,2)"}) {
+    ++layouts;
     on_mesh({3}, [&](std::shared_ptr<MeshComms> comms, Communicator&) {
       GPT model(ModuleOptions{comms}, tiny());
       size_t i = 0;
       for (auto& [n, p] : model.named_parameters()) {
         std::string placement = pl;
         if (p->shape().size() == 1 && placement == "S(1)") placement = "S(0)";
+        if (p->shape().size() == 1 && placement == "_S(1,2)") placement = "_S(0,2)";
         p->set_placements(dtensor::parse_placements(placement));
         checks.check(p->is_meta(), n + " materialised by set_placements");
         ++i;
@@ -200,6 +206,7 @@ TEST_CASE("module: meta parameters materialise sharded, identical to the full in
     });
   }
   checks.report();
+  CHECK(layouts == 5);
   // Init values: normal(0, 0.02) has about the right spread; a different seed differs.
   const std::vector<double> v = full[0].second.to_vector();
   double s2 = 0;
@@ -207,6 +214,36 @@ TEST_CASE("module: meta parameters materialise sharded, identical to the full in
   CHECK(std::sqrt(s2 / v.size()) == Approx(0.02).epsilon(0.3));
   CHECK(Init::normal(0, 1).value(1, "a", 5) != Init::normal(0, 1).value(2, "a", 5));
   CHECK(Init::normal(0, 1).value(1, "a", 5) != Init::normal(0, 1).value(1, "b", 5));
+}
+
+TEST_CASE("module: a parameter too large for the allocator is refused naming the bytes, before anything is built",
+          "[nn][module][init]") {
+  // [48, 3037000500] f32 split over 2 ranks: about 291552048000 bytes per shard. Listing the
+  // held indices of dim 1 alone would take 12 GB per rank; the check comes first.
+  testing_support::Checks checks;
+  kernels::CachingAllocator::Options o;
+  o.limit_bytes = size_t{1} << 20;
+  auto allocator = std::make_shared<kernels::CachingAllocator>(o);
+  std::atomic<int> ran{0};
+  collectives::run_ranks(2, [&](Communicator& world) {
+    auto comms = std::make_shared<MeshComms>(DeviceMesh::from_shape({2}), world,
+                                             std::vector<std::vector<int>>{}, allocator);
+    for (const char* pl : {"S(1)", "_S(1,4)"}) {
+      Parameter p(comms, Dims{48, 3037000500}, DType::kF32, Init::normal(0, 1), dtensor::parse_placements(pl));
+      const Dims local = dtensor::compute_layout({48, 3037000500}, {2}, p.placements(), {world.rank()}).local_shape;
+      checks.throws<kernels::ResourceError>([&] { p.materialize(1, "tok_emb.weight"); },
+                                            fmt::format("needs {} bytes", local.product() * 4),
+                                            fmt::format("{}: a shard past the allocator's limit", pl));
+      checks.check(p.is_meta(), "still meta after the refusal");
+    }
+    // Within the limit it materialises.
+    Parameter small(comms, Dims{48, 64}, DType::kF32, Init::normal(0, 1), dtensor::parse_placements("S(1)"));
+    small.materialize(1, "small");
+    checks.check(small.data().to_local().numel() == 48 * 32, "a small shard materialises");
+    ++ran;
+  });
+  checks.report();
+  CHECK(ran == 2);
 }
 
 TEST_CASE("module: gradients written into caller buffers; an FSDP-style swap through the hooks",

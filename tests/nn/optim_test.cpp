@@ -3,6 +3,8 @@
 // and replicated gradients, 2-D meshes) and scales like PyTorch; reduce_gradients; safetensors.
 #include <catch2/catch.hpp>
 
+#include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 
@@ -11,6 +13,7 @@
 #include "nn/safetensors.h"
 #include "nn/tensor_parallel.h"
 #include "nn_support.h"
+#include "program/main.h"
 #include "support/checks.h"
 
 using namespace nn;
@@ -165,6 +168,56 @@ TEST_CASE("optim: clip_grad_norm_ counts every element once, on every rank", "[n
     checks.check(b->grad()->to_local().to_vector() == std::vector<double>(4, 3.0), "reduced values");
   });
   checks.report();
+}
+
+TEST_CASE("optim: clip_grad_norm_ with error_if_nonfinite stops on a NaN or infinite norm", "[nn][optim]") {
+  // One non-finite element on one rank's shard of a sharded gradient: the reduced norm is
+  // non-finite on every rank, so every rank throws NonFiniteError (exit 1 in programs) and no
+  // gradient is scaled; without the flag the norm is returned as it is.
+  for (const double bad : {std::nan(""), double(INFINITY), -double(INFINITY)}) {
+    INFO(bad);
+    testing_support::Checks checks;
+    std::atomic<int> ranks_ran{0};
+    on_mesh({2, 2}, [&](std::shared_ptr<MeshComms> comms, Communicator&) {
+      auto a = std::make_shared<Parameter>(comms, Dims{5, 3}, DType::kF32, Init::zeros(),
+                                           dtensor::parse_placements("S(0),R"));
+      auto b = std::make_shared<Parameter>(comms, Dims{4}, DType::kF32, Init::zeros(),
+                                           dtensor::parse_placements("R,R"));
+      NamedParameters params{{"a", a}, {"b", b}};
+      for (auto& [n, p] : params) {
+        p->materialize(0, n);
+        Tensor full = values(p->shape(), static_cast<int>(n[0]), DType::kF32);
+        if (n == "a") full.set_item({4, 1}, bad);  // global row 4: on the second dp shard only
+        p->grad() = dtensor::distribute_tensor(full, comms, p->placements(), std::nullopt);
+      }
+      const std::vector<double> before_a = a->grad()->to_local().to_vector(),
+                                before_b = b->grad()->to_local().to_vector();
+      for (const double norm_type : {2.0, double(INFINITY)})
+        checks.throws<kernels::NonFiniteError>([&] { clip_grad_norm_(params, 0.5, norm_type, true); }, "non-finite",
+                                               fmt::format("norm type {} with error_if_nonfinite", norm_type));
+      checks.check(a->grad()->to_local().to_vector().size() == before_a.size(), "a's gradient kept its shape");
+      const std::vector<double> after_a = a->grad()->to_local().to_vector();
+      for (size_t i = 0; i < after_a.size() && i < before_a.size(); ++i)
+        checks.check(after_a[i] == before_a[i] || (std::isnan(after_a[i]) && std::isnan(before_a[i])),
+                     fmt::format("a's gradient element {} was changed", i));
+      checks.check(b->grad()->to_local().to_vector() == before_b, "b's gradient was scaled");
+      // Without the flag: the non-finite norm (PyTorch returns it too); the L2 norm is NaN or inf.
+      const double norm = clip_grad_norm_(params, 0.0);
+      checks.check(!std::isfinite(norm) && (std::isnan(bad) == std::isnan(norm)),
+                   fmt::format("norm without the flag: {}", norm));
+      // Finite gradients pass the check and return the norm.
+      a->grad() = dtensor::distribute_tensor(values({5, 3}, 1, DType::kF32), comms, a->placements(), std::nullopt);
+      checks.check(std::isfinite(clip_grad_norm_(params, 0.0, 2.0, true)), "a finite norm with the flag");
+      ranks_ran++;
+    });
+    checks.report();
+    CHECK(ranks_ran == 4);
+  }
+  // Programs map the error to exit 1 (a wrong result, not invalid input).
+  const program::Failure f =
+      program::classify(std::make_exception_ptr(kernels::NonFiniteError("the total norm is nan")));
+  CHECK(f.status == program::kMismatch);
+  CHECK(f.message == "the total norm is nan");
 }
 
 TEST_CASE("safetensors: round trip, alignment, metadata, errors", "[nn][safetensors]") {
