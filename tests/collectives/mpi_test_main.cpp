@@ -1,12 +1,10 @@
 // main() of the mpi backend's test (tests/collectives/mpi_test.cpp), run by mpirun: every rank
 // starts MPI, makes the world communicator and runs the same Catch2 session, so the ranks issue
-// the same sequence of collectives. Kept apart so Catch2's implementation compiles once at -O0.
-#define CATCH_CONFIG_RUNNER
+// the same sequence of collectives.
 #include <fmt/format.h>
 
-#include <catch2/catch.hpp>
-
 #include "collectives/mpi.h"
+#include "tests/support/catch2_runner.h"
 
 namespace mpi_test {
 collectives::MpiWorld* mpi = nullptr;
@@ -20,10 +18,8 @@ int main(int argc, char** argv) {
   std::unique_ptr<collectives::Communicator> world = mpi.communicator(timeout);
   mpi_test::mpi = &mpi;
   mpi_test::world = world.get();
-  Catch::Session session;
-  session.configData().processName = fmt::format("mpi_test rank {} of {}", mpi.rank(), mpi.size());
-  if (const int rc = session.applyCommandLine(argc, argv); rc != 0) return rc;
-  const int failed = session.run();
+  const int failed =
+      test_support::run_catch2(argc, argv, {fmt::format("mpi_test rank {} of {}", mpi.rank(), mpi.size()), {}});
   mpi_test::world = nullptr;
   world.reset();
   return failed;

@@ -1,2 +1,4 @@
-#define CATCH_CONFIG_MAIN
-#include <catch2/catch.hpp>
+// main() of the plain Catch2 test programs.
+#include "catch2_runner.h"
+
+int main(int argc, char** argv) { return test_support::run_catch2(argc, argv); }

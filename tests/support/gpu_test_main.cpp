@@ -2,12 +2,10 @@
 // GPU_TEST_NEEDS_NCCL, without NCCL in the build) the program runs nothing and exits 77, which
 // Meson counts as skipped (tools/test_summary.py reports it, never as passed). Test cases tagged
 // [gpu2] need two GPUs: on a machine with one they are left out, and the program says so.
-#define CATCH_CONFIG_RUNNER
-#include <catch2/catch.hpp>
-
 #include <cstdio>
 
 #include "kernels/device.h"
+#include "tests/support/catch2_runner.h"
 #ifdef GPU_TEST_NEEDS_NCCL
 #include "collectives/nccl.h"
 #endif
@@ -24,11 +22,10 @@ int main(int argc, char** argv) {
     std::printf("skipped: %s\n", missing);
     return 77;
   }
-  Catch::Session session;
-  if (const int rc = session.applyCommandLine(argc, argv); rc != 0) return rc;
+  test_support::Catch2Run run;
   if (gpus < 2) {
     std::printf("one GPU: the test cases tagged [gpu2] (they need two) are left out\n");
-    session.configData().testsOrTags.push_back("~[gpu2]");
+    run.extra_specs.push_back("~[gpu2]");
   }
-  return session.run();
+  return test_support::run_catch2(argc, argv, run);
 }
