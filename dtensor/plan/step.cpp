@@ -3,18 +3,13 @@
 #include <fmt/format.h>
 
 #include "kernels/error.h"
+#include "kernels/overloaded.h"
 
 namespace dtensor {
 
 namespace {
 
-template <class... Ts>
-struct Overloaded : Ts... {
-  using Ts::operator()...;
-};
-// Needed by clang 14 (no aggregate deduction yet); the sanitizer and fuzz builds use clang.
-template <class... Ts>
-Overloaded(Ts...) -> Overloaded<Ts...>;
+using kernels::Overloaded;
 
 // Tensor dims the step splits or joins (NOTE [step validity]).
 std::vector<int> touched_dims(const Step& step) {
