@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The install check (meson test install-check): `meson install` of the build tree into a
+# temporary DESTDIR, then a small program (tools/install_check/trainer.cpp: dtensor, nn, fsdp,
+# checkpoint) compiled, linked and run against the installed prefix alone, once through
+# pkg-config (dtensor-runtime.pc) and once through CMake (find_package(dtensor_runtime)).
+# Also checks that the installed headers are exactly the public ones of the source tree, that
+# they compile together with nothing but the installed include folder, that the programs are
+# in bin/, and that no installed file names the source or build tree.
+#   tools/install_check.sh BUILD_DIR PREFIX LIBDIR INCLUDEDIR BINDIR
+set -euo pipefail
+src=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+build=$(cd "$1" && pwd)
+prefix=$2 libdir=$3 includedir=$4 bindir=$5
+fail() { echo "install-check: $*" >&2; exit 1; }
+for tool in pkg-config cmake c++; do
+  command -v "$tool" >/dev/null || fail "$tool not found (tools/setup.sh installs it)"
+done
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+meson install -C "$build" --no-rebuild --quiet --destdir "$tmp/root" >"$tmp/install.log" 2>&1 \
+  || { cat "$tmp/install.log"; fail "meson install failed"; }
+root=$tmp/root$prefix
+rel() { case $1 in /*) echo "$tmp/root$1" ;; *) echo "$root/$1" ;; esac; }
+inc=$(rel "$includedir")/dtensor-runtime
+lib=$(rel "$libdir")
+bin=$(rel "$bindir")
+
+# Headers: exactly the public ones (every library header but the internal ones).
+(cd "$src" && find kernels collectives dtensor nn checkpoint fsdp program -name '*.h' \
+   | grep -v -E '^kernels/(cpu|cuda)/|^collectives/(mpi|nccl)/|^collectives/call_queue\.h$|^checkpoint/internal\.h$' \
+   | sort) >"$tmp/want"
+(cd "$inc" && find . -name '*.h' | sed 's|^\./||' | sort) >"$tmp/got"
+diff "$tmp/want" "$tmp/got" >"$tmp/headers.diff" \
+  || { cat "$tmp/headers.diff"; fail "installed headers (>) differ from the public headers of the tree (<): update public_headers in meson.build"; }
+[ -f "$lib/libdtensor-runtime.a" ] || fail "no $libdir/libdtensor-runtime.a"
+[ -f "$lib/pkgconfig/dtensor-runtime.pc" ] || fail "no $libdir/pkgconfig/dtensor-runtime.pc"
+[ -f "$lib/cmake/dtensor_runtime/dtensor_runtimeConfig.cmake" ] || fail "no CMake package config"
+for p in fsdp-train checkpoint-tool dtensor-check plan-quality collectives-bench dtensor-bench; do
+  [ -x "$bin/$p" ] || fail "program $p not installed in $bindir"
+done
+if grep -rlF -e "$src" -e "$build" "$inc" "$lib/pkgconfig" "$lib/cmake" >"$tmp/leaks"; then
+  cat "$tmp/leaks"; fail "installed files name the source or build tree"
+fi
+
+# One translation unit including every installed header, next to the program.
+sed 's|.*|#include "&"|' "$tmp/got" >"$tmp/all_headers.cpp"
+cp "$src/tools/install_check/trainer.cpp" "$src/tools/install_check/CMakeLists.txt" "$tmp/"
+cd "$tmp"
+expect() {  # expect OUTPUT_FILE: the program's lines
+  grep -q 'dtensor: S(0) -> R gives element \[3,1\] = 7' "$1" && grep -q 'fsdp: a Linear sharded with 2 parameters' "$1" \
+    && grep -q 'checkpoint: refused a missing directory' "$1" || { cat "$1"; fail "unexpected output"; }
+}
+
+# pkg-config (the .pc is relocatable: its prefix is found from its own place).
+export PKG_CONFIG_PATH=$lib/pkgconfig
+flags=$(pkg-config --cflags --libs dtensor-runtime) || fail "pkg-config cannot resolve dtensor-runtime"
+# shellcheck disable=SC2086  # the flags are words
+c++ -std=c++20 -O1 -o trainer-pc trainer.cpp all_headers.cpp $flags 2>compile.log \
+  || { cat compile.log; echo "flags: $flags"; fail "building against the installed prefix with pkg-config failed"; }
+./trainer-pc >run-pc.txt 2>&1 || { cat run-pc.txt; fail "the pkg-config build did not run"; }
+expect run-pc.txt
+
+# CMake.
+cmake -S . -B cmake-build -DCMAKE_PREFIX_PATH="$root" -DCMAKE_BUILD_TYPE=Release >cmake.log 2>&1 \
+  || { cat cmake.log; fail "cmake could not configure against the installed prefix"; }
+cmake --build cmake-build >>cmake.log 2>&1 || { cat cmake.log; fail "building against the installed prefix with CMake failed"; }
+cmake-build/trainer >run-cmake.txt 2>&1 || { cat run-cmake.txt; fail "the CMake build did not run"; }
+expect run-cmake.txt
+echo "install-check: $(wc -l <"$tmp/got") headers, libdtensor-runtime.a, pkg-config and CMake builds ran"
