@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The install check (meson test install-check): `meson install` of the build tree into a
 # temporary DESTDIR, then a small program (tools/install_check/trainer.cpp: dtensor, nn, fsdp,
-# checkpoint) compiled, linked and run against the installed prefix alone, once through
-# pkg-config (dtensor-runtime.pc) and once through CMake (find_package(dtensor_runtime)).
+# checkpoint) compiled, linked and run against the installed prefix alone, once by a meson
+# project through pkg-config (dtensor-runtime.pc) and once by a CMake project
+# (find_package(dtensor_runtime)).
 # Also checks that the installed headers are exactly the public ones of the source tree, that
 # they compile together with nothing but the installed include folder, that the programs are
 # in bin/, and that no installed file names the source or build tree.
@@ -12,7 +13,7 @@ src=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=$(cd "$1" && pwd)
 prefix=$2 libdir=$3 includedir=$4 bindir=$5
 fail() { echo "install-check: $*" >&2; exit 1; }
-for tool in pkg-config cmake c++; do
+for tool in pkg-config cmake c++ meson ninja; do
   command -v "$tool" >/dev/null || fail "$tool not found (tools/setup.sh installs it)"
 done
 
@@ -45,20 +46,26 @@ fi
 
 # One translation unit including every installed header, next to the program.
 sed 's|.*|#include "&"|' "$tmp/got" >"$tmp/all_headers.cpp"
-cp "$src/tools/install_check/trainer.cpp" "$src/tools/install_check/CMakeLists.txt" "$tmp/"
+cp "$src/tools/install_check/trainer.cpp" "$src/tools/install_check/CMakeLists.txt" \
+   "$src/tools/install_check/meson.build" "$tmp/"
 cd "$tmp"
 expect() {  # expect OUTPUT_FILE: the program's lines
   grep -q 'dtensor: S(0) -> R gives element \[3,1\] = 7' "$1" && grep -q 'fsdp: a Linear sharded with 2 parameters' "$1" \
     && grep -q 'checkpoint: refused a missing directory' "$1" || { cat "$1"; fail "unexpected output"; }
 }
 
-# pkg-config (the .pc is relocatable: its prefix is found from its own place).
+# pkg-config (the .pc is relocatable: its prefix is found from its own place): every installed
+# header in one translation unit with only its --cflags, then the program built by a meson
+# project, as a user's out-of-tree trainer would be.
 export PKG_CONFIG_PATH=$lib/pkgconfig
-flags=$(pkg-config --cflags --libs dtensor-runtime) || fail "pkg-config cannot resolve dtensor-runtime"
+cflags=$(pkg-config --cflags dtensor-runtime) && pkg-config --libs dtensor-runtime >/dev/null \
+  || fail "pkg-config cannot resolve dtensor-runtime"
 # shellcheck disable=SC2086  # the flags are words
-c++ -std=c++20 -O1 -o trainer-pc trainer.cpp all_headers.cpp $flags 2>compile.log \
-  || { cat compile.log; echo "flags: $flags"; fail "building against the installed prefix with pkg-config failed"; }
-./trainer-pc >run-pc.txt 2>&1 || { cat run-pc.txt; fail "the pkg-config build did not run"; }
+c++ -std=c++20 -fsyntax-only all_headers.cpp $cflags 2>compile.log \
+  || { cat compile.log; echo "cflags: $cflags"; fail "the installed headers do not compile with pkg-config's flags alone"; }
+meson setup meson-build >meson.log 2>&1 && ninja -C meson-build >>meson.log 2>&1 \
+  || { cat meson.log; fail "building against the installed prefix with meson and pkg-config failed"; }
+meson-build/trainer >run-pc.txt 2>&1 || { cat run-pc.txt; fail "the meson (pkg-config) build did not run"; }
 expect run-pc.txt
 
 # CMake.
@@ -67,4 +74,4 @@ cmake -S . -B cmake-build -DCMAKE_PREFIX_PATH="$root" -DCMAKE_BUILD_TYPE=Release
 cmake --build cmake-build >>cmake.log 2>&1 || { cat cmake.log; fail "building against the installed prefix with CMake failed"; }
 cmake-build/trainer >run-cmake.txt 2>&1 || { cat run-cmake.txt; fail "the CMake build did not run"; }
 expect run-cmake.txt
-echo "install-check: $(wc -l <"$tmp/got") headers, libdtensor-runtime.a, pkg-config and CMake builds ran"
+echo "install-check: $(wc -l <"$tmp/got") headers, libdtensor-runtime.a, meson/pkg-config and CMake builds ran"
