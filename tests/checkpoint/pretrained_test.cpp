@@ -6,6 +6,7 @@
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -147,6 +148,24 @@ void load_and_compare(const Layout& l, const std::string& path, const nn::NamedT
   });
 }
 
+// Rewrites the safetensors file `path` with `key` dropped from its __metadata__ (our checkpoint's
+// files less our marker are the files PyTorch's DCP writes).
+void drop_metadata_key(const fs::path& path, const std::string& key) {
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  in.close();
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  nlohmann::json header = nlohmann::json::parse(bytes.substr(8, n));
+  header["__metadata__"].erase(key);
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  const uint64_t m = text.size();
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(&m), 8);
+  out << text << bytes.substr(8 + n);
+}
+
 }  // namespace
 
 TEST_CASE("load_pretrained: a consolidated bf16 safetensors file into meta models of every layout", "[checkpoint]") {
@@ -187,7 +206,7 @@ TEST_CASE("load_pretrained: an index of two files, and checkpoint directories", 
     load_and_compare(layouts()[2], tmp.str(), ref, dir_checks, 4);
     dir_checks.report();
   }
-  SECTION("our checkpoint directory, saved under TP 2, into meta FSDP 4 and FSDP x TP 2x2") {
+  SECTION("our checkpoint directory and PyTorch's (its files alone), saved under TP 2, into meta FSDP 4 and FSDP x TP 2x2") {
     TempDir tmp("ours");
     collectives::run_ranks(2, [&](Communicator& world) {
       auto comms = MeshComms::create(DeviceMesh::from_shape({2}, {"tp"}), world);
@@ -198,21 +217,38 @@ TEST_CASE("load_pretrained: an index of two files, and checkpoint directories", 
       so.block_bytes = 0;  // chunk checksums only: a resharded read verifies whole chunks
       checkpoint::save(tmp.str("ck"), m.state_dict(), world, so);
     });
+    // PyTorch's DCP directory: the same safetensors files (DCP_SHARDING_INFO offsets), no
+    // checkpoint.json.
+    fs::copy(tmp.str("ck"), tmp.str("pt"));
+    fs::remove(fs::path(tmp.str("pt")) / checkpoint::kMetadataFile);
+    int rewritten = 0;
+    for (const auto& e : fs::directory_iterator(tmp.str("pt")))
+      if (e.path().extension() == ".safetensors") {
+        drop_metadata_key(e.path(), "dtensor_runtime");
+        ++rewritten;
+      }
+    REQUIRE(rewritten >= 2);
+    REQUIRE(checkpoint::read_metadata(tmp.str("pt")).foreign);
     testing_support::Checks checks;
-    for (const Layout& l : {layouts()[1], layouts()[4]}) {
-      const DeviceMesh mesh = DeviceMesh::from_shape(l.mesh, l.names);
-      collectives::run_ranks(static_cast<int>(mesh.size()), [&](Communicator& world) {
-        auto comms = MeshComms::create(mesh, world);
-        auto m = meta_model(l, comms);
-        const checkpoint::LoadStats st = checkpoint::load_pretrained(tmp.str("ck"), *m, world);
-        checks.check(st.bytes_read >= st.bytes_needed && st.bytes_needed > 0, l.what + ": bytes read / needed");
-        for (const auto& [n, t] : ref) {
-          const Tensor full = m->parameter(n).data().full_tensor();
-          checks.check(full.to_vector() == t.to_vector(), l.what + ": " + n + " differs");
-        }
-      });
-    }
+    int loaded = 0;
+    for (const std::string dir : {"ck", "pt"})
+      for (const Layout& l : {layouts()[1], layouts()[4]}) {
+        const DeviceMesh mesh = DeviceMesh::from_shape(l.mesh, l.names);
+        collectives::run_ranks(static_cast<int>(mesh.size()), [&](Communicator& world) {
+          auto comms = MeshComms::create(mesh, world);
+          auto m = meta_model(l, comms);
+          const checkpoint::LoadStats st = checkpoint::load_pretrained(tmp.str(dir), *m, world);
+          checks.check(st.bytes_read >= st.bytes_needed && st.bytes_needed > 0,
+                       dir + " " + l.what + ": bytes read / needed");
+          for (const auto& [n, t] : ref) {
+            const Tensor full = m->parameter(n).data().full_tensor();
+            checks.check(full.to_vector() == t.to_vector(), dir + " " + l.what + ": " + n + " differs");
+          }
+        });
+        ++loaded;
+      }
     checks.report();
+    CHECK(loaded == 4);
   }
 }
 
