@@ -60,6 +60,10 @@ class QueueWork final : public Work {
   bool settle(Milliseconds timeout) override { return queue_->settle(call_, deadline_after(timeout)); }
   std::string describe() const override { return queue_->status(call_); }
   void give_up(const std::string& why) override { queue_->give_up(call_, why); }
+  bool on_finish(std::function<void()> fn) override {
+    queue_->on_finish(call_, std::move(fn));
+    return true;
+  }
   bool has_finished() const { return call_->has_finished(); }
 
  private:
@@ -150,13 +154,25 @@ void CallQueue::finish(QueuedCall& c, std::exception_ptr error) {
     c.state_ = State::kDone;
   }
   c.finished_.store(true);
+  if (c.on_finish_) std::exchange(c.on_finish_, nullptr)();
   cv_.notify_all();
+}
+
+void CallQueue::on_finish(const std::shared_ptr<QueuedCall>& call, std::function<void()> fn) {
+  std::unique_lock lk(mu_);
+  if (!is_finished(*call)) {
+    call->on_finish_ = std::move(fn);
+    return;
+  }
+  lk.unlock();
+  fn();
 }
 
 void CallQueue::fail_locked(QueuedCall& c, std::string why, std::vector<WorkPtr>& released) {
   c.state_ = State::kFailed;
   c.error_ = std::move(why);
   c.finished_.store(true);
+  if (c.on_finish_) std::exchange(c.on_finish_, nullptr)();
   for (WorkPtr& d : c.deps_) released.push_back(std::move(d));
   c.deps_.clear();
   cv_.notify_all();

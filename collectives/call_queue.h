@@ -81,6 +81,7 @@ class QueuedCall {
   std::string error_;
   std::exception_ptr exception_;  // a host task's own exception, rethrown by wait()
   std::vector<WorkPtr> deps_;
+  std::function<void()> on_finish_;  // Work::on_finish; run once by whoever finishes the call
 };
 
 // Runs a function as a queue entry (Communicator::host_task).
@@ -205,6 +206,8 @@ class CallQueue : public std::enable_shared_from_this<CallQueue> {
   void wait(const std::shared_ptr<QueuedCall>& call, Milliseconds timeout);
   bool poll(const std::shared_ptr<QueuedCall>& call);
   bool finished(const QueuedCall& call) const;
+  // Work::on_finish: fn runs under the queue's lock when the call finishes (or now).
+  void on_finish(const std::shared_ptr<QueuedCall>& call, std::function<void()> fn);
   std::string status(const std::shared_ptr<QueuedCall>& call) const;
   // Fails a call nobody will wait for (the rest of a failed batch).
   void give_up(const std::shared_ptr<QueuedCall>& call, const std::string& why);

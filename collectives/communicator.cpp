@@ -72,7 +72,84 @@ CollectiveCall Call::summary() const {
 WorkPtr Communicator::submit(Call call) {
   detail::validate(call, *this);
   check_backend(call);
-  return issue(call);
+  if (tracer_ == nullptr) return issue(call);
+  return traced_issue(call);
+}
+
+namespace {
+
+// A Work whose backend cannot report its end (Work::on_finish): the end is the first moment a
+// caller sees it finished.
+class TracedWork final : public Work {
+ public:
+  TracedWork(WorkPtr inner, std::function<void()> done) : inner_(std::move(inner)), done_(std::move(done)) {}
+  ~TracedWork() override { seen(); }
+  void wait(Milliseconds timeout) override {
+    try {
+      inner_->wait(timeout);
+    } catch (...) {
+      seen();
+      throw;
+    }
+    seen();
+  }
+  bool completed() override { return inner_->completed() && (seen(), true); }
+  bool settle(Milliseconds timeout) override { return inner_->settle(timeout) && (seen(), true); }
+  std::string describe() const override { return inner_->describe(); }
+  void give_up(const std::string& why) override { inner_->give_up(why); }
+
+ private:
+  void seen() {
+    if (done_) std::exchange(done_, nullptr)();
+  }
+  WorkPtr inner_;
+  std::function<void()> done_;
+};
+
+}  // namespace
+
+WorkPtr Communicator::traced_issue(const Call& call) {
+  const CollectiveCall sum = call.summary();
+  auto event = std::make_shared<kernels::TraceEvent>();
+  event->name = std::string(to_string(call.kind));
+  event->category = "collective";
+  event->lane = "comm " + name_;
+  event->pid = global_rank();
+  event->args = {{"call", to_string(sum)}, {"group", name_}, {"ranks", fmt::format("[{}]", fmt::join(ranks_, ","))}};
+  if (!trace_label_.empty()) event->args.emplace_back("label", trace_label_);
+  const int64_t item = static_cast<int64_t>(kernels::itemsize(sum.dtype));
+  event->numbers = {{"bytes", std::max(sum.in_count, sum.out_count) * item},
+                    {"in_bytes", sum.in_count * item},
+                    {"out_bytes", sum.out_count * item},
+                    {"group_size", size()}};
+  event->ts_ns = kernels::Tracer::now_ns();
+  WorkPtr work = issue(call);
+  std::function<void()> done = [tracer = tracer_, event] {
+    event->dur_ns = kernels::Tracer::now_ns() - event->ts_ns;
+    tracer->record(std::move(*event));
+  };
+  if (work->on_finish(done)) return work;
+  return std::make_shared<TracedWork>(std::move(work), std::move(done));
+}
+
+void Communicator::traced_wait(const WorkPtr& work) {
+  const int64_t start = kernels::Tracer::now_ns();
+  auto record = [&] {
+    tracer_->record({.name = "wait",
+                     .category = "wait",
+                     .lane = "waits",
+                     .pid = global_rank(),
+                     .ts_ns = start,
+                     .dur_ns = kernels::Tracer::now_ns() - start,
+                     .args = {{"on", work->describe()}}});
+  };
+  try {
+    work->wait(timeout_);
+  } catch (...) {
+    record();
+    throw;
+  }
+  record();
 }
 
 WorkPtr forward(Communicator& comm, const Call& c) {

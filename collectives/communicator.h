@@ -41,6 +41,7 @@
 
 #include "kernels/reduce_op.h"
 #include "kernels/tensor.h"
+#include "kernels/trace.h"
 
 namespace collectives {
 
@@ -93,6 +94,13 @@ class Work {
   // Fails a pending call with `why` as a timed-out wait() would (the caller stops waiting for
   // it; the members waiting for this rank in it learn why). No effect once it has finished.
   virtual void give_up(const std::string& why) = 0;
+  // Tracing: arranges for fn to run once, on whichever thread finishes the call (completed or
+  // failed), at once when it has finished already; false where the backend cannot tell (the
+  // tracer then takes the moment a caller first sees it finished). fn must not block or throw.
+  virtual bool on_finish(std::function<void()> fn) {
+    (void)fn;
+    return false;
+  }
 };
 using WorkPtr = std::shared_ptr<Work>;
 
@@ -181,7 +189,23 @@ class Communicator {
   // Default timeout of wait() without an argument.
   Milliseconds timeout() const { return timeout_; }
   void set_timeout(Milliseconds t) { timeout_ = t; }
-  void wait(const WorkPtr& work) { work->wait(timeout_); }
+  void wait(const WorkPtr& work) {
+    if (tracer_ == nullptr) return work->wait(timeout_);
+    traced_wait(work);
+  }
+
+  // Tracing (kernels/trace.h; off while null: one branch per call, no allocation). Each
+  // collective becomes an event from issue to completion on lane "comm <name()>" of process
+  // global_rank(), with its kind, bytes, group and label as arguments; wait(work) an event on lane
+  // "waits". Splits made after this inherit the tracer. REQUIRES: the tracer outlives the
+  // communicator and its splits.
+  void set_tracer(kernels::Tracer* tracer) { tracer_ = tracer; }
+  kernels::Tracer* tracer() const { return tracer_; }
+  int global_rank() const { return ranks_[static_cast<size_t>(rank_)]; }
+  // The "label" argument of the next calls' events (e.g. the placement transition a redistribute
+  // step makes); TraceLabel sets it for a scope.
+  const std::string& trace_label() const { return trace_label_; }
+  void set_trace_label(std::string label) { trace_label_ = std::move(label); }
 
   // The collectives (NOTE [call contract] for the checks and the aliasing rules). All buffers are
   // contiguous (send_recv: see p2p_views), one dtype per call, on a device the backend moves.
@@ -275,11 +299,38 @@ class Communicator {
 
  private:
   WorkPtr submit(Call call);
+  WorkPtr traced_issue(const Call& call);
+  void traced_wait(const WorkPtr& work);
 
   int rank_;
   std::vector<int> ranks_;
   std::string name_;
   Milliseconds timeout_;
+  kernels::Tracer* tracer_ = nullptr;
+  std::string trace_label_;
+};
+
+// Sets comm's trace label to make() for a scope, and back after; make() runs only while comm is
+// traced, so an untraced call site allocates nothing.
+//   const TraceLabel label(comm, [&] { return fmt::format("{} -> {}", before, after); });
+class TraceLabel {
+ public:
+  template <class Make>
+  TraceLabel(Communicator& comm, Make&& make) : comm_(comm.tracer() != nullptr ? &comm : nullptr) {
+    if (comm_ != nullptr) {
+      previous_ = comm_->trace_label();
+      comm_->set_trace_label(make());
+    }
+  }
+  ~TraceLabel() {
+    if (comm_ != nullptr) comm_->set_trace_label(std::move(previous_));
+  }
+  TraceLabel(const TraceLabel&) = delete;
+  TraceLabel& operator=(const TraceLabel&) = delete;
+
+ private:
+  Communicator* comm_;
+  std::string previous_;
 };
 
 // Issues `call` on `comm` through the public method of its kind (so `comm` validates it again):

@@ -873,7 +873,9 @@ std::unique_ptr<Communicator> LocalCommunicator::split(std::span<const int> grou
   queue_->push(call, timeout())->wait(timeout());
   std::shared_ptr<LocalGroup> g = call->split_result();
   const auto it = std::find(g->ranks.begin(), g->ranks.end(), ranks()[rank()]);
-  return std::make_unique<LocalCommunicator>(g, static_cast<int>(it - g->ranks.begin()), timeout());
+  auto child = std::make_unique<LocalCommunicator>(g, static_cast<int>(it - g->ranks.begin()), timeout());
+  child->set_tracer(tracer());
+  return child;
 }
 
 }  // namespace detail

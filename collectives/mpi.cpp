@@ -740,7 +740,9 @@ std::unique_ptr<Communicator> MpiCommunicator::split(std::span<const int> group,
                                   std::move(new_name), static_cast<int>(slot), true);
   st->check_comm = check;
   st->worker = st->world->thread_multiple;
-  return std::make_unique<MpiCommunicator>(std::move(st), timeout(), check_calls_);
+  auto child = std::make_unique<MpiCommunicator>(std::move(st), timeout(), check_calls_);
+  child->set_tracer(tracer());
+  return child;
 }
 
 }  // namespace

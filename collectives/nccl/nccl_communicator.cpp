@@ -578,7 +578,9 @@ std::unique_ptr<Communicator> NcclCommunicator::split(std::span<const int> group
           what, count, child_rank, group.size(), key));
     }
   }
-  return make_communicator(child, s.device, key, std::move(global), std::move(new_name), timeout());
+  std::unique_ptr<Communicator> made = make_communicator(child, s.device, key, std::move(global), std::move(new_name), timeout());
+  made->set_tracer(tracer());
+  return made;
 }
 
 enum Readiness : int32_t { kReady = 1, kNoGpu = 0, kBadArgument = -1, kFailed = -2 };

@@ -520,6 +520,9 @@ class Issuer {
       m_ = mesh_dim_of(step);
       k_ = comms_.mesh().size(m_);
       r_ = comms_.coord()[m_];
+      const collectives::TraceLabel label(comm(), [&] {  // the trace's "label": the transition
+        return fmt::format("{} -> {} on mesh dim {} ({})", to_string(before), to_string(*after_), m_, to_string(step));
+      });
       const bool final_step = i + 1 == plan_.steps.size();
       dests_.clear();  // only the final step may write into the caller's outs
       if (final_step && !outs_.empty()) {
@@ -1105,6 +1108,8 @@ bool ExecHandle::ready() {
 
 std::span<const Tensor> ExecHandle::wait(Milliseconds timeout) {
   if (done_ == works_.size() && !failed_) return results();
+  const kernels::TraceSpan span(used_.empty() ? nullptr : used_[0]->tracer(), used_.empty() ? 0 : used_[0]->global_rank(),
+                                "waits", "redistribute wait");
   // One call left (a one-collective transition): its own timeout is the whole budget, no clock.
   const auto deadline = done_ + 1 == works_.size() ? std::chrono::steady_clock::time_point{}
                                                    : std::chrono::steady_clock::now() + timeout;
