@@ -136,7 +136,7 @@ void Communicator::traced_wait(const WorkPtr& work) {
   const int64_t start = kernels::Tracer::now_ns();
   auto record = [&] {
     tracer_->record({.name = "wait",
-                     .category = "wait",
+                     .category = "waits",
                      .lane = "waits",
                      .pid = global_rank(),
                      .ts_ns = start,

@@ -51,6 +51,14 @@
 //   fsdp-train --tp 2 --steps 20 --save-dir ck --save-every 10
 //   fsdp-train --tp 4 --steps 20 --resume-from ck/step-00000010 --check-parity
 //
+// --trace FILE writes a Chrome trace of the run (open it in ui.perfetto.dev): per rank, lane
+// "compute" holds each step with its forward, backward and optimizer spans, one "comm <group>"
+// lane per communicator each collective from issue to completion (arguments: bytes, group, the
+// placement transition a redistribute step makes), lane "waits" the waits on collectives and
+// redistributes. Under mpirun rank 0 gathers every rank's events and writes the one file.
+//
+//   fsdp-train --dp-shard 2 --steps 2 --trace step.json
+//
 // A non-finite loss or gradient norm stops the run at that step (exit 1, one line naming the step
 // and the value). --timeout-ms bounds every wait (a collective, the mpi closing barrier); under
 // mpirun a failure is printed at once by the rank it happened on (invalid input by rank 0 only).
@@ -85,7 +93,10 @@
 #include "kernels/checked.h"
 #include "kernels/device.h"
 #include "kernels/error.h"
+#include "kernels/file_io.h"
+#include "kernels/trace.h"
 #include "checkpoint/checkpoint.h"
+#include "collectives/trace.h"
 #include "nn/memory.h"
 #include "nn/module.h"
 #include "nn/optim.h"
@@ -144,6 +155,7 @@ struct Args {
   bool estimate = false;
   int64_t memory_limit = 0;  // bytes per rank; 0: none
   bool activation_checkpointing = false;
+  std::string trace;  // Chrome trace file; empty: none
 };
 
 // A byte count: 1..2^63-1, parsed exactly (CLI11 alone saturates values past int64).
@@ -272,6 +284,8 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   if (tp > 1) nn::parallelize_module(model, plan.tp_dim, nn::gpt_tensor_parallel_plan(cfg, a.sequence_parallel, true));
   const nn::NamedParameters params = model.named_parameters();
   const bool rank0 = world.rank() == 0;
+  kernels::Tracer* const tracer = world.tracer();  // null: not traced
+  const int me = world.global_rank();
   const bool bf16 = a.mp == "bf16";
   auto initialise = [&] {
     if (a.init_from.empty()) {
@@ -486,6 +500,8 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   cache->reset_peak();
   for (int step = first_step; step < a.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
+    const std::string step_name = tracer != nullptr ? fmt::format("step {}", step + 1) : std::string();
+    const kernels::TraceSpan step_span(tracer, me, "compute", step_name);
     double step_loss = 0;
     for (int m = 0; m < a.grad_accum; ++m) {
       auto [ids_full, targets_full] =
@@ -493,18 +509,22 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
       const DTensor ids = as_batch(ids_full), targets = as_batch(targets_full);
       if (root && a.no_sync) root->set_requires_gradient_sync(m + 1 == a.grad_accum);
       nn::Ctx ctx(&ops), lctx(&ops);
+      std::optional<kernels::TraceSpan> span(std::in_place, tracer, me, "compute", "forward");
       DTensor logits = model.forward(ctx, ids);
       DTensor loss = loss_fn.forward(lctx, logits, targets);
       const double micro_loss = loss.full_tensor().to(kernels::Device{}).item({});
+      span.reset();
       // The same value on every rank (a replicated scalar): every rank stops at the same step.
       if (!std::isfinite(micro_loss))
         throw Diverged(fmt::format("step {}/{}: the loss is {}{}; the training diverged (try a smaller --lr)",
                                    step + 1, a.steps, micro_loss,
                                    a.grad_accum > 1 ? fmt::format(" in microbatch {}", m + 1) : ""));
       step_loss += micro_loss / a.grad_accum;
+      span.emplace(tracer, me, "compute", "backward");
       DTensor dlogits = loss_fn.backward(lctx, dloss);
       model.backward(ctx, dlogits);
     }
+    std::optional<kernels::TraceSpan> optimizer_span(std::in_place, tracer, me, "compute", "optimizer");
     if (bf16 && !use_fsdp)
       for (size_t i = 0; i < params.size(); ++i) {
         if (params[i].second->grad()) master[i].second->grad() = cast(*params[i].second->grad(), DType::kF32);
@@ -532,6 +552,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
           } catch (const kernels::InvalidArgument&) {
           }
     opt->zero_grad();
+    optimizer_span.reset();
     if (bf16 && !use_fsdp)
       for (size_t i = 0; i < params.size(); ++i) {
         Tensor compute = params[i].second->data().to_local();
@@ -898,6 +919,24 @@ int finish(const Args& a, const Outcome& o) {
   return o.parity == "fail" ? program::kMismatch : program::kOk;
 }
 
+// --trace's file, created by world rank 0 before any work; every rank learns whether it could be
+// (so all of them stop with exit 2, rank 0 naming the path, when it cannot).
+std::optional<kernels::File> open_trace_agreed(const std::string& path, Communicator& world) {
+  std::optional<kernels::File> file;
+  std::string why;
+  if (world.rank() == 0) try {
+      file = kernels::File::create(path);
+    } catch (const kernels::Error& e) {
+      why = e.what();
+    }
+  Tensor ok = Tensor::full({1}, why.empty() ? 1.0 : 0.0, DType::kF64);
+  world.wait(world.broadcast(ok, 0));
+  if (ok.item({0}) == 0.0)
+    throw kernels::InvalidArgument(world.rank() == 0 ? fmt::format("--trace {}: {}", path, why)
+                                                     : fmt::format("--trace {}: rank 0 cannot write it", path));
+  return file;
+}
+
 // One process of an mpi job (under program::run_as_rank: invalid input is printed by rank 0
 // only, any other failure at once by the rank it happened on).
 int run_mpi_rank(const Args& a, collectives::MpiWorld& mpi) {
@@ -921,10 +960,21 @@ int run_mpi_rank(const Args& a, collectives::MpiWorld& mpi) {
   const Milliseconds timeout{a.timeout_ms};
   const std::unique_ptr<Communicator> world = mpi.communicator(timeout);
   const int threads = a.threads > 0 ? a.threads : 1;
+  kernels::Tracer tracer;
+  std::optional<kernels::File> trace_file;
+  if (!a.trace.empty()) {
+    trace_file = open_trace_agreed(a.trace, *world);
+    world->set_tracer(&tracer);
+  }
   const auto t0 = std::chrono::steady_clock::now();
   RunResult got;
   try {
     got = train(*world, a, true, true, threads, kernels::Device{});
+    if (!a.trace.empty()) {
+      world->set_tracer(nullptr);
+      std::vector<kernels::TraceEvent> events = collectives::gather_trace(*world, tracer);
+      if (trace_file) kernels::write_chrome_trace(*trace_file, events);
+    }
   } catch (const Diverged&) {  // the same on every rank: rank 0 says it (before the closing barrier)
     if (mpi.rank() == 0) program::report("fsdp-train", program::classify(std::current_exception()));
     throw program::Exit{program::kMismatch};
@@ -995,6 +1045,7 @@ int run(int argc, char** argv) {
   app.add_option("--init-from", a.init_from,
                  "load the initial weights (each rank its shards' bytes): model.safetensors, "
                  "model.safetensors.index.json or a checkpoint directory (ours, PyTorch's)");
+  app.add_option("--trace", a.trace, "write a Chrome trace of the run to FILE (ui.perfetto.dev)");
   app.add_flag("--estimate", a.estimate, "print the estimated memory per rank as JSON and exit (no training)");
   app.add_option("--memory-limit", a.memory_limit,
                  "cap every allocation of each rank at BYTES; a run whose estimate exceeds it is refused (exit 3)")
@@ -1049,19 +1100,30 @@ int run(int argc, char** argv) {
   if (est) check_memory_limit(a, *est);  // before any rank starts: nothing is allocated
   const int hw = std::max(1u, std::thread::hardware_concurrency());
   const int threads = a.threads > 0 ? a.threads : std::max(1, hw / world);
+  // --trace: the file is made before the ranks start (a path that cannot be written: exit 2).
+  kernels::Tracer tracer;
+  std::optional<kernels::File> trace_file;
+  if (!a.trace.empty()) try {
+      trace_file = kernels::File::create(a.trace);
+    } catch (const kernels::InvalidArgument& e) {
+      throw kernels::InvalidArgument(fmt::format("--trace {}: {}", a.trace, e.what()));
+    }
   std::optional<RunResult> got;
   collectives::run_ranks(
       world,
       [&](Communicator& w) {
         as_local_rank(w.rank(), [&] {
           std::unique_ptr<Communicator> gpu;
+          if (trace_file) w.set_tracer(&tracer);
           if (nccl) gpu = collectives::nccl_communicator(w, w.rank(), Milliseconds{a.timeout_ms});
+          if (gpu && trace_file) gpu->set_tracer(&tracer);
           RunResult r = train(gpu ? *gpu : w, a, true, true, threads,
                               nccl ? kernels::Device::cuda(w.rank()) : kernels::Device{});
           if (w.rank() == 0) got = std::move(r);
         });
       },
       Milliseconds{a.timeout_ms});
+  if (trace_file) kernels::write_chrome_trace(*trace_file, tracer.events());
   if (!a.check_parity) return finish(a, Outcome{std::move(got), "skipped", std::nullopt, est});
   Outcome o = check_parity(a, std::move(*got));
   o.estimate = est;

@@ -13,6 +13,7 @@
 #include "kernels/ops/chunk_cat.h"
 #include "kernels/ops/elementwise.h"
 #include "kernels/storage.h"
+#include "kernels/trace.h"
 
 namespace fsdp {
 
@@ -216,6 +217,10 @@ class Group {
     return view;
   }
 
+  // The communicators' tracer (kernels/trace.h; null: not traced) and this rank's process in it.
+  kernels::Tracer* tracer() const { return dp_comms->mesh().ndim() > 0 ? dp_comms->dim(0).tracer() : nullptr; }
+  int trace_pid() const { return dp_comms->mesh().ndim() > 0 ? dp_comms->dim(0).global_rank() : 0; }
+
   void issue_unshard() {
     if (state == State::kUnsharding || state == State::kUnsharded) return;
     if (state == State::kSharded) require_materialized();
@@ -229,6 +234,7 @@ class Group {
       DTensor src = *sharded_flat;
       if (local.dtype() != param_dtype || local.device() != compute_device) {
         ag_input = Tensor::empty(local.shape(), param_dtype, compute_device, buffer_alloc);
+        const kernels::TraceSpan span(tracer(), trace_pid(), "copies", "FSDP copy-in");
         if (local.device() == compute_device)
           kernels::chunk_cat(ag_input, {local}, kernels::ChunkCatLayout({local.shape()}, 1), opts.copy_threads);
         else
@@ -244,7 +250,9 @@ class Group {
   void wait_unshard() {
     if (state == State::kUnsharded) return;
     issue_unshard();
+    std::optional<kernels::TraceSpan> span(std::in_place, tracer(), trace_pid(), "waits", "FSDP unshard wait");
     DTensor full = ag_handle->wait();
+    span.emplace(tracer(), trace_pid(), "copies", "FSDP copy-out");
     ag_handle.reset();
     ag_input = Tensor();
     k_buffer.reset();
@@ -255,6 +263,7 @@ class Group {
     outs.reserve(slots.size());
     for (const Slot& s : slots) outs.push_back(unsharded_local(s));
     kernels::split_copy(outs, flat, layout, opts.copy_threads);
+    span.reset();
     flat_storage->free();
     for (const Slot& s : slots) {
       DTensorSpec spec = s.unsharded_spec;
@@ -441,7 +450,10 @@ class Group {
                                           slots[i].name, kernels::to_string(grads[i].shape()),
                                           kernels::to_string(slots[i].local_shape)));
     Tensor in = Tensor::empty(Dims{dp * slot_numel}, reduce_dtype, compute_device, buffer_alloc);
-    kernels::chunk_cat(in, grads, layout, opts.copy_threads);
+    {
+      const kernels::TraceSpan span(tracer(), trace_pid(), "copies", "FSDP gradient copy-in");
+      kernels::chunk_cat(in, grads, layout, opts.copy_threads);
+    }
     grads.clear();
     DTensor flat_in(dp_comms, flat_spec(filled(dp_ndim(), dtensor::Partial{}), reduce_dtype), in);
     Pending p;
@@ -475,7 +487,10 @@ class Group {
     if (!pending) return;
     Pending p = std::move(*pending);
     pending.reset();
-    p.handle.wait();
+    {
+      const kernels::TraceSpan span(tracer(), trace_pid(), "waits", "FSDP reduce-scatter wait");
+      p.handle.wait();
+    }
     p.input = Tensor();
     if (p.to_partial) {
       if (!partial_acc.defined()) partial_acc = p.out;
