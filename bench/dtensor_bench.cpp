@@ -7,6 +7,7 @@
 //   dtensor-bench --backend local --world 4 --mesh 2x2 --from 'S(0),S(1)' --to 'S(1),S(0)'
 //   mpirun --allow-run-as-root --oversubscribe -np 4 dtensor-bench --backend mpi --sizes 1K:64M
 //   dtensor-bench --host-cost                                       # framework cost per call, 1-8 ranks
+//   dtensor-bench --world 2 --from "S(0)" --to R --sizes 64K --trace t.json  # a Chrome trace
 //
 // Definitions (bench/README.md has the full table):
 //   bytes       the global tensor (a Partial source: every rank holds a full-size partial)
@@ -49,6 +50,7 @@
 #include "collectives/local.h"
 #include "collectives/mpi.h"
 #include "collectives/nccl.h"
+#include "collectives/trace.h"
 #include "dtensor/dtensor.h"
 #include "dtensor/mesh_comms.h"
 #include "dtensor/plan/planner.h"
@@ -57,6 +59,7 @@
 #include "kernels/error.h"
 #include "kernels/reduce.h"
 #include "kernels/tensor.h"
+#include "kernels/trace.h"
 
 namespace {
 
@@ -342,11 +345,16 @@ Row run_one(Env& env, const Case& c, int64_t requested_bytes) {
   RawBuffers raw = allocate_raw(row.raw_ops, opt.dtype, env.device);
   std::vector<double> ours, base;
   Communicator& world = env.world;
+  // --trace: each measured call as a span on the rank's "compute" lane.
+  kernels::Tracer* const tracer = world.tracer();
+  const std::string ours_name = tracer != nullptr ? "redistribute " + row.transition : std::string();
+  const std::string raw_name = tracer != nullptr ? "raw " + row.raw_text : std::string();
   for (int it = 0; it < opt.warmup + opt.iters; ++it) {
     const bool timed = it >= opt.warmup;
     world.wait(world.barrier());
     double t0 = bench::now_us(), t1 = 0;
     {
+      const kernels::TraceSpan span(tracer, world.global_rank(), "compute", ours_name);
       const DTensor y = x.redistribute(c.dst, ropt);
       t1 = bench::now_us();
     }  // the result is released outside the timed region
@@ -354,6 +362,7 @@ Row run_one(Env& env, const Case& c, int64_t requested_bytes) {
     if (row.has_raw && comms->in_mesh()) {
       world.wait(world.barrier());
       t0 = bench::now_us();
+      const kernels::TraceSpan span(tracer, world.global_rank(), "compute", raw_name);
       run_raw(row.raw_ops, raw, *comms);
       t1 = bench::now_us();
       if (timed) base.push_back(t1 - t0);
@@ -659,8 +668,20 @@ void run_host_costs(const Options& opt) {
                worlds.back(), {}, rows);
 }
 
+// --trace's file, made before any rank starts: a path that cannot be written is exit 2 naming it.
+kernels::File create_trace_file(const std::string& path) {
+  try {
+    return kernels::File::create(path);
+  } catch (const kernels::InvalidArgument& e) {
+    throw kernels::InvalidArgument(fmt::format("--trace {}: {}", path, e.what()));
+  }
+}
+
 int64_t run_local(const Options& opt) {
   const int n = opt.world;
+  kernels::Tracer tracer;
+  std::optional<kernels::File> trace_file;
+  if (!opt.trace_path.empty()) trace_file = create_trace_file(opt.trace_path);
   const std::vector<Case> cases = suite_cases(opt, n);
   const std::string desc = fmt::format("local ({} ranks as threads, {} hardware threads)", n,
                                        std::thread::hardware_concurrency());
@@ -671,17 +692,29 @@ int64_t run_local(const Options& opt) {
       n,
       [&](Communicator& world) {
         program::on_rank(world.rank(), [&] {
+          if (trace_file) world.set_tracer(&tracer);
           Env env{world, Device::cpu(), opt, {}, {}, {}};
           Result mine = run_rank(env, world.rank() == 0 ? &printer : nullptr, cases);
           if (world.rank() == 0) res = std::move(mine);
         });
       },
       Milliseconds{opt.timeout_ms});
+  if (trace_file) kernels::write_chrome_trace(*trace_file, tracer.events());
   return finish(opt, printer, desc, n, res);
 }
 
 int64_t run_mpi_rank(const Options& opt, collectives::MpiWorld& mpi) {
   std::unique_ptr<Communicator> world = mpi.communicator(Milliseconds{opt.timeout_ms});
+  kernels::Tracer tracer;
+  std::optional<kernels::File> trace_file;
+  if (!opt.trace_path.empty()) {
+    try {
+      trace_file = collectives::create_trace_file(*world, opt.trace_path);
+    } catch (const kernels::InvalidArgument& e) {
+      throw kernels::InvalidArgument(fmt::format("--trace {}: {}", opt.trace_path, e.what()));
+    }
+    world->set_tracer(&tracer);
+  }
   const int n = world->size();
   const std::vector<Case> cases = suite_cases(opt, n);
   // NOTE [one core per process] Each process's worker progresses its calls on the CPUs of the
@@ -706,6 +739,7 @@ int64_t run_mpi_rank(const Options& opt, collectives::MpiWorld& mpi) {
                "of np <= 2 processes to one core, --bind-to none gives them every core\n");
   Env env{*world, Device::cpu(), opt, {}, {}, {}};
   Result res = run_rank(env, world->rank() == 0 ? &printer : nullptr, cases);
+  if (!opt.trace_path.empty()) collectives::write_trace(*world, tracer, trace_file);
   if (world->rank() == 0) return finish(opt, printer, desc, n, res);
   return res.wrong();  // every rank holds the sums
 }
@@ -782,6 +816,9 @@ int main(int argc, char** argv) {
         ->check(CLI::IsMember({"auto", "mpi", "local"}))
         ->capture_default_str();
     app.add_option("--json", opt.json_path, "also write every figure as a JSON list of records");
+    app.add_option("--trace", opt.trace_path,
+                   "write a Chrome trace (ui.perfetto.dev) of the sweep to FILE: per rank the measured calls, "
+                   "each collective with its bytes and transition, the waits (local and mpi)");
     program::parse(app, argc, argv);
     opt.world_given = app.count("--world") > 0;
     opt.command_line = bench::join_args(argc, argv);
@@ -796,6 +833,9 @@ int main(int argc, char** argv) {
     opt.overlap_min = bench::parse_bytes(opt.overlap_min_text);
     if (opt.overlap && opt.host_cost) throw kernels::InvalidArgument("--overlap and --host-cost go one at a time");
     opt.target_min = bench::parse_bytes(opt.target_min_text);
+    if (!opt.trace_path.empty() && (opt.host_cost || opt.backend == "nccl"))
+      throw kernels::InvalidArgument(fmt::format("--trace {}: traces the sweep on the local and mpi backends, not {}",
+                                                 opt.trace_path, opt.host_cost ? "--host-cost" : "--backend nccl"));
     if (opt.host_cost && opt.backend != "local")
       throw kernels::InvalidArgument(fmt::format("--host-cost runs on the local backend, not {}", opt.backend));
 

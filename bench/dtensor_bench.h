@@ -48,6 +48,7 @@ struct Options {
   int64_t timeout_ms = 300'000;
   std::string bootstrap = "auto";
   std::string json_path;
+  std::string trace_path;  // --trace: a Chrome trace of the run; empty: none
 
   DType dtype = DType::kF32;
   dtensor::PlannerKind planner = dtensor::PlannerKind::kSearch;

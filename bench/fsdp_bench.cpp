@@ -15,6 +15,9 @@
 //   fsdp-bench --backend local --dp-replicate 2 --dp-shard 2
 //   mpirun -np 4 fsdp-bench --backend mpi --dp-shard 4
 //   fsdp-bench --host-cost
+//   fsdp-bench --dp-shard 2 --iters 1 --trace t.json   # a Chrome trace (ui.perfetto.dev): per rank
+//       each measured call (compute lane), forward and backward, every collective from issue to
+//       completion with its bytes and transition, FSDP's copies and waits
 //
 // Output: a Markdown table on rank 0 and one JSON object per configuration (--json FILE too).
 // Exit status: 0 ok, 2 invalid input, 4 communication failure.
@@ -27,15 +30,19 @@
 #include <nlohmann/json.hpp>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "collectives/local.h"
 #include "collectives/mpi.h"
+#include "collectives/trace.h"
 #include "dtensor/dtensor.h"
 #include "fsdp/fully_shard.h"
 #include "kernels/error.h"
+#include "kernels/file_io.h"
+#include "kernels/trace.h"
 #include "nn/memory.h"
 #include "nn/transformer.h"
 #include "program/cli.h"
@@ -60,6 +67,7 @@ struct Args {
   bool host_cost = false;
   int host_layers = 32;
   std::string json;
+  std::string trace;  // --trace FILE; empty: none
 };
 
 using program::median;
@@ -115,17 +123,22 @@ std::vector<Row> measure(Communicator& world, const Args& a, int threads) {
   }
   const DTensor x = dtensor::distribute_tensor(ids, comms, batch_pl, std::nullopt);
   const DTensor y = dtensor::distribute_tensor(tgt, comms, batch_pl, std::nullopt);
+  kernels::Tracer* const tracer = world.tracer();  // --trace; null: off
+  const int me = world.global_rank();
   auto run_step = [&](nn::GPT& m) {
     nn::Ctx ctx(&ops), lctx(&ops);
+    std::optional<kernels::TraceSpan> span(std::in_place, tracer, me, "compute", "forward");
     DTensor loss = loss_fn.forward(lctx, m.forward(ctx, x), y);
+    span.emplace(tracer, me, "compute", "backward");
     m.backward(ctx, loss_fn.backward(lctx));
     m.zero_grad();
   };
   auto step = [&] { run_step(model); };
   auto compute_only = [&] { run_step(plain); };
-  auto timed = [&](const std::function<void()>& fn) {
+  auto timed = [&](const char* what, const std::function<void()>& fn) {
     world.wait(world.barrier());
     const double t0 = now();
+    const kernels::TraceSpan span(tracer, me, "compute", what);
     fn();
     world.wait(world.barrier());
     return now() - t0;
@@ -185,13 +198,15 @@ std::vector<Row> measure(Communicator& world, const Args& a, int threads) {
   }
   // Rounds interleave every measurement, so load drift hits all alike.
   for (int i = 0; i < a.iters; ++i) {
-    compute.push_back(timed(compute_only));
-    comm.push_back(timed(comm_only));
+    compute.push_back(timed("compute alone", compute_only));
+    comm.push_back(timed("communication alone", comm_only));
     for (size_t k = 0; k < a.prefetch.size(); ++k) {
       set_prefetch(a.prefetch[k]);
       step();  // the first step of a mode records its order
       total->reset_peak();
-      steps[k].push_back(timed(step));
+      static constexpr const char* kStepNames[] = {"FSDP step, prefetch 0", "FSDP step, prefetch 1",
+                                                   "FSDP step, prefetch 2"};
+      steps[k].push_back(timed(kStepNames[a.prefetch[k]], step));
       peaks[k] = std::max(peaks[k], total->peak_bytes());
     }
   }
@@ -272,6 +287,7 @@ int run(int argc, char** argv) {
   app.add_flag("--host-cost", a.host_cost, "also FSDP's host time per group per step (one rank)");
   app.add_option("--host-layers", a.host_layers, "blocks of the host-cost model");
   app.add_option("--json", a.json, "also write the JSON lines here");
+  app.add_option("--trace", a.trace, "write a Chrome trace (ui.perfetto.dev) of the measured steps to FILE");
   program::parse(app, argc, argv);  // --help: exit 0; a bad option: one line, exit 2
   for (int p : a.prefetch)
     if (p < 0 || p > 2) throw kernels::InvalidArgument(fmt::format("--prefetch {}: expected 0, 1 or 2", p));
@@ -281,6 +297,11 @@ int run(int argc, char** argv) {
   std::vector<Row> rows;
   int rank = 0;
   std::unique_ptr<collectives::MpiWorld> mpi;
+  kernels::Tracer tracer;
+  std::optional<kernels::File> trace_file;
+  auto trace_error = [&](const kernels::InvalidArgument& e) {
+    return kernels::InvalidArgument(fmt::format("--trace {}: {}", a.trace, e.what()));
+  };
   if (a.backend == "mpi") {
     mpi = std::make_unique<collectives::MpiWorld>(&argc, &argv);
     auto w = mpi->communicator();
@@ -288,13 +309,29 @@ int run(int argc, char** argv) {
     if (w->size() != world_size)
       throw kernels::InvalidArgument(fmt::format("mpirun started {} processes for {} x {} ranks", w->size(),
                                                  a.dp_replicate, a.dp_shard));
+    if (!a.trace.empty()) {
+      try {
+        trace_file = collectives::create_trace_file(*w, a.trace);
+      } catch (const kernels::InvalidArgument& e) {
+        throw trace_error(e);
+      }
+      w->set_tracer(&tracer);
+    }
     rows = measure(*w, a, a.threads > 0 ? a.threads : 1);
+    if (!a.trace.empty()) collectives::write_trace(*w, tracer, trace_file);
   } else {
+    if (!a.trace.empty()) try {  // before any rank starts
+        trace_file = kernels::File::create(a.trace);
+      } catch (const kernels::InvalidArgument& e) {
+        throw trace_error(e);
+      }
     const int hw = std::max(1u, std::thread::hardware_concurrency());
     collectives::run_ranks(world_size, [&](Communicator& w) {
+      if (trace_file) w.set_tracer(&tracer);
       auto r = measure(w, a, a.threads > 0 ? a.threads : std::max(1, hw / world_size));
       if (w.rank() == 0) rows = r;
     });
+    if (trace_file) kernels::write_chrome_trace(*trace_file, tracer.events());
   }
   if (rank != 0) return 0;
   const std::string mode = a.dp_replicate > 1 ? fmt::format("HSDP {}x{}", a.dp_replicate, a.dp_shard)

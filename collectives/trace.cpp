@@ -5,6 +5,7 @@
 #include <iterator>
 
 #include "kernels/checked.h"
+#include "kernels/error.h"
 
 namespace collectives {
 
@@ -33,6 +34,29 @@ std::vector<kernels::TraceEvent> gather_trace(Communicator& world, const kernels
     std::move(theirs.begin(), theirs.end(), std::back_inserter(events));
   }
   return events;
+}
+
+std::optional<kernels::File> create_trace_file(Communicator& world, const std::string& path) {
+  std::optional<kernels::File> file;
+  std::string why;
+  if (world.rank() == 0) try {
+      file = kernels::File::create(path);
+    } catch (const kernels::Error& e) {
+      why = e.what();
+      if (why.empty()) why = "cannot create '" + path + "'";
+    }
+  Tensor ok = Tensor::empty({1}, kernels::DType::kI32);
+  ok.data<int32_t>()[0] = why.empty() ? 1 : 0;
+  world.wait(world.broadcast(ok, 0));
+  if (ok.data<int32_t>()[0] == 0)
+    throw kernels::InvalidArgument(world.rank() == 0 ? why : "rank 0 cannot create '" + path + "'");
+  return file;
+}
+
+void write_trace(Communicator& world, const kernels::Tracer& tracer, std::optional<kernels::File>& file) {
+  world.set_tracer(nullptr);
+  const std::vector<kernels::TraceEvent> events = gather_trace(world, tracer);
+  if (file) kernels::write_chrome_trace(*file, events);
 }
 
 }  // namespace collectives

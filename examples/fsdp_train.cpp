@@ -919,24 +919,6 @@ int finish(const Args& a, const Outcome& o) {
   return o.parity == "fail" ? program::kMismatch : program::kOk;
 }
 
-// --trace's file, created by world rank 0 before any work; every rank learns whether it could be
-// (so all of them stop with exit 2, rank 0 naming the path, when it cannot).
-std::optional<kernels::File> open_trace_agreed(const std::string& path, Communicator& world) {
-  std::optional<kernels::File> file;
-  std::string why;
-  if (world.rank() == 0) try {
-      file = kernels::File::create(path);
-    } catch (const kernels::Error& e) {
-      why = e.what();
-    }
-  Tensor ok = Tensor::full({1}, why.empty() ? 1.0 : 0.0, DType::kF64);
-  world.wait(world.broadcast(ok, 0));
-  if (ok.item({0}) == 0.0)
-    throw kernels::InvalidArgument(world.rank() == 0 ? fmt::format("--trace {}: {}", path, why)
-                                                     : fmt::format("--trace {}: rank 0 cannot write it", path));
-  return file;
-}
-
 // One process of an mpi job (under program::run_as_rank: invalid input is printed by rank 0
 // only, any other failure at once by the rank it happened on).
 int run_mpi_rank(const Args& a, collectives::MpiWorld& mpi) {
@@ -963,18 +945,18 @@ int run_mpi_rank(const Args& a, collectives::MpiWorld& mpi) {
   kernels::Tracer tracer;
   std::optional<kernels::File> trace_file;
   if (!a.trace.empty()) {
-    trace_file = open_trace_agreed(a.trace, *world);
+    try {
+      trace_file = collectives::create_trace_file(*world, a.trace);
+    } catch (const kernels::InvalidArgument& e) {
+      throw kernels::InvalidArgument(fmt::format("--trace {}: {}", a.trace, e.what()));
+    }
     world->set_tracer(&tracer);
   }
   const auto t0 = std::chrono::steady_clock::now();
   RunResult got;
   try {
     got = train(*world, a, true, true, threads, kernels::Device{});
-    if (!a.trace.empty()) {
-      world->set_tracer(nullptr);
-      std::vector<kernels::TraceEvent> events = collectives::gather_trace(*world, tracer);
-      if (trace_file) kernels::write_chrome_trace(*trace_file, events);
-    }
+    if (!a.trace.empty()) collectives::write_trace(*world, tracer, trace_file);
   } catch (const Diverged&) {  // the same on every rank: rank 0 says it (before the closing barrier)
     if (mpi.rank() == 0) program::report("fsdp-train", program::classify(std::current_exception()));
     throw program::Exit{program::kMismatch};
