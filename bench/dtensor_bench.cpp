@@ -645,7 +645,7 @@ OverlapRow run_overlap_one(Env& env, const Case& c, int64_t requested_bytes) {
   // overran by a median 66 us on our 2-vCPU VM (28 us with 1 ns: the timer's own wake-up), so at
   // the rows where comm < 1 ms the compute was up to 2x the transition it stood in for, and
   // `exposed` there counted the overrun as hidden transition (local 2 ranks: 9-11 of 14 rows
-  // within 0.10 before, 6-8 after; bench/RESULTS.md).
+  // within 0.10 before, 6-8 after; recorded in commit bd305d9).
   const TimerSlack precise_sleeps;  // NOTE [overlap conditions]: the sleeps last what they are asked
   for (int it = 0; it < opt.warmup; ++it) (void)timed(transition);
   std::vector<double> warm;

@@ -13,6 +13,7 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <tuple>
 #include <unordered_map>
 
 #include "checkpoint/internal.h"
@@ -732,7 +733,7 @@ void verify_blocks(const std::string& dir, const ChunkInfo& c, uint64_t item, co
 Tensor read_region(FileCache& files, const std::string& key, const TensorInfo& ti, const ChunkInfo& c,
                    const Dims& want_off, const Dims& want_size, Verify verify, LoadStats& stats,
                    const Tensor& into = Tensor()) {
-  const bool direct = into.defined() && into.is_contiguous() && into.device().is_cpu();
+  const bool direct = into.defined() && into.is_contiguous() && into.device().is_cpu() && into.dtype() == ti.dtype;
   const int nd = ti.shape.size();
   const uint64_t item = kernels::itemsize(ti.dtype);
   const std::string what = fmt::format("'{}' chunk at {}", key, c.offsets);
@@ -770,6 +771,68 @@ Tensor read_region(FileCache& files, const std::string& key, const TensorInfo& t
 
 }  // namespace
 
+namespace {
+
+std::string dtype_name(DType d) {
+  const char* n = nn::safetensors_dtype_name(d);
+  return n ? std::string(n) : std::string(kernels::to_string(d));
+}
+
+// What a load target must match: every key stored, the same shape, the same dtype (or, with
+// convert, both floating), chunks tiling the tensor. Returns key -> the stored tensor.
+std::unordered_map<std::string, const TensorInfo*> check_targets(
+    const std::string& dir, const Metadata& md, const std::vector<std::tuple<std::string, Dims, DType>>& targets,
+    bool convert) {
+  std::unordered_map<std::string, const TensorInfo*> saved, out;
+  for (const auto& [key, ti] : md.tensors) saved.emplace(key, &ti);
+  for (const auto& [key, shape, dtype] : targets) {
+    const auto found = saved.find(key);
+    if (found == saved.end())
+      throw InvalidArgument(fmt::format("checkpoint: '{}' has no tensor '{}' (missing key)", dir, key));
+    const TensorInfo* ti = found->second;
+    if (!(ti->shape == shape))
+      throw InvalidArgument(fmt::format("checkpoint: '{}': '{}' was saved with shape {}, the target has shape {}", dir,
+                                        key, ti->shape, shape));
+    const bool convertible = convert && kernels::is_floating_point(ti->dtype) && kernels::is_floating_point(dtype);
+    if (ti->dtype != dtype && !convertible)
+      throw InvalidArgument(fmt::format("checkpoint: '{}': '{}' was saved as {}, the target is {}{}", dir, key,
+                                        dtype_name(ti->dtype), kernels::to_string(dtype),
+                                        convert ? " (only floating dtypes convert)" : ""));
+    detail::check_coverage(dir, key, *ti);
+    out.emplace(key, ti);
+  }
+  return out;
+}
+
+// Reads this rank's shard of t (the stored tensor ti) into dst (t's local shape, any strides,
+// device and dtype: a stored dtype that differs is converted by the copy): one read per box of
+// the shard and saved chunk it overlaps.
+void read_shard(FileCache& files, const std::string& key, const TensorInfo& ti, const DTensor& t, const Tensor& dst,
+                Verify verify, LoadStats& stats) {
+  auto layout = t.spec().layout(t.comms()->rank());
+  for (const Box& b : boxes_of(*layout, t.shape())) {
+    stats.bytes_needed += static_cast<uint64_t>(b.sizes.product()) * kernels::itemsize(ti.dtype);
+    for (const ChunkInfo& c : ti.chunks) {
+      Dims lo(b.offsets), sz(b.sizes);
+      bool any = true;
+      for (int d = 0; d < b.offsets.size() && any; ++d) {
+        lo[d] = std::max(b.offsets[d], c.offsets[d]);
+        const int64_t hi = std::min(b.offsets[d] + b.sizes[d], c.offsets[d] + c.sizes[d]);
+        if (hi <= lo[d]) any = false;
+        sz[d] = hi - lo[d];
+      }
+      if (!any) continue;
+      Dims at(lo);
+      for (int d = 0; d < at.size(); ++d) at[d] = b.local[d] + lo[d] - b.offsets[d];
+      Tensor region_dst = narrow_box(dst, at, sz);
+      Tensor region = read_region(files, key, ti, c, lo, sz, verify, stats, region_dst);
+      if (region.data_ptr() != region_dst.data_ptr()) region_dst.copy_(region);
+    }
+  }
+}
+
+}  // namespace
+
 LoadStats load(const std::string& dir, nn::StateDict& sd, collectives::Communicator& world,
                const LoadOptions& options) {
   LoadStats stats;
@@ -779,26 +842,15 @@ LoadStats load(const std::string& dir, nn::StateDict& sd, collectives::Communica
   Failure error;
   try {
     const Metadata md = read_metadata(dir);
-    std::unordered_map<std::string, const TensorInfo*> saved;
-    for (const auto& [key, ti] : md.tensors) saved.emplace(key, &ti);
+    std::vector<std::tuple<std::string, Dims, DType>> targets;
     std::set<std::string> wanted;
     for (const auto& [key, t] : sd.tensors) {
+      targets.emplace_back(key, t.shape(), t.dtype());
       wanted.insert(key);
-      const auto found = saved.find(key);
-      if (found == saved.end())
-        throw InvalidArgument(fmt::format("checkpoint: '{}' has no tensor '{}' (missing key)", dir, key));
-      const TensorInfo* ti = found->second;
-      if (!(ti->shape == t.shape()))
-        throw InvalidArgument(fmt::format("checkpoint: '{}': '{}' was saved with shape {}, the target has shape {}", dir,
-                                          key, ti->shape, t.shape()));
-      if (ti->dtype != t.dtype())
-        throw InvalidArgument(fmt::format("checkpoint: '{}': '{}' was saved as {}, the target is {}", dir, key,
-                                          nn::safetensors_dtype_name(ti->dtype) ? nn::safetensors_dtype_name(ti->dtype) : "?",
-                                          kernels::to_string(t.dtype())));
-      detail::check_coverage(dir, key, *ti);
     }
+    const auto saved = check_targets(dir, md, targets, options.convert_dtype);
     values = md.values;
-    FileCache files{dir, {}};
+    FileCache files{md.dir, {}};
     for (const auto& [key, ti] : md.tensors) {
       if (wanted.count(key)) continue;
       // PyTorch saves an optimizer's step as a one-element tensor: it becomes a value.
@@ -816,29 +868,8 @@ LoadStats load(const std::string& dir, nn::StateDict& sd, collectives::Communica
     for (size_t k = 0; k < sd.tensors.size(); ++k) {
       const auto& [key, t] = sd.tensors[k];
       if (!t.comms()->in_mesh()) continue;
-      const TensorInfo& ti = *saved.at(key);
-      const Tensor& local = t.to_local();
-      Tensor stage = Tensor::empty(local.shape(), t.dtype());
-      auto layout = t.spec().layout(t.comms()->rank());
-      for (const Box& b : boxes_of(*layout, t.shape())) {
-        stats.bytes_needed += static_cast<uint64_t>(b.sizes.product()) * kernels::itemsize(t.dtype());
-        for (const ChunkInfo& c : ti.chunks) {
-          Dims lo(b.offsets), sz(b.sizes);
-          bool any = true;
-          for (int d = 0; d < b.offsets.size() && any; ++d) {
-            lo[d] = std::max(b.offsets[d], c.offsets[d]);
-            const int64_t hi = std::min(b.offsets[d] + b.sizes[d], c.offsets[d] + c.sizes[d]);
-            if (hi <= lo[d]) any = false;
-            sz[d] = hi - lo[d];
-          }
-          if (!any) continue;
-          Dims at(lo);
-          for (int d = 0; d < at.size(); ++d) at[d] = b.local[d] + lo[d] - b.offsets[d];
-          Tensor dst = narrow_box(stage, at, sz);
-          Tensor region = read_region(files, key, ti, c, lo, sz, options.verify, stats, dst);
-          if (region.data_ptr() != dst.data_ptr()) dst.copy_(region);
-        }
-      }
+      Tensor stage = Tensor::empty(t.to_local().shape(), t.dtype());
+      read_shard(files, key, *saved.at(key), t, stage, options.verify, stats);
       staged[k] = std::move(stage);
     }
   } catch (...) {
@@ -853,6 +884,76 @@ LoadStats load(const std::string& dir, nn::StateDict& sd, collectives::Communica
     local.copy_(staged[k].device() == local.device() ? staged[k] : staged[k].to(local.device()));
   }
   sd.values = std::move(values);
+  return stats;
+}
+
+LoadStats load_pretrained(const std::string& path, nn::Module& model, collectives::Communicator& world,
+                          const PretrainedOptions& options) {
+  LoadStats stats;
+  const auto params = model.named_parameters();
+  const kernels::Device device = params.empty() ? kernels::Device{} : params.front().second->device();
+  auto skipped = [&](const std::string& key) {
+    for (const std::string& p : options.skip_prefixes)
+      if (key.rfind(p, 0) == 0) return true;
+    return false;
+  };
+  // 1. The checks, before anything is allocated: every rank agrees.
+  Metadata md;
+  std::unordered_map<std::string, const TensorInfo*> saved;
+  Failure error;
+  try {
+    md = read_metadata(path);
+    std::vector<std::tuple<std::string, Dims, DType>> targets;
+    std::set<std::string> wanted;
+    for (const auto& [name, p] : params) {
+      targets.emplace_back(name, p->shape(), p->dtype());
+      wanted.insert(name);
+    }
+    saved = check_targets(path, md, targets, /*convert=*/true);
+    if (options.strict)
+      for (const auto& [key, ti] : md.tensors)
+        if (!wanted.count(key) && !skipped(key))
+          throw InvalidArgument(fmt::format(
+              "checkpoint: '{}' has tensor '{}', which is no parameter of the model (unexpected key)", path, key));
+  } catch (...) {
+    error = capture(std::current_exception());
+  }
+  Failure agreed = agree(world, error, device);
+  if (agreed.kind != kOk) raise(agreed.kind, agreed.message + "; nothing was changed");
+  // 2. Meta parameters get their shards (FSDP: its flat buffers), read into directly below.
+  std::vector<char> fresh(params.size(), 0);
+  try {
+    for (size_t i = 0; i < params.size(); ++i) fresh[i] = params[i].second->is_meta();
+    nn::to_empty(model);
+  } catch (...) {
+    error = capture(std::current_exception());
+  }
+  agreed = agree(world, error, device);
+  if (agreed.kind != kOk) raise(agreed.kind, agreed.message + "; no value was written");
+  // 3. The reads: straight into fresh shards, through staging for materialised ones.
+  std::vector<Tensor> staged(params.size());
+  try {
+    FileCache files{md.dir, {}};
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& [name, p] = params[i];
+      const DTensor& t = p->data();
+      if (!t.comms()->in_mesh()) continue;
+      Tensor dst = fresh[i] ? t.to_local() : Tensor::empty(t.to_local().shape(), t.dtype());
+      read_shard(files, name, *saved.at(name), t, dst, options.verify, stats);
+      if (!fresh[i]) staged[i] = std::move(dst);
+    }
+  } catch (...) {
+    error = capture(std::current_exception());
+  }
+  agreed = agree(world, error, device);
+  if (agreed.kind != kOk)
+    raise(agreed.kind, agreed.message + "; the parameters that were materialised are unchanged (those that were "
+                                        "meta hold undefined values)");
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!staged[i].defined()) continue;
+    Tensor local = params[i].second->data().to_local();
+    local.copy_(staged[i].device() == local.device() ? staged[i] : staged[i].to(local.device()));
+  }
   return stats;
 }
 
@@ -894,7 +995,7 @@ std::vector<std::string> export_safetensors(const std::string& dir, const std::s
   std::vector<std::string> written;
   Json weight_map = Json::object();
   uint64_t total = 0;
-  FileCache files{dir, {}};
+  FileCache files{md.dir, {}};
   LoadStats stats;
   for (size_t g = 0; g < groups.size(); ++g) {
     const std::string name = groups.size() == 1 ? "model.safetensors"

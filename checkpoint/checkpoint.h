@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "collectives/communicator.h"
+#include "nn/module.h"
 #include "nn/state_dict.h"
 
 namespace checkpoint {
@@ -88,17 +89,21 @@ struct Metadata {
   std::map<std::string, nn::StateValue> values;
   std::map<std::string, uint64_t> file_sizes;  // ours only
   bool foreign = false;  // no checkpoint.json: a Hugging Face / PyTorch safetensors directory
+  std::string dir;       // the directory the chunks' files are in
   const TensorInfo* find(const std::string& key) const;
 };
 
 // Reads a checkpoint's metadata: checkpoint.json, or, in a directory without it that holds
 // safetensors files PyTorch (or Hugging Face) wrote, their headers (DCP_SHARDING_INFO offsets;
-// a file without it holds whole tensors). Throws InvalidArgument for a directory that is not a
-// checkpoint, an incomplete one of ours (data files but no checkpoint.json: the save did not
+// a file without it holds whole tensors). `path` may also be one consolidated safetensors file
+// (model.safetensors, as Python's save_file writes it) or a Hugging Face index
+// (model.safetensors.index.json, as save_pretrained writes it: the files of its weight_map,
+// which must hold exactly the tensors it lists). Throws InvalidArgument for a path that is none
+// of these, an incomplete checkpoint of ours (data files but no checkpoint.json: the save did not
 // finish), malformed metadata (every integer is range-checked; the message names the file, the
 // tensor and the field), a file that is not a regular file (a FIFO, a directory: never opened
 // for reading), or a data file missing or of the wrong size. Reads no tensor data.
-Metadata read_metadata(const std::string& dir);
+Metadata read_metadata(const std::string& path);
 
 // Host buffers an asynchronous save stages into, kept for the next save: the first save pays for
 // allocating and faulting them in, later saves of the same state dict copy into warm memory
@@ -178,11 +183,14 @@ enum class Verify {
 struct LoadOptions {
   bool strict = true;  // a checkpoint tensor no key of the target asks for is an error
   Verify verify = Verify::kRead;
+  // A floating tensor saved in another floating dtype is converted (a bf16 file into f32 master
+  // weights); false: a dtype mismatch is an error naming the key.
+  bool convert_dtype = false;
 };
 
 struct LoadStats {
   uint64_t bytes_read = 0;    // this rank's reads (verification's extra bytes included)
-  uint64_t bytes_needed = 0;  // the bytes of this rank's shards (replicated ones count per holder)
+  uint64_t bytes_needed = 0;  // the stored bytes of this rank's shards (replicated ones count per holder)
   int64_t reads = 0;          // pread calls
 };
 
@@ -194,6 +202,34 @@ struct LoadStats {
 // Collective over `world` (one agreement; no data moves between ranks).
 LoadStats load(const std::string& dir, nn::StateDict& sd, collectives::Communicator& world,
                const LoadOptions& options = {});
+
+struct PretrainedOptions {
+  bool strict = true;  // a stored tensor that is no parameter of the model is an error
+  Verify verify = Verify::kRead;
+  // Stored keys starting with one of these are skipped (fsdp-train's checkpoints keep the
+  // optimizer state under "optim.").
+  std::vector<std::string> skip_prefixes;
+};
+
+// Loads pretrained weights into `model`'s parameters, shard by shard: each rank reads only the
+// stored bytes overlapping its own shards (one pread per contiguous run: a row split reads its
+// rows, a column split its column runs), converting dtypes (a bf16 file into f32 parameters).
+// `path`: a consolidated Hugging Face safetensors file or index (model.safetensors,
+// model.safetensors.index.json), or a checkpoint directory (ours, or one PyTorch's DCP /
+// HuggingFaceStorageWriter wrote). The model may be sharded (tensor parallel, fsdp::fully_shard)
+// and still meta: its meta parameters are allocated (nn::to_empty: FSDP writes straight into
+// its flat buffers) only after the checks pass, and the bytes are read straight into them (no
+// staging copy); materialised parameters are staged and written once every rank read
+// everything. A missing key, an unexpected one (strict), a shape mismatch or a dtype that is not
+// floating throws InvalidArgument naming the key on every rank before anything is allocated or
+// written. Collective over `world` (agreements only; no data moves between ranks).
+//   nn::GPT model(...);                                   // meta
+//   for (auto& [n, b] : model.blocks().children()) fsdp::fully_shard(*b, comms);
+//   fsdp::fully_shard(model, comms);                      // records the sharded layout, allocates nothing
+//   auto st = checkpoint::load_pretrained("hf/model.safetensors", model, world);
+//   // st.bytes_read == st.bytes_needed: this rank's shard and nothing else
+LoadStats load_pretrained(const std::string& path, nn::Module& model, collectives::Communicator& world,
+                          const PretrainedOptions& options = {});
 
 struct ExportOptions {
   std::string prefix;          // only keys starting with it ("" = all)

@@ -11,6 +11,8 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <map>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <span>
 
@@ -348,6 +350,65 @@ void read_foreign_file(const std::string& dir, const fs::path& p, Metadata& md, 
 
 }  // namespace
 
+namespace {
+
+// A Hugging Face index (model.safetensors.index.json): {"metadata": {...}, "weight_map": {name:
+// file}}; the files it names are read (each once) and must hold exactly the tensors it lists.
+Metadata read_index(const std::string& path) {
+  const std::string text = kernels::read_regular_file(path, kMaxMetadataBytes);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    throw InvalidArgument(fmt::format("checkpoint: '{}' is not a safetensors index (not JSON: {})", path, e.what()));
+  }
+  const std::string where = fmt::format("'{}'", path);
+  const auto& map = field(j, "weight_map", where);
+  if (!map.is_object()) malformed(where, "'weight_map' is not a JSON object");
+  Metadata md;
+  md.foreign = true;
+  md.dir = fs::path(path).parent_path().string();
+  if (md.dir.empty()) md.dir = ".";
+  std::map<std::string, std::string> wanted;  // tensor -> file
+  std::set<std::string> files;
+  for (auto it = map.begin(); it != map.end(); ++it) {
+    const std::string file = as_string(*it, "weight_map", where + ": weight_map['" + kernels::clip(it.key()) + "']");
+    check_file_name(file, where + ": weight_map['" + kernels::clip(it.key()) + "']");
+    wanted[it.key()] = file;
+    files.insert(file);
+  }
+  std::map<std::string, size_t> index;
+  for (const std::string& f : files) {
+    const fs::path p = fs::path(md.dir) / f;
+    if (!regular_file_exists(p.string()))
+      throw InvalidArgument(fmt::format("checkpoint: '{}' names '{}', which does not exist", path, p.string()));
+    try {
+      read_foreign_file(md.dir, p, md, index);
+    } catch (const nlohmann::json::exception& e) {
+      throw InvalidArgument(fmt::format("checkpoint: '{}' has a malformed safetensors header: {}", p.string(), e.what()));
+    }
+  }
+  for (const auto& [key, ti] : md.tensors) {
+    const auto w = wanted.find(key);
+    for (const ChunkInfo& c : ti.chunks)
+      if (w == wanted.end() || w->second != c.file)
+        throw InvalidArgument(fmt::format("checkpoint: '{}' holds tensor '{}', which the index '{}' {}",
+                                          (fs::path(md.dir) / c.file).string(), key, path,
+                                          w == wanted.end() ? "does not list" : "lists in '" + w->second + "'"));
+  }
+  for (const auto& [key, file] : wanted)
+    if (!index.count(key))
+      throw InvalidArgument(fmt::format("checkpoint: the index '{}' lists tensor '{}' in '{}', which has no such tensor",
+                                        path, key, file));
+  return md;
+}
+
+bool ends_with(const std::string& s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+}  // namespace
+
 const TensorInfo* Metadata::find(const std::string& key) const {
   for (const auto& [k, t] : tensors)
     if (k == key) return &t;
@@ -360,9 +421,25 @@ Metadata read_metadata(const std::string& dir) {
     if (errno == ENOENT) throw InvalidArgument(fmt::format("checkpoint: '{}' is not a directory (it does not exist)", dir));
     kernels::throw_file_error(errno, fmt::format("checkpoint: cannot access '{}'", dir));
   }
+  if (S_ISREG(sb.st_mode) && ends_with(dir, ".json")) return read_index(dir);
+  if (S_ISREG(sb.st_mode) && ends_with(dir, ".safetensors")) {
+    // One consolidated file (model.safetensors): whole tensors, or a PyTorch shard file.
+    Metadata md;
+    md.foreign = true;
+    md.dir = fs::path(dir).parent_path().string();
+    if (md.dir.empty()) md.dir = ".";
+    std::map<std::string, size_t> index;
+    try {
+      read_foreign_file(md.dir, fs::path(dir), md, index);
+    } catch (const nlohmann::json::exception& e) {
+      throw InvalidArgument(fmt::format("checkpoint: '{}' has a malformed safetensors header: {}", dir, e.what()));
+    }
+    return md;
+  }
   if (!S_ISDIR(sb.st_mode))
-    throw InvalidArgument(
-        fmt::format("checkpoint: '{}' is not a directory (it is {})", dir, kernels::file_type_name(sb.st_mode)));
+    throw InvalidArgument(fmt::format(
+        "checkpoint: '{}' is not a directory, a .safetensors file or a safetensors index (.json) (it is {})", dir,
+        S_ISREG(sb.st_mode) ? "a regular file" : kernels::file_type_name(sb.st_mode)));
   const std::string meta_path = (fs::path(dir) / kMetadataFile).string();
   if (!regular_file_exists(meta_path)) {
     std::vector<fs::path> files;
@@ -381,6 +458,7 @@ Metadata read_metadata(const std::string& dir) {
           kMetadataFile));
     Metadata md;
     md.foreign = true;
+    md.dir = dir;
     std::map<std::string, size_t> index;
     for (const fs::path& p : files) {
       try {
@@ -396,7 +474,9 @@ Metadata read_metadata(const std::string& dir) {
   Json j;  // ordered: the tensors keep their save order
   try {
     j = Json::parse(text);
-    return parse_ours(dir, meta_path, j);
+    Metadata md = parse_ours(dir, meta_path, j);
+    md.dir = dir;
+    return md;
   } catch (const nlohmann::json::exception& e) {
     throw InvalidArgument(fmt::format("checkpoint: '{}' is malformed: {}", meta_path, e.what()));
   }

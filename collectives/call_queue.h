@@ -171,7 +171,7 @@ class CallQueue : public std::enable_shared_from_this<CallQueue> {
     // waits, or on a free core. SCHED_IDLE (the local workers' policy before) never preempts
     // either, but runs only when nothing else wants the CPU, so other ranks' spinning waiters
     // starved it. dtensor-bench --overlap, rows within the target, before -> after (alternated
-    // runs, bench/RESULTS.md): 2 vCPUs: local 4 ranks 10 / 10 -> 19 / 22 of 28, local 2 ranks
+    // runs, commit 25e7c55): 2 vCPUs: local 4 ranks 10 / 10 -> 19 / 22 of 28, local 2 ranks
     // 5 / 8 -> 7 / 6 of 14, mpi 2 processes 6 / 8 -> 12 / 14 of 14, mpi 4 processes 18 / 16 ->
     // 24 / 15 of 28; 16 cores: mpi 2 processes 8 / 8 -> 13 / 14 of 14, local unchanged (noise).
     // A waiter progresses the queue itself under its own policy, so nothing waited on runs as a

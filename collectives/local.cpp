@@ -66,7 +66,7 @@ class LocalWorldState {
   // 1: 159.0 against 162.0 ms, medians of 5; 4 ranks: 174.1 against 174.6 ms, medians of 4).
   // Callers are never pinned, and a world of one rank or a process with one CPU pins nothing.
   // The mpi backend does not do this: there it made fsdp-bench's step 2-5% slower with 4
-  // processes on 2 vCPUs (bench/results/worker_cpus/).
+  // processes on 2 vCPUs (measured in commit 10addfc).
   std::vector<int> worker_cpus(int world_rank) const { return cpu_share(cpus, world_rank, size); }
 
   // Wakes every waiter of every group (after aborted / exited changed).

@@ -61,9 +61,11 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <memory>
 #include <new>
@@ -78,6 +80,7 @@
 #include "collectives/nccl.h"
 #include "dtensor/dtensor.h"
 #include "fsdp/fully_shard.h"
+#include "fsdp/memory_estimate.h"
 #include "kernels/allocator.h"
 #include "kernels/checked.h"
 #include "kernels/device.h"
@@ -134,7 +137,24 @@ struct Args {
   int save_every = 0;  // 0: only after the last step
   bool async_save = false;
   std::string resume_from;
+  // shard first, initialise or load, estimate, limit (issue 26)
+  bool init_before_shard = false;
+  std::string init_from;
+  bool estimate = false;
+  int64_t memory_limit = 0;  // bytes per rank; 0: none
+  bool activation_checkpointing = false;
 };
+
+// A byte count: 1..2^63-1, parsed exactly (CLI11 alone saturates values past int64).
+const CLI::Validator kPositiveInt64(
+    [](std::string& text) -> std::string {
+      int64_t v = 0;
+      const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+      if (text.empty() || ec != std::errc() || end != text.data() + text.size() || v < 1)
+        return "value " + kernels::clip(text, 40) + " is not an integer in 1..9223372036854775807";
+      return "";
+    },
+    "BYTES");
 
 // --threads: at most this many CPU threads per rank.
 constexpr int kMaxThreads = 1024;
@@ -204,6 +224,7 @@ nn::GPTConfig model_config(const Args& a) {
   c.bias = false;
   c.pos_embedding = true;
   c.gelu = kernels::GeluApproximation::kTanh;
+  c.checkpoint_blocks = a.activation_checkpointing;
   return c;
 }
 
@@ -213,6 +234,7 @@ struct RunResult {
   std::map<std::string, Tensor> params;  // full values (rank 0)
   double tokens_per_s = 0;
   int64_t peak_bytes = 0;
+  int64_t peak_block_bytes = 0;  // the same in the caching allocator's block sizes (what a limit counts)
 };
 
 double median(std::vector<double> v) {
@@ -228,9 +250,15 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   const int tp = parallel ? a.tp : 1;
   const bool use_fsdp = parallel && a.fsdp;
   const dtensor::DeviceMesh mesh = dtensor::DeviceMesh::from_shape(plan.shape, plan.names);
-  // Every tracker counts into `total`: peak_bytes is the largest sum live at one time.
+  // One caching allocator per rank serves everything of the mesh (with --memory-limit, its
+  // limit caps every allocation: parameters, gradients, optimizer state, activations, FSDP's
+  // buffers, redistribute buffers); trackers in front of it count the kinds apart, and every
+  // tracker counts into `total`: peak_bytes is the largest sum live at one time.
+  kernels::CachingAllocator::Options cache_options;
+  if (parallel && a.memory_limit > 0) cache_options.limit_bytes = static_cast<size_t>(a.memory_limit);
+  auto cache = std::make_shared<kernels::CachingAllocator>(cache_options);
   auto total_mem = std::make_shared<nn::TrackingAllocator>();
-  auto memory = std::make_shared<nn::TrackingAllocator>(std::make_shared<kernels::CachingAllocator>(), total_mem);
+  auto memory = std::make_shared<nn::TrackingAllocator>(cache, total_mem);
   // reshard_after_forward = K needs the dp_shard dim split (dp_shard / K, K) at creation.
   std::vector<dtensor::Unflattening> unflatten;
   int reshard_k = 0;
@@ -241,14 +269,40 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   }
   auto comms = std::make_shared<dtensor::MeshComms>(mesh, world, std::vector<std::vector<int>>{}, memory, unflatten);
   const nn::GPTConfig cfg = model_config(a);
+  // Built on meta (shapes, dtypes, placements: nothing allocated), parallelised, and under FSDP
+  // sharded before it is initialised (or loaded): every rank only ever allocates its shards.
   nn::GPT model(nn::ModuleOptions{comms, DType::kF32, device}, cfg);
   if (tp > 1) nn::parallelize_module(model, plan.tp_dim, nn::gpt_tensor_parallel_plan(cfg, a.sequence_parallel, true));
-  nn::materialize(model, a.seed);
   const nn::NamedParameters params = model.named_parameters();
   const bool rank0 = world.rank() == 0;
   const bool bf16 = a.mp == "bf16";
+  auto initialise = [&] {
+    if (a.init_from.empty()) {
+      nn::materialize(model, a.seed);
+      return;
+    }
+    checkpoint::PretrainedOptions po;
+    po.skip_prefixes = {"optim."};  // fsdp-train's own checkpoints hold the optimizer state there
+    const checkpoint::LoadStats st = checkpoint::load_pretrained(a.init_from, model, world, po);
+    // Bytes read and needed over every rank (each reads only its shards' bytes).
+    Tensor sums = Tensor::full({2}, 0.0, DType::kF64);
+    sums.set_item({0}, static_cast<double>(st.bytes_read));
+    sums.set_item({1}, static_cast<double>(st.bytes_needed));
+    Tensor dsums = sums.to(device);
+    world.wait(world.all_reduce(dsums, dsums, collectives::Reduction(collectives::ReduceOp::kSum)));
+    sums = dsums.to(kernels::Device{});
+    if (print && rank0) {
+      const double read = sums.item({0}), needed = sums.item({1});
+      fmt::print("init_from {} bytes_read {:.0f} bytes_needed {:.0f} read/needed {:.2f}\n", a.init_from, read, needed,
+                 needed > 0 ? read / needed : 1.0);
+      std::fflush(stdout);
+    }
+  };
+  const bool shard_first = use_fsdp && !a.init_before_shard;
+  if (!shard_first) initialise();
 
-  if (!a.dump_init.empty() && print) {
+  auto dump_init = [&] {
+    if (a.dump_init.empty() || !print) return;
     nn::NamedTensors full;
     for (const auto& [name, p] : params)
       full.emplace_back(name, p->data().full_tensor().to(kernels::Device{}));
@@ -267,11 +321,12 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
                              {"mlp_hidden", 4 * a.dim}};
       nn::save_safetensors(a.dump_init, full, {{"format", "pt"}, {"config", meta.dump()}});
     }
-  }
+  };
+  if (!shard_first) dump_init();
 
   // FSDP: one group per transformer block, then the root (bottom-up).
-  auto unsharded_mem = std::make_shared<nn::TrackingAllocator>(std::make_shared<kernels::CachingAllocator>(), total_mem);
-  auto buffer_mem = std::make_shared<nn::TrackingAllocator>(std::make_shared<kernels::CachingAllocator>(), total_mem);
+  auto unsharded_mem = std::make_shared<nn::TrackingAllocator>(cache, total_mem);
+  auto buffer_mem = std::make_shared<nn::TrackingAllocator>(cache, total_mem);
   fsdp::FSDPModule* root = nullptr;
   if (use_fsdp) {
     fsdp::FullyShardOptions o;
@@ -299,6 +354,14 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
         blocks[i]->set_modules_to_forward_prefetch(fwd);
         blocks[i]->set_modules_to_backward_prefetch(bwd);
       }
+    if (print && rank0 && !root->note().empty()) {  // once per run
+      fmt::print("note: {}\n", root->note());
+      std::fflush(stdout);
+    }
+  }
+  if (shard_first) {
+    initialise();  // straight into every group's flat buffer
+    dump_init();
   }
 
   // --mp bf16: the model computes with bf16 parameters (and so bf16 activations; norms, softmax,
@@ -423,6 +486,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   result.first_step = first_step;
   std::vector<double> step_seconds;
   total_mem->reset_peak();  // the training's peak: initialisation and --dump-init left out
+  cache->reset_peak();
   for (int step = first_step; step < a.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     double step_loss = 0;
@@ -498,14 +562,19 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   result.tokens_per_s = med > 0 ? static_cast<double>(a.batch * a.seq) / med : 0;
   // The training's peak, before the full parameters are gathered for the parity check.
   const int64_t training_peak = total_mem->peak_bytes();
+  const int64_t training_peak_blocks = static_cast<int64_t>(cache->stats().peak_in_use_bytes);
   for (const auto& [name, p] : master) {
     Tensor full = p->data().full_tensor().to(kernels::Device{});
     if (rank0) result.params[name] = full.clone();
   }
   // On the backend's device (the nccl backend moves CUDA tensors only).
-  Tensor peak = Tensor::full({1}, static_cast<double>(training_peak), DType::kF64, device);
-  world.wait(world.all_reduce(peak, peak, collectives::Reduction(collectives::ReduceOp::kMax)));
-  result.peak_bytes = static_cast<int64_t>(peak.to(kernels::Device{}).item({0}));
+  Tensor peak = Tensor::full({2}, static_cast<double>(training_peak), DType::kF64);
+  peak.set_item({1}, static_cast<double>(training_peak_blocks));
+  Tensor dpeak = peak.to(device);
+  world.wait(world.all_reduce(dpeak, dpeak, collectives::Reduction(collectives::ReduceOp::kMax)));
+  peak = dpeak.to(kernels::Device{});
+  result.peak_bytes = static_cast<int64_t>(peak.item({0}));
+  result.peak_block_bytes = static_cast<int64_t>(peak.item({1}));
   return result;
 }
 
@@ -617,6 +686,11 @@ void validate(const Args& a) {
     bad(fmt::format("--clip {}: expected a finite value >= 0 (0: no clipping)", a.clip));
   if (a.threads < 0 || a.threads > kMaxThreads)
     bad(fmt::format("--threads {}: expected 0..{} (0: cores / ranks)", a.threads, kMaxThreads));
+  if (a.memory_limit < 0) bad(fmt::format("--memory-limit {}: expected bytes >= 1", a.memory_limit));
+  if (a.init_before_shard && !a.fsdp)
+    bad("--init-before-shard needs FSDP (--dp-shard / --dp-replicate): without it there is nothing to shard first");
+  if (!a.init_from.empty() && !a.resume_from.empty())
+    bad("--init-from and --resume-from exclude each other (a resumed run takes its weights from the checkpoint)");
   if (a.save_every < 0) bad(fmt::format("--save-every {}: expected >= 0", a.save_every));
   if ((a.save_every > 0 || a.async_save) && a.save_dir.empty())
     bad("--save-every / --async-save need --save-dir");
@@ -647,6 +721,105 @@ void check_model_fits(const Args& a, int64_t ranks, int64_t ranks_here) {
 }
 
 std::string json_number(double v) { return std::isfinite(v) ? fmt::format("{}", v) : "null"; }
+
+// What fsdp::estimate_memory assumes about this run (the parallel one).
+fsdp::MemoryConfig memory_config(const Args& a) {
+  fsdp::MemoryConfig c;
+  c.fsdp = a.fsdp;
+  c.dp_replicate = a.fsdp ? a.dp_replicate : 1;
+  c.dp_shard = a.fsdp ? a.dp_shard : 1;
+  c.tp = a.tp;
+  c.sequence_parallel = a.sequence_parallel;
+  const std::string& r = a.reshard_after_forward;
+  if (r == "true") c.options.reshard_after_forward = fsdp::ReshardAfterForward::yes();
+  else if (r == "false") c.options.reshard_after_forward = fsdp::ReshardAfterForward::no();
+  else if (r != "auto") c.options.reshard_after_forward = fsdp::ReshardAfterForward::to(std::stoi(r));
+  if (a.mp == "bf16" && a.fsdp) {
+    c.options.mp_policy.param_dtype = DType::kBF16;
+    c.options.mp_policy.reduce_dtype = DType::kF32;
+  }
+  c.options.offload_policy.offload_to_cpu = a.offload;
+  c.prefetch = a.prefetch;
+  c.no_sync = a.no_sync;
+  c.optimizer_states = a.optimizer == "adamw" ? 2 : 1;  // AdamW's two moments; SGD's momentum
+  c.device = a.backend == "nccl" ? kernels::Device::cuda(0) : kernels::Device{};
+  c.batch = {a.batch, a.seq, a.grad_accum};
+  return c;
+}
+
+fsdp::MemoryEstimate estimate(const Args& a) { return fsdp::estimate_memory(model_config(a), memory_config(a)); }
+
+// The estimate of this run, for --estimate / --memory-limit (whose errors are the run's) and for
+// the JSON line (where a configuration the estimate does not model is null, and the run goes on
+// to report its own error, if any).
+std::optional<fsdp::MemoryEstimate> estimate_run(const Args& a) {
+  if (a.estimate || a.memory_limit > 0) return estimate(a);
+  try {
+    return estimate(a);
+  } catch (const kernels::InvalidArgument&) {
+    return std::nullopt;
+  }
+}
+
+// --memory-limit: refuses (ResourceError, exit 3) a run whose estimated peak (in the caching
+// allocator's block sizes, what the limit counts) exceeds the limit, before anything is
+// allocated, naming both and the cheapest knob that would fit: reshard_after_forward, then
+// activation checkpointing, then offload (a separate device only), then more dp ranks.
+void check_memory_limit(const Args& a, const fsdp::MemoryEstimate& e) {
+  if (a.memory_limit <= 0 || e.peak_blocks <= a.memory_limit) return;
+  std::vector<std::pair<std::string, Args>> knobs;
+  if (a.fsdp && a.reshard_after_forward != "true" && a.dp_shard > 1) {
+    Args b = a;
+    b.reshard_after_forward = "true";
+    knobs.emplace_back("--reshard-after-forward true", b);
+  }
+  if (!a.activation_checkpointing) {
+    Args b = a;
+    b.activation_checkpointing = true;
+    knobs.emplace_back("--activation-checkpointing", b);
+  }
+  if (a.fsdp && !a.offload && a.backend == "nccl") {
+    Args b = a;
+    b.offload = true;
+    knobs.emplace_back("--offload", b);
+  }
+  const int64_t max_ranks =
+      a.backend == "mpi" ? int64_t{dtensor::kMaxMeshRanks} : int64_t{collectives::kMaxLocalRanks};
+  for (int64_t n = int64_t{a.dp_shard} * 2; n * a.dp_replicate * a.tp <= max_ranks; n *= 2) {
+    Args b = a;
+    b.fsdp = true;
+    b.dp_shard = static_cast<int>(n);
+    if (b.reshard_after_forward != "auto" && b.reshard_after_forward != "true" && b.reshard_after_forward != "false")
+      b.reshard_after_forward = "auto";
+    knobs.emplace_back(fmt::format("more dp ranks: --dp-shard {}", n), b);
+  }
+  std::string hint = "no single knob fits (tried --reshard-after-forward true, --activation-checkpointing and up to "
+                     "the most dp ranks)";
+  for (const auto& [what, b] : knobs) {
+    const fsdp::MemoryEstimate k = estimate(b);
+    if (k.peak_blocks <= a.memory_limit) {
+      hint = fmt::format("the cheapest knob that fits: {} (estimate {} bytes)", what, k.peak_blocks);
+      break;
+    }
+  }
+  throw kernels::ResourceError(fmt::format(
+      "--memory-limit {}: the estimated peak is {} bytes per rank ({} requested; at {}), over the limit; nothing was "
+      "allocated; {}",
+      a.memory_limit, e.peak_blocks, e.peak, e.peak_at, hint));
+}
+
+// --estimate: one JSON line (per rank, the worst rank) and no training.
+int print_estimate(const Args& a, const fsdp::MemoryEstimate& e) {
+  std::string json = e.to_json();
+  if (a.memory_limit > 0) {
+    json.pop_back();
+    json += fmt::format(",\"memory_limit\":{},\"fits\":{}}}", a.memory_limit,
+                        e.peak_blocks <= a.memory_limit ? "true" : "false");
+  }
+  fmt::print("{}\n", json);
+  std::fflush(stdout);
+  return program::kOk;
+}
 
 // True when the command line asks for the mpi backend (read before parsing succeeded, so that a
 // malformed flag under mpirun is reported by rank 0 only).
@@ -680,6 +853,7 @@ struct Outcome {
   std::optional<RunResult> got;  // rank 0's
   std::string parity = "skipped";
   std::optional<Parity> cmp;
+  std::optional<fsdp::MemoryEstimate> estimate;  // of the parallel run (none when it could not be made)
 };
 
 // --check-parity: the same training on one rank without parallelism, compared with `got`.
@@ -694,6 +868,7 @@ Outcome check_parity(const Args& a, RunResult got) {
   single.resume_from.clear();
   single.save_every = 0;
   single.async_save = false;
+  single.memory_limit = 0;
   collectives::run_ranks(
       1,
       [&](Communicator& w) {
@@ -716,10 +891,12 @@ int finish(const Args& a, const Outcome& o) {
   const RunResult& got = *o.got;
   fmt::print(
       "{{\"steps\":{},\"first_loss\":{},\"last_loss\":{},\"parity\":\"{}\",\"max_rel_loss_diff\":{},"
-      "\"max_param_diff\":{},\"tokens_per_s\":{},\"peak_bytes\":{}}}\n",
+      "\"max_param_diff\":{},\"tokens_per_s\":{},\"peak_bytes\":{},\"peak_block_bytes\":{},"
+      "\"estimated_peak_bytes\":{},\"estimated_peak_block_bytes\":{}}}\n",
       a.steps, json_number(got.losses.front()), json_number(got.losses.back()), o.parity,
       o.cmp ? json_number(o.cmp->max_rel_loss_diff) : "null", o.cmp ? json_number(o.cmp->max_param_diff) : "null",
-      json_number(std::round(got.tokens_per_s)), got.peak_bytes);
+      json_number(std::round(got.tokens_per_s)), got.peak_bytes, got.peak_block_bytes,
+      o.estimate ? std::to_string(o.estimate->peak) : "null", o.estimate ? std::to_string(o.estimate->peak_blocks) : "null");
   std::fflush(stdout);
   return o.parity == "fail" ? program::kMismatch : program::kOk;
 }
@@ -736,6 +913,14 @@ int run_mpi_rank(const Args& a, collectives::MpiWorld& mpi) {
         fmt::format("mpirun started {} processes for a mesh of {} ranks (--dp-replicate {} --dp-shard {} --tp {})",
                     mpi.size(), ranks, a.dp_replicate, a.dp_shard, a.tp));
   check_model_fits(a, ranks, 1);
+  const std::optional<fsdp::MemoryEstimate> est = estimate_run(a);
+  if (a.estimate) return mpi.rank() == 0 ? print_estimate(a, *est) : program::kOk;
+  try {
+    if (est) check_memory_limit(a, *est);
+  } catch (const kernels::ResourceError&) {  // the same on every rank: rank 0 says it
+    if (mpi.rank() == 0) program::report("fsdp-train", program::classify(std::current_exception()));
+    throw program::Exit{program::kResource};
+  }
   const Milliseconds timeout{a.timeout_ms};
   const std::unique_ptr<Communicator> world = mpi.communicator(timeout);
   const int threads = a.threads > 0 ? a.threads : 1;
@@ -747,7 +932,7 @@ int run_mpi_rank(const Args& a, collectives::MpiWorld& mpi) {
     if (mpi.rank() == 0) program::report("fsdp-train", program::classify(std::current_exception()));
     throw program::Exit{program::kMismatch};
   }
-  if (!a.check_parity) return mpi.rank() == 0 ? finish(a, Outcome{std::move(got), "skipped", std::nullopt}) : 0;
+  if (!a.check_parity) return mpi.rank() == 0 ? finish(a, Outcome{std::move(got), "skipped", std::nullopt, est}) : 0;
   // Rank 0 trains the reference alone; the others wait for its verdict, as long as the reference
   // may take (the same work on one rank: bounded by world x the parallel run, twice over) plus
   // the timeout, so a small --timeout-ms does not fail a healthy check.
@@ -758,6 +943,7 @@ int run_mpi_rank(const Args& a, collectives::MpiWorld& mpi) {
   int verdict = 1;
   if (mpi.rank() == 0) {
     o = check_parity(a, std::move(got));
+    o->estimate = est;
     verdict = o->parity == "ok" ? 1 : 0;
   }
   Tensor v = Tensor::full({1}, verdict, DType::kI32);
@@ -806,6 +992,18 @@ int run(int argc, char** argv) {
   app.add_flag("--async-save", a.async_save, "write checkpoints in the background while training continues");
   app.add_option("--resume-from", a.resume_from,
                  "continue from a checkpoint directory (any mesh; PyTorch HF safetensors directories too)");
+  app.add_flag("--init-before-shard", a.init_before_shard,
+               "FSDP: initialise the whole model, then shard it (default: shard the meta model, then initialise "
+               "each rank's shards)");
+  app.add_option("--init-from", a.init_from,
+                 "load the initial weights (each rank its shards' bytes): model.safetensors, "
+                 "model.safetensors.index.json or a checkpoint directory (ours, PyTorch's)");
+  app.add_flag("--estimate", a.estimate, "print the estimated memory per rank as JSON and exit (no training)");
+  app.add_option("--memory-limit", a.memory_limit,
+                 "cap every allocation of each rank at BYTES; a run whose estimate exceeds it is refused (exit 3)")
+      ->check(kPositiveInt64);
+  app.add_flag("--activation-checkpointing", a.activation_checkpointing,
+               "recompute every block's activations in backward instead of keeping them");
   app.add_flag("--log-implicit", a.log_implicit,
                "print every implicit redistribute of a DTensor op (rank 0, stderr)");
   program::add_timeout(app, a.timeout_ms);
@@ -849,6 +1047,9 @@ int run(int argc, char** argv) {
   } else {
     check_model_fits(a, world, world);  // every rank is a thread of this process
   }
+  const std::optional<fsdp::MemoryEstimate> est = estimate_run(a);
+  if (a.estimate) return print_estimate(a, *est);
+  if (est) check_memory_limit(a, *est);  // before any rank starts: nothing is allocated
   const int hw = std::max(1u, std::thread::hardware_concurrency());
   const int threads = a.threads > 0 ? a.threads : std::max(1, hw / world);
   std::optional<RunResult> got;
@@ -864,8 +1065,10 @@ int run(int argc, char** argv) {
         });
       },
       Milliseconds{a.timeout_ms});
-  if (!a.check_parity) return finish(a, Outcome{std::move(got), "skipped", std::nullopt});
-  return finish(a, check_parity(a, std::move(*got)));
+  if (!a.check_parity) return finish(a, Outcome{std::move(got), "skipped", std::nullopt, est});
+  Outcome o = check_parity(a, std::move(*got));
+  o.estimate = est;
+  return finish(a, o);
 }
 
 }  // namespace

@@ -124,6 +124,7 @@ class Group {
   size_t fwd_pre = 0, fwd_post = 0, bwd_pre = 0, bwd_post = 0;
   std::shared_ptr<Runtime> rt;
   GroupStats stats;
+  std::string note;
 
   bool is_root() const { return rt && rt->root == this; }
   bool hsdp() const { return rep_mesh_dim.has_value(); }
@@ -178,15 +179,53 @@ class Group {
   }
 
   // ---- unshard / reshard ----
+  // Every parameter materialised (nn::materialize, or a loader's to_empty): an unshard of a
+  // group still (partly) meta is refused naming the parameter.
+  void require_materialized() const {
+    for (const Slot& s : slots)
+      if (!s.sharded)
+        throw InvalidArgument(fmt::format(
+            "FSDP group '{}': parameter '{}' is still meta: materialize the model (nn::materialize) or load its "
+            "weights before forward",
+            name, s.name));
+  }
+
+  // The sharded flat buffer, allocated (zero: the padding stays zero) on first use.
+  const Tensor& flat_shard() {
+    if (!sharded_flat) {
+      Tensor flat = Tensor::empty(Dims{slot_numel}, orig_dtype, storage_device, comms->allocator());
+      flat.fill_(0.0);
+      sharded_flat = DTensor(dp_comms, flat_spec(flat_sharded_placements(), orig_dtype), flat);
+    }
+    return sharded_flat->to_local();
+  }
+  // Slot i's shard inside the flat buffer: [c.size] rows of its padded slot along the shard dim.
+  Tensor shard_view(const Slot& s) {
+    const dtensor::Chunk& c = s.chunks[my_coord];
+    return flat_shard().narrow(0, s.offset, s.padded_numel).view(s.padded_shape).narrow(s.shard_dim, 0, c.size);
+  }
+  // Where nn's materialize / to_empty write a meta parameter of this group: its view in the flat
+  // buffer (which the first call allocates), from then on the sharded parameter.
+  Tensor materialize_target(size_t i) {
+    if (state != State::kSharded)
+      throw InvalidArgument(fmt::format("FSDP group '{}': parameter '{}' materialised while the group is unsharded",
+                                        name, slots[i].name));
+    Slot& s = slots[i];
+    Tensor view = shard_view(s);
+    s.sharded = DTensor(comms, s.sharded_spec, view);
+    return view;
+  }
+
   void issue_unshard() {
     if (state == State::kUnsharding || state == State::kUnsharded) return;
+    if (state == State::kSharded) require_materialized();
     Tensor out = flat_view();
     if (state == State::kResharded) {
       ag_handle = dtensor::redistribute_async(*k_buffer, filled(k_comms->mesh().ndim(), dtensor::Replicate{}), {}, out);
     } else {
       // Copy-in: the shard on the compute device, in the parameter dtype (so the all-gather
       // moves param_dtype bytes; FSDP2 casts before communicating).
-      const Tensor& local = sharded_flat->to_local();
+      const Tensor& local = flat_shard();
       DTensor src = *sharded_flat;
       if (local.dtype() != param_dtype || local.device() != compute_device) {
         ag_input = Tensor::empty(local.shape(), param_dtype, compute_device, buffer_alloc);
@@ -231,7 +270,8 @@ class Group {
       ag_handle.reset();
       ag_input = Tensor();
     }
-    for (const Slot& s : slots) s.param->set_data(*s.sharded);
+    for (const Slot& s : slots)
+      if (s.sharded) s.param->set_data(*s.sharded);
     if (param_storage) param_storage->free();
     if (flat_storage) flat_storage->free();
     k_buffer.reset();
@@ -507,6 +547,11 @@ void Group::lazy_init() {
 
 void Group::on_pre_forward(nn::Ctx& ctx, DTensor& input) {
   if (!rt) lazy_init();
+  // A meta parameter anywhere under the root is refused before any state changes (a failed
+  // forward leaves every group as it was).
+  if (is_root() && fwd_pre == 0 && !ctx.recomputing())
+    for (Group* g : rt->groups)
+      if (g->state == State::kSharded) g->require_materialized();
   if (ctx.recomputing()) {
     wait_unshard();  // an activation-checkpoint recompute inside backward
   } else if (fwd_pre++ == 0) {
@@ -679,6 +724,7 @@ int64_t FSDPModule::resharded_k_bytes() const {
 bool FSDPModule::reshards_after_forward() const { return group_->reshards_after_forward(); }
 bool FSDPModule::is_root() const { return group_->is_root(); }
 const GroupStats& FSDPModule::stats() const { return group_->stats; }
+const std::string& FSDPModule::note() const { return group_->note; }
 
 FSDPModule* state(nn::Module& module) {
   return static_cast<FSDPModule*>(module.find_extension(kExtension).get());
@@ -808,30 +854,32 @@ FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr
   int64_t offset = 0, uoffset = 0;
   for (auto& [fqn, p] : params) {
     const std::string where = fmt::format("fully_shard({}): parameter '{}'", g.name, fqn);
-    if (p->is_meta()) throw InvalidArgument(where + " is still meta: materialize the model before fully_shard");
-    const DTensor& data = p->data();
-    if (!(data.device_mesh() == mesh))
+    // A meta parameter is its shape, dtype and placements: the same spec, no data.
+    const bool meta = p->is_meta();
+    const DTensorSpec uspec = meta ? dtensor::make_spec(mesh_ptr(p->comms()), p->placements(), p->shape(), p->dtype())
+                                   : p->data().spec();
+    if (!(*uspec.mesh == mesh))
       throw InvalidArgument(fmt::format("{} lives on mesh {}, not the given mesh {}", where,
-                                        dtensor::to_string(data.device_mesh()), dtensor::to_string(mesh)));
+                                        dtensor::to_string(*uspec.mesh), dtensor::to_string(mesh)));
     for (int m : g.dp_dims)
-      if (!dtensor::is_replicate(data.placements()[m]))
+      if (!dtensor::is_replicate(uspec.placements[m]))
         throw InvalidArgument(fmt::format(
             "{} is {} on data-parallel mesh dim {} (placements {}): expected Replicate (already sharded? "
             "fully_shard goes bottom-up, children before their parent)",
-            where, dtensor::to_string(data.placements()[m]), m, dtensor::to_string(data.placements())));
+            where, dtensor::to_string(uspec.placements[m]), m, dtensor::to_string(uspec.placements)));
     if (first) {
-      g.orig_dtype = data.dtype();
-      g.compute_device = data.to_local().device();
+      g.orig_dtype = uspec.dtype;
+      g.compute_device = meta ? p->device() : p->data().to_local().device();
       first = false;
-    } else if (data.dtype() != g.orig_dtype) {
+    } else if (uspec.dtype != g.orig_dtype) {
       throw InvalidArgument(fmt::format("{} is {} but the group's parameters are {}: one dtype per group", where,
-                                        kernels::to_string(data.dtype()), kernels::to_string(g.orig_dtype)));
+                                        kernels::to_string(uspec.dtype), kernels::to_string(g.orig_dtype)));
     }
     Slot s;
     s.name = fqn;
     s.param = p;
-    s.unsharded_spec = data.spec();
-    s.local_shape = data.to_local().shape();
+    s.unsharded_spec = uspec;
+    s.local_shape = meta ? uspec.layout(comms->rank())->local_shape : p->data().to_local().shape();
     const int nd = s.local_shape.size();
     if (nd == 0) throw Unsupported(where + " is 0-d: FSDP shards a tensor dim (ignore it instead)");
     int sd = 0;
@@ -843,19 +891,20 @@ FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr
     s.shard_dim = sd;
     // The dp placement: Shard(sd), or StridedShard(sd, sf) when later mesh dims (tp) also split
     // sd (FSDP shards the tensor-parallel local tensor: the opposite nesting of left to right).
-    Placements sharded = data.placements();
+    Placements sharded = uspec.placements;
     int64_t sf = 1;
     for (int m = g.shard_mesh_dim + 1; m < mesh.ndim(); ++m)
       if (dtensor::shard_dim(sharded[m]) == sd) sf *= mesh.size(m);
     if (sf > 1) sharded[g.shard_mesh_dim] = dtensor::StridedShard{sd, static_cast<int>(sf)};
     else sharded[g.shard_mesh_dim] = dtensor::Shard{sd};
-    s.sharded_spec = dtensor::make_spec(mesh_ptr(comms), sharded, data.shape(), data.dtype(), data.stride());
+    s.sharded_spec = meta ? dtensor::make_spec(mesh_ptr(comms), sharded, uspec.shape, uspec.dtype)
+                          : dtensor::make_spec(mesh_ptr(comms), sharded, uspec.shape, uspec.dtype, p->data().stride());
     // Every rank checks every coordinate, so all ranks agree on an error.
     const int64_t total = mesh.size();
     for (int64_t r = 0; r < total; ++r) {
       const Dims coord = dtensor::unravel_index(r, mesh.shape());
-      const dtensor::ShardLayout u = dtensor::compute_layout(data.shape(), mesh.shape(), data.placements(), coord);
-      const dtensor::ShardLayout sh = dtensor::compute_layout(data.shape(), mesh.shape(), sharded, coord);
+      const dtensor::ShardLayout u = dtensor::compute_layout(uspec.shape, mesh.shape(), uspec.placements, coord);
+      const dtensor::ShardLayout sh = dtensor::compute_layout(uspec.shape, mesh.shape(), sharded, coord);
       const int64_t n = u.local_shape[sd];
       if (sd > 0 && n % g.dp != 0)
         throw InvalidArgument(fmt::format(
@@ -869,7 +918,7 @@ FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr
         throw Unsupported(fmt::format(
             "{}: under {} the dp shards are not chunks of the tensor-parallel shard (uneven FSDP x TP: dim {} of "
             "size {} over tp and dp); pad the dim to a multiple of the mesh sizes",
-            where, dtensor::to_string(sharded), sd, data.shape()[sd]));
+            where, dtensor::to_string(sharded), sd, uspec.shape[sd]));
     }
     const int64_t n = s.local_shape[sd];
     for (int64_t d = 0; d < g.dp; ++d) s.chunks.push_back(dtensor::chunk(n, g.dp, d));
@@ -900,6 +949,12 @@ FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr
   g.param_dtype = mp.param_dtype.value_or(g.orig_dtype);
   g.reduce_dtype = mp.reduce_dtype.value_or(g.param_dtype);
   g.storage_device = options.offload_policy.offload_to_cpu ? kernels::Device{} : g.compute_device;
+  if (options.offload_policy.offload_to_cpu && options.offload_policy.pin_memory)
+    g.note = g.compute_device.is_cpu()
+                 ? "offload_policy.pin_memory is a no-op here: the compute device is the CPU, so the offloaded state "
+                   "stays in the same (ordinary) host memory"
+                 : "offload_policy.pin_memory is a no-op in this build: kernels/cuda has no pinned host allocator or "
+                   "copy streams, so offload copies are synchronous (default stream)";
   g.unsharded_alloc = options.unsharded_allocator ? options.unsharded_allocator : comms->allocator();
   g.buffer_alloc = options.buffer_allocator ? options.buffer_allocator : comms->allocator();
 
@@ -919,18 +974,32 @@ FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr
   }
 
   // The flat sharded buffer: rank-major slots, each parameter's shard padded to ceil(n / dp).
-  if (g.slot_numel > 0 || !g.slots.empty()) {
-    Tensor flat = Tensor::empty(Dims{g.slot_numel}, g.orig_dtype, g.storage_device, comms->allocator());
-    flat.fill_(0.0);
-    g.sharded_flat = DTensor(g.dp_comms, g.flat_spec(g.flat_sharded_placements(), g.orig_dtype), flat);
-    for (Slot& s : g.slots) {
-      const dtensor::Chunk& c = s.chunks[g.my_coord];
-      Tensor view = flat.narrow(0, s.offset, s.padded_numel).view(s.padded_shape).narrow(s.shard_dim, 0, c.size);
-      if (c.size > 0) view.copy_(s.param->data().to_local().narrow(s.shard_dim, c.offset, c.size));
-      s.sharded = DTensor(comms, s.sharded_spec, view);
-      s.param->grad().reset();
-      s.param->set_data(*s.sharded);
+  // Materialised parameters are copied in now; meta ones record their sharded placements and are
+  // materialised later straight into their view (the buffer exists once any parameter needs it).
+  // The parameters may outlive the module (an optimizer holds them): the target holds the group
+  // weakly and refuses once it is gone.
+  const std::weak_ptr<Group> weak = group;
+  auto target = [weak](size_t i) {
+    return [weak, i] {
+      const std::shared_ptr<Group> live = weak.lock();
+      if (!live) throw InvalidArgument("fully_shard: the parameter's FSDP group no longer exists");
+      return live->materialize_target(i);
+    };
+  };
+  for (size_t i = 0; i < g.slots.size(); ++i) {
+    Slot& s = g.slots[i];
+    if (s.param->is_meta()) {
+      s.param->set_placements(s.sharded_spec.placements);
+      s.param->set_materialize_target(target(i));
+      continue;
     }
+    const dtensor::Chunk& c = s.chunks[g.my_coord];
+    Tensor view = g.shard_view(s);
+    if (c.size > 0) view.copy_(s.param->data().to_local().narrow(s.shard_dim, c.offset, c.size));
+    s.sharded = DTensor(comms, s.sharded_spec, view);
+    s.param->grad().reset();
+    s.param->set_data(*s.sharded);
+    s.param->set_materialize_target(target(i));
   }
 
   // Hooks on every module of the group.

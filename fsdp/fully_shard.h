@@ -62,9 +62,12 @@ struct MixedPrecisionPolicy {
 // FSDP2's CPUOffloadPolicy: sharded parameters, gradients (and so the optimizer state) live on
 // the CPU; each unshard copies the shard to the compute device first and each reduction copies
 // the sharded gradient back.
+// pin_memory asks for page-locked host memory and asynchronous copies on their own stream; no
+// build has them yet (kernels/cuda has neither a pinned allocator nor streams), so it is a no-op
+// that FSDPModule::note() says once: on a CPU compute device the two memories are one anyway.
 struct OffloadPolicy {
   bool offload_to_cpu = false;
-  bool pin_memory = true;  // honoured where the backend has pinned memory (CUDA)
+  bool pin_memory = true;
 };
 
 // True / False / int k / automatic (FSDP2's None: the root keeps its parameters, other groups
@@ -181,6 +184,9 @@ class FSDPModule {
   bool reshards_after_forward() const;
   bool is_root() const;
   const GroupStats& stats() const;
+  // How the options were honoured where it differs from what they ask (empty otherwise), e.g.
+  // "offload_policy.pin_memory: ... a no-op here"; a trainer prints it once.
+  const std::string& note() const;
   Group& group() const { return *group_; }
 
  private:
@@ -191,8 +197,18 @@ class FSDPModule {
 // must be the mesh its parameters live on. Collective-free. Throws InvalidArgument naming the
 // module and parameter for: a module already sharded, a parameter shared with an earlier group
 // outside that group's modules (tie it in the common ancestor's group), a parameter already
-// sharded over dp (fully_shard goes bottom-up), a wrong mesh, a non-Replicate dp placement, a
-// meta parameter, mixed dtypes in one group, an uneven Shard(d > 0), a bad k.
+// sharded over dp (fully_shard goes bottom-up), a wrong mesh, a non-Replicate dp placement,
+// mixed dtypes in one group, an uneven Shard(d > 0), a bad k.
+// Meta parameters (shape, dtype, placements only) are accepted and allocate nothing: each
+// records its sharded placements and, as its materialize target, its view of the group's flat
+// buffer; nn::materialize (or a loader's nn::to_empty) then allocates the buffer and writes
+// only this rank's shard into it (no full tensor on any rank), with the values materialising
+// before sharding gives, bit for bit. A group with a parameter still meta refuses to unshard,
+// naming it.
+//   nn::GPT model(nn::ModuleOptions{comms}, cfg);         // meta
+//   for (auto& [n, b] : model.blocks().children()) fsdp::fully_shard(*b, comms);
+//   fsdp::fully_shard(model, comms);
+//   nn::materialize(model, seed);                         // each rank: its shards only
 FSDPModule& fully_shard(nn::Module& module, std::shared_ptr<const MeshComms> mesh,
                         const FullyShardOptions& options = {});
 FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr<const MeshComms> mesh,

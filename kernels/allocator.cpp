@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <bit>
 #include <cstdio>
 #include <cstring>
@@ -93,9 +94,10 @@ void CachingAllocator::reserve_locked(size_t size, Device device, size_t request
                         std::to_string(in_use) + " are in use");
   in_use += size;
   stats_.in_use_bytes += size;
+  stats_.peak_in_use_bytes = std::max(stats_.peak_in_use_bytes, stats_.in_use_bytes);
 }
 
-size_t CachingAllocator::block_size(size_t nbytes) const {
+size_t CachingAllocator::rounded_size(size_t nbytes) {
   if (nbytes == 0) return 0;
   const size_t step = std::max<size_t>(std::bit_floor(nbytes) / 8, 64);
   return (nbytes + step - 1) / step * step;
@@ -230,6 +232,11 @@ void CachingAllocator::release_cached() {
 CachingAllocator::Stats CachingAllocator::stats() const {
   std::lock_guard lk(mu_);
   return stats_;
+}
+
+void CachingAllocator::reset_peak() {
+  std::lock_guard lk(mu_);
+  stats_.peak_in_use_bytes = stats_.in_use_bytes;
 }
 
 }  // namespace kernels

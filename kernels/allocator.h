@@ -88,6 +88,7 @@ class CachingAllocator final : public Allocator {
     int64_t hits = 0;         // allocations served from the cache
     int64_t misses = 0;       // allocations of cacheable size that went to the system
     size_t in_use_bytes = 0;  // blocks handed out and not freed, every device (block sizes)
+    size_t peak_in_use_bytes = 0;  // the most in_use_bytes since creation or reset_peak()
   };
 
   CachingAllocator() : CachingAllocator(Options{}) {}
@@ -107,11 +108,16 @@ class CachingAllocator final : public Allocator {
   // Gives every cached free block back to the system (PyTorch's empty_cache).
   void release_cached();
   Stats stats() const;
+  // peak_in_use_bytes = in_use_bytes now (a trainer measures one phase's peak).
+  void reset_peak();
 
   // The size a request is served with: nbytes rounded up to an eighth of its power of two
   // (at most 12.5% more from 512 bytes up; the step is at least 64 bytes, so below 512 bytes a
-  // multiple of 64), so nearby sizes share blocks. 0 stays 0.
-  size_t block_size(size_t nbytes) const;
+  // multiple of 64), so nearby sizes share blocks. 0 stays 0. The same for every instance
+  // (rounded_size), so a planner can count what a limit will see:
+  //   rounded_size(1000) == 1024, rounded_size(100) == 128, rounded_size(1 << 20) == 1 << 20
+  size_t block_size(size_t nbytes) const { return rounded_size(nbytes); }
+  static size_t rounded_size(size_t nbytes);
 
  private:
   using Key = std::tuple<int, int, size_t>;  // device type, device index, block size

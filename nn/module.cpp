@@ -244,4 +244,9 @@ void materialize(Module& module, uint64_t seed, bool reinit) {
     if (p->is_meta() || reinit) p->materialize(seed, name);
 }
 
+void to_empty(Module& module) {
+  for (auto& [name, p] : module.named_parameters())
+    if (p->is_meta()) p->to_empty(name);
+}
+
 }  // namespace nn

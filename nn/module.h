@@ -188,8 +188,14 @@ class Sequential : public Module {
 
 // Allocates every meta parameter of `module` (its shard under the parameter's placements) with
 // values init(seed, fully qualified name, global index). Already materialised parameters are
-// left alone unless `reinit`.
+// left alone unless `reinit`. The values depend on neither the order nor the mesh: building on
+// meta, sharding (parallelize_module, fsdp::fully_shard) and then materialising gives every
+// element the value materialising first and sharding after gives it, bit for bit; only each
+// rank's shard is ever allocated (FSDP: straight into the group's flat buffer).
 void materialize(Module& module, uint64_t seed, bool reinit = false);
+// Allocates every meta parameter's shard without values (PyTorch's to_empty), for a loader that
+// writes every element next (checkpoint::load_pretrained).
+void to_empty(Module& module);
 
 // What the modules' constructors need: the mesh the parameters live on and their dtype.
 struct ModuleOptions {

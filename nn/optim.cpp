@@ -22,9 +22,16 @@ using kernels::InvalidArgument;
 namespace {
 
 // A zero state tensor for parameter value d: its shape, dtype and placements, on its device (a
-// CUDA parameter's state is CUDA memory).
+// CUDA parameter's state is CUDA memory), from the mesh's allocator (so a trainer's memory limit
+// and peak count it).
 DTensor zero_state(const DTensor& d) {
-  return dtensor::zeros(d.shape(), d.dtype(), d.comms(), d.placements(), d.to_local().device());
+  const auto& comms = d.comms();
+  if (!comms->in_mesh()) return dtensor::zeros(d.shape(), d.dtype(), comms, d.placements(), d.to_local().device());
+  dtensor::DTensorSpec spec = dtensor::make_spec(std::shared_ptr<const dtensor::DeviceMesh>(comms, &comms->mesh()),
+                                                 d.placements(), d.shape(), d.dtype());
+  Tensor local = Tensor::empty(d.to_local().shape(), d.dtype(), d.to_local().device(), comms->allocator());
+  local.fill_(0.0);
+  return DTensor(comms, spec, local);
 }
 
 }  // namespace

@@ -129,18 +129,20 @@ void Parameter::set_dtype(DType dtype) {
   dtype_ = dtype;
 }
 
-void Parameter::materialize(uint64_t seed, std::string_view name) {
-  dtensor::DTensorSpec spec = dtensor::make_spec(
-      std::shared_ptr<const dtensor::DeviceMesh>(comms_, &comms_->mesh()), placements_, shape_, dtype_);
-  if (!comms_->in_mesh()) {
-    data_ = DTensor(comms_, spec, Tensor::empty({0}, dtype_, device_));
-    return;
+Tensor Parameter::shard_storage(std::string_view name, const dtensor::DTensorSpec& spec,
+                                const dtensor::ShardLayout& layout) {
+  if (target_) {
+    Tensor t = target_();
+    if (!(t.shape() == layout.local_shape) || t.dtype() != dtype_)
+      throw InvalidArgument(fmt::format(
+          "Parameter::materialize: '{}' ({} {} under {}): the materialize target is {} {}, expected the local shard "
+          "{} {}",
+          name, kernels::to_string(dtype_), shape_, dtensor::to_string(spec.placements), kernels::to_string(t.dtype()),
+          t.shape(), kernels::to_string(dtype_), layout.local_shape));
+    return t;
   }
-  const dtensor::ShardLayout layout = *spec.layout(comms_->rank());
-  const int nd = shape_.size();
   // The shard's bytes are checked against what the allocator can still hand out before anything
-  // is allocated, and the values are written in place from the layout's runs (no index lists, no
-  // staging copy): a parameter too large for the machine is a ResourceError naming the bytes.
+  // is allocated: a parameter too large for the machine is a ResourceError naming the bytes.
   const int64_t bytes = kernels::checked_bytes(layout.local_shape.product(), kernels::itemsize(dtype_),
                                                "Parameter::materialize: bytes of the local shard");
   const kernels::Allocator* allocator = comms_->allocator().get();
@@ -152,15 +154,40 @@ void Parameter::materialize(uint64_t seed, std::string_view name) {
         "bytes ({:.1f} GiB) are available",
         name, kernels::to_string(dtype_), shape_, layout.local_shape, bytes, static_cast<double>(bytes) / (1 << 30),
         comms_->rank(), kernels::to_string(device_), available, static_cast<double>(available) / (1 << 30)));
+  return Tensor::empty(layout.local_shape, dtype_, device_, comms_->allocator());
+}
+
+void Parameter::materialize(uint64_t seed, std::string_view name) {
+  dtensor::DTensorSpec spec = dtensor::make_spec(
+      std::shared_ptr<const dtensor::DeviceMesh>(comms_, &comms_->mesh()), placements_, shape_, dtype_);
+  if (!comms_->in_mesh()) {
+    data_ = DTensor(comms_, spec, Tensor::empty({0}, dtype_, device_));
+    return;
+  }
+  const dtensor::ShardLayout layout = *spec.layout(comms_->rank());
+  const int nd = shape_.size();
+  // The values are written in place from the layout's runs (no index lists, no staging copy).
+  Tensor local = shard_storage(name, spec, layout);
   std::vector<dtensor::HeldIndices> held;
   for (int t = 0; t < nd; ++t) held.emplace_back(layout.runs[t]);
-  Tensor local = Tensor::empty(layout.local_shape, dtype_, device_, comms_->allocator());
   local.fill_index_([&](std::span<const int64_t> pos) {
     int64_t flat = 0;
     for (int t = 0; t < nd; ++t) flat = flat * shape_[t] + held[t][pos[t]];
     return init_.value(seed, name, flat);
   });
   data_ = DTensor(comms_, spec, local);
+  grad_.reset();
+}
+
+void Parameter::to_empty(std::string_view name) {
+  if (data_) return;
+  dtensor::DTensorSpec spec = dtensor::make_spec(
+      std::shared_ptr<const dtensor::DeviceMesh>(comms_, &comms_->mesh()), placements_, shape_, dtype_);
+  if (!comms_->in_mesh()) {
+    data_ = DTensor(comms_, spec, Tensor::empty({0}, dtype_, device_));
+    return;
+  }
+  data_ = DTensor(comms_, spec, shard_storage(name, spec, *spec.layout(comms_->rank())));
   grad_.reset();
 }
 

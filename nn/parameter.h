@@ -7,6 +7,10 @@
 //   // each rank allocates only its shard; element (i, j) is init(7, name, i * 32 + j) on every
 //   // rank and under every sharding, so differently sharded models start identical.
 //
+// Shard first, then initialise (FSDP): fully_shard records the sharded placements on a meta
+// parameter and a materialize target (a view into its group's flat buffer); materialize() then
+// writes the same values, element for element, straight into that view: no full tensor exists.
+//
 // FSDP-style use: set_data() swaps another DTensor of the same global shape onto the
 // parameter (an unsharded view in pre-forward, the sharded one after); set_grad_buffer() makes
 // backward write the gradient into a caller-provided DTensor (a view of a flat buffer).
@@ -14,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -73,8 +78,17 @@ class Parameter {
   // New placements: recorded on a meta parameter, redistributed on a materialised one (the
   // gradient, if any, is dropped).
   void set_placements(const Placements& placements);
-  // Allocates this rank's shard and fills it with init.value(seed, name, global index).
+  // Allocates this rank's shard (or takes the materialize target's) and fills it with
+  // init.value(seed, name, global index).
   void materialize(uint64_t seed, std::string_view name);
+  // Allocates this rank's shard without values (PyTorch's to_empty), for a loader that writes
+  // every element next. A no-op on a materialised parameter. `name` is for messages.
+  void to_empty(std::string_view name);
+  // Where materialize() and to_empty() put this rank's shard: target() returns a tensor of the
+  // local shape of the parameter's placements, in its dtype, on its device (FSDP: a view into
+  // its group's flat buffer, which the first call allocates). Unset: a fresh tensor from the
+  // mesh's allocator. Throws InvalidArgument at materialize when the shape or dtype differs.
+  void set_materialize_target(std::function<Tensor()> target) { target_ = std::move(target); }
   // A new dtype for the value (meta: recorded; materialised: cast).
   void set_dtype(DType dtype);
 
@@ -102,6 +116,11 @@ class Parameter {
   std::optional<DTensor> data_;
   std::optional<DTensor> grad_;
   bool accumulate_next_ = true;
+  std::function<Tensor()> target_;
+
+  // This rank's shard for materialize / to_empty: the target's tensor, else a fresh allocation
+  // (checked against what the allocator can hand out first).
+  Tensor shard_storage(std::string_view name, const dtensor::DTensorSpec& spec, const dtensor::ShardLayout& layout);
 };
 
 }  // namespace nn

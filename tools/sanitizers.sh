@@ -36,14 +36,15 @@ case $kind in
            kernels-gpu kernels-gpu-ops nn-gpu collectives-nccl-gpu  # "this build has no CUDA": skipped
            conformance cli-layout cli-redistribute fuzz bench-smoke
            bench-smoke-detects-wrong dtensor-bench-smoke dtensor-bench-odd-world dtensor-bench-host-cost
-           bad-inputs layout-example api-example dtensor-asan fsdp checkpoint fsdp-train-fsdp4
+           bad-inputs layout-example api-example dtensor-asan dtensor-asan-planner fsdp fsdp-meta fsdp-estimate
+           checkpoint fsdp-train-fsdp4
            fsdp-train-hsdp2x2xtp2-bf16 fsdp-train-checkpoint-resume)
     ;;
   tsan)
     dir=build-tsan
     opts=(-Db_sanitize=thread -Dmpi=disabled)
     targets=(tests/collectives/collectives_test tests/dtensor/dtensor_test)
-    tests=(collectives-local dtensor-tsan)
+    tests=(collectives-local dtensor-tsan dtensor-tsan-redistribute)
     ;;
   fuzz)
     dir=build-fuzz
@@ -85,7 +86,7 @@ export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
 export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$supp/tsan.supp"
 echo "== meson test -C $dir (${kind})"
 status=0
-# --setup sanitize: the test setup that includes suite 'sanitize' (dtensor-asan, dtensor-tsan).
+# --setup sanitize: the test setup that includes suite 'sanitize' (dtensor-asan*, dtensor-tsan*).
 meson test -C "$dir" --setup sanitize --no-rebuild --print-errorlogs --num-processes 2 "${tests[@]}" || status=1
 if ((${#mpi_tests[@]})); then
   # Processes under mpirun: OpenMPI unloads its plugins before LeakSanitizer reports, so their

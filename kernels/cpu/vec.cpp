@@ -98,7 +98,7 @@ const VecKernels* vec_kernels_for(Isa isa) {
 
 const VecKernels& vec_kernels() {
   static const VecKernels* best = [] {
-    // The widest variant the CPU has. Measured here (bench/RESULTS.md "compute kernels"): Eigen's
+    // The widest variant the CPU has. Measured here (bench/RESULTS.md "Kernels"): Eigen's
     // AVX-512 GEMM about equals its AVX2 one, and the transcendental maps (GELU, SiLU, exp) run up
     // to 2x faster with AVX-512.
     for (Isa isa : {Isa::kAvx512, Isa::kAvx2, Isa::kBaseline}) {

@@ -123,7 +123,8 @@ struct VecOps {
   void (*silu_backward)(T* dx, const T* dy, const T* x, int64_t n);
   // Largest element, NaN if any is NaN; -inf for n == 0.
   T (*max)(const T* x, int64_t n);
-  // out = exp(x - shift) (out may be x); returns the sum of out in double.
+  // out = exp(x - shift) (out may be x); returns the sum of out in double. Bit-identical
+  // wherever out lies (its alignment included).
   double (*exp_shift_sum)(T* out, const T* x, T shift, int64_t n);
   // sum x, sum x^2, sum x*y, accumulated in double.
   double (*sum)(const T* x, int64_t n);

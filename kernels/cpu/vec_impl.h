@@ -198,10 +198,20 @@ T max(const T* x, int64_t n) {
   return CMap<T>(x, n).template maxCoeff<Eigen::PropagateNaN>();
 }
 
+// Eigen computes the elements before `out`'s first vector-aligned address with scalar exp and
+// the rest with its vector exp, which can differ by an ulp. Going through an aligned buffer makes
+// the values depend on x and n only: callers pass heap scratch rows whose alignment varies from
+// run to run.
 template <class T>
 double exp_shift_sum(T* out, const T* x, T shift, int64_t n) {
   if (n == 0) return 0.0;
-  MMap<T>(out, n) = (CMap<T>(x, n) - shift).exp();
+  constexpr int64_t kChunk = 256;
+  alignas(64) T buf[kChunk];
+  for (int64_t s = 0; s < n; s += kChunk) {
+    const int64_t len = n - s < kChunk ? n - s : kChunk;
+    MMap<T>(buf, len) = (CMap<T>(x + s, len) - shift).exp();
+    std::memcpy(out + s, buf, static_cast<size_t>(len) * sizeof(T));
+  }
   return sum_d(out, n);
 }
 

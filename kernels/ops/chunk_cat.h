@@ -57,7 +57,7 @@ class ChunkCatLayout {
 // Up to how many threads a CPU chunk_cat / split_copy uses (the caller's and threads - 1 new
 // ones): 0 picks by size (one thread below kParallelCopyBytes moved, else up to kMaxCopyThreads
 // and the hardware's threads). The default is 1: on the shared 2-core machine more threads did
-// not help (the copies are memory-bound; bench/RESULTS.md "fsdp copies"), and FSDP's ranks are
+// not help (the copies are memory-bound; bench/RESULTS.md "Kernels"), and FSDP's ranks are
 // already one thread or process each.
 inline constexpr int64_t kParallelCopyBytes = int64_t{4} << 20;
 inline constexpr int kMaxCopyThreads = 4;

@@ -2,10 +2,12 @@
 // f64 references, plus finite-difference checks of every backward in f64.
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <vector>
 
+#include "kernels/cpu/vec.h"
 #include "kernels/ops/cross_entropy.h"
 #include "kernels/ops/elementwise.h"
 #include "kernels/ops/norm.h"
@@ -486,6 +488,55 @@ TEST_CASE("cross_entropy on vocab shards equals the full loss", "[kernels][ops][
   REQUIRE_THROWS_WITH(cross_entropy_shard_stats(Tensor::zeros({2, 4}, DType::kF32),
                                                 Tensor::zeros({2}, DType::kI64), 3, 6),
                       Contains("the shard holds columns [3, 7) but the vocab has 6"));
+}
+
+namespace {
+
+// exp_shift_sum with `out` at each element offset of a 64-byte line (and in place): every value
+// and the sum must be bit-identical to those of an aligned `out`. Returns the placements checked.
+template <class T>
+int exp_shift_sum_placements(const detail::VecOps<T>& v) {
+  constexpr int64_t kN = 1000, kLine = 64 / sizeof(T);
+  std::vector<T> x(kN);
+  for (int64_t i = 0; i < kN; ++i) x[i] = static_cast<T>(-20.0 + 0.0371 * static_cast<double>((i * 389) % kN));
+  const T shift = v.max(x.data(), kN);
+  struct alignas(64) Line {
+    T v[kLine];
+  };
+  std::vector<Line> ref_buf(kN / kLine + 2), buf(kN / kLine + 2);
+  T* ref = ref_buf[0].v;
+  const double ref_sum = v.exp_shift_sum(ref, x.data(), shift, kN);
+  int checked = 0;
+  for (int64_t off = 0; off < kLine; ++off) {
+    for (bool in_place : {false, true}) {
+      T* out = buf[0].v + off;
+      if (in_place) std::memcpy(out, x.data(), kN * sizeof(T));
+      const double s = v.exp_shift_sum(out, in_place ? out : x.data(), shift, kN);
+      INFO("offset " << off << " elements, in place " << in_place);
+      CHECK(std::memcmp(&s, &ref_sum, sizeof s) == 0);
+      CHECK(std::memcmp(out, ref, kN * sizeof(T)) == 0);
+      ++checked;
+    }
+  }
+  return checked;
+}
+
+}  // namespace
+
+// cross_entropy's scratch row is heap memory whose alignment varies from run to run (with rank
+// threads it depends on timing): the loss must not depend on it.
+TEST_CASE("exp_shift_sum does not depend on the alignment of out", "[kernels][ops][cross_entropy]") {
+  int tables = 0, checked = 0;
+  for (detail::Isa isa : {detail::Isa::kBaseline, detail::Isa::kAvx2, detail::Isa::kAvx512}) {
+    const detail::VecKernels* k = detail::vec_kernels_for(isa);
+    if (k == nullptr) continue;
+    INFO("isa " << detail::to_string(isa));
+    ++tables;
+    checked += exp_shift_sum_placements(k->f32);
+    checked += exp_shift_sum_placements(k->f64);
+  }
+  REQUIRE(tables >= 1);
+  REQUIRE(checked == tables * 2 * (16 + 8));
 }
 
 TEST_CASE("cross_entropy dlogits matches finite differences (f64)",

@@ -18,7 +18,7 @@ failures = []
 checks = 0
 SMALL = ["--layers", "1", "--dim", "16", "--heads", "2", "--vocab", "24", "--seq", "8", "--batch", "4"]
 KEYS = ["steps", "first_loss", "last_loss", "parity", "max_rel_loss_diff", "max_param_diff", "tokens_per_s",
-        "peak_bytes"]
+        "peak_bytes", "peak_block_bytes", "estimated_peak_bytes", "estimated_peak_block_bytes"]
 
 
 def check(ok, what):

@@ -5,6 +5,7 @@
 #include <atomic>
 
 #include "nn/layers.h"
+#include "nn/memory.h"
 #include "nn/transformer.h"
 #include "nn_support.h"
 #include "support/checks.h"
@@ -318,4 +319,41 @@ TEST_CASE("module: gradients written into caller buffers; an FSDP-style swap thr
     }
   });
   checks.report();
+}
+
+TEST_CASE("module: a materialize target receives the shard in place; to_empty allocates without values",
+          "[nn][module][init]") {
+  testing_support::Checks checks;
+  int ran = 0;
+  on_mesh({2}, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+    // The reference: a plain materialisation under S(1).
+    Parameter plain(comms, Dims{5, 6}, DType::kF32, Init::normal(0, 1), dtensor::parse_placements("S(1)"));
+    plain.materialize(7, "w");
+    // The same parameter writing into a caller's buffer (a strided view, as FSDP's Shard(1) slot).
+    Tensor buffer = Tensor::zeros({5, 8}, DType::kF32);
+    Tensor view = buffer.narrow(1, 0, 3);
+    Parameter p(comms, Dims{5, 6}, DType::kF32, Init::normal(0, 1), dtensor::parse_placements("S(1)"));
+    p.set_materialize_target([view] { return view; });
+    p.materialize(7, "w");
+    checks.check(p.data().to_local().shares_storage_with(buffer), "not written into the target");
+    checks.check(max_abs_diff(p.data().to_local(), plain.data().to_local()) == 0, "target values differ");
+    checks.check(buffer.narrow(1, 3, 5).to_vector() == std::vector<double>(25, 0.0), "wrote outside the target");
+    // A target of the wrong shape is refused naming the parameter and both shapes.
+    Parameter q(comms, Dims{5, 6}, DType::kF32, Init::normal(0, 1), dtensor::parse_placements("S(0)"));
+    q.set_materialize_target([] { return Tensor::zeros({1, 6}, DType::kF32); });
+    checks.throws<kernels::InvalidArgument>([&] { q.materialize(7, "blocks.0.w"); },
+                                            "'blocks.0.w' (f32 [5,6] under S(0)): the materialize target is f32 [1,6]",
+                                            "wrong target shape");
+    // to_empty: the shard from the mesh's allocator, no values, once.
+    auto mem = std::make_shared<TrackingAllocator>();
+    auto counted = std::make_shared<MeshComms>(comms->mesh(), world, std::vector<std::vector<int>>{}, mem);
+    Parameter e(counted, Dims{4, 6}, DType::kF32, Init::normal(0, 1), dtensor::parse_placements("S(0)"));
+    e.to_empty("e");
+    checks.check(!e.is_meta() && e.data().to_local().numel() == 12 && mem->live_bytes() == 48, "to_empty");
+    e.to_empty("e");
+    checks.check(mem->peak_bytes() == 48, "to_empty twice allocated again");
+    if (world.rank() == 0) ++ran;
+  });
+  checks.report();
+  CHECK(ran == 1);
 }

@@ -9,6 +9,7 @@
 #include <fstream>
 
 #include "kernels/format.h"
+#include "nn/memory.h"
 #include "nn/optim.h"
 #include "nn/safetensors.h"
 #include "nn/tensor_parallel.h"
@@ -257,4 +258,25 @@ TEST_CASE("safetensors: round trip, alignment, metadata, errors", "[nn][safetens
   }
   CHECK_THROWS_WITH(load_safetensors(path), Catch::Contains("malformed header"));
   std::remove(path.c_str());
+}
+
+TEST_CASE("optim: state comes from the mesh's allocator, so a trainer's limit and peak count it", "[nn][optim]") {
+  std::atomic<int> ran{0};
+  testing_support::Checks checks;
+  collectives::run_ranks(2, [&](Communicator& world) {
+    auto mem = std::make_shared<nn::TrackingAllocator>();
+    auto comms = std::make_shared<MeshComms>(DeviceMesh::from_shape({2}), world, std::vector<std::vector<int>>{}, mem);
+    auto p = std::make_shared<Parameter>(comms, Dims{10, 4}, DType::kF32, Init::normal(0, 1),
+                                         dtensor::parse_placements("S(0)"));
+    p->materialize(1, "w");
+    const int64_t params = mem->live_bytes();
+    nn::AdamW adam({{"w", p}}, {});
+    adam.init_state();
+    checks.check(params == 80 && mem->live_bytes() == 3 * params,
+                 fmt::format("AdamW state: {} bytes live for {} of parameters", mem->live_bytes(), params));
+    checks.check(adam.state("w", "exp_avg").to_local().to_vector() == std::vector<double>(20, 0.0), "state not zero");
+    ++ran;
+  });
+  checks.report();
+  CHECK(ran == 2);
 }

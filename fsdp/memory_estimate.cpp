@@ -1,0 +1,753 @@
+// The replay behind fsdp::estimate_memory (memory_estimate.h): counted buffers allocated and
+// freed in the order one steady-state training step allocates and frees them. Each function
+// below names the code it follows; a handle (Sim::H) is one allocation, freed when its last
+// holder lets go, as the DTensors it stands for are.
+#include "fsdp/memory_estimate.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kernels/allocator.h"
+#include "kernels/checked.h"
+#include "kernels/error.h"
+
+namespace fsdp {
+
+using kernels::InvalidArgument;
+
+namespace {
+
+enum Kind { kParams, kGrads, kOptim, kUnsharded, kReduce, kActivations, kTransitions, kKinds };
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Live bytes per kind and in total, and the largest total seen (where, too).
+class Sim {
+ public:
+  struct Buf {
+    Sim* sim;
+    Kind kind;
+    int64_t bytes, blocks;
+    bool host;
+    ~Buf() { sim->release(*this); }
+  };
+  using H = std::shared_ptr<Buf>;
+
+  explicit Sim(bool host_separate) : host_separate_(host_separate) {}
+
+  // One allocation of `bytes` (none for 0 bytes: an empty Storage allocates nothing).
+  H alloc(Kind kind, int64_t bytes) {
+    if (bytes <= 0) return nullptr;
+    const bool host = host_separate_ && (kind == kParams || kind == kGrads || kind == kOptim);
+    const auto blocks = static_cast<int64_t>(kernels::CachingAllocator::rounded_size(static_cast<size_t>(bytes)));
+    H b(new Buf{this, kind, bytes, blocks, host});  // constructed once: its destructor releases
+    if (host) {
+      host_live_ += bytes;
+      host_peak_ = std::max(host_peak_, host_live_);
+      return b;
+    }
+    live_[kind] += bytes;
+    max_[kind] = std::max(max_[kind], live_[kind]);
+    total_ += bytes;
+    blocks_ += b->blocks;
+    if (total_ > peak_) {
+      peak_ = total_;
+      peak_at_ = where_;
+    }
+    peak_blocks_ = std::max(peak_blocks_, blocks_);
+    return b;
+  }
+  // Allocated and freed at once (a redistribute's staging): counts toward the peak only.
+  void transient(Kind kind, int64_t bytes) { H h = alloc(kind, bytes); }
+  void at(std::string where) { where_ = std::move(where); }
+
+  MemoryEstimate result() const {
+    MemoryEstimate e;
+    e.sharded_parameters = max_[kParams];
+    e.gradients = max_[kGrads];
+    e.optimizer_state = max_[kOptim];
+    e.unsharded = max_[kUnsharded];
+    e.reduce_scatter = max_[kReduce];
+    e.activations = max_[kActivations];
+    e.transitions = max_[kTransitions];
+    e.peak = peak_;
+    e.peak_blocks = peak_blocks_;
+    e.host = host_peak_;
+    e.peak_at = peak_at_;
+    return e;
+  }
+
+ private:
+  void release(const Buf& b) {
+    if (b.host) {
+      host_live_ -= b.bytes;
+      return;
+    }
+    live_[b.kind] -= b.bytes;
+    total_ -= b.bytes;
+    blocks_ -= b.blocks;
+  }
+
+  bool host_separate_;
+  std::array<int64_t, kKinds> live_{}, max_{};
+  int64_t total_ = 0, peak_ = 0, blocks_ = 0, peak_blocks_ = 0, host_live_ = 0, host_peak_ = 0;
+  std::string where_, peak_at_;
+};
+using H = Sim::H;
+
+// ---- the model's shapes on the worst rank ----
+
+struct Param {
+  std::string name;
+  int64_t rows = 0, inner = 1;  // the tensor-parallel local shape, flattened after dim 0
+  int64_t numel() const { return rows * inner; }
+};
+
+struct Shapes {
+  int64_t V, D, heads, L, hidden, max_seq;
+  int64_t tp, b, T, Tt;  // tp size, rows per rank, sequence, sequence per tp rank (sequence parallel)
+  int64_t Dt, Ht, Hdt, Vt;  // colwise-local widths
+  bool sp;               // sequence parallel (tp > 1)
+  int64_t s, f;          // compute and statistics itemsizes
+  bool layer_norm, bias, pos, tie, ckpt;
+};
+
+std::vector<Param> norm_params(const Shapes& m, const std::string& prefix) {
+  std::vector<Param> out{{prefix + ".weight", m.D, 1}};
+  if (m.layer_norm) out.push_back({prefix + ".bias", m.D, 1});
+  return out;
+}
+
+// A block's parameters in registration order (nn/transformer.cpp), tensor-parallel local.
+std::vector<Param> block_params(const Shapes& m) {
+  std::vector<Param> out = norm_params(m, "ln1");
+  for (const char* n : {"wq", "wk", "wv"}) {
+    out.push_back({std::string("attn.") + n + ".weight", m.Dt, m.D});
+    if (m.bias) out.push_back({std::string("attn.") + n + ".bias", m.Dt, 1});
+  }
+  out.push_back({"attn.wo.weight", m.D, m.Dt});
+  if (m.bias) out.push_back({"attn.wo.bias", m.D, 1});
+  for (const Param& p : norm_params(m, "ln2")) out.push_back(p);
+  out.push_back({"mlp.fc1.weight", m.Hdt, m.D});
+  if (m.bias) out.push_back({"mlp.fc1.bias", m.Hdt, 1});
+  out.push_back({"mlp.fc2.weight", m.D, m.Hdt});
+  if (m.bias) out.push_back({"mlp.fc2.bias", m.D, 1});
+  return out;
+}
+
+std::vector<Param> root_params(const Shapes& m) {
+  const int64_t vocab_rows = m.tp > 1 ? ceil_div(m.V, m.tp) : m.V;
+  std::vector<Param> out{{"tok_emb.weight", vocab_rows, m.D}};
+  if (m.pos) out.push_back({"pos_emb.weight", m.max_seq, m.D});
+  for (const Param& p : norm_params(m, "ln_f")) out.push_back(p);
+  if (!m.tie) out.push_back({"lm_head.weight", m.Vt, m.D});
+  return out;
+}
+
+// ---- FSDP's runtime on byte counts (fully_shard.cpp's Group) ----
+
+struct Group {
+  std::string name;
+  std::vector<Param> params;
+  int64_t P = 0, U = 0;  // one rank's flat elements (padded), the unsharded elements
+  enum class State { kSharded, kUnsharding, kUnsharded, kResharded } state = State::kSharded;
+  H flat, unsharded, ag_input, k_buffer;
+  H rs_input, rs_output, rs_staging;
+  bool pending = false, into_grad = true, has_sharded_grad = false;
+  std::vector<H> grads, accum;  // unsharded gradients (per parameter), no-sync accumulation
+  std::vector<H> persistent;    // flat shard, flat gradient, optimizer state
+  bool root = false;
+};
+
+class Replay {
+ public:
+  Replay(const Shapes& m, const MemoryConfig& c, Sim& sim) : m_(m), c_(c), sim_(sim) {
+    const auto& mp = c.options.mp_policy;
+    master_ = kernels::DType::kF32;
+    param_ = mp.param_dtype.value_or(master_);
+    reduce_ = mp.reduce_dtype.value_or(param_);
+    ms_ = static_cast<int64_t>(kernels::itemsize(master_));
+    ps_ = static_cast<int64_t>(kernels::itemsize(param_));
+    rs_ = static_cast<int64_t>(kernels::itemsize(reduce_));
+    dp_ = c.dp_shard;
+    hsdp_ = c.dp_replicate > 1;
+    offload_separate_ = c.options.offload_policy.offload_to_cpu && !c.device.is_cpu();
+    const auto kind = c.options.reshard_after_forward.kind;
+    k_ = kind == ReshardAfterForward::Kind::kInt ? c.options.reshard_after_forward.k : 0;
+    if (k_ == 1) k_ = 0, block_keeps_ = true;
+    if (k_ > 0 && k_ == dp_) k_ = 0;
+    if (kind == ReshardAfterForward::Kind::kFalse) block_keeps_ = true;
+    root_reshards_ = kind == ReshardAfterForward::Kind::kTrue;
+  }
+
+  void run() {
+    setup();
+    for (int micro = 0; micro < c_.batch.grad_accum; ++micro) {
+      micro_ = micro;
+      last_micro_ = micro + 1 == c_.batch.grad_accum;
+      step();
+    }
+  }
+
+ private:
+  // ---- setup: the persistent state ----
+  void setup() {
+    auto add_group = [&](std::string name, std::vector<Param> params, bool root) {
+      Group g;
+      g.name = std::move(name);
+      g.params = std::move(params);
+      g.root = root;
+      for (const Param& p : g.params) {
+        g.P += padded(p);
+        g.U += p.numel();
+      }
+      groups_.push_back(std::move(g));
+    };
+    add_group("root", root_params(m_), true);
+    for (int64_t i = 0; i < m_.L; ++i) add_group(fmt::format("blocks.{}", i), block_params(m_), false);
+    for (Group& g : groups_) {
+      if (c_.fsdp) {
+        g.persistent.push_back(sim_.alloc(kParams, g.P * ms_));
+        g.persistent.push_back(sim_.alloc(kGrads, g.P * ms_));
+        for (const Param& p : g.params)
+          for (int s = 0; s < c_.optimizer_states; ++s) g.persistent.push_back(sim_.alloc(kOptim, padded(p) * ms_));
+      } else {
+        for (const Param& p : g.params) {
+          g.persistent.push_back(sim_.alloc(kParams, p.numel() * ms_));
+          for (int s = 0; s < c_.optimizer_states; ++s) g.persistent.push_back(sim_.alloc(kOptim, p.numel() * ms_));
+        }
+      }
+    }
+    root_ = &groups_[0];
+  }
+
+  int64_t padded(const Param& p) const { return c_.fsdp ? ceil_div(p.rows, dp_) * p.inner : p.numel(); }
+
+  // ---- FSDP group transitions ----
+  void issue_unshard(Group& g) {
+    if (g.state == Group::State::kUnsharding || g.state == Group::State::kUnsharded) return;
+    g.flat = sim_.alloc(kUnsharded, dp_ * g.P * ps_);
+    if (g.state == Group::State::kResharded) {
+      // The all-gather from the k slice over the k ranks, into the flat output.
+    } else if (param_ != master_ || offload_separate_) {
+      g.ag_input = sim_.alloc(kReduce, g.P * ps_);  // the shard cast to param_dtype (or moved to the device)
+    }
+    g.state = Group::State::kUnsharding;
+  }
+  void wait_unshard(Group& g) {
+    if (g.state == Group::State::kUnsharded) return;
+    issue_unshard(g);
+    g.ag_input.reset();
+    g.k_buffer.reset();
+    g.unsharded = sim_.alloc(kUnsharded, g.U * ps_);
+    g.flat.reset();
+    g.state = Group::State::kUnsharded;
+  }
+  void reshard(Group& g) {
+    g.ag_input.reset();
+    g.unsharded.reset();
+    g.flat.reset();
+    g.k_buffer.reset();
+    g.state = Group::State::kSharded;
+  }
+  void reshard_to_k(Group& g) {
+    g.flat = sim_.alloc(kUnsharded, dp_ * g.P * ps_);
+    H kept = sim_.alloc(kUnsharded, dp_ * g.P / k_ * ps_);
+    reshard(g);
+    g.k_buffer = kept;
+    g.state = Group::State::kResharded;
+  }
+  void prefetch(const std::vector<Group*>& targets) {
+    for (Group* t : targets)
+      if (t->state == Group::State::kSharded || t->state == Group::State::kResharded) issue_unshard(*t);
+  }
+  // The groups a group prefetches (fsdp-train's settings; the order of a finished forward).
+  std::vector<Group*> targets(size_t i, bool forward) {
+    std::vector<Group*> out;
+    const auto n = static_cast<ptrdiff_t>(groups_.size());
+    const auto pos = static_cast<ptrdiff_t>(i);
+    if (c_.prefetch == 2 && i > 0) {  // explicit lists on the blocks: two blocks ahead
+      for (ptrdiff_t j = 1; j <= 2; ++j) {
+        const ptrdiff_t q = forward ? pos + j : pos - j;
+        if (q >= 1 && q < n) out.push_back(&groups_[static_cast<size_t>(q)]);
+      }
+      return out;
+    }
+    if (c_.prefetch >= 1) {
+      const ptrdiff_t q = forward ? pos + 1 : pos - 1;
+      if (q >= 0 && q < n) out.push_back(&groups_[static_cast<size_t>(q)]);
+    }
+    return out;
+  }
+  bool reshards_after_forward(const Group& g) const {
+    if (g.root) return root_reshards_;
+    return !block_keeps_;
+  }
+
+  void pre_forward(size_t i) {
+    if (!c_.fsdp || !hooks_) return;
+    Group& g = groups_[i];
+    sim_.at("forward: " + g.name + " unshard");
+    wait_unshard(g);
+    prefetch(targets(i, true));
+  }
+  void post_forward(size_t i) {
+    if (!c_.fsdp || !hooks_) return;
+    Group& g = groups_[i];
+    if (!reshards_after_forward(g)) return;
+    if (k_ > 0 && !g.root) reshard_to_k(g);
+    else reshard(g);
+  }
+  void pre_backward(size_t i) {
+    if (!c_.fsdp || !hooks_) return;
+    Group& g = groups_[i];
+    sim_.at("backward: " + g.name + " unshard");
+    g.has_sharded_grad = micro_ > 0 && !c_.no_sync;
+    wait_unshard(g);
+    prefetch(targets(i, false));
+  }
+  // The unsharded gradient of one parameter, written by its op in backward.
+  void grad_of(size_t i, const Param& p) {
+    Group& g = groups_[i];
+    if (c_.fsdp) g.grads.push_back(sim_.alloc(kUnsharded, p.numel() * ps_));
+    else if (micro_ == 0) g.persistent.push_back(sim_.alloc(kGrads, p.numel() * ms_));
+  }
+  void finish_reduce(Group& g) {
+    if (!g.pending) return;
+    g.pending = false;
+    g.rs_input.reset();
+    g.rs_output.reset();
+    g.rs_staging.reset();
+    g.has_sharded_grad = true;
+  }
+  void finish_pending() {
+    for (Group* p : pending_) finish_reduce(*p);
+    pending_.clear();
+  }
+  void post_backward(size_t i) {
+    Group& g = groups_[i];
+    if (!c_.fsdp || !hooks_) return;
+    sim_.at("backward: " + g.name + " reduce-scatter");
+    const bool sync = !c_.no_sync || last_micro_;
+    if (!sync) {
+      // No sync: the unsharded gradients accumulate in the reduce dtype.
+      if (g.accum.empty())
+        for (const Param& p : g.params) g.accum.push_back(sim_.alloc(kUnsharded, p.numel() * rs_));
+      g.grads.clear();
+      reshard(g);
+      return;
+    }
+    finish_pending();
+    // The accumulated gradients take the new ones in (added in place) and replace them.
+    if (!g.accum.empty()) g.grads.clear();
+    g.rs_input = sim_.alloc(kReduce, dp_ * g.P * rs_);
+    g.grads.clear();
+    g.accum.clear();
+    g.into_grad = !g.has_sharded_grad;
+    if (!g.into_grad) g.rs_output = sim_.alloc(kReduce, g.P * rs_);
+    reduce_transition(g);
+    g.pending = true;
+    pending_.push_back(&g);
+    reshard(g);
+  }
+  void finalize_backward() {
+    if (!c_.fsdp) return;
+    finish_pending();
+    for (Group& g : groups_)
+      if (g.state != Group::State::kSharded) reshard(g);
+  }
+  // The buffers inside the gradient reduction (the executor's, dtensor/exec), alive until the
+  // reduction is waited for: none on top of FSDP's input and output for a flat reduce-scatter
+  // (the input is in the reduce dtype already); HSDP's all-reduce of the shard over the
+  // replicate dim works on a copy of it.
+  void reduce_transition(Group& g) {
+    if (hsdp_) g.rs_staging = sim_.alloc(kTransitions, g.P * rs_);
+  }
+
+  // ---- tensor parallelism's redistributes on the activations ----
+  // S(1) -> R over tp of a [b, T, width] tensor: the gathered tensor (the executor gathers
+  // straight into it).
+  H gather_seq(int64_t width) { return sim_.alloc(kActivations, m_.b * m_.T * width * m_.s); }
+  // P -> S(1) over tp: the reduced sequence shard; meanwhile the executor holds the input packed
+  // chunk by chunk (dim 1 is not contiguous) and the reduced chunk before it is copied out.
+  H scatter_seq(int64_t width) {
+    H out = sim_.alloc(kActivations, m_.b * m_.Tt * width * m_.s);
+    sim_.transient(kTransitions, m_.b * m_.T * width * m_.s + m_.b * m_.Tt * width * m_.s);
+    return out;
+  }
+  // P -> R over tp (no sequence parallelism): a reduced copy.
+  H reduce_full(int64_t width) { return sim_.alloc(kActivations, m_.b * m_.T * width * m_.s); }
+
+  H act(int64_t elements) { return sim_.alloc(kActivations, elements * m_.s); }
+  H stat(int64_t elements) { return sim_.alloc(kActivations, elements * m_.f); }
+
+  // ---- one block (TransformerBlock: forward and backward) ----
+  struct BlockSaved {
+    H x;                 // the input (ln1 keeps it)
+    H l1s, l1m;          // ln1's statistics
+    H l1g;               // wq / wk / wv's input: ln1's output (gathered over tp)
+    H q, k, v, o, lse;   // attention's inputs, output and log-sum-exp
+    H a;                 // the attention's output (the residual add keeps it)
+    H h, l2s, l2m, l2g;  // after the first residual; ln2's statistics; fc1's input
+    H f1, g, f2;         // mlp: fc1's output (gelu keeps it), gelu's (fc2 keeps it), fc2's
+  };
+
+  // A row-wise layer's output over tp: the partial sum, reduced (P -> S(1) or P -> R); no tp:
+  // the output itself.
+  H rowwise_output(int64_t width) {
+    if (m_.tp == 1) return act(m_.b * m_.T * width);
+    H partial = act(m_.b * m_.T * width);
+    return m_.sp ? scatter_seq(width) : reduce_full(width);
+  }
+  // The input gradient of a column-wise layer (a partial sum over tp) moved back to the input's
+  // placement: P -> S(1) (sequence parallel) or P -> R.
+  H colwise_input_grad(H partial, int64_t width) {
+    if (m_.tp == 1) return partial;
+    return m_.sp ? scatter_seq(width) : reduce_full(width);
+  }
+
+  H block_forward(size_t gi, H x, BlockSaved& s) {
+    pre_forward(gi);
+    sim_.at("forward: " + groups_[gi].name);
+    const int64_t nt = m_.b * m_.Tt;  // tokens of a sequence-sharded tensor
+    const int64_t n = m_.b * m_.T;
+    s.x = x;
+    {
+      H l1 = act(nt * m_.D);  // alive until the attention returns (a temporary of the statement)
+      s.l1s = stat(nt);
+      if (m_.layer_norm) s.l1m = stat(nt);
+      s.l1g = m_.sp ? gather_seq(m_.D) : l1;
+      s.q = act(n * m_.Dt);
+      s.k = act(n * m_.Dt);
+      s.v = act(n * m_.Dt);
+      s.o = act(n * m_.Dt);
+      s.lse = stat(n * m_.Ht);
+      s.a = rowwise_output(m_.D);  // wo: the merged heads are a host copy (not counted)
+    }
+    s.h = act(nt * m_.D);
+    {
+      H l2 = act(nt * m_.D);
+      s.l2s = stat(nt);
+      if (m_.layer_norm) s.l2m = stat(nt);
+      s.l2g = m_.sp ? gather_seq(m_.D) : l2;
+      s.f1 = act(n * m_.Hdt);
+      s.g = act(n * m_.Hdt);
+      s.f2 = rowwise_output(m_.D);
+    }
+    H y = act(nt * m_.D);
+    post_forward(gi);
+    return y;
+  }
+
+  // Returns the input's gradient (the caller keeps the incoming one alive until then).
+  H block_backward(size_t gi, BlockSaved& s) {
+    pre_backward(gi);
+    sim_.at("backward: " + groups_[gi].name);
+    const int64_t nt = m_.b * m_.Tt;
+    const int64_t n = m_.b * m_.T;
+    const auto params = block_params(m_);
+    auto grad = [&](const std::string& name) {
+      for (const Param& p : params)
+        if (p.name == name) grad_of(gi, p);
+    };
+    H dh;
+    {
+      // mlp: fc2 (its gradient gathered over tp first), gelu, fc1.
+      H dl2;
+      {
+        H dyg = m_.sp ? gather_seq(m_.D) : nullptr;
+        H dg = act(n * m_.Hdt);
+        grad("mlp.fc2.weight");
+        if (m_.bias) grad("mlp.fc2.bias");
+        dyg.reset();
+        s.g.reset();
+        H df1 = act(n * m_.Hdt);
+        dg.reset();
+        dl2 = act(n * m_.D);
+        grad("mlp.fc1.weight");
+        if (m_.bias) grad("mlp.fc1.bias");
+        s.l2g.reset();
+      }
+      dl2 = colwise_input_grad(dl2, m_.D);
+      s.f1.reset();
+      dh = act(nt * m_.D);  // ln2
+      grad("ln2.weight");
+      if (m_.layer_norm) grad("ln2.bias");
+      s.h.reset();
+      s.l2s.reset();
+      s.l2m.reset();
+    }
+    dh = act(nt * m_.D);  // the residual's two gradients summed
+    H dx;
+    {
+      H dattn;
+      {
+        // attention: wo (its gradient gathered over tp), attention, wq / wk / wv summed.
+        H dyg = m_.sp ? gather_seq(m_.D) : nullptr;
+        H dm = act(n * m_.Dt);
+        grad("attn.wo.weight");
+        if (m_.bias) grad("attn.wo.bias");
+        dyg.reset();
+        H dq = act(n * m_.Dt), dk = act(n * m_.Dt), dv = act(n * m_.Dt);
+        H acc = act(n * m_.D);
+        grad("attn.wq.weight");
+        if (m_.bias) grad("attn.wq.bias");
+        for (const char* w : {"attn.wk", "attn.wv"}) {
+          H part = act(n * m_.D);
+          grad(std::string(w) + ".weight");
+          if (m_.bias) grad(std::string(w) + ".bias");
+          if (std::string(w) == "attn.wv") s.l1g.reset();  // wv kept the last reference to its input
+          acc = act(n * m_.D);
+        }
+        dattn = acc;
+      }
+      dattn = colwise_input_grad(dattn, m_.D);
+      s.q.reset();
+      s.k.reset();
+      s.v.reset();
+      s.o.reset();
+      s.lse.reset();
+      s.l1g.reset();
+      dx = act(nt * m_.D);  // ln1
+      grad("ln1.weight");
+      if (m_.layer_norm) grad("ln1.bias");
+      s.x.reset();
+      s.l1s.reset();
+      s.l1m.reset();
+    }
+    H out = act(nt * m_.D);  // the residual's two gradients summed
+    dx.reset();
+    dh.reset();
+    post_backward(gi);
+    s.a.reset();
+    s.f2.reset();
+    return out;
+  }
+
+  // ---- one microbatch of the GPT (GPT::do_forward / do_backward, the loss) ----
+  void step() {
+    const int64_t nt = m_.b * m_.Tt;
+    const int64_t n = m_.b * m_.T;
+    const auto rparams = root_params(m_);
+    auto root_grad = [&](const std::string& name) {
+      for (const Param& p : rparams)
+        if (p.name == name) grad_of(0, p);
+    };
+    // Forward.
+    pre_forward(0);
+    sim_.at("forward: root");
+    H x;
+    H pos_out;
+    {
+      H emb = rowwise_output(m_.D);  // tok_emb (row-wise over tp: a partial sum, reduced)
+      if (m_.pos) {
+        pos_out = act(m_.Tt * m_.D);  // the add keeps it
+        x = act(nt * m_.D);
+      } else {
+        x = emb;
+      }
+    }
+    std::vector<BlockSaved> saved(static_cast<size_t>(m_.L));
+    std::vector<H> ckpt_inputs(static_cast<size_t>(m_.L));
+    for (int64_t i = 0; i < m_.L; ++i) {
+      const size_t gi = static_cast<size_t>(i) + 1;
+      if (m_.ckpt) {
+        // Checkpoint: the block runs on a scratch context freed on return; its input stays.
+        pre_forward(gi);
+        ckpt_inputs[static_cast<size_t>(i)] = x;
+        H y;
+        {
+          BlockSaved scratch;
+          y = block_inner(gi, [&] { return block_forward(gi, x, scratch); });
+        }
+        post_forward(gi);
+        x = y;
+      } else {
+        x = block_forward(gi, x, saved[static_cast<size_t>(i)]);
+      }
+    }
+    sim_.at("forward: root (head)");
+    H last = x;  // ln_f keeps its input
+    H lfs = stat(nt), lfm = m_.layer_norm ? stat(nt) : nullptr;
+    H lfg;  // lm_head's input (gathered over tp)
+    H logits;
+    {
+      H lf = act(nt * m_.D);  // GPT::do_forward's local until it returns
+      lfg = m_.sp ? gather_seq(m_.D) : lf;
+      x.reset();
+      logits = act(n * m_.Vt);
+    }
+    post_forward(0);
+    // The loss keeps the logits' gradient (the trainer keeps the logits until the step ends).
+    sim_.at("loss");
+    H dlogits = act(n * m_.Vt);
+    if (c_.batch.grad_accum > 1) dlogits = act(n * m_.Vt);  // scaled by 1 / grad_accum
+    // Backward.
+    pre_backward(0);
+    sim_.at("backward: root (head)");
+    H dh;
+    {
+      H dx = act(n * m_.D);  // lm_head's input gradient (a partial sum over tp)
+      root_grad("lm_head.weight");
+      lfg.reset();
+      dx = colwise_input_grad(dx, m_.D);
+      dh = act(nt * m_.D);  // ln_f
+      root_grad("ln_f.weight");
+      if (m_.layer_norm) root_grad("ln_f.bias");
+      last.reset();
+      lfs.reset();
+      lfm.reset();
+    }
+    // GPT::do_backward's dh (and the blocks' Module::backward copy) keep ln_f's gradient until
+    // every block's backward has returned.
+    H top = dh;
+    for (int64_t i = m_.L - 1; i >= 0; --i) {
+      const size_t gi = static_cast<size_t>(i) + 1;
+      if (m_.ckpt) {
+        pre_backward(gi);
+        H in = ckpt_inputs[static_cast<size_t>(i)];
+        ckpt_inputs[static_cast<size_t>(i)].reset();
+        H dx;
+        {
+          BlockSaved s;
+          block_inner(gi, [&] { return block_forward(gi, in, s); });  // the recompute (output dropped)
+          dx = block_inner(gi, [&] { return block_backward(gi, s); });
+        }
+        post_backward(gi);
+        dh = dx;
+      } else {
+        dh = block_backward(gi, saved[static_cast<size_t>(i)]);
+      }
+    }
+    top.reset();
+    sim_.at("backward: root (embeddings)");
+    if (m_.pos) {
+      H dpos = act(m_.Tt * m_.D);
+      root_grad("pos_emb.weight");
+    }
+    {
+      H dyg;
+      if (m_.tp > 1) dyg = m_.sp ? gather_seq(m_.D) : nullptr;
+      root_grad("tok_emb.weight");
+    }
+    post_backward(0);
+    pos_out.reset();
+    finalize_backward();
+    dh.reset();
+    dlogits.reset();
+    logits.reset();
+  }
+
+  // A block without FSDP hooks (the Checkpoint wrapper carries them).
+  H block_inner(size_t, const std::function<H()>& f) {
+    const bool hooks = hooks_;
+    hooks_ = false;
+    H out = f();
+    hooks_ = hooks;
+    return out;
+  }
+
+  Shapes m_;
+  MemoryConfig c_;
+  Sim& sim_;
+  kernels::DType master_, param_, reduce_;
+  int64_t ms_ = 4, ps_ = 4, rs_ = 4;
+  int64_t dp_ = 1;
+  int k_ = 0;
+  bool hsdp_ = false, offload_separate_ = false, block_keeps_ = false, root_reshards_ = false;
+  std::vector<Group> groups_;
+  Group* root_ = nullptr;
+  std::vector<Group*> pending_;
+  int micro_ = 0;
+  bool last_micro_ = true;
+  bool hooks_ = true;  // false inside a Checkpoint wrapper (its hooks run around it)
+};
+
+void check_config(const nn::GPTConfig& g, const MemoryConfig& c) {
+  auto bad = [](const std::string& what) { throw InvalidArgument("estimate_memory: " + what); };
+  if (c.dp_replicate < 1 || c.dp_shard < 1 || c.tp < 1)
+    bad(fmt::format("mesh sizes dp_replicate {} dp_shard {} tp {}: expected >= 1", c.dp_replicate, c.dp_shard, c.tp));
+  if (c.batch.batch < 1 || c.batch.seq < 1 || c.batch.grad_accum < 1 || c.batch.batch % c.batch.grad_accum != 0)
+    bad(fmt::format("batch {} seq {} grad_accum {}: expected >= 1 with grad_accum dividing batch", c.batch.batch,
+                    c.batch.seq, c.batch.grad_accum));
+  if (g.vocab < 1 || g.dim < 1 || g.heads < 1 || g.layers < 0 || g.dim % g.heads != 0)
+    bad(fmt::format("model vocab {} dim {} heads {} layers {}: expected positive sizes, heads dividing dim", g.vocab,
+                    g.dim, g.heads, g.layers));
+  if (g.heads % c.tp != 0)
+    bad(fmt::format("{} heads do not split evenly over the {} ranks of tp", g.heads, c.tp));
+  if (c.prefetch < 0 || c.prefetch > 2) bad(fmt::format("prefetch {}: expected 0, 1 or 2", c.prefetch));
+  if (c.optimizer_states < 0) bad(fmt::format("optimizer_states {}: expected >= 0", c.optimizer_states));
+  if (c.options.reshard_after_forward.kind == ReshardAfterForward::Kind::kInt) {
+    const int k = c.options.reshard_after_forward.k;
+    if (k < 1 || c.dp_shard % k != 0)
+      bad(fmt::format("reshard_after_forward = {}: expected a divisor of dp_shard {}", k, c.dp_shard));
+  }
+}
+
+}  // namespace
+
+std::string MemoryEstimate::to_json() const {
+  return fmt::format(
+      "{{\"sharded_parameters\":{},\"gradients\":{},\"optimizer_state\":{},\"unsharded\":{},\"reduce_scatter\":{},"
+      "\"activations\":{},\"transitions\":{},\"peak\":{},\"peak_blocks\":{},\"host\":{},\"peak_at\":\"{}\"}}",
+      sharded_parameters, gradients, optimizer_state, unsharded, reduce_scatter, activations, transitions, peak,
+      peak_blocks, host, peak_at);
+}
+
+MemoryEstimate estimate_memory(const nn::GPTConfig& g, const MemoryConfig& c) {
+  check_config(g, c);
+  Shapes m;
+  m.V = g.vocab;
+  m.D = g.dim;
+  m.heads = g.heads;
+  m.L = g.layers;
+  m.hidden = g.mlp_hidden > 0 ? g.mlp_hidden : 4 * g.dim;
+  m.max_seq = g.max_seq;
+  m.tp = c.tp;
+  const int64_t micro = c.batch.batch / c.batch.grad_accum;
+  m.b = ceil_div(ceil_div(micro, c.dp_replicate), c.fsdp ? c.dp_shard : 1);
+  m.T = c.batch.seq;
+  m.sp = c.tp > 1 && c.sequence_parallel;
+  m.Tt = m.sp ? ceil_div(m.T, c.tp) : m.T;
+  m.Dt = ceil_div(m.D, c.tp);
+  m.Ht = g.heads / c.tp;
+  m.Hdt = ceil_div(m.hidden, c.tp);
+  m.Vt = ceil_div(m.V, c.tp);
+  const kernels::DType compute = c.options.mp_policy.param_dtype.value_or(kernels::DType::kF32);
+  m.s = static_cast<int64_t>(kernels::itemsize(compute));
+  m.f = 4;
+  m.layer_norm = g.norm == nn::NormKind::kLayerNorm;
+  m.bias = g.bias;
+  m.pos = g.pos_embedding;
+  m.tie = g.tie_embeddings;
+  m.ckpt = g.checkpoint_blocks;
+  Sim sim(c.options.offload_policy.offload_to_cpu && !c.device.is_cpu());
+  Replay(m, c, sim).run();
+  return sim.result();
+}
+
+MemoryEstimate estimate_memory(const nn::GPT& model, const MemoryConfig& config) {
+  MemoryConfig c = config;
+  const auto params = model.named_parameters();
+  if (!params.empty()) {
+    const dtensor::DeviceMesh& mesh = params.front().second->comms()->mesh();
+    c.dp_replicate = c.dp_shard = c.tp = 1;
+    if (mesh.has_names())
+      for (int d = 0; d < mesh.ndim(); ++d) {
+        const std::string& n = mesh.names()[d];
+        if (n == "dp_replicate") c.dp_replicate = mesh.size(d);
+        else if (n == "dp_shard") c.dp_shard = mesh.size(d);
+        else if (n == "tp") c.tp = mesh.size(d);
+      }
+  }
+  return estimate_memory(model.config(), c);
+}
+
+}  // namespace fsdp
