@@ -293,6 +293,11 @@ int64_t plan_bytes(const Plan& p) {
 void scale_table(int repeats, const std::string& json_path) {
   using Clock = std::chrono::steady_clock;
   auto us_since = [](Clock::time_point t) { return std::chrono::duration<double, std::micro>(Clock::now() - t).count(); };
+  std::ofstream json_file;
+  if (!json_path.empty()) {  // opened first: a bad path fails before the benchmark runs
+    json_file.open(json_path);
+    if (!json_file) throw kernels::InvalidArgument(fmt::format("--json '{}': cannot open for writing", kernels::clip(json_path)));
+  }
   fmt::print("Planning at scale, bf16 [65536, 4096], search planner; medians over {} repeats\n\n", repeats);
   fmt::print("| mesh | ranks | transition | plan | colls | bytes / lower bound | cold plan us | rank-0 schedule us | "
              "schedule bytes | plan bytes | cached look-up ns |\n");
@@ -336,11 +341,7 @@ void scale_table(int repeats, const std::string& json_path) {
                    {"schedule_bytes", schedule.bytes}, {"plan_bytes", plan_bytes(plan)},
                    {"lookup_ns", median(lookup_ns)}});
   }
-  if (!json_path.empty()) {
-    std::ofstream f(json_path);
-    if (!f) throw kernels::InvalidArgument(fmt::format("--json '{}': cannot open for writing", kernels::clip(json_path)));
-    f << out.dump(1) << "\n";
-  }
+  if (json_file.is_open()) json_file << out.dump(1) << "\n";
 }
 
 }  // namespace

@@ -157,7 +157,10 @@ Plan greedy(Context& ctx) {
 }
 
 // Dijkstra over placement states; edges are the valid single steps (NOTE [step validity]), the
-// ones PyTorch lacks included (Regroup, P -> _S). Every expansion draws on the work budget.
+// ones PyTorch lacks included (Regroup, P -> _S). Every edge draws kEdgeWork units on the work
+// budget besides what its validity and cost take, so a mesh of many dims (millions of states)
+// fails in about a second instead of searching for minutes.
+constexpr int64_t kEdgeWork = 16;
 Plan search(Context& ctx) {
   const Transition& t = ctx.transition();
   const int ndim = t.mesh_shape.size();
@@ -212,6 +215,7 @@ Plan search(Context& ctx) {
       for (const Placement& c : candidates[m]) {
         if (c == state[m]) continue;
         if (is_partial(c) && !partial_allowed(m, c)) continue;
+        ctx.work().add(kEdgeWork);
         std::optional<Step> step = step_between(m, state[m], c, /*direct=*/true);
         // A shard whose ranks already hold the new layout moves nothing: a local step.
         if (shard_dim(state[m]) && !is_partial(c) && ctx.valid(LocalChunk{m, c}, state)) step = LocalChunk{m, c};
