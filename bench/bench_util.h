@@ -31,6 +31,7 @@
 #include "kernels/reduce_op.h"
 #include "kernels/tensor.h"
 #include "program/main.h"
+#include "program/stats.h"
 
 namespace bench {
 
@@ -109,12 +110,7 @@ inline double now_us() {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-inline double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t m = v.size() / 2;
-  return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
-}
+using program::median;
 
 struct Stats {
   double median_us = 0, min_us = 0, max_us = 0;

@@ -30,6 +30,7 @@
 #include "kernels/error.h"
 #include "program/cli.h"
 #include "program/main.h"
+#include "program/stats.h"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
@@ -47,10 +48,7 @@ double read_over_needed_all(const checkpoint::LoadStats& st, collectives::Commun
   return b.item({0}) / b.item({1});
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
+using program::median;
 
 void drop_cache(const fs::path& p) {
   const int fd = ::open(p.c_str(), O_RDONLY);

@@ -40,6 +40,7 @@
 #include "nn/transformer.h"
 #include "program/cli.h"
 #include "program/main.h"
+#include "program/stats.h"
 
 namespace {
 
@@ -61,10 +62,7 @@ struct Args {
   std::string json;
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
+using program::median;
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 nn::GPTConfig config(const Args& a, int64_t layers, int64_t dim, int64_t heads) {

@@ -25,6 +25,7 @@
 #include "kernels/tensor.h"
 #include "program/cli.h"
 #include "program/main.h"
+#include "program/stats.h"
 
 using kernels::DType;
 using kernels::Tensor;
@@ -65,11 +66,7 @@ SgemmFn load_sgemm(const std::string& path) {
   return fn;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using program::median;
 
 // Median seconds of fn over iters runs after warmup runs.
 double time_it(const Options& o, const std::function<void()>& fn) {

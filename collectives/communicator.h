@@ -106,6 +106,68 @@ struct P2POp {
   static P2POp recv(Tensor t, int peer) { return {Kind::kRecv, std::move(t), peer}; }
 };
 
+// One collective call as a value: what a RecordingCommunicator logs and what the backends
+// compare across members. For send_recv, in_count / out_count are the elements sent / received
+// in total and `ops` the number of sends and receives.
+struct CollectiveCall {
+  CollectiveKind kind = CollectiveKind::kBarrier;
+  kernels::DType dtype = kernels::DType::kF32;
+  int64_t in_count = 0, out_count = 0;
+  ReduceOp op = ReduceOp::kSum;
+  double pre_multiplier = 1.0;
+  int root = -1;
+  int ops = 0;
+  bool operator==(const CollectiveCall&) const = default;
+};
+// "all_gather(f32, 4 -> 16 elements)", "reduce_scatter(bf16, 16 -> 4 elements, sum x 0.25)",
+// "send_recv(3 ops, f32, 12 -> 8 elements)", "barrier()".
+std::string to_string(const CollectiveCall& call);
+
+// NOTE [call contract] Every collective is described once, as a Call: the public methods of
+// Communicator build it, detail::validate() checks it -- the same checks and messages on every
+// backend -- and only then does the backend see it (Communicator::issue). A backend adds only
+// the limits of its transport (check_backend: the device it moves, mpi's int counts).
+//
+// Aliasing, the same on every backend (validate() refuses anything else with InvalidArgument
+// naming both element ranges, before the call is posted):
+//  - Input and output share no byte, or are exactly the collective's in-place form:
+//      all_gather       input is this rank's slice of output: output[rank*n, (rank+1)*n)
+//      reduce_scatter   output is this rank's slice of input
+//      all_reduce       input and output are the same elements (same first byte, same numel)
+//      all_to_all(_v)   the same elements (the backend stages the input before it writes)
+//      scatter          at the root, output is the root's slice of input
+//      broadcast        one buffer, always in place
+//    Any other overlap (an all_gather input that overlaps the output elsewhere than in this
+//    rank's slice, half of an all_reduce buffer shifted by one element, ...) is refused: other
+//    members read the input while this rank writes the output, so no backend could honour it
+//    without a copy that the caller did not ask for.
+//  - send_recv: a receive buffer shares no element with any other buffer of the call (send or
+//    receive); sends may overlap each other (they are only read). Strided views are compared
+//    element by element (disjoint column blocks of one result do not overlap), except views of
+//    different dtypes, or of more than 65536 elements together that are not boxes of one
+//    row-major tensor: those are compared by their byte spans.
+//
+//   Tensor out = Tensor::empty({8}, DType::kF32);                 // 4 ranks, 2 elements each
+//   comm.all_gather(out.narrow(0, 2 * comm.rank(), 2), out);       // in place: allowed
+//   comm.all_gather(out.narrow(0, 1, 2), out);                     // InvalidArgument on every rank
+struct Call {
+  CollectiveKind kind = CollectiveKind::kBarrier;
+  // all_gather, reduce_scatter, all_reduce, all_to_all(_v): the buffers. broadcast: both are the
+  // buffer. scatter: input is the root's (validate() drops it on the other members).
+  Tensor input, output;
+  Reduction reduction;  // reduce_scatter, all_reduce
+  int root = -1;        // broadcast, scatter
+  // all_to_all_v counts and send_recv ops: the caller's, valid until the call returns (backends
+  // copy what they keep).
+  std::span<const int64_t> send_counts, recv_counts;
+  std::span<const P2POp> ops;
+  // Set by validate(): input and output overlap, in the collective's in-place form.
+  bool in_place = false;
+
+  // What a RecordingCommunicator logs (counts of this member; send_recv: totals and op count).
+  CollectiveCall summary() const;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -121,34 +183,50 @@ class Communicator {
   void set_timeout(Milliseconds t) { timeout_ = t; }
   void wait(const WorkPtr& work) { work->wait(timeout_); }
 
-  // All buffers are contiguous, on this communicator's device kind, one dtype per call.
+  // The collectives (NOTE [call contract] for the checks and the aliasing rules). All buffers are
+  // contiguous (send_recv: see p2p_views), one dtype per call, on a device the backend moves.
   // output = concat over members (group order) of input; output.numel() == size() * input.numel().
-  // In place when input is this rank's slice of output.
-  virtual WorkPtr all_gather(const Tensor& input, const Tensor& output) = 0;
+  WorkPtr all_gather(const Tensor& input, const Tensor& output) {
+    return submit({.kind = CollectiveKind::kAllGather, .input = input, .output = output});
+  }
   // output = reduce over members of slice rank() of input; input.numel() == size() * output.numel().
-  // In place when output is this rank's slice of input.
-  virtual WorkPtr reduce_scatter(const Tensor& input, const Tensor& output, Reduction r) = 0;
-  // output = reduce over members of input (same numel); in place when both are the same tensor.
-  virtual WorkPtr all_reduce(const Tensor& input, const Tensor& output, Reduction r) = 0;
+  WorkPtr reduce_scatter(const Tensor& input, const Tensor& output, Reduction r) {
+    return submit({.kind = CollectiveKind::kReduceScatter, .input = input, .output = output, .reduction = r});
+  }
+  // output = reduce over members of input (same numel).
+  WorkPtr all_reduce(const Tensor& input, const Tensor& output, Reduction r) {
+    return submit({.kind = CollectiveKind::kAllReduce, .input = input, .output = output, .reduction = r});
+  }
   // Equal splits: slice j of input goes to member j, and slice i of output comes from member i.
-  virtual WorkPtr all_to_all(const Tensor& input, const Tensor& output) = 0;
+  WorkPtr all_to_all(const Tensor& input, const Tensor& output) {
+    return submit({.kind = CollectiveKind::kAllToAll, .input = input, .output = output});
+  }
   // Per-member element counts (send_counts[j] to member j, recv_counts[i] from member i), packed
   // back to back in member order. Counts may be zero; they must agree pairwise across members.
-  virtual WorkPtr all_to_all_v(const Tensor& input, std::span<const int64_t> send_counts,
-                               const Tensor& output, std::span<const int64_t> recv_counts) = 0;
+  WorkPtr all_to_all_v(const Tensor& input, std::span<const int64_t> send_counts, const Tensor& output,
+                       std::span<const int64_t> recv_counts) {
+    return submit({.kind = CollectiveKind::kAllToAllV, .input = input, .output = output,
+                   .send_counts = send_counts, .recv_counts = recv_counts});
+  }
   // buffer on every member = buffer of member `root`.
-  virtual WorkPtr broadcast(const Tensor& buffer, int root) = 0;
+  WorkPtr broadcast(const Tensor& buffer, int root) {
+    return submit({.kind = CollectiveKind::kBroadcast, .input = buffer, .output = buffer, .root = root});
+  }
   // output on member i = slice i of root's input (input is ignored on the other members and may
   // be undefined there).
-  virtual WorkPtr scatter(const Tensor& input, const Tensor& output, int root) = 0;
-  virtual WorkPtr barrier() = 0;
+  WorkPtr scatter(const Tensor& input, const Tensor& output, int root) {
+    return submit({.kind = CollectiveKind::kScatter, .input = input, .output = output, .root = root});
+  }
+  WorkPtr barrier() { return submit({.kind = CollectiveKind::kBarrier}); }
   // A batch of sends and receives exchanged as one operation (any permutation of data between
   // members). Each send must be matched by the peer's receive of the same numel and dtype, in
   // order per (sender, receiver) pair; elements pair up in row-major order of each buffer.
   // Where p2p_views() is true the buffers may be any strided views (non-negative strides; a
   // send and its receive may differ in shape), so callers move sub-blocks of tensors without
   // packing them; otherwise they must be contiguous.
-  virtual WorkPtr send_recv(std::span<const P2POp> ops) = 0;
+  WorkPtr send_recv(std::span<const P2POp> ops) {
+    return submit({.kind = CollectiveKind::kSendRecv, .ops = ops});
+  }
   // Whether send_recv takes strided views (local: copied view to view; mpi: derived datatypes).
   virtual bool p2p_views() const { return false; }
   // The largest non-contiguous message the backend moves at full speed (0: no limit). Callers
@@ -188,44 +266,43 @@ class Communicator {
   Communicator(int rank, std::vector<int> ranks, std::string name, Milliseconds timeout)
       : rank_(rank), ranks_(std::move(ranks)), name_(std::move(name)), timeout_(timeout) {}
 
+  // The backend's part of a collective. REQUIRES: `call` passed detail::validate() and
+  // check_backend() on this communicator.
+  virtual WorkPtr issue(const Call& call) = 0;
+  // The limits of the backend's transport beyond the contract (the device kind it moves, count
+  // limits); throws InvalidArgument or Unsupported naming the value. Runs after validate().
+  virtual void check_backend(const Call& call) const { (void)call; }
+
  private:
+  WorkPtr submit(Call call);
+
   int rank_;
   std::vector<int> ranks_;
   std::string name_;
   Milliseconds timeout_;
 };
 
-// Checks shared by the backends; each throws InvalidArgument naming the call and the value.
-// One collective call as a value: what a RecordingCommunicator logs and what the backends
-// compare across members. For send_recv, in_count / out_count are the elements sent / received
-// in total and `ops` the number of sends and receives.
-struct CollectiveCall {
-  CollectiveKind kind = CollectiveKind::kBarrier;
-  kernels::DType dtype = kernels::DType::kF32;
-  int64_t in_count = 0, out_count = 0;
-  ReduceOp op = ReduceOp::kSum;
-  double pre_multiplier = 1.0;
-  int root = -1;
-  int ops = 0;
-  bool operator==(const CollectiveCall&) const = default;
-};
-// "all_gather(f32, 4 -> 16 elements)", "reduce_scatter(bf16, 16 -> 4 elements, sum x 0.25)",
-// "send_recv(3 ops, f32, 12 -> 8 elements)", "barrier()".
-std::string to_string(const CollectiveCall& call);
+// Issues `call` on `comm` through the public method of its kind (so `comm` validates it again):
+// what a decorator that wraps another communicator forwards from its issue().
+WorkPtr forward(Communicator& comm, const Call& call);
 
 namespace detail {
-// Defined, contiguous, and of a dtype the collectives move (fp8 is storage-only).
-void check_tensor(CollectiveKind kind, const Communicator& comm, const Tensor& t, const char* role);
-// A send_recv buffer: as check_tensor, but a strided view is allowed when comm.p2p_views().
-void check_p2p_tensor(const Communicator& comm, const Tensor& t);
-void check_buffers(CollectiveKind kind, const Communicator& comm, const Tensor& input,
-                   const Tensor& output);
-void check_reduction(CollectiveKind kind, const Tensor& t, Reduction r);
-// all_to_all_v counts: one per member, >= 0, summing to the buffer's numel.
-void check_counts(const Communicator& comm, std::span<const int64_t> counts, const Tensor& t,
-                  const char* what);
-// True when the byte ranges of two tensors (on the same device) overlap.
+// NOTE [call contract]: checks `call` as made on `comm` and fills in what it implies (in_place;
+// scatter's input dropped on non-roots). Throws InvalidArgument naming the call, the group and
+// the value, and what was expected:
+//  - buffers defined, contiguous (send_recv views where comm.p2p_views(): non-negative strides),
+//    of a dtype the collectives move (not fp8), input and output of one dtype and device kind;
+//  - counts: all_gather output = size x input, reduce_scatter input = size x output, all_reduce
+//    equal, all_to_all equal and divisible by size, scatter (root) input = size x output,
+//    all_to_all_v one count per member, >= 0, summing to the buffer;
+//  - roots and peers in 0..size-1; a pre-multiplier only with sum;
+//  - the aliasing rules.
+void validate(Call& call, const Communicator& comm);
+// True when the byte ranges of two tensors (views with non-negative strides) overlap.
 bool overlaps(const Tensor& a, const Tensor& b);
+// True when a and b address a common element (NOTE [call contract], send_recv: exact but for
+// large non-box views and mixed dtypes, which fall back to overlaps(a, b)).
+bool shares_elements(const Tensor& a, const Tensor& b);
 }  // namespace detail
 
 }  // namespace collectives

@@ -291,14 +291,6 @@ void copy_p2p(Tensor dst, const Tensor& src) {
   dst.copy_(src.reshape(dst.shape()));  // a view when src is contiguous
 }
 
-// True when `part` is exactly elements [k * part.numel(), (k + 1) * part.numel()) of `whole`
-// (the in-place forms of all_gather and scatter). REQUIRES: same dtype, both contiguous.
-bool is_slice(const Tensor& whole, const Tensor& part, int64_t k) {
-  return part.shares_storage_with(whole) &&
-         static_cast<const char*>(part.data_ptr()) ==
-             static_cast<const char*>(whole.data_ptr()) + k * static_cast<int64_t>(part.nbytes());
-}
-
 // Start and length of member r's chunk of n elements (torch.chunk rule).
 std::pair<int64_t, int64_t> chunk_of(int64_t n, int64_t k, int64_t r) {
   const int64_t c = (n + k - 1) / k;
@@ -787,99 +779,8 @@ class LocalCommunicator final : public Communicator {
 
   std::string_view backend() const override { return "local"; }
 
-  WorkPtr all_gather(const Tensor& input, const Tensor& output) override {
-    check_buffers(CollectiveKind::kAllGather, *this, input, output);
-    // Other members read the input while this rank fills the output: only the documented
-    // in-place form may overlap.
-    if (overlaps(input, output) && !is_slice(output, input, rank()))
-      throw InvalidArgument(fmt::format(
-          "all_gather on group '{}': the input overlaps the output but is not this rank's slice "
-          "(elements [{}, {}) of the output)",
-          name(), rank() * input.numel(), (rank() + 1) * input.numel()));
-    PostedCall c = make(CollectiveKind::kAllGather, input, output);
-    return post(std::move(c));
-  }
-  WorkPtr reduce_scatter(const Tensor& input, const Tensor& output, Reduction r) override {
-    check_buffers(CollectiveKind::kReduceScatter, *this, input, output);
-    check_reduction(CollectiveKind::kReduceScatter, input, r);
-    PostedCall c = make(CollectiveKind::kReduceScatter, input, output);
-    c.reduction = r;
-    return post(std::move(c));
-  }
-  WorkPtr all_reduce(const Tensor& input, const Tensor& output, Reduction r) override {
-    check_buffers(CollectiveKind::kAllReduce, *this, input, output);
-    check_reduction(CollectiveKind::kAllReduce, input, r);
-    PostedCall c = make(CollectiveKind::kAllReduce, input, output);
-    c.reduction = r;
-    return post(std::move(c));
-  }
-  WorkPtr all_to_all(const Tensor& input, const Tensor& output) override {
-    check_buffers(CollectiveKind::kAllToAll, *this, input, output);
-    return post(make(CollectiveKind::kAllToAll, input, output));
-  }
-  WorkPtr all_to_all_v(const Tensor& input, std::span<const int64_t> send_counts,
-                       const Tensor& output, std::span<const int64_t> recv_counts) override {
-    constexpr auto kind = CollectiveKind::kAllToAllV;
-    check_buffers(kind, *this, input, output);
-    check_counts(*this, send_counts, input, "send");
-    check_counts(*this, recv_counts, output, "receive");
-    PostedCall c = make(kind, input, output);
-    c.send_counts.assign(send_counts.begin(), send_counts.end());
-    c.recv_counts.assign(recv_counts.begin(), recv_counts.end());
-    return post(std::move(c));
-  }
-  WorkPtr broadcast(const Tensor& buffer, int root) override {
-    check_tensor(CollectiveKind::kBroadcast, *this, buffer, "buffer");
-    check_root(CollectiveKind::kBroadcast, root);
-    PostedCall c = make(CollectiveKind::kBroadcast, buffer, buffer);
-    c.root = root;
-    return post(std::move(c));
-  }
-  WorkPtr scatter(const Tensor& input, const Tensor& output, int root) override {
-    check_root(CollectiveKind::kScatter, root);
-    if (rank() == root) {
-      check_buffers(CollectiveKind::kScatter, *this, input, output);
-      if (input.numel() != size() * output.numel())
-        throw InvalidArgument(fmt::format(
-            "scatter on group '{}' of {} ranks: the root's input has {} elements and output {} "
-            "(expected input = size x output)",
-            name(), size(), input.numel(), output.numel()));
-      if (overlaps(input, output) && !is_slice(input, output, root))
-        throw InvalidArgument(fmt::format(
-            "scatter on group '{}': the root's output overlaps its input but is not its slice "
-            "(elements [{}, {}) of the input)",
-            name(), root * output.numel(), (root + 1) * output.numel()));
-    } else {
-      check_tensor(CollectiveKind::kScatter, *this, output, "output");
-    }
-    PostedCall c = make(CollectiveKind::kScatter, rank() == root ? input : Tensor(), output);
-    c.root = root;
-    return post(std::move(c));
-  }
-  WorkPtr barrier() override { return post(PostedCall{}); }
   // The receiver copies straight from the sender's view: no packing on either side.
   bool p2p_views() const override { return true; }
-  WorkPtr send_recv(std::span<const P2POp> ops) override {
-    PostedCall c;
-    c.kind = CollectiveKind::kSendRecv;
-    for (const P2POp& op : ops) {
-      check_p2p_tensor(*this, op.buffer);
-      if (op.peer < 0 || op.peer >= size())
-        throw InvalidArgument(fmt::format("send_recv on group '{}': peer {} out of range 0..{}",
-                                          name(), op.peer, size() - 1));
-      c.ops.push_back({op.kind, op.buffer.is_contiguous() ? flat(op.buffer) : op.buffer, op.peer});
-    }
-    // Peers read the send buffers while this rank fills its receive buffers.
-    for (size_t i = 0; i < c.ops.size(); ++i)
-      for (size_t j = 0; j < c.ops.size(); ++j)
-        if (c.ops[i].kind == P2POp::Kind::kRecv && c.ops[j].kind == P2POp::Kind::kSend &&
-            overlaps(c.ops[i].buffer, c.ops[j].buffer))
-          throw InvalidArgument(fmt::format(
-              "send_recv on group '{}': receive buffer #{} (from peer {}) overlaps send buffer "
-              "#{} (to peer {})",
-              name(), i, c.ops[i].peer, j, c.ops[j].peer));
-    return post(std::move(c));
-  }
 
   void wait_for(const WorkPtr& work) override { queue_->add_dependency(work); }
   void kick() override { queue_->kick(); }
@@ -899,18 +800,21 @@ class LocalCommunicator final : public Communicator {
   std::unique_ptr<Communicator> split(std::span<const int> group, std::string new_name) override;
 
  private:
-  void check_root(CollectiveKind kind, int root) const {
-    if (root < 0 || root >= size())
-      throw InvalidArgument(fmt::format("{} on group '{}': root {} out of range 0..{}",
-                                        to_string(kind), name(), root, size() - 1));
-  }
-  static PostedCall make(CollectiveKind kind, const Tensor& input, const Tensor& output) {
-    PostedCall c;
-    c.kind = kind;
-    c.dtype = output.dtype();
-    c.input = flat(input);
-    c.output = flat(output);
-    return c;
+  // NOTE [call contract]: `c` was validated; the rendezvous needs flat views (send_recv buffers
+  // stay views).
+  WorkPtr issue(const Call& c) override {
+    PostedCall p;
+    p.kind = c.kind;
+    p.dtype = c.output.defined() ? c.output.dtype() : kernels::DType::kF32;
+    p.input = flat(c.input);
+    p.output = flat(c.output);
+    p.reduction = c.reduction;
+    p.root = c.root;
+    p.send_counts.assign(c.send_counts.begin(), c.send_counts.end());
+    p.recv_counts.assign(c.recv_counts.begin(), c.recv_counts.end());
+    for (const P2POp& op : c.ops)
+      p.ops.push_back({op.kind, op.buffer.is_contiguous() ? flat(op.buffer) : op.buffer, op.peer});
+    return post(std::move(p));
   }
   WorkPtr post(PostedCall call) {
     WorkPtr work = queue_->push(std::make_shared<LocalCall>(member_, std::move(call)), timeout());

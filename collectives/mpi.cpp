@@ -1,30 +1,13 @@
-// The mpi backend (see collectives/mpi.h). The only includer of mpi.h; compiled only when Meson
-// finds MPI (collectives/mpi_absent.cpp stands in otherwise).
+// The mpi backend (see collectives/mpi.h): MpiCommunicator, its calls, split and MpiWorld.
+// Compiled only when Meson finds MPI (collectives/mpi_absent.cpp stands in otherwise); the world,
+// its progress board and the polling of requests are in collectives/mpi/world.{h,cpp}.
 #include "collectives/mpi.h"
 
-#define OMPI_SKIP_MPICXX 1  // C bindings only: OpenMPI's C++ bindings are deprecated and noisy
-#define MPICH_SKIP_MPICXX 1
-#include <fmt/format.h>
-#include <fmt/ranges.h>
-#include <mpi.h>
-#include <sched.h>
-
-#include <algorithm>
-#include <array>
-#include <atomic>
-#include <bit>
-#include <chrono>
 #include <climits>
 #include <cstring>
-#include <exception>
-#include <functional>
-#include <mutex>
-#include <optional>
-#include <thread>
 #include <utility>
 
-#include "collectives/call_queue.h"
-#include "kernels/error.h"
+#include "collectives/mpi/world.h"
 #include "kernels/reduce.h"
 
 namespace collectives {
@@ -38,47 +21,6 @@ bool mpi_built() { return true; }
 
 namespace detail {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-// ---- small helpers ----
-
-std::string mpi_error_string(int code) {
-  char text[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) return fmt::format("MPI error {}", code);
-  return std::string(text, static_cast<size_t>(len));
-}
-
-void mpi_check(int rc, const char* fn) {
-  if (rc != MPI_SUCCESS) throw CommError(fmt::format("{}: {}", fn, mpi_error_string(rc)));
-}
-
-// Runs one MPI_I* call; the request is kept only when the call succeeded (a failed call may
-// leave garbage in it, and every kept request is tested later).
-template <class F>
-void post_request(std::vector<MPI_Request>& reqs, const char* fn, F&& call) {
-  MPI_Request r = MPI_REQUEST_NULL;
-  mpi_check(call(&r), fn);
-  reqs.push_back(r);
-}
-
-MPI_Datatype mpi_type(DType dtype) {
-  switch (dtype) {
-    case DType::kF32: return MPI_FLOAT;
-    case DType::kF64: return MPI_DOUBLE;
-    // bf16 and f16 move as opaque 16-bit words; their reductions are user-defined ops.
-    case DType::kBF16:
-    case DType::kF16: return MPI_UINT16_T;
-    case DType::kI32: return MPI_INT32_T;
-    case DType::kI64: return MPI_INT64_T;
-    case DType::kU8: return MPI_UINT8_T;
-    case DType::kF8E4M3:
-    case DType::kF8E5M2: break;  // rejected earlier by detail::check_tensor
-  }
-  throw kernels::InternalError(
-      fmt::format("mpi backend: no MPI datatype for {}", kernels::to_string(dtype)));
-}
 
 // How a send_recv buffer goes to MPI: `count` elements of `type`. A strided view becomes one
 // derived datatype (nested hvectors over its dims, innermost first, after dropping size-1 dims
@@ -119,624 +61,6 @@ ViewType view_type(const Tensor& t) {
   mpi_check(MPI_Type_commit(&cur), "MPI_Type_commit");
   return {cur, 1, true};
 }
-
-// A user-defined reduction: inout[i] = in[i] (op) inout[i], computed like the local backend
-// (narrow floats in float, rounded to nearest even; NaN propagates through min and max).
-// One function per (dtype, op), so the callback need not tell bf16 from f16 by the datatype.
-template <DType D, kernels::ReduceOp R>
-void user_reduce(void* in, void* inout, int* len, MPI_Datatype* /*type*/) {
-  kernels::detail::cpu_reduce_into(inout, in, D, *len, R);
-}
-
-
-// Paces a polling loop. Nonblocking collectives advance only inside MPI calls, so each member
-// must keep polling for the others to progress: for the first 2 ms of a wait it polls after
-// sched_yield (which hands the core to a runnable rank when 4 ranks share 2 cores), then it
-// sleeps between polls, 20 us doubling up to 1 ms, so a long wait for a slow member costs
-// little CPU.
-class Pacer {
- public:
-  void pause() {
-    if (Clock::now() - start_ < std::chrono::milliseconds(2)) {
-      sched_yield();
-      return;
-    }
-    std::this_thread::sleep_for(sleep_);
-    sleep_ = std::min(sleep_ * 2, std::chrono::microseconds(1000));
-  }
-
- private:
-  Clock::time_point start_ = Clock::now();
-  std::chrono::microseconds sleep_{20};
-};
-
-// ---- call descriptions (for errors, the progress board and check_calls) ----
-
-constexpr int kSplitCall = 100;   // Communicator::split
-constexpr int kCreateCall = 101;  // MpiWorld::communicator
-constexpr int kCloseCall = 102;   // ~MpiWorld's closing barrier
-
-struct CallDesc {
-  int kind = 0;  // a CollectiveKind value or one of the k*Call values above
-  int dtype = -1;
-  int op = -1;
-  int root = -1;
-  int64_t in_count = 0;  // elements (send_recv: ops; split: size of the new group)
-  int64_t out_count = 0;
-  double premul = 1.0;
-
-  static constexpr int kWords = 5;
-  std::array<int64_t, kWords> pack() const {
-    return {kind | (dtype + 1) << 8 | (op + 1) << 16, root, in_count, out_count,
-            std::bit_cast<int64_t>(premul)};
-  }
-  static CallDesc unpack(const int64_t* w) {
-    CallDesc d;
-    d.kind = static_cast<int>(w[0] & 0xff);
-    d.dtype = static_cast<int>((w[0] >> 8) & 0xff) - 1;
-    d.op = static_cast<int>((w[0] >> 16) & 0xff) - 1;
-    d.root = static_cast<int>(w[1]);
-    d.in_count = w[2];
-    d.out_count = w[3];
-    d.premul = std::bit_cast<double>(w[4]);
-    return d;
-  }
-  bool operator==(const CallDesc&) const = default;
-
-  bool is(CollectiveKind k) const { return kind == static_cast<int>(k); }
-  std::string name() const {
-    switch (kind) {
-      case kSplitCall: return "split";
-      case kCreateCall: return "communicator";
-      case kCloseCall: return "MpiWorld shutdown barrier";
-      default: return std::string(to_string(static_cast<CollectiveKind>(kind)));
-    }
-  }
-  // Same wording as the local backend: "all_gather(f32, 4 -> 16 elements)".
-  std::string describe() const {
-    std::string what = name() + "(";
-    if (kind == kSplitCall) {
-      what += fmt::format("group of {}", in_count);
-    } else if (is(CollectiveKind::kSendRecv)) {
-      what += fmt::format("{} ops", in_count);
-    } else if (kind < kSplitCall && !is(CollectiveKind::kBarrier) && dtype >= 0) {
-      what += fmt::format("{}, {} -> {} elements", kernels::to_string(static_cast<DType>(dtype)),
-                          in_count, out_count);
-    }
-    if (is(CollectiveKind::kBroadcast) || is(CollectiveKind::kScatter))
-      what += fmt::format(", root {}", root);
-    if ((is(CollectiveKind::kReduceScatter) || is(CollectiveKind::kAllReduce)) && op >= 0) {
-      what += fmt::format(", {}", kernels::to_string(static_cast<kernels::ReduceOp>(op)));
-      if (premul != 1.0) what += fmt::format(" x {}", premul);
-    }
-    return what + ")";
-  }
-};
-
-// ---- progress board layout: kSlotWords int64 per communicator per rank ----
-constexpr int kSlotWords = 8;
-constexpr int kDescWord = 0;       // CallDesc of the latest call entered (CallDesc::kWords words)
-constexpr int kEnteredWord = 5;    // calls entered on this communicator (call #k entered -> k+1)
-constexpr int kCompletedWord = 6;  // highest call number completed here, plus one
-static_assert(kDescWord + CallDesc::kWords == kEnteredWord);
-using BoardEntry = std::array<int64_t, kSlotWords>;
-
-}  // namespace
-
-class CommState;
-
-// Buffers MPI may still read or write while requests are pending.
-struct Keep {
-  std::vector<Tensor> tensors;
-  std::vector<std::shared_ptr<void>> blobs;
-};
-
-// One issued call's requests and buffers; moved to the world's graveyard when its Work is
-// dropped before MPI is done with them.
-struct Pending {
-  std::shared_ptr<CommState> comm;
-  std::vector<MPI_Request> requests;
-  Keep keep;
-};
-
-class MpiWorldState {
- public:
-  MpiWorldState(int* argc, char*** argv, Milliseconds timeout);
-  ~MpiWorldState() = default;
-
-  void shutdown() noexcept;
-  bool closed() const { return closed_; }
-
-  // Writes words of this rank's board entry for `slot` (op MPI_REPLACE or MPI_MAX).
-  void board_put(int slot, int word, const int64_t* values, int count, MPI_Op op = MPI_REPLACE);
-  // Records entering call `seq` (its description and the entered count, in one write).
-  void board_enter(int slot, uint64_t seq, const CallDesc& d) {
-    std::array<int64_t, CallDesc::kWords + 1> words{};
-    const std::array<int64_t, CallDesc::kWords> desc = d.pack();
-    std::copy(desc.begin(), desc.end(), words.begin());
-    words[kEnteredWord - kDescWord] = static_cast<int64_t>(seq) + 1;
-    board_put(slot, kDescWord, words.data(), static_cast<int>(words.size()));
-  }
-  // Reads the entries for `slot` of the given world ranks; nullopt where no answer came within
-  // `grace` (see NOTE [mpi progress board]).
-  std::vector<std::optional<BoardEntry>> board_read(int slot, const std::vector<int>& world_ranks,
-                                                    Milliseconds grace);
-  bool board_ok() const { return board_error_.empty(); }
-  const std::string& board_error() const { return board_error_; }
-
-  // Keeps a pending call's buffers alive until MPI is done with them (or finalised).
-  void bury(std::shared_ptr<Pending> p) {
-    std::lock_guard lk(mu_);
-    graveyard_.push_back(std::move(p));
-  }
-
-  MPI_Op op_for(DType dtype, kernels::ReduceOp op) const;
-
-  int rank = 0, size = 1;
-  bool thread_multiple = false;   // workers may call MPI (NOTE [call queue] in collectives/call_queue.h)
-  const std::shared_ptr<WorkerTicker> ticker = std::make_shared<WorkerTicker>();
-  MPI_Comm comm = MPI_COMM_NULL;  // private duplicate of MPI_COMM_WORLD
-  int tag_ub = 32767;
-  std::shared_ptr<CommState> mgmt;  // slot 0: communicator() and the closing barrier
-
-  // Board slots of new communicators: each member proposes its lowest free slot, the group
-  // takes the largest proposal, and every member marks the slots up to it used. REQUIRES:
-  // communicators are created by one thread at a time.
-  int64_t slot_proposal() {
-    std::lock_guard lk(mu_);
-    return next_slot_;
-  }
-  void take_slot(int64_t slot) {
-    std::lock_guard lk(mu_);
-    next_slot_ = std::max(next_slot_, slot + 1);
-  }
-
- private:
-  std::mutex mu_;
-  int64_t next_slot_ = 1;  // guarded by mu_
-  bool owns_mpi_ = false;
-  bool closed_ = false;
-  Milliseconds timeout_;
-  MPI_Win win_ = MPI_WIN_NULL;
-  std::string board_error_;
-  // User-defined ops by [dtype][ReduceOp]; MPI_OP_NULL where a built-in op serves.
-  std::array<std::array<MPI_Op, 5>, 9> user_ops_{};
-  std::vector<std::shared_ptr<Pending>> graveyard_;  // guarded by mu_
-};
-
-// What a communicator's Works share: the MPI communicator, the group, the call counter and the
-// poison flag. Lives as long as any Work or Communicator of the group.
-class CommState {
- public:
-  CommState(std::shared_ptr<MpiWorldState> world_, MPI_Comm comm_, int rank_,
-            std::vector<int> ranks_, std::string name_, int slot_, bool owns_comm_)
-      : world(std::move(world_)),
-        comm(comm_),
-        rank(rank_),
-        ranks(std::move(ranks_)),
-        name(std::move(name_)),
-        slot(slot_),
-        owns_comm(owns_comm_) {}
-  ~CommState() {
-    // MPI_Comm_free after a failure could block or disturb members that are out of step; the
-    // handle is leaked then (and after MPI_Finalize there is nothing left to free).
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    if (!owns_comm || finalized || !poisoned()) return;
-    if (check_comm != MPI_COMM_NULL) MPI_Comm_free(&check_comm);
-    MPI_Comm_free(&comm);
-  }
-  CommState(const CommState&) = delete;
-  CommState& operator=(const CommState&) = delete;
-
-  std::string group() const { return fmt::format("group '{}' [{}]", name, fmt::join(ranks, ",")); }
-  // Why calls on this communicator cannot proceed, or empty.
-  std::string unusable(const CallDesc& d) const {
-    if (world->closed())
-      return fmt::format("{} on group '{}': the MpiWorld was destroyed", d.name(), name);
-    if (const std::string why = poison(); !why.empty())
-      return fmt::format(
-          "{} on group '{}': the communicator is unusable after an earlier failure "
-          "({})",
-          d.name(), name, why);
-    return {};
-  }
-  // Where call `seq` stands, for a timeout: "ranks [3] never joined" (NOTE [mpi progress board]).
-  std::string pending_text(uint64_t seq, const CallDesc& mine, Milliseconds grace);
-  // The CommError text for call `seq` that did not complete within `timeout`.
-  std::string timeout_message(uint64_t seq, const CallDesc& mine, Milliseconds timeout) {
-    return fmt::format("{} on {} (call #{}) timed out after {} ms: {}", mine.name(), group(), seq, timeout.count(),
-                       pending_text(seq, mine, std::min(timeout, Milliseconds{2000})));
-  }
-  // The first failure wins; once poisoned every later call throws (see the header comment).
-  void set_poison(const std::string& why) {
-    std::lock_guard lk(poison_mu_);
-    if (poison_.empty()) poison_ = why;
-  }
-  std::string poison() const {
-    std::lock_guard lk(poison_mu_);
-    return poison_;
-  }
-  bool poisoned() const { return !poison().empty(); }
-
-  std::shared_ptr<MpiWorldState> world;
-  MPI_Comm comm;
-  MPI_Comm check_comm = MPI_COMM_NULL;  // check_calls: descriptions travel here
-  const int rank;
-  const std::vector<int> ranks;  // world ranks in group order
-  const std::string name;
-  const int slot;  // progress board slot
-  const bool owns_comm;
-  uint64_t next_seq = 0;  // touched by one thread at a time (the queue's holder)
-  // Progress from a thread other than a waiter's (the communicator's worker) needs
-  // MPI_THREAD_MULTIPLE; with a lower level calls progress only in wait() and completed().
-  bool worker = true;
-
- private:
-  mutable std::mutex poison_mu_;
-  std::string poison_;  // the first failure; non-empty once poisoned
-};
-
-namespace {
-
-// One issued call's MPI requests, polled until complete (for the calls of the queue, and for
-// the internal exchanges that wait at once).
-class MpiRequests final {
- public:
-  using Finish = std::function<void(std::span<MPI_Status>)>;
-
-  MpiRequests(std::shared_ptr<CommState> comm, uint64_t seq, CallDesc desc,
-              Milliseconds default_timeout, bool marks_completion = true)
-      : p_(std::make_shared<Pending>()),
-        seq_(seq),
-        desc_(desc),
-        default_timeout_(default_timeout),
-        marks_completion_(marks_completion) {
-    p_->comm = std::move(comm);
-  }
-  ~MpiRequests() {
-    // Complete this rank's part if nobody waited (MPI may not touch freed buffers), unless the
-    // rank is unwinding or the group already failed; then keep the buffers for MPI.
-    CommState& c = *p_->comm;
-    if (state_ == State::kPending && std::uncaught_exceptions() == 0 && c.unusable(desc_).empty()) {
-      try {
-        wait(default_timeout_);
-      } catch (...) {  // NOLINT: destructors never throw
-      }
-    }
-    const bool active = std::any_of(p_->requests.begin(), p_->requests.end(),
-                                    [](MPI_Request r) { return r != MPI_REQUEST_NULL; });
-    if (state_ != State::kDone && active && !c.world->closed()) c.world->bury(p_);
-  }
-
-  std::vector<MPI_Request>& requests() { return p_->requests; }
-  Keep& keep() { return p_->keep; }
-  void set_finish(Finish f) { finish_ = std::move(f); }
-  uint64_t seq() const { return seq_; }
-
-  void wait(Milliseconds timeout) {
-    if (poll()) return;
-    const auto deadline = Clock::now() + timeout;
-    for (Pacer pacer;;) {
-      pacer.pause();
-      if (poll()) return;
-      if (Clock::now() >= deadline) timed_out(timeout);
-    }
-  }
-
-
-  // One MPI_Testall; true when done; throws CommError when the call failed.
-  bool poll() {
-    if (state_ == State::kDone) return true;
-    if (state_ == State::kFailed) throw CommError(error_);
-    CommState& c = *p_->comm;
-    if (c.world->closed()) fail(c.unusable(desc_), false);
-    std::vector<MPI_Status> statuses(p_->requests.size());
-    int flag = 1;
-    if (!p_->requests.empty()) {
-      const int rc = MPI_Testall(static_cast<int>(p_->requests.size()), p_->requests.data(), &flag,
-                                 statuses.data());
-      if (rc != MPI_SUCCESS) {
-        std::string why = mpi_error_string(rc);
-        if (rc == MPI_ERR_IN_STATUS)
-          for (const MPI_Status& s : statuses)
-            if (s.MPI_ERROR != MPI_SUCCESS && s.MPI_ERROR != MPI_ERR_PENDING) {
-              why = mpi_error_string(s.MPI_ERROR);
-              break;
-            }
-        fail(fmt::format("{} on {} (call #{}) failed in MPI: {}", desc_.describe(), c.group(), seq_,
-                         why),
-             true);
-      }
-    }
-    if (!flag) {
-      // Another call on this group timed out or failed: this one cannot be trusted to finish.
-      if (c.poisoned()) fail(c.unusable(desc_), false);
-      return false;
-    }
-    if (finish_) {
-      try {
-        finish_(statuses);
-      } catch (const std::exception& e) {
-        fail(e.what(), false);
-      }
-    }
-    if (marks_completion_) {
-      const int64_t done = static_cast<int64_t>(seq_) + 1;
-      c.world->board_put(c.slot, kCompletedWord, &done, 1, MPI_MAX);
-    }
-    state_ = State::kDone;
-    p_->keep = {};
-    return true;
-  }
-
-  [[noreturn]] void timed_out(Milliseconds timeout) {
-    fail(p_->comm->timeout_message(seq_, desc_, timeout), true);
-  }
-  // A waiter gave the call up: it fails, and the communicator is poisoned (MPI cannot cancel).
-  void give_up(const std::string& why) {
-    if (state_ != State::kPending) return;
-    state_ = State::kFailed;
-    error_ = why;
-    p_->comm->set_poison(why);
-  }
-
- private:
-  enum class State { kPending, kDone, kFailed };
-
-  [[noreturn]] void fail(const std::string& why, bool poison) {
-    state_ = State::kFailed;
-    error_ = why;
-    if (poison) p_->comm->set_poison(why);
-    throw CommError(why);
-  }
-
-  std::shared_ptr<Pending> p_;
-  uint64_t seq_;
-  CallDesc desc_;
-  Milliseconds default_timeout_;
-  bool marks_completion_;
-  Finish finish_;
-  State state_ = State::kPending;
-  std::string error_;
-};
-
-std::string join_ranks(const std::vector<int>& v) { return fmt::format("[{}]", fmt::join(v, ",")); }
-
-}  // namespace
-
-// ---- MpiWorldState ----
-
-MpiWorldState::MpiWorldState(int* argc, char*** argv, Milliseconds timeout) : timeout_(timeout) {
-  int initialized = 0, finalized = 0;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  if (finalized) throw CommError("MpiWorld: MPI was already finalised in this process");
-  if (!initialized) {
-    int provided = 0;
-    mpi_check(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided), "MPI_Init_thread");
-    owns_mpi_ = true;
-  }
-  int level = MPI_THREAD_SINGLE;
-  MPI_Query_thread(&level);
-  thread_multiple = level == MPI_THREAD_MULTIPLE;
-  mpi_check(MPI_Comm_dup(MPI_COMM_WORLD, &comm), "MPI_Comm_dup");
-  MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
-  MPI_Comm_rank(comm, &rank);
-  MPI_Comm_size(comm, &size);
-  int* tag_ub_attr = nullptr;
-  int has_tag_ub = 0;
-  if (MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &tag_ub_attr, &has_tag_ub) == MPI_SUCCESS &&
-      has_tag_ub && tag_ub_attr)
-    tag_ub = *tag_ub_attr;
-
-  for (auto& row : user_ops_) row.fill(MPI_OP_NULL);
-  auto make = [&](DType d, kernels::ReduceOp r, MPI_User_function* fn) {
-    mpi_check(
-        MPI_Op_create(fn, /*commute=*/1, &user_ops_[static_cast<int>(d)][static_cast<int>(r)]),
-        "MPI_Op_create");
-  };
-  using R = kernels::ReduceOp;
-  make(DType::kBF16, R::kSum, &user_reduce<DType::kBF16, R::kSum>);
-  make(DType::kBF16, R::kProd, &user_reduce<DType::kBF16, R::kProd>);
-  make(DType::kBF16, R::kMin, &user_reduce<DType::kBF16, R::kMin>);
-  make(DType::kBF16, R::kMax, &user_reduce<DType::kBF16, R::kMax>);
-  make(DType::kF16, R::kSum, &user_reduce<DType::kF16, R::kSum>);
-  make(DType::kF16, R::kProd, &user_reduce<DType::kF16, R::kProd>);
-  make(DType::kF16, R::kMin, &user_reduce<DType::kF16, R::kMin>);
-  make(DType::kF16, R::kMax, &user_reduce<DType::kF16, R::kMax>);
-  // MPI's built-in MIN/MAX do not say what happens to NaN; these propagate it like the others.
-  make(DType::kF32, R::kMin, &user_reduce<DType::kF32, R::kMin>);
-  make(DType::kF32, R::kMax, &user_reduce<DType::kF32, R::kMax>);
-  make(DType::kF64, R::kMin, &user_reduce<DType::kF64, R::kMin>);
-  make(DType::kF64, R::kMax, &user_reduce<DType::kF64, R::kMax>);
-
-  // The progress board (NOTE [mpi progress board]). Every rank must agree whether it exists.
-  void* base = nullptr;
-  const MPI_Aint bytes = static_cast<MPI_Aint>(kMpiBoardSlots) * kSlotWords * sizeof(int64_t);
-  const int rc = MPI_Win_allocate(bytes, sizeof(int64_t), MPI_INFO_NULL, comm, &base, &win_);
-  int ok = rc == MPI_SUCCESS;
-  mpi_check(MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, comm), "MPI_Allreduce");
-  if (ok) {
-    std::memset(base, 0, static_cast<size_t>(bytes));
-    MPI_Win_set_errhandler(win_, MPI_ERRORS_RETURN);
-    mpi_check(MPI_Win_lock_all(0, win_), "MPI_Win_lock_all");
-    MPI_Win_sync(win_);
-  } else {
-    board_error_ = rc != MPI_SUCCESS
-                       ? fmt::format("MPI_Win_allocate failed: {}", mpi_error_string(rc))
-                       : std::string("MPI_Win_allocate failed on another rank");
-    win_ = MPI_WIN_NULL;  // a window made on this rank alone is leaked: freeing it is collective
-  }
-  mpi_check(MPI_Barrier(comm), "MPI_Barrier");
-}
-
-MPI_Op MpiWorldState::op_for(DType dtype, kernels::ReduceOp op) const {
-  using R = kernels::ReduceOp;
-  const R r = op == R::kAvg ? R::kSum : op;
-  const MPI_Op user = user_ops_[static_cast<int>(dtype)][static_cast<int>(r)];
-  if (user != MPI_OP_NULL) return user;
-  switch (r) {
-    case R::kSum:
-    case R::kAvg: return MPI_SUM;
-    case R::kProd: return MPI_PROD;
-    case R::kMin: return MPI_MIN;
-    case R::kMax: return MPI_MAX;
-  }
-  return MPI_SUM;
-}
-
-void MpiWorldState::board_put(int slot, int word, const int64_t* values, int count, MPI_Op op) {
-  if (!board_ok() || slot >= kMpiBoardSlots) return;
-  // An accumulate (element-wise atomic) rather than a plain store, so that concurrent remote
-  // reads are well defined; the flush completes it before `values` goes out of scope.
-  MPI_Accumulate(values, count, MPI_INT64_T, rank, static_cast<MPI_Aint>(slot) * kSlotWords + word,
-                 count, MPI_INT64_T, op, win_);
-  MPI_Win_flush(rank, win_);
-}
-
-std::vector<std::optional<BoardEntry>> MpiWorldState::board_read(
-    int slot, const std::vector<int>& world_ranks, Milliseconds grace) {
-  const size_t n = world_ranks.size();
-  std::vector<std::optional<BoardEntry>> out(n);
-  if (!board_ok() || slot >= kMpiBoardSlots) return out;
-  auto p = std::make_shared<Pending>();
-  auto entries = std::make_shared<std::vector<BoardEntry>>(n);
-  p->keep.blobs.push_back(entries);
-  p->requests.assign(n, MPI_REQUEST_NULL);
-  for (size_t i = 0; i < n; ++i)
-    MPI_Rget_accumulate(nullptr, 0, MPI_INT64_T, (*entries)[i].data(), kSlotWords, MPI_INT64_T,
-                        world_ranks[i], static_cast<MPI_Aint>(slot) * kSlotWords, kSlotWords,
-                        MPI_INT64_T, MPI_NO_OP, win_, &p->requests[i]);
-  std::vector<char> done(n, 0);
-  const auto deadline = Clock::now() + grace;
-  for (Pacer pacer;; pacer.pause()) {
-    size_t left = 0;
-    for (size_t i = 0; i < n; ++i) {
-      if (done[i]) continue;
-      int flag = 0;
-      if (p->requests[i] == MPI_REQUEST_NULL ||
-          MPI_Test(&p->requests[i], &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS) {
-        done[i] = 2;  // failed: unknown
-        continue;
-      }
-      if (flag) {
-        done[i] = 1;
-        out[i] = (*entries)[i];
-      } else {
-        ++left;
-      }
-    }
-    if (left == 0) return out;
-    if (Clock::now() >= deadline) break;
-  }
-  bury(p);  // reads still in flight write into `entries`
-  return out;
-}
-
-void MpiWorldState::shutdown() noexcept {
-  if (closed_) return;
-  bool in_step = false;
-  try {
-    if (!mgmt->poisoned()) {
-      CallDesc d;
-      d.kind = kCloseCall;
-      const uint64_t seq = mgmt->next_seq++;
-      board_enter(0, seq, d);
-      MpiRequests work(mgmt, seq, d, timeout_);
-      post_request(work.requests(), "MPI_Ibarrier",
-                   [&](MPI_Request* r) { return MPI_Ibarrier(comm, r); });
-      work.wait(timeout_);
-      in_step = true;
-    }
-  } catch (...) {  // NOLINT: reported by mpirun (no MPI_Finalize), never thrown from a destructor
-  }
-  int finalized = 0;
-  MPI_Finalized(&finalized);
-  if (!finalized && in_step) {
-    for (auto& row : user_ops_)
-      for (MPI_Op& op : row)
-        if (op != MPI_OP_NULL) MPI_Op_free(&op);
-    if (win_ != MPI_WIN_NULL) {
-      MPI_Win_unlock_all(win_);
-      MPI_Win_free(&win_);
-    }
-    MPI_Comm_free(&comm);
-    if (owns_mpi_) MPI_Finalize();
-    MPI_Finalized(&finalized);
-  }
-  std::vector<std::shared_ptr<Pending>> graveyard;
-  {
-    std::lock_guard lk(mu_);
-    closed_ = true;
-    graveyard.swap(graveyard_);
-  }
-  if (!finalized) {
-    // MPI keeps running (it is not ours, or a rank never closed): buffers of calls MPI has not
-    // finished must outlive this object, so they are leaked on purpose.
-    std::vector<std::shared_ptr<Pending>> unfinished;
-    for (auto& p : graveyard) {
-      int flag = 0;
-      if (MPI_Testall(static_cast<int>(p->requests.size()), p->requests.data(), &flag,
-                      MPI_STATUSES_IGNORE) != MPI_SUCCESS ||
-          !flag)
-        unfinished.push_back(p);
-    }
-    if (!unfinished.empty()) new std::vector<std::shared_ptr<Pending>>(std::move(unfinished));
-  }
-  graveyard.clear();
-  mgmt.reset();
-}
-
-// ---- CommState ----
-
-std::string CommState::pending_text(uint64_t seq, const CallDesc& mine, Milliseconds grace) {
-  std::string text;
-  if (!world->board_ok())
-    return text + "the ranks that never joined are unknown (" + world->board_error() + ")";
-  if (slot >= kMpiBoardSlots)
-    return text + fmt::format(
-                      "the ranks that never joined are unknown (more than {} communicators: "
-                      "no progress board slot for this one)",
-                      kMpiBoardSlots);
-  const auto entries = world->board_read(slot, ranks, grace);
-  const int64_t number = static_cast<int64_t>(seq) + 1;
-  std::vector<int> missing, unanswered, inside;
-  std::string mismatch;
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    if (!entries[i]) {
-      unanswered.push_back(ranks[i]);
-      continue;
-    }
-    const BoardEntry& e = *entries[i];
-    if (e[kEnteredWord] < number) {
-      missing.push_back(ranks[i]);
-    } else if (e[kEnteredWord] == number) {
-      if (e[kCompletedWord] < number) inside.push_back(ranks[i]);
-      const CallDesc theirs = CallDesc::unpack(&e[kDescWord]);
-      if (mismatch.empty() && !(theirs == mine))
-        mismatch = fmt::format("; collective mismatch: rank {} called {} but rank {} called {}",
-                               ranks[static_cast<size_t>(rank)], mine.describe(), ranks[i],
-                               theirs.describe());
-    }
-  }
-  if (!missing.empty()) {
-    text += fmt::format("ranks {} never joined", join_ranks(missing));
-  } else if (unanswered.size() < ranks.size()) {
-    text += fmt::format(
-        "every member joined, ranks {} have not completed it{} (MPI does not check "
-        "that members pass matching counts, dtypes, ops and roots; a member that "
-        "stopped calling into MPI also stalls the others)",
-        join_ranks(inside), mismatch);
-  }
-  if (!unanswered.empty())
-    text += fmt::format("{}ranks {} did not answer the progress query (state unknown)",
-                        missing.empty() && unanswered.size() == ranks.size() ? "" : "; ",
-                        join_ranks(unanswered));
-  return text;
-}
-
-namespace {
 
 void check_agreement(const std::shared_ptr<CommState>& st_, Milliseconds timeout, uint64_t seq,
                      const CallDesc& d, std::span<const int64_t> send_counts,
@@ -849,19 +173,17 @@ class MpiCommunicator final : public Communicator {
 
   std::string_view backend() const override { return "mpi"; }
 
-  WorkPtr all_gather(const Tensor& input, const Tensor& output) override {
+  WorkPtr run_all_gather(const Tensor& input, const Tensor& output) {
     constexpr auto kind = CollectiveKind::kAllGather;
-    check_buffers(kind, *this, input, output);
-    check_cpu(kind, {input, output});
-    const int count = int_count(kind, input.numel(), "the input");
+    const int count = static_cast<int>(input.numel());
     CallDesc d = desc(kind, output.dtype(), input.numel(), output.numel());
     const size_t item = kernels::itemsize(output.dtype());
     // MPI_IN_PLACE is valid only when every member passes it, so every member works in place:
-    // its own slice of the output is filled first (a no-op when the input is that slice).
+    // its own slice of the output is filled first (nothing to do when the input is that slice;
+    // otherwise the two are disjoint, NOTE [call contract]).
     return launch(d, {input, output}, [=, this](std::vector<MPI_Request>& reqs, Keep&) {
       char* slice = static_cast<char*>(output.data_ptr()) + static_cast<size_t>(rank()) * count * item;
-      if (count > 0 && input.data_ptr() != slice)
-        std::memmove(slice, input.data_ptr(), count * item);
+      if (count > 0 && input.data_ptr() != slice) std::memcpy(slice, input.data_ptr(), count * item);
       post_request(reqs, "MPI_Iallgather", [&](MPI_Request* r) {
         return MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, output.data_ptr(), count,
                               mpi_type(output.dtype()), st_->comm, r);
@@ -869,15 +191,10 @@ class MpiCommunicator final : public Communicator {
     });
   }
 
-  WorkPtr reduce_scatter(const Tensor& input, const Tensor& output, Reduction r) override {
-    constexpr auto kind = CollectiveKind::kReduceScatter;
-    check_buffers(kind, *this, input, output);
-    check_reduction(kind, input, r);
-    check_cpu(kind, {input, output});
-    const int count = int_count(kind, output.numel(), "the output");
-    CallDesc d = desc(kind, output.dtype(), input.numel(), output.numel(), r);
+  WorkPtr run_reduce_scatter(const Tensor& input, const Tensor& output, Reduction r) {
+    const CallDesc d = desc(CollectiveKind::kReduceScatter, output.dtype(), input.numel(), output.numel(), r);
+    const int count = static_cast<int>(output.numel()), n = size();
     const MPI_Op op = st_->world->op_for(output.dtype(), r.op);
-    const int n = size();
     return launch(d, {input, output}, [=, this](std::vector<MPI_Request>& reqs, Keep& keep) {
       // The in-place form of MPI_Reduce_scatter_block wants the whole input in the receive
       // buffer on every member, so an output inside the input gets a temporary instead.
@@ -898,18 +215,13 @@ class MpiCommunicator final : public Communicator {
     });
   }
 
-  WorkPtr all_reduce(const Tensor& input, const Tensor& output, Reduction r) override {
-    constexpr auto kind = CollectiveKind::kAllReduce;
-    check_buffers(kind, *this, input, output);
-    check_reduction(kind, input, r);
-    check_cpu(kind, {input, output});
-    const int count = int_count(kind, output.numel(), "the buffer");
-    CallDesc d = desc(kind, output.dtype(), input.numel(), output.numel(), r);
+  WorkPtr run_all_reduce(const Tensor& input, const Tensor& output, Reduction r) {
+    const int count = static_cast<int>(output.numel()), n = size();
     const MPI_Op op = st_->world->op_for(output.dtype(), r.op);
-    const int n = size();
+    const CallDesc d = desc(CollectiveKind::kAllReduce, output.dtype(), input.numel(), output.numel(), r);
     // Out of place on every member (MPI_IN_PLACE must be passed by all or none, and OpenMPI's
-    // nonblocking in-place all-reduce measured 1.1-1.5x slower): an input that is (or overlaps)
-    // the output, or needs a pre-multiplier, goes through a copy first.
+    // nonblocking in-place all-reduce measured 1.1-1.5x slower): an input that is the output,
+    // or needs a pre-multiplier, goes through a copy first.
     return launch(d, {input, output}, [=, this](std::vector<MPI_Request>& reqs, Keep& keep) {
       Tensor send = input;
       if (count > 0 && (r.pre_multiplier != 1.0 || overlaps(input, output))) send = input.clone();
@@ -924,11 +236,9 @@ class MpiCommunicator final : public Communicator {
     });
   }
 
-  WorkPtr all_to_all(const Tensor& input, const Tensor& output) override {
+  WorkPtr run_all_to_all(const Tensor& input, const Tensor& output) {
     constexpr auto kind = CollectiveKind::kAllToAll;
-    check_buffers(kind, *this, input, output);
-    check_cpu(kind, {input, output});
-    const int count = int_count(kind, input.numel() / size(), "a member's slice");
+    const int count = static_cast<int>(input.numel() / size());
     CallDesc d = desc(kind, output.dtype(), input.numel(), output.numel());
     return launch(d, {input, output}, [=, this](std::vector<MPI_Request>& reqs, Keep& keep) {
       const Tensor send = overlaps(input, output) ? input.clone() : input;
@@ -940,33 +250,24 @@ class MpiCommunicator final : public Communicator {
     });
   }
 
-  WorkPtr all_to_all_v(const Tensor& input, std::span<const int64_t> send_counts,
-                       const Tensor& output, std::span<const int64_t> recv_counts) override {
+  WorkPtr run_all_to_all_v(const Tensor& input, std::span<const int64_t> send_counts,
+                       const Tensor& output, std::span<const int64_t> recv_counts) {
     constexpr auto kind = CollectiveKind::kAllToAllV;
-    check_buffers(kind, *this, input, output);
-    check_cpu(kind, {input, output});
-    auto layout = [&](std::span<const int64_t> counts, const Tensor& t, const char* what) {
+    // Counts and displacements as MPI's ints (check_backend made sure they fit).
+    auto layout = [](std::span<const int64_t> counts) {
       std::vector<int> c(counts.size()), displs(counts.size());
       int64_t total = 0;
       for (size_t j = 0; j < counts.size(); ++j) {
-        // MPI-3 counts and displacements are int.
-        if (counts[j] > INT_MAX || total > INT_MAX)
-          throw Unsupported(fmt::format(
-              "all_to_all_v on group '{}': {} count {} (or the offset {} of member {}) exceeds "
-              "the mpi backend's limit of {} elements (MPI counts and displacements are int); "
-              "split the exchange",
-              name(), what, counts[j], total, j, INT_MAX));
         c[j] = static_cast<int>(counts[j]);
         displs[j] = static_cast<int>(total);
         total += counts[j];
       }
-      check_counts(*this, counts, t, what);  // after the int limits, which are the mpi-specific part
       return std::pair{std::move(c), std::move(displs)};
     };
     auto send_layout = std::make_shared<std::pair<std::vector<int>, std::vector<int>>>(
-        layout(send_counts, input, "send"));
+        layout(send_counts));
     auto recv_layout = std::make_shared<std::pair<std::vector<int>, std::vector<int>>>(
-        layout(recv_counts, output, "receive"));
+        layout(recv_counts));
     CallDesc d = desc(kind, output.dtype(), input.numel(), output.numel());
     return launch(
         d, {input, output},
@@ -986,12 +287,9 @@ class MpiCommunicator final : public Communicator {
         send_counts, recv_counts);
   }
 
-  WorkPtr broadcast(const Tensor& buffer, int root) override {
+  WorkPtr run_broadcast(const Tensor& buffer, int root) {
     constexpr auto kind = CollectiveKind::kBroadcast;
-    check_tensor(kind, *this, buffer, "buffer");
-    check_cpu(kind, {buffer});
-    check_root(kind, root);
-    const int count = int_count(kind, buffer.numel(), "the buffer");
+    const int count = static_cast<int>(buffer.numel());
     CallDesc d = desc(kind, buffer.dtype(), buffer.numel(), buffer.numel());
     d.root = root;
     return launch(d, {buffer}, [=, this](std::vector<MPI_Request>& reqs, Keep&) {
@@ -1001,26 +299,13 @@ class MpiCommunicator final : public Communicator {
     });
   }
 
-  WorkPtr scatter(const Tensor& input, const Tensor& output, int root) override {
+  WorkPtr run_scatter(const Tensor& input, const Tensor& output, int root) {
     constexpr auto kind = CollectiveKind::kScatter;
-    check_root(kind, root);
     const bool at_root = rank() == root;
-    if (at_root) {
-      check_buffers(kind, *this, input, output);
-      check_cpu(kind, {input, output});
-      if (input.numel() != size() * output.numel())
-        throw InvalidArgument(fmt::format(
-            "scatter on group '{}' of {} ranks: root input has {} elements and output {} "
-            "(expected input = size x output)",
-            name(), size(), input.numel(), output.numel()));
-    } else {
-      check_tensor(kind, *this, output, "output");
-      check_cpu(kind, {output});
-    }
-    const int count = int_count(kind, output.numel(), "the output");
+    const int count = static_cast<int>(output.numel());
     CallDesc d = desc(kind, output.dtype(), at_root ? input.numel() : 0, output.numel());
     d.root = root;
-    return launch(d, {input, output}, [=, this](std::vector<MPI_Request>& reqs, Keep& keep) {
+    return launch(d, {input, output}, [=, this](std::vector<MPI_Request>& reqs, Keep&) {
       const MPI_Datatype t = mpi_type(output.dtype());
       void* recv = output.data_ptr();
       const void* send = nullptr;
@@ -1032,9 +317,7 @@ class MpiCommunicator final : public Communicator {
           recv = MPI_IN_PLACE;  // allowed at the root alone
           send = input.data_ptr();
         } else {
-          const Tensor s = overlaps(input, output) ? input.clone() : input;
-          keep.tensors.push_back(s);
-          send = s.data_ptr();
+          send = input.data_ptr();  // disjoint from the output (NOTE [call contract])
         }
       }
       post_request(reqs, "MPI_Iscatter", [&](MPI_Request* r) {
@@ -1049,7 +332,7 @@ class MpiCommunicator final : public Communicator {
   bool p2p_views() const override { return true; }
   int64_t p2p_view_max_bytes() const override { return int64_t{1} << 20; }
 
-  WorkPtr barrier() override {
+  WorkPtr run_barrier() {
     CallDesc d;
     d.kind = static_cast<int>(CollectiveKind::kBarrier);
     return launch(d, {}, [this](std::vector<MPI_Request>& reqs, Keep&) {
@@ -1058,16 +341,8 @@ class MpiCommunicator final : public Communicator {
     });
   }
 
-  WorkPtr send_recv(std::span<const P2POp> ops) override {
+  WorkPtr run_send_recv(std::span<const P2POp> ops) {
     constexpr auto kind = CollectiveKind::kSendRecv;
-    for (const P2POp& op : ops) {
-      check_p2p_tensor(*this, op.buffer);
-      check_cpu(kind, {op.buffer});
-      if (op.peer < 0 || op.peer >= size())
-        throw InvalidArgument(fmt::format("send_recv on group '{}': peer {} out of range 0..{}",
-                                          name(), op.peer, size() - 1));
-      int_count(kind, op.buffer.numel(), "a buffer");
-    }
     CallDesc d;
     d.kind = static_cast<int>(kind);
     d.in_count = static_cast<int64_t>(ops.size());
@@ -1177,26 +452,67 @@ class MpiCommunicator final : public Communicator {
     }
     return d;
   }
-  void check_cpu(CollectiveKind kind, std::initializer_list<Tensor> tensors) const {
-    for (const Tensor& t : tensors)
+  // NOTE [call contract]: the mpi backend's own limits. CPU tensors only; MPI counts and
+  // displacements are int.
+  void check_backend(const Call& c) const override {
+    auto cpu = [&](const Tensor& t) {
       if (t.defined() && !t.device().is_cpu())
         throw InvalidArgument(fmt::format(
             "{} on group '{}': the mpi backend moves CPU tensors; use the nccl backend for {}",
-            to_string(kind), name(), kernels::to_string(t.device())));
+            to_string(c.kind), name(), kernels::to_string(t.device())));
+    };
+    auto fits = [&](int64_t n, const char* what) {
+      if (n > INT_MAX)
+        throw Unsupported(fmt::format(
+            "{} on group '{}': {} has {} elements, over the mpi backend's limit of {} per member "
+            "(MPI counts are int); split the call",
+            to_string(c.kind), name(), what, n, INT_MAX));
+    };
+    cpu(c.input);
+    cpu(c.output);
+    for (const P2POp& op : c.ops) {
+      cpu(op.buffer);
+      fits(op.buffer.numel(), "a buffer");
+    }
+    switch (c.kind) {
+      case CollectiveKind::kAllGather: fits(c.input.numel(), "the input"); break;
+      case CollectiveKind::kAllToAll: fits(c.input.numel() / size(), "a member's slice"); break;
+      case CollectiveKind::kAllToAllV:
+        for (auto [counts, what] : {std::pair{c.send_counts, "send"}, std::pair{c.recv_counts, "receive"}}) {
+          int64_t total = 0;
+          for (size_t j = 0; j < counts.size(); ++j) {
+            if (counts[j] > INT_MAX || total > INT_MAX)
+              throw Unsupported(fmt::format(
+                  "all_to_all_v on group '{}': {} count {} (or the offset {} of member {}) exceeds "
+                  "the mpi backend's limit of {} elements (MPI counts and displacements are int); "
+                  "split the exchange",
+                  name(), what, counts[j], total, j, INT_MAX));
+            total += counts[j];
+          }
+        }
+        break;
+      case CollectiveKind::kBroadcast: fits(c.output.numel(), "the buffer"); break;
+      case CollectiveKind::kBarrier:
+      case CollectiveKind::kSendRecv: break;
+      default: fits(c.output.numel(), "the output"); break;
+    }
   }
-  int int_count(CollectiveKind kind, int64_t n, const char* what) const {
-    if (n > INT_MAX)
-      throw Unsupported(fmt::format(
-          "{} on group '{}': {} has {} elements, over the mpi backend's limit of {} per member "
-          "(MPI counts are int); split the call",
-          to_string(kind), name(), what, n, INT_MAX));
-    return static_cast<int>(n);
+
+  WorkPtr issue(const Call& c) override {
+    switch (c.kind) {
+      case CollectiveKind::kAllGather: return run_all_gather(c.input, c.output);
+      case CollectiveKind::kReduceScatter: return run_reduce_scatter(c.input, c.output, c.reduction);
+      case CollectiveKind::kAllReduce: return run_all_reduce(c.input, c.output, c.reduction);
+      case CollectiveKind::kAllToAll: return run_all_to_all(c.input, c.output);
+      case CollectiveKind::kAllToAllV: return run_all_to_all_v(c.input, c.send_counts, c.output, c.recv_counts);
+      case CollectiveKind::kBroadcast: return run_broadcast(c.output, c.root);
+      case CollectiveKind::kScatter: return run_scatter(c.input, c.output, c.root);
+      case CollectiveKind::kBarrier: return run_barrier();
+      case CollectiveKind::kSendRecv: return run_send_recv(c.ops);
+    }
+    throw kernels::InternalError("mpi backend: unknown collective kind");
   }
-  void check_root(CollectiveKind kind, int root) const {
-    if (root < 0 || root >= size())
-      throw InvalidArgument(fmt::format("{} on group '{}': root {} out of range 0..{}",
-                                        to_string(kind), name(), root, size() - 1));
-  }
+
   static MpiRequests::Finish finish_reduce(const Tensor& output, const Tensor& result,
                                        kernels::ReduceOp op, int n) {
     if (result.shares_storage_with(output) && result.data_ptr() == output.data_ptr() &&

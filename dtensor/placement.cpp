@@ -7,6 +7,7 @@
 
 #include "kernels/dims.h"
 #include "kernels/error.h"
+#include "kernels/overloaded.h"
 
 namespace dtensor {
 
@@ -14,13 +15,7 @@ using kernels::InvalidArgument;
 
 namespace {
 
-template <class... Ts>
-struct Overloaded : Ts... {
-  using Ts::operator()...;
-};
-// Needed by clang 14 (no aggregate deduction yet); the sanitizer and fuzz builds use clang.
-template <class... Ts>
-Overloaded(Ts...) -> Overloaded<Ts...>;
+using kernels::Overloaded;
 
 constexpr std::string_view kNotation =
     "expected S(d), _S(d,split_factor), R, P or P(sum|avg|min|max|prod)";

@@ -94,6 +94,7 @@
 #include "nn/transformer.h"
 #include "program/cli.h"
 #include "program/main.h"
+#include "program/stats.h"
 
 namespace {
 
@@ -237,11 +238,7 @@ struct RunResult {
   int64_t peak_block_bytes = 0;  // the same in the caching allocator's block sizes (what a limit counts)
 };
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
+using program::median;
 
 // Trains on `world` (every rank of it calls this) with tensor parallelism over `tp` ranks.
 // print: rank 0 prints the progress lines.

@@ -9,6 +9,7 @@
 #include <initializer_list>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kernels/checked.h"
@@ -98,5 +99,11 @@ class Dims {
   std::array<int64_t, kMaxDims> v_{};
   int n_ = 0;
 };
+
+// A shape written as sizes >= 0 separated by ',' or 'x' ("13,2", "4x8x2"; "" is the 0-d shape),
+// as programs take it on their command lines. Throws InvalidArgument naming `what` and the text:
+//   parse_shape("13,2") == Dims{13, 2}
+//   parse_shape("4,,3", "--shape")  // "--shape '4,,3' is malformed at '': expected ..."
+Dims parse_shape(std::string_view text, std::string_view what = "shape");
 
 }  // namespace kernels

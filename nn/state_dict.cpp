@@ -73,12 +73,6 @@ void for_each_full_tensor(const StateDict& sd, bool rank0_only,
   }
 }
 
-std::vector<std::pair<std::string, Tensor>> full_state_dict(const StateDict& sd, bool rank0_only) {
-  std::vector<std::pair<std::string, Tensor>> out;
-  for_each_full_tensor(sd, rank0_only, [&](const std::string& k, const Tensor& t) { out.emplace_back(k, t); });
-  return out;
-}
-
 void copy_into(const std::string& key, const DTensor& dst, const DTensor& src) {
   if (!(dst.shape() == src.shape()))
     throw InvalidArgument(

@@ -54,10 +54,6 @@ struct StateDict {
 void for_each_full_tensor(const StateDict& sd, bool rank0_only,
                           const std::function<void(const std::string&, const kernels::Tensor&)>& fn);
 
-// Every tensor of `sd` replicated: the full state dict (PyTorch's full_state_dict=True), all in
-// memory at once; for_each_full_tensor is the bounded form. Collective.
-std::vector<std::pair<std::string, kernels::Tensor>> full_state_dict(const StateDict& sd, bool rank0_only);
-
 // Copies `src` into `dst` (same global shape): locally when placements and mesh match (no
 // communication), else through a redistribute of src to dst's placements (collective over the
 // mesh). Any dtypes (cast). Throws InvalidArgument naming `key` for a shape mismatch.

@@ -94,31 +94,7 @@ constexpr int64_t kMaxThreadRanks = 1024;
 constexpr int64_t kMaxPrintedIndices = 1'000'000;
 constexpr int64_t kMaxFuzzCases = 1'000'000;
 
-Dims parse_shape(const std::string& text) {
-  Dims shape;
-  if (text.empty()) return shape;  // a 0-d tensor
-  size_t begin = 0;
-  while (begin <= text.size()) {
-    size_t end = text.find_first_of(",x", begin);
-    if (end == std::string::npos) end = text.size();
-    std::string_view part(text.data() + begin, end - begin);
-    int64_t v = -1;
-    auto [p, ec] = std::from_chars(part.data(), part.data() + part.size(), v);
-    if (ec == std::errc::result_out_of_range && p == part.data() + part.size())
-      throw kernels::InvalidArgument(fmt::format("shape '{}': size {} is out of range (at most {})",
-                                                 kernels::clip(text), kernels::clip(part, 40), kernels::kInt64Max));
-    if (part.empty() || ec != std::errc() || p != part.data() + part.size() || v < 0)
-      throw kernels::InvalidArgument(fmt::format(
-          "shape '{}' is malformed at '{}': expected comma-separated sizes >= 0 like 13,2", kernels::clip(text),
-          kernels::clip(part, 40)));
-    if (shape.size() == kernels::kMaxDims)
-      throw kernels::InvalidArgument(fmt::format("shape '{}' has more than {} dims", kernels::clip(text),
-                                                 kernels::kMaxDims));
-    shape.push_back(v);
-    begin = end + 1;
-  }
-  return shape;
-}
+using kernels::parse_shape;
 
 std::vector<std::string> parse_names(const std::string& text) {
   std::vector<std::string> names;

@@ -42,25 +42,7 @@ namespace {
 
 constexpr int kMaxMeshDims = 3;
 
-Dims parse_shape(const std::string& text) {
-  Dims shape;
-  size_t begin = 0;
-  while (begin <= text.size()) {
-    size_t end = text.find(',', begin);
-    if (end == std::string::npos) end = text.size();
-    const std::string_view part(text.data() + begin, end - begin);
-    int64_t v = -1;
-    auto [p, ec] = std::from_chars(part.data(), part.data() + part.size(), v);
-    if (part.empty() || ec != std::errc() || p != part.data() + part.size() || v < 0)
-      throw kernels::InvalidArgument(fmt::format("--shape '{}' is malformed at '{}': expected sizes in 0..{} like 1024,768",
-                                                 kernels::clip(text), kernels::clip(part, 40), kernels::kInt64Max));
-    if (shape.size() == kernels::kMaxDims)
-      throw kernels::InvalidArgument(fmt::format("--shape '{}' has more than {} dims", kernels::clip(text), kernels::kMaxDims));
-    shape.push_back(v);
-    begin = end + 1;
-  }
-  return shape;
-}
+Dims parse_shape(const std::string& text) { return kernels::parse_shape(text, "--shape"); }
 
 // Mesh dims whose placement must change with communication: not a size-1 dim, not equal, and
 // not a purely local change (R -> S/_S/P, S(d) -> P(sum)).

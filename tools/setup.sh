@@ -9,7 +9,8 @@ cd "$here"
 packages=(meson ninja-build pkg-config g++ python3 libeigen3-dev libfmt-dev catch2 libcli11-dev
           nlohmann-json3-dev libboost-dev libopenmpi-dev openmpi-bin python3-matplotlib libxxhash-dev
           clang libclang-rt-dev  # clang + its runtime: the libFuzzer tree (tools/sanitizers.sh)
-          ccache)                # meson wraps the compilers in it: a second build of the same sources is a cache hit
+          ccache                 # meson wraps the compilers in it: a second build of the same sources is a cache hit
+          cmake)                 # the install check builds against the installed prefix with find_package
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

@@ -4,18 +4,13 @@
 
 #include "dtensor/plan/traffic.h"
 #include "kernels/error.h"
+#include "kernels/overloaded.h"
 
 namespace dtensor {
 
 namespace {
 
-template <class... Ts>
-struct Overloaded : Ts... {
-  using Ts::operator()...;
-};
-// Needed by clang 14 (no aggregate deduction yet); the sanitizer and fuzz builds use clang.
-template <class... Ts>
-Overloaded(Ts...) -> Overloaded<Ts...>;
+using kernels::Overloaded;
 
 // The step starts from the placement it converts.
 bool starts_right(const Step& step, const Placements& before) {

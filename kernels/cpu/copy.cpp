@@ -9,34 +9,12 @@
 #include "kernels/detail/dispatch.h"
 #include "kernels/detail/layout.h"
 #include "kernels/cpu/parallel.h"
+#include "kernels/cpu/strided.h"
 #include "kernels/cpu/vec.h"
 #include "kernels/error.h"
 
 namespace kernels::detail {
 namespace {
-
-// Calls row(offsets, n) once per innermost row of the space; offsets are element offsets of the
-// row's first element in each operand. The outer multi-index is advanced incrementally.
-template <int N, class F>
-void for_each_row(const StridedSpace<N>& space, F&& row) {
-  const int nd = space.shape.size();
-  const int64_t inner = space.shape[nd - 1];
-  std::array<int64_t, N> offsets{};
-  std::array<int64_t, kMaxDims> index{};
-  for (;;) {
-    row(offsets, inner);
-    int d = nd - 2;
-    for (; d >= 0; --d) {
-      if (++index[d] < space.shape[d]) {
-        for (int k = 0; k < N; ++k) offsets[k] += space.strides[k][d];
-        break;
-      }
-      index[d] = 0;
-      for (int k = 0; k < N; ++k) offsets[k] -= space.strides[k][d] * (space.shape[d] - 1);
-    }
-    if (d < 0) return;
-  }
-}
 
 using CastRow = void (*)(char* dst, int64_t dst_stride, const char* src, int64_t src_stride,
                          int64_t n);

@@ -17,6 +17,7 @@
 
 #include "kernels/cuda/cuda_compute.h"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/device_guard.h"
 #include "kernels/detail/convert.h"
 #include "kernels/detail/layout.h"
 #include "kernels/error.h"
@@ -44,28 +45,6 @@ void check_blas(cublasStatus_t st, const std::string& what) {
 void check_launch(const char* kernel, int device) {
   check(cudaGetLastError(), std::string("launching ") + kernel + " on " + device_name(device));
 }
-
-// Makes `device` current for the scope.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    cuda_check_device(device);
-    check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) {
-      check(cudaSetDevice(device), "cudaSetDevice(" + device_name(device) + ")");
-    } else {
-      previous_ = -1;
-    }
-  }
-  ~DeviceGuard() {
-    if (previous_ >= 0) (void)cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = -1;
-};
 
 // One cuBLAS handle per (thread, device), created on first use and destroyed with the thread
 // (handles are not meant to be shared between threads that issue work concurrently). Handles use

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/device_guard.h"
 #include "kernels/detail/convert.h"
 #include "kernels/detail/dispatch.h"
 #include "kernels/detail/layout.h"
@@ -51,26 +52,6 @@ void check(cudaError_t err, const std::string& what) {
     throw Error(what + " failed: " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
   }
 }
-
-// Makes `device` current for the scope (kernel launches and allocations go to it).
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device)
-      check(cudaSetDevice(device), "cudaSetDevice(" + device_name(device) + ")");
-    else
-      previous_ = -1;
-  }
-  ~DeviceGuard() {
-    if (previous_ >= 0) (void)cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = -1;
-};
 
 // ---- kernels ----
 
@@ -205,9 +186,22 @@ void cuda_check_device(int device) {
   }
 }
 
-void* cuda_malloc(size_t nbytes, int device) {
+DeviceGuard::DeviceGuard(int device) {
   cuda_check_device(device);
-  DeviceGuard guard(device);
+  check(cudaGetDevice(&previous_), "cudaGetDevice");
+  if (previous_ == device) {
+    previous_ = -1;
+    return;
+  }
+  check(cudaSetDevice(device), "cudaSetDevice(" + device_name(device) + ")");
+}
+
+DeviceGuard::~DeviceGuard() {
+  if (previous_ >= 0) (void)cudaSetDevice(previous_);
+}
+
+void* cuda_malloc(size_t nbytes, int device) {
+  DeviceGuard guard(device);  // checks the device
   void* ptr = nullptr;
   const cudaError_t err = cudaMalloc(&ptr, nbytes);
   if (err == cudaErrorMemoryAllocation) {  // out of device memory: a resource error, not a bug
@@ -250,8 +244,7 @@ void cuda_memcpy(void* dst, Device dst_device, const void* src, Device src_devic
     return;
   }
   const int device = dst_device.is_cuda() ? dst_device.index : src_device.index;
-  cuda_check_device(device);
-  DeviceGuard guard(device);
+  DeviceGuard guard(device);  // checks the device
   check(cudaMemcpy(dst, src, nbytes, cudaMemcpyDefault), "cudaMemcpy of " + std::to_string(nbytes) +
                                                              " bytes " + to_string(src_device) +
                                                              " -> " + to_string(dst_device));
@@ -261,8 +254,7 @@ void cuda_copy_cast(void* dst, DType dst_dtype, const Dims& dst_strides, const v
                     DType src_dtype, const Dims& src_strides, const Dims& shape, int device) {
   const int64_t n = shape.product();
   if (n == 0) return;
-  cuda_check_device(device);
-  DeviceGuard guard(device);
+  DeviceGuard guard(device);  // checks the device
   const Layout2 l = make_layout(shape, dst_strides, src_strides);
   const unsigned blocks = blocks_for(n);
   if (dst_dtype == src_dtype) {
@@ -297,8 +289,7 @@ void cuda_fill(void* dst, size_t itemsize, const Dims& strides, const Dims& shap
                int device) {
   const int64_t n = shape.product();
   if (n == 0) return;
-  cuda_check_device(device);
-  DeviceGuard guard(device);
+  DeviceGuard guard(device);  // checks the device
   const Layout2 l = make_layout(shape, strides, strides);
   const unsigned blocks = blocks_for(n);
   switch (itemsize) {
@@ -370,8 +361,7 @@ namespace detail {
 
 void cuda_reduce_into(void* acc, const void* src, DType dtype, int64_t n, ReduceOp op,
                       double src_scale, int device) {
-  cuda_check_device(device);
-  DeviceGuard guard(device);
+  DeviceGuard guard(device);  // checks the device
   detail::dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     reduce_kernel<T><<<blocks_for(n), kThreads>>>(static_cast<T*>(acc), static_cast<const T*>(src), n, op,
@@ -381,8 +371,7 @@ void cuda_reduce_into(void* acc, const void* src, DType dtype, int64_t n, Reduce
 }
 
 void cuda_scale(void* data, DType dtype, int64_t n, double factor, int device) {
-  cuda_check_device(device);
-  DeviceGuard guard(device);
+  DeviceGuard guard(device);  // checks the device
   detail::dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     scale_kernel<T><<<blocks_for(n), kThreads>>>(static_cast<T*>(data), n, factor);
@@ -479,8 +468,7 @@ void cuda_copy_batch(const std::vector<CopyItem>& items, int device) {
     n += numel;
   }
   if (n == 0) return;
-  cuda_check_device(device);
-  DeviceGuard guard(device);
+  DeviceGuard guard(device);  // checks the device
   // The descriptors travel in stream-ordered memory on the legacy default stream (NOTE [cuda
   // ordering]): allocated, filled, used and freed in order without a device-wide sync.
   const size_t bytes = batch.size() * sizeof(BatchItem);

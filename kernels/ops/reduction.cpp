@@ -121,10 +121,6 @@ Tensor mean(const Tensor& x, const Dims& dims, bool keepdim) {
   return out;
 }
 
-void mean_out(const Tensor& out, const Tensor& x, const Dims& dims, bool keepdim) {
-  run_reduce("mean_out", out, x, dims, keepdim, false, true);
-}
-
 MaxResult max(const Tensor& x, int dim_in, bool keepdim) {
   constexpr const char* kOp = "max";
   detail::check_floating(kOp, x, "x");

@@ -33,7 +33,6 @@ void sum_out(const Tensor& out, const Tensor& x, const Dims& dims, bool keepdim 
 Tensor sum_all(const Tensor& x);
 
 Tensor mean(const Tensor& x, const Dims& dims, bool keepdim = false);
-void mean_out(const Tensor& out, const Tensor& x, const Dims& dims, bool keepdim = false);
 
 // torch.max(x, dim, keepdim): the largest value along `dim` and its index (i64, first occurrence
 // among equal values). NaN is the largest value (it propagates, with its index).

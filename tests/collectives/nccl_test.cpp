@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "collectives/local.h"
+#include "contract.h"
 #include "kernels/device.h"
 #include "kernels/error.h"
 #include "kernels/tensor.h"
@@ -396,6 +397,31 @@ TEST_CASE("nccl one thread per GPU over a local bootstrap: every collective, dty
           "[collectives][nccl][gpu][gpu2]") {
   const int gpus = kernels::cuda_device_count();
   REQUIRE_NOTHROW(run_ranks(std::min(gpus, 8), check_all));
+}
+
+// The contract suite (contract.h), the cases the nccl backend promises (not the CPU backends'
+// integer arithmetic nor dropped Works), on one thread per GPU (up to 8) over a local bootstrap.
+TEST_CASE("nccl: contract, one thread per GPU", "[collectives][nccl][gpu][contract]") {
+  const int n = std::min(kernels::cuda_device_count(), 8);
+  std::vector<const contract::Case*> cases;
+  for (const contract::Case& c : contract::cases())
+    if (!c.cpu_only) cases.push_back(&c);
+  std::vector<std::vector<contract::Log>> logs(static_cast<size_t>(n));
+  REQUIRE_NOTHROW(run_ranks(n, [&](Communicator& world) {
+    const int device = world.rank();
+    std::unique_ptr<Communicator> comm = nccl_communicator(world, device, kNcclTimeout);
+    for (const contract::Case* c : cases)
+      logs[static_cast<size_t>(device)].push_back(contract::run_case(*c, *comm, Device::cuda(device)));
+  }));
+  for (int r = 0; r < n; ++r) {
+    REQUIRE(logs[static_cast<size_t>(r)].size() == cases.size());
+    for (size_t k = 0; k < cases.size(); ++k) {
+      const contract::Log& log = logs[static_cast<size_t>(r)][k];
+      INFO(cases[k]->name << " on rank " << r << " of " << n << ":\n" << fmt::format("{}", fmt::join(log.failures, "\n")));
+      CHECK(log.failures.empty());
+      CHECK(log.checked > 0);
+    }
+  }
 }
 
 TEST_CASE("nccl_communicators_all: one communicator per GPU of the process",

@@ -60,25 +60,6 @@ bool accepted(const char* what, F&& f) {
   return false;
 }
 
-bool parse_shape(std::string_view text, Dims& shape) {
-  if (text.empty()) return true;  // 0-d
-  size_t begin = 0;
-  while (begin <= text.size()) {
-    size_t end = text.find(',', begin);
-    if (end == std::string_view::npos) end = text.size();
-    const std::string_view part = text.substr(begin, end - begin);
-    if (part.empty() || part.size() > 18 || shape.size() == kernels::kMaxDims) return false;
-    int64_t v = 0;
-    for (char c : part) {
-      if (c < '0' || c > '9') return false;
-      v = v * 10 + (c - '0');
-    }
-    shape.push_back(v);
-    begin = end + 1;
-  }
-  return true;
-}
-
 // torch.chunk of a list into k pieces: ceil-sized, trailing pieces may be empty.
 std::vector<int64_t> chunk_of(const std::vector<int64_t>& list, int64_t k, int64_t index) {
   const int64_t n = static_cast<int64_t>(list.size());
@@ -174,7 +155,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (mesh && mesh->size() <= 4096 && !(DeviceMesh::parse(dtensor::to_string(*mesh)) == *mesh))
     fail("mesh does not round-trip: " + dtensor::to_string(*mesh));
   Dims shape;
-  if (!mesh || !have_placements || !parse_shape(lines[1], shape)) return 0;
+  if (!mesh || !have_placements || !accepted("parse_shape", [&] { shape = kernels::parse_shape(lines[1]); })) return 0;
 
   dtensor::DTensorSpec spec;
   if (!accepted("make_spec", [&] { spec = dtensor::make_spec(mesh, placements, shape, kernels::DType::kF32); })) return 0;

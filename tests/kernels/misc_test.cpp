@@ -63,3 +63,26 @@ TEST_CASE("Dims behaves like a small vector", "[kernels][dims]") {
   REQUIRE_THROWS_WITH(full.push_back(1), Catch::Contains("at most 8"));
   REQUIRE_THROWS_AS(Dims(std::vector<int64_t>(9, 1)), InvalidArgument);
 }
+
+TEST_CASE("parse_shape: the programs' shape grammar", "[kernels][dims]") {
+  const struct {
+    const char* text;
+    Dims want;
+  } good[] = {{"13,2", Dims{13, 2}}, {"4x8x2", Dims{4, 8, 2}}, {"0", Dims{0}}, {"", Dims{}}, {"7,0x3", Dims{7, 0, 3}}};
+  int ran = 0;
+  for (const auto& c : good) {
+    INFO(c.text);
+    CHECK(parse_shape(c.text) == c.want);
+    ++ran;
+  }
+  CHECK(ran == 5);
+  // Errors name the flag and the text, and what was expected.
+  CHECK_THROWS_WITH(parse_shape("4,,3", "--shape"),
+                    Catch::Contains("--shape '4,,3' is malformed at ''") && Catch::Contains("expected"));
+  CHECK_THROWS_AS(parse_shape("4,-1"), InvalidArgument);
+  CHECK_THROWS_WITH(parse_shape("4,-1"), Catch::Contains("malformed at '-1'"));
+  CHECK_THROWS_WITH(parse_shape("2,a"), Catch::Contains("malformed at 'a'"));
+  CHECK_THROWS_WITH(parse_shape("3,"), Catch::Contains("malformed at ''"));
+  CHECK_THROWS_WITH(parse_shape("99999999999999999999"), Catch::Contains("out of range"));
+  CHECK_THROWS_WITH(parse_shape("1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1"), Catch::Contains("more than"));
+}

@@ -45,51 +45,6 @@ class NoViewsCommunicator final : public collectives::Communicator {
   std::string_view backend() const override { return inner_->backend(); }
   bool p2p_views() const override { return false; }
 
-  collectives::WorkPtr all_gather(const kernels::Tensor& input, const kernels::Tensor& output) override {
-    observe(collectives::CollectiveKind::kAllGather, {input, output});
-    return inner_->all_gather(input, output);
-  }
-  collectives::WorkPtr reduce_scatter(const kernels::Tensor& input, const kernels::Tensor& output,
-                                      collectives::Reduction r) override {
-    observe(collectives::CollectiveKind::kReduceScatter, {input, output});
-    return inner_->reduce_scatter(input, output, r);
-  }
-  collectives::WorkPtr all_reduce(const kernels::Tensor& input, const kernels::Tensor& output,
-                                  collectives::Reduction r) override {
-    observe(collectives::CollectiveKind::kAllReduce, {input, output});
-    return inner_->all_reduce(input, output, r);
-  }
-  collectives::WorkPtr all_to_all(const kernels::Tensor& input, const kernels::Tensor& output) override {
-    observe(collectives::CollectiveKind::kAllToAll, {input, output});
-    return inner_->all_to_all(input, output);
-  }
-  collectives::WorkPtr all_to_all_v(const kernels::Tensor& input, std::span<const int64_t> send_counts,
-                                    const kernels::Tensor& output,
-                                    std::span<const int64_t> recv_counts) override {
-    observe(collectives::CollectiveKind::kAllToAllV, {input, output});
-    return inner_->all_to_all_v(input, send_counts, output, recv_counts);
-  }
-  collectives::WorkPtr broadcast(const kernels::Tensor& buffer, int root) override {
-    observe(collectives::CollectiveKind::kBroadcast, {buffer});
-    return inner_->broadcast(buffer, root);
-  }
-  collectives::WorkPtr scatter(const kernels::Tensor& input, const kernels::Tensor& output, int root) override {
-    observe(collectives::CollectiveKind::kScatter, {input, output});
-    return inner_->scatter(input, output, root);
-  }
-  collectives::WorkPtr barrier() override {
-    observe(collectives::CollectiveKind::kBarrier, {});
-    return inner_->barrier();
-  }
-  collectives::WorkPtr send_recv(std::span<const collectives::P2POp> ops) override {
-    std::vector<kernels::Tensor> buffers;
-    for (const collectives::P2POp& op : ops) {
-      collectives::detail::check_p2p_tensor(*this, op.buffer);  // contiguous: p2p_views() is false
-      buffers.push_back(op.buffer);
-    }
-    observe(collectives::CollectiveKind::kSendRecv, buffers);
-    return inner_->send_recv(ops);
-  }
   void wait_for(const collectives::WorkPtr& work) override { inner_->wait_for(work); }
   collectives::WorkPtr host_task(std::function<void()> fn) override { return inner_->host_task(std::move(fn)); }
   void kick() override { inner_->kick(); }
@@ -101,11 +56,24 @@ class NoViewsCommunicator final : public collectives::Communicator {
     return sub;
   }
 
- private:
-  void observe(collectives::CollectiveKind kind, std::vector<kernels::Tensor> buffers) {
-    if (observer_) observer_(kind, buffers);
+ protected:
+  // The contract (validate) already held send_recv to contiguous buffers: p2p_views() is false.
+  collectives::WorkPtr issue(const collectives::Call& call) override {
+    if (observer_) {
+      std::vector<kernels::Tensor> buffers;
+      if (call.kind == collectives::CollectiveKind::kSendRecv) {
+        for (const collectives::P2POp& op : call.ops) buffers.push_back(op.buffer);
+      } else if (call.kind == collectives::CollectiveKind::kBroadcast) {
+        buffers.push_back(call.output);
+      } else if (call.kind != collectives::CollectiveKind::kBarrier) {
+        buffers = {call.input, call.output};
+      }
+      observer_(call.kind, buffers);
+    }
+    return collectives::forward(*inner_, call);
   }
 
+ private:
   collectives::Communicator* inner_;
   std::unique_ptr<collectives::Communicator> owned_;
   Observer observer_;

@@ -93,52 +93,6 @@ class RecordingCommunicator final : public collectives::Communicator {
   bool p2p_views() const override { return inner_->p2p_views(); }
   int64_t p2p_view_max_bytes() const override { return inner_->p2p_view_max_bytes(); }
 
-  collectives::WorkPtr all_gather(const kernels::Tensor& in, const kernels::Tensor& out) override {
-    log(collectives::CollectiveKind::kAllGather, in, out);
-    return inner_->all_gather(in, out);
-  }
-  collectives::WorkPtr reduce_scatter(const kernels::Tensor& in, const kernels::Tensor& out,
-                                      collectives::Reduction r) override {
-    log(collectives::CollectiveKind::kReduceScatter, in, out, r);
-    return inner_->reduce_scatter(in, out, r);
-  }
-  collectives::WorkPtr all_reduce(const kernels::Tensor& in, const kernels::Tensor& out,
-                                  collectives::Reduction r) override {
-    log(collectives::CollectiveKind::kAllReduce, in, out, r);
-    return inner_->all_reduce(in, out, r);
-  }
-  collectives::WorkPtr all_to_all(const kernels::Tensor& in, const kernels::Tensor& out) override {
-    log(collectives::CollectiveKind::kAllToAll, in, out);
-    return inner_->all_to_all(in, out);
-  }
-  collectives::WorkPtr all_to_all_v(const kernels::Tensor& in, std::span<const int64_t> send_counts,
-                                    const kernels::Tensor& out, std::span<const int64_t> recv_counts) override {
-    log(collectives::CollectiveKind::kAllToAllV, in, out);
-    return inner_->all_to_all_v(in, send_counts, out, recv_counts);
-  }
-  collectives::WorkPtr broadcast(const kernels::Tensor& buffer, int root) override {
-    log(collectives::CollectiveKind::kBroadcast, buffer, buffer, {}, root);
-    return inner_->broadcast(buffer, root);
-  }
-  collectives::WorkPtr scatter(const kernels::Tensor& in, const kernels::Tensor& out, int root) override {
-    log(collectives::CollectiveKind::kScatter, kernels::Tensor(), out, {}, root);
-    return inner_->scatter(in, out, root);
-  }
-  collectives::WorkPtr barrier() override {
-    log(collectives::CollectiveKind::kBarrier, kernels::Tensor(), kernels::Tensor());
-    return inner_->barrier();
-  }
-  collectives::WorkPtr send_recv(std::span<const collectives::P2POp> ops) override {
-    collectives::CollectiveCall c;
-    c.kind = collectives::CollectiveKind::kSendRecv;
-    c.ops = static_cast<int>(ops.size());
-    for (const collectives::P2POp& op : ops) {
-      c.dtype = op.buffer.dtype();
-      (op.kind == collectives::P2POp::Kind::kSend ? c.in_count : c.out_count) += op.buffer.numel();
-    }
-    rec_->add(group_, rank(), c);
-    return inner_->send_recv(ops);
-  }
   void wait_for(const collectives::WorkPtr& work) override { inner_->wait_for(work); }
   collectives::WorkPtr host_task(std::function<void()> fn) override { return inner_->host_task(std::move(fn)); }
   void kick() override { inner_->kick(); }
@@ -150,20 +104,13 @@ class RecordingCommunicator final : public collectives::Communicator {
     return sub;
   }
 
- private:
-  void log(collectives::CollectiveKind kind, const kernels::Tensor& in, const kernels::Tensor& out,
-           collectives::Reduction r = {}, int root = -1) {
-    collectives::CollectiveCall c;
-    c.kind = kind;
-    c.dtype = out.defined() ? out.dtype() : in.defined() ? in.dtype() : kernels::DType::kF32;
-    c.in_count = in.defined() ? in.numel() : 0;
-    c.out_count = out.defined() ? out.numel() : 0;
-    c.op = r.op;
-    c.pre_multiplier = r.pre_multiplier;
-    c.root = root;
-    rec_->add(group_, rank(), c);
+ protected:
+  collectives::WorkPtr issue(const collectives::Call& call) override {
+    rec_->add(group_, rank(), call.summary());
+    return collectives::forward(*inner_, call);
   }
 
+ private:
   collectives::Communicator* inner_;
   std::unique_ptr<collectives::Communicator> owned_;
   Recorder* rec_;
