@@ -52,7 +52,7 @@ def parse_placements(text):
     return tuple(out)
 
 
-# The rows of plan-quality --scale (tests/plan_quality.cpp: scale_rows), same order.
+# The rows of plan-quality --scale (tools/plan_quality.cpp: scale_rows), same order.
 def rows():
     out = []
     for e in (8, 10, 11, 12, 14, 16, 17, 18, 20):

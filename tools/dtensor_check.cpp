@@ -186,7 +186,7 @@ void demo() {
   demo_case("3x2", "dp,tp", "7,2", "_S(0,2),S(0)", "uneven StridedShard with a first mesh dim of 3 (docs/pytorch-semantics.md 2.3)");
   demo_case("[[0,2],[1,3]]", "dp,tp", "4,4", "R,S(1)", "an explicit rank array: groups follow coordinates, not rank order");
   demo_case("2x2", "", "4,4", "P,S(0)", "Partial holds the full local shape on every rank of its group");
-  fmt::print("\nTry: build/tests/dtensor-check layout --mesh 4x2 --shape 13,2 --placements 'S(0),S(0)'\n");
+  fmt::print("\nTry: build/tools/dtensor-check layout --mesh 4x2 --shape 13,2 --placements 'S(0),S(0)'\n");
 }
 
 // ---------------------------------------------------------------------------------------------
