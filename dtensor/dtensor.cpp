@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "dtensor/exec/executor.h"
+#include "dtensor/plan/cache.h"
 #include "kernels/error.h"
 #include "kernels/format.h"
 #include "kernels/reduce.h"
@@ -312,16 +313,19 @@ DTensor::DTensor(std::shared_ptr<const MeshComms> comms, DTensorSpec spec, Tenso
 }
 
 const Plan& DTensor::plan_to(const Placements& placements, const RedistributeOptions& options) const {
-  const Placements dst = normalize_placements(placements, spec_.mesh->ndim(), spec_.tensor_ndim());
-  return comms_->plans().get(spec_, dst, options.planner);
+  return comms_->plans().plan(make_transition(spec_, placements, options.planner));
 }
 
 DTensor DTensor::redistribute(const Placements& placements, const RedistributeOptions& options) const {
   if (placements == spec_.placements && options.divide_factor == 1.0) return *this;  // shares the local tensor
+  const Transition t = make_transition(spec_, placements, options.planner, options.reduce_policy());
+  if (std::equal(t.dst.begin(), t.dst.end(), spec_.placements.begin(), spec_.placements.end()) &&
+      options.divide_factor == 1.0)
+    return *this;
+  const PlanCache::Found found = comms_->plans().find(t);  // planned once, on the first call
+  ExecHandle h = issue_cached(t, *found.plan, found.recipe, spec_, local_, *comms_);
   DTensorSpec out = spec_;
-  ExecHandle h = issue_to(spec_, placements, options.planner, local_, *comms_, options.reduce_policy(), {},
-                          &out.placements);
-  if (out.placements == spec_.placements && options.divide_factor == 1.0) return *this;
+  out.placements = found.plan->dst;
   Tensor result = h.wait()[0];
   return DTensor(Trusted{}, comms_, std::move(out), std::move(result));
 }
@@ -479,6 +483,17 @@ DTensor from_local(const Tensor& local, std::shared_ptr<const MeshComms> comms,
   return DTensor(comms, std::move(spec), local);
 }
 
+struct RedistributeHandle::Pending {
+  ExecHandle exec;
+};
+
+RedistributeHandle::RedistributeHandle() = default;
+RedistributeHandle::RedistributeHandle(RedistributeHandle&&) noexcept = default;
+RedistributeHandle& RedistributeHandle::operator=(RedistributeHandle&&) noexcept = default;
+RedistributeHandle::~RedistributeHandle() = default;
+
+bool RedistributeHandle::ready() { return !pending_ || pending_->exec.ready(); }
+
 RedistributeHandle redistribute_async(const DTensor& tensor, const Placements& placements,
                                       const RedistributeOptions& options, const Tensor& out) {
   RedistributeHandle h;
@@ -486,20 +501,25 @@ RedistributeHandle redistribute_async(const DTensor& tensor, const Placements& p
   h.spec_ = tensor.spec();
   if (out.defined()) h.spec_.dtype = out.dtype();
   // Plans (and validates) here, so bad input throws on the caller, not from wait().
-  h.exec_ = issue_to(tensor.spec(), placements, options.planner, tensor.to_local(), *h.comms_, options.reduce_policy(),
-                     out, &h.spec_.placements, /*background=*/true);
-  h.exec_.kick();  // the caller overlaps it with other work: progress starts now
+  const Transition t = make_transition(tensor.spec(), placements, options.planner, options.reduce_policy(),
+                                       out.defined() ? std::optional(out.dtype()) : std::nullopt);
+  const PlanCache::Found found = h.comms_->plans().find(t);
+  h.spec_.placements = found.plan->dst;
+  h.pending_ = std::make_unique<RedistributeHandle::Pending>();
+  h.pending_->exec = issue_cached(t, *found.plan, found.recipe, tensor.spec(), tensor.to_local(), *h.comms_, out,
+                                  /*background=*/true);
+  h.pending_->exec.kick();  // the caller overlaps it with other work: progress starts now
   return h;
 }
 
 DTensor RedistributeHandle::wait(collectives::Milliseconds timeout) {
-  if (!comms_) throw InvalidArgument("RedistributeHandle::wait: the handle holds no redistribute");
-  return DTensor(DTensor::Trusted{}, comms_, spec_, exec_.wait(timeout)[0]);
+  if (!comms_ || !pending_) throw InvalidArgument("RedistributeHandle::wait: the handle holds no redistribute");
+  return DTensor(DTensor::Trusted{}, comms_, spec_, pending_->exec.wait(timeout)[0]);
 }
 
 DTensor RedistributeHandle::wait() {
-  if (!comms_) throw InvalidArgument("RedistributeHandle::wait: the handle holds no redistribute");
-  return DTensor(DTensor::Trusted{}, comms_, spec_, exec_.wait()[0]);
+  if (!comms_ || !pending_) throw InvalidArgument("RedistributeHandle::wait: the handle holds no redistribute");
+  return DTensor(DTensor::Trusted{}, comms_, spec_, pending_->exec.wait()[0]);
 }
 
 std::vector<DTensor> redistribute_batch(std::span<const DTensor> tensors, const Placements& placements,

@@ -19,9 +19,10 @@
 #include <string>
 #include <vector>
 
-#include "dtensor/exec/executor.h"
+#include "collectives/communicator.h"
 #include "dtensor/mesh_comms.h"
 #include "dtensor/plan/planner.h"
+#include "dtensor/plan/transition.h"
 #include "dtensor/spec.h"
 #include "kernels/tensor.h"
 
@@ -84,7 +85,8 @@ class DTensor {
   DTensor view_on(std::shared_ptr<const MeshComms> comms) const;
   // redistribute to all-Replicate, then the local tensor (collective over the mesh).
   Tensor full_tensor() const;
-  // The plan redistribute would run (cached in the communicators' PlanCache).
+  // The plan redistribute would run (cached in the communicators' PlanCache; the reference
+  // stays valid while they live).
   const Plan& plan_to(const Placements& placements, const RedistributeOptions& options = {}) const;
 
   // Per-rank ownership, like PyTorch's visualize_sharding: one line per rank with its coordinate,
@@ -113,9 +115,12 @@ class DTensor {
 //   DTensor y = h.wait();
 class RedistributeHandle {
  public:
-  RedistributeHandle() = default;
+  RedistributeHandle();
+  RedistributeHandle(RedistributeHandle&&) noexcept;
+  RedistributeHandle& operator=(RedistributeHandle&&) noexcept;
+  ~RedistributeHandle();
   // Non-blocking: true once wait() returns at once.
-  bool ready() { return exec_.ready(); }
+  bool ready();
   // Blocks until the transition has completed on this rank, within `timeout`, and returns the
   // result. Throws CommError naming the collective, its group and the ranks that never joined
   // (the transition is then given up), or the first failure of another kind.
@@ -125,7 +130,8 @@ class RedistributeHandle {
  private:
   friend RedistributeHandle redistribute_async(const DTensor&, const Placements&, const RedistributeOptions&,
                                                const Tensor&);
-  ExecHandle exec_;
+  struct Pending;  // the executor's handle of the calls in flight (dtensor.cpp)
+  std::unique_ptr<Pending> pending_;
   std::shared_ptr<const MeshComms> comms_;
   DTensorSpec spec_;  // the result's
 };

@@ -24,9 +24,9 @@
 #include <vector>
 
 #include "collectives/communicator.h"
-#include "dtensor/exec/exec_cache.h"
+#include "dtensor/memory_gauge.h"
 #include "dtensor/mesh.h"
-#include "dtensor/plan/planner.h"
+#include "dtensor/plan/cache.h"
 #include "kernels/allocator.h"
 
 namespace dtensor {
@@ -80,11 +80,12 @@ class MeshComms {
   std::shared_ptr<const MeshComms> unflatten(int mesh_dim, const Dims& sizes,
                                              std::vector<std::string> names = {}) const;
 
-  // Redistribute plans of tensors on this mesh, memoised (plans are rank-independent data).
+  // Redistributes of tensors on this mesh, memoised by Transition: the plans (rank-independent
+  // data) and this rank's recipes for running them (dtensor/plan/cache.h).
   PlanCache& plans() const { return plans_; }
   const std::shared_ptr<kernels::Allocator>& allocator() const { return allocator_; }
-  // The executor's per-rank step schedules for these communicators (dtensor/exec/exec_cache.h).
-  ExecCache& exec_cache() const { return *exec_cache_; }
+  // The memory check of transitions on these communicators (NOTE [memory gauge]).
+  MemoryGauge& memory_gauge() const { return gauge_; }
 
  private:
   using CommPtr = std::shared_ptr<collectives::Communicator>;
@@ -103,8 +104,8 @@ class MeshComms {
   std::vector<std::pair<std::vector<int>, CommPtr>> flat_;
   std::vector<Split> unflat_;
   mutable PlanCache plans_;
+  mutable MemoryGauge gauge_;
   std::shared_ptr<kernels::Allocator> allocator_;
-  std::shared_ptr<ExecCache> exec_cache_ = std::make_shared<ExecCache>();
 };
 
 }  // namespace dtensor

@@ -9,7 +9,7 @@ echo "   parameters checked against single-rank training"
 echo "\$ fsdp-train --backend local --dp-shard 4 --check-parity --log-every 10"
 build/examples/fsdp-train --backend local --dp-shard 4 --check-parity --log-every 10
 echo
-check=build/tests/dtensor-check
+check=build/tools/dtensor-check
 $check demo
 echo
 echo "== redistribute: every rank checks its shard against the global tensor (local backend)"

@@ -17,8 +17,9 @@
 // otherwise (nccl) they are packed per peer. Even all-gathers along the leading dim use
 // all_gather straight into the result, and Partial steps use all_reduce / reduce_scatter
 // (padding-free: uneven reduce-scatters become an exchange plus a local reduce). What a step
-// needs from the layouts (buffer shapes, pieces per peer) is computed once per (global shape,
-// element size, placements before, step, coordinate) and kept in MeshComms::exec_cache().
+// needs from the layouts (buffer shapes, pieces per peer) is computed once per transition, from
+// this rank's coordinate only (dtensor/exec/schedule.h), and kept with the plan in the
+// MeshComms' PlanCache entry (a Recipe).
 //
 // NOTE [deferred plans] issue() enqueues every step of a plan at once, each on the communicator
 // of its mesh dim (NOTE [in-order engine] in collectives/communicator.h), and returns;
@@ -65,6 +66,7 @@
 #include "collectives/communicator.h"
 #include "dtensor/mesh_comms.h"
 #include "dtensor/plan/planner.h"
+#include "dtensor/plan/transition.h"
 #include "dtensor/spec.h"
 #include "kernels/tensor.h"
 
@@ -72,13 +74,6 @@ namespace dtensor {
 
 using collectives::Milliseconds;
 using kernels::Tensor;
-
-// How a plan's reductions compute (NOTE [reduce policy]).
-struct ReducePolicy {
-  std::optional<kernels::DType> reduce_dtype;  // nullopt: the tensor's dtype
-  double divide_factor = 1.0;                  // the reduced result is divided by it
-  bool force_sum = false;                      // FSDP2's force_sum_reduction_for_comms
-};
 
 // Lists of an issue that hold one or two entries on the common path (one tensor, one collective):
 // inline, so a cached redistribute allocates only its result (host cost, bench/RESULTS.md).
@@ -138,19 +133,32 @@ ExecHandle issue_batch(const Plan& plan, std::span<const DTensorSpec> specs, std
 ExecHandle issue(const Plan& plan, const DTensorSpec& src, const Tensor& local, const MeshComms& comms,
                  const ReducePolicy& policy = {}, const Tensor& out = {});
 
-// The DTensor path (DTensor::redistribute, redistribute_async): plans `src` -> `dst` (as given,
-// normalised here) with comms.plans() and keeps the plan, the steps' dtypes and schedules in
-// comms.exec_cache(), so a repeated call costs one look-up; *normalized receives the target.
-// Ranks outside the mesh get a handle with no calls whose result is `out`, or `local`.
+// The DTensor path (DTensor::redistribute, redistribute_async): runs `plan`, the plan of `t`
+// from comms.plans(), with this rank's recipe for t: `recipe` (from the same cache entry), or,
+// when null, one made now and kept in comms.plans() for the next call. The executor never plans;
+// a repeated call costs the caller one look-up. Ranks outside the mesh get a handle with no
+// calls whose result is `out`, or `local`. REQUIRES: src is t's source, the comms' mesh.
 //
 // NOTE [background copies] With background = true (redistribute_async) the caller does none of
 // the copying: the copies that read no pending data (a local step such as R -> S(0), the copy
 // into a reduction's buffer before its collective) become host tasks of the step's communicator
 // too, so they run while the caller computes, progressed like its calls (a caller that waits at
 // once runs them itself). Without it (a synchronous redistribute) they run at issue.
-ExecHandle issue_to(const DTensorSpec& src, const Placements& dst, PlannerKind planner, const Tensor& local,
-                    const MeshComms& comms, const ReducePolicy& policy = {}, const Tensor& out = {},
-                    Placements* normalized = nullptr, bool background = false);
+ExecHandle issue_cached(const Transition& t, const Plan& plan, std::shared_ptr<const Recipe> recipe,
+                        const DTensorSpec& src, const Tensor& local, const MeshComms& comms, const Tensor& out = {},
+                        bool background = false);
+
+// The recipe issue_cached would build for `plan` on the rank at `coord` of src's mesh, built
+// without communicators (dtensor-check plan: any rank of any mesh): the time it took and the
+// bytes it holds.
+struct ScheduleCost {
+  double us = 0;
+  int64_t bytes = 0;
+};
+// REQUIRES: coord inside src's mesh; views: the communicators take strided views (local, mpi),
+// splitting pieces above view_max_bytes (0: never).
+ScheduleCost measure_schedule(const Plan& plan, const DTensorSpec& src, const Dims& coord, bool views = true,
+                              int64_t view_max_bytes = 0);
 
 // issue + wait. Returns the new local tensor (or `out`).
 Tensor execute(const Plan& plan, const DTensorSpec& src, const Tensor& local, const MeshComms& comms,

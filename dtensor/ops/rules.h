@@ -27,6 +27,7 @@
 #include <string_view>
 #include <vector>
 
+#include "dtensor/plan/cache.h"
 #include "dtensor/plan/planner.h"
 #include "dtensor/spec.h"
 

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include "dtensor/plan/traffic.h"
 #include "kernels/error.h"
 #include "kernels/overloaded.h"
 
@@ -10,27 +11,6 @@ namespace dtensor {
 namespace {
 
 using kernels::Overloaded;
-
-// Tensor dims the step splits or joins (NOTE [step validity]).
-std::vector<int> touched_dims(const Step& step) {
-  return std::visit(
-      Overloaded{
-          [](const AllGather& s) { return std::vector<int>{s.tensor_dim}; },
-          [](const StridedAllGather& s) { return std::vector<int>{s.tensor_dim}; },
-          [](const AllToAll& s) { return std::vector<int>{s.from_dim, s.to_dim}; },
-          [](const AllReduce&) { return std::vector<int>{}; },
-          [](const ReduceScatter& s) { return std::vector<int>{s.tensor_dim}; },
-          [](const LocalChunk& s) { return std::vector<int>{*shard_dim(s.to)}; },
-          [](const LocalPartial&) { return std::vector<int>{}; },
-          [](const Regroup& s) {
-            std::vector<int> dims{*shard_dim(s.from)};
-            if (*shard_dim(s.to) != dims[0]) dims.push_back(*shard_dim(s.to));
-            return dims;
-          },
-          [](const LocalEmbed& s) { return std::vector<int>{s.tensor_dim}; },
-      },
-      step);
-}
 
 // The step starts from the placement it converts.
 bool starts_right(const Step& step, const Placements& before) {
@@ -59,25 +39,6 @@ bool starts_right(const Step& step, const Placements& before) {
       step);
 }
 
-bool in_range(const Step& step, const Placements& before, const Dims& mesh_shape) {
-  const int m = mesh_dim_of(step);
-  return m >= 0 && m < static_cast<int>(before.size()) && mesh_shape.size() == static_cast<int>(before.size());
-}
-
-enum class Movement { kExchange, kReduction, kLocal };
-
-Movement movement_of(const Step& step) {
-  return std::visit(
-      Overloaded{
-          [](const AllReduce&) { return Movement::kReduction; },
-          [](const ReduceScatter&) { return Movement::kReduction; },
-          [](const LocalChunk&) { return Movement::kLocal; },
-          [](const LocalPartial&) { return Movement::kLocal; },
-          [](const auto&) { return Movement::kExchange; },  // AG, _AG, A2A, Regroup, LocalEmbed
-      },
-      step);
-}
-
 }  // namespace
 
 int mesh_dim_of(const Step& step) {
@@ -88,8 +49,6 @@ bool communicates(const Step& step) {
   return !std::holds_alternative<LocalChunk>(step) && !std::holds_alternative<LocalPartial>(step) &&
          !std::holds_alternative<LocalEmbed>(step);
 }
-
-Placement source_of(const Step& step, const Placements& before) { return before[mesh_dim_of(step)]; }
 
 Placements apply_step(const Step& step, const Placements& placements) {
   Placements out = placements;
@@ -177,17 +136,34 @@ std::optional<Step> step_between(int m, const Placement& from, const Placement& 
   return std::nullopt;
 }
 
-std::vector<ShardLayout> mesh_layouts(const Dims& global_shape, const Dims& mesh_shape,
-                                      const Placements& placements) {
-  std::vector<ShardLayout> out;
-  out.reserve(mesh_shape.product());
-  for (int64_t p = 0; p < mesh_shape.product(); ++p)
-    out.push_back(compute_layout(global_shape, mesh_shape, placements, unravel_index(p, mesh_shape)));
-  return out;
+std::vector<int> touched_dims(const Step& step) {
+  return std::visit(
+      Overloaded{
+          [](const AllGather& s) { return std::vector<int>{s.tensor_dim}; },
+          [](const StridedAllGather& s) { return std::vector<int>{s.tensor_dim}; },
+          [](const AllToAll& s) { return std::vector<int>{s.from_dim, s.to_dim}; },
+          [](const AllReduce&) { return std::vector<int>{}; },
+          [](const ReduceScatter& s) { return std::vector<int>{s.tensor_dim}; },
+          [](const LocalChunk& s) { return std::vector<int>{*shard_dim(s.to)}; },
+          [](const LocalPartial&) { return std::vector<int>{}; },
+          [](const Regroup& s) {
+            std::vector<int> dims{*shard_dim(s.from)};
+            if (*shard_dim(s.to) != dims[0]) dims.push_back(*shard_dim(s.to));
+            return dims;
+          },
+          [](const LocalEmbed& s) { return std::vector<int>{s.tensor_dim}; },
+      },
+      step);
+}
+
+bool starts_from(const Step& step, const Placements& before, const Dims& mesh_shape) {
+  const int m = mesh_dim_of(step);
+  if (m < 0 || m >= static_cast<int>(before.size()) || mesh_shape.size() != static_cast<int>(before.size())) return false;
+  return starts_right(step, before);
 }
 
 bool is_plain_step(const Step& step, const Placements& before, const Dims& mesh_shape) {
-  if (!in_range(step, before, mesh_shape) || !starts_right(step, before)) return false;
+  if (!starts_from(step, before, mesh_shape)) return false;
   const int m = mesh_dim_of(step);
   // A LocalChunk from a shard holds only when the layouts say so.
   if (std::holds_alternative<LocalChunk>(step) && !is_replicate(before[m])) return false;
@@ -197,40 +173,47 @@ bool is_plain_step(const Step& step, const Placements& before, const Dims& mesh_
   return true;
 }
 
-bool is_valid_step(const Step& step, const Placements& before, const std::vector<ShardLayout>& pre,
-                   const std::vector<ShardLayout>& post, const Dims& mesh_shape) {
-  if (!in_range(step, before, mesh_shape) || !starts_right(step, before)) return false;
-  const int64_t n = mesh_shape.product();
-  if (static_cast<int64_t>(pre.size()) != n || static_cast<int64_t>(post.size()) != n) return false;
+bool is_valid_step(const Step& step, const Placements& before, const Dims& global_shape, const Dims& mesh_shape,
+                   WorkBudget& work) {
+  if (!starts_from(step, before, mesh_shape)) return false;
+  const Placements after = apply_step(step, before);
+  for (const Placements* ps : {&before, &after})
+    for (const Placement& p : *ps)
+      if (auto d = shard_dim(p); d && (*d < 0 || *d >= global_shape.size())) return false;
+  if (is_plain_step(step, before, mesh_shape)) return true;
+  for (int64_t n : global_shape)
+    if (n == 0) return true;  // every rank holds nothing after the step
   const int m = mesh_dim_of(step);
-  const int64_t k = mesh_shape[m];
-  const Movement movement = movement_of(step);
-  for (int64_t p = 0; p < n; ++p) {
-    const int64_t need = post[p].local_shape.product();
-    if (need == 0) continue;
-    if (movement != Movement::kExchange || k == 1) {
-      // Local: the rank keeps a subset of what it holds. Reduction: the same, because every
-      // member of a Partial mesh dim holds the same index set (the group's extent).
-      if (common_elements(pre[p], post[p]) != need) return false;
-      continue;
+  if (std::holds_alternative<LocalChunk>(step) && shard_dim(before[m])) {
+    // A shard relabelled in place: valid exactly when the exchange that moves it is, and that
+    // exchange delivers nothing to any rank (every rank holds its new layout already).
+    const std::optional<Step> exchange = step_between(m, before[m], std::get<LocalChunk>(step).to, /*direct=*/true);
+    if (!exchange || !is_valid_step(*exchange, before, global_shape, mesh_shape, work)) return false;
+    return step_traffic(*exchange, before, global_shape, mesh_shape, kernels::DType::kU8, work).received == 0;
+  }
+  // Every touched tensor dim keeps the owners of the later mesh dims (NOTE [layout algebra]).
+  for (int t : touched_dims(step)) {
+    const SplitList a_chain = chain_of(before, mesh_shape, t), b_chain = chain_of(after, mesh_shape, t);
+    if (a_chain == b_chain) continue;
+    SplitList prefix, later;
+    std::optional<Split> a, b;
+    for (const Split& s : a_chain) {
+      if (s.mesh_dim < m) prefix.push_back(s);
+      else if (s.mesh_dim == m) a = s;
+      else later.push_back(s);
     }
-    Dims coord = unravel_index(p, mesh_shape);
-    int64_t covered = 0;  // the members' sets are disjoint, so the sum counts each element once
-    for (int64_t g = 0; g < k; ++g) {
-      coord[m] = g;
-      covered += common_elements(pre[ravel_index(coord, mesh_shape)], post[p]);
-    }
-    if (covered != need) return false;
+    for (const Split& s : b_chain)
+      if (s.mesh_dim == m) b = s;
+    if (later.empty()) continue;
+    for (int64_t n : distinct_sizes(global_shape[t], prefix, mesh_shape, work))
+      if (!same_later_owners(n, a, b, later, work)) return false;
   }
   return true;
 }
 
-bool is_valid_step(const Step& step, const Placements& before, const Dims& global_shape,
-                   const Dims& mesh_shape) {
-  if (!in_range(step, before, mesh_shape) || !starts_right(step, before)) return false;
-  if (is_plain_step(step, before, mesh_shape)) return true;
-  return is_valid_step(step, before, mesh_layouts(global_shape, mesh_shape, before),
-                       mesh_layouts(global_shape, mesh_shape, apply_step(step, before)), mesh_shape);
+bool is_valid_step(const Step& step, const Placements& before, const Dims& global_shape, const Dims& mesh_shape) {
+  WorkBudget work(kMaxPlanWork, [&] { return fmt::format("checking {} from [{}]", to_string(step), to_string(before)); });
+  return is_valid_step(step, before, global_shape, mesh_shape, work);
 }
 
 }  // namespace dtensor

@@ -34,6 +34,7 @@
 
 #include "dtensor/layout.h"
 #include "dtensor/placement.h"
+#include "dtensor/plan/chain.h"
 #include "kernels/dims.h"
 
 namespace dtensor {
@@ -94,8 +95,6 @@ int mesh_dim_of(const Step& step);
 bool communicates(const Step& step);
 // The placements after the step. REQUIRES: the step starts from placements[mesh_dim].
 Placements apply_step(const Step& step, const Placements& placements);
-// Placement the step expects on its mesh dim before it runs.
-Placement source_of(const Step& step, const Placements& before);
 // "AG(1)", "_AG(0,sf=2)", "A2A(0:0->1)", "AR(1,sum)", "RS(0:0,sum)", "RS(0:_S(0,4),sum)",
 // "chunk(1->S(0))", "partial(1,sum)", "regroup(0:_S(0,2)->S(0))", "embed(0:S(0)->P(sum))".
 std::string to_string(const Step& step);
@@ -106,17 +105,19 @@ std::string to_string(const Step& step);
 // without it only PyTorch's primitives (S(d) -> P(sum) included).
 std::optional<Step> step_between(int mesh_dim, const Placement& from, const Placement& to, bool direct);
 
-// Every rank's layout under `placements`, indexed by row-major mesh position.
-std::vector<ShardLayout> mesh_layouts(const Dims& global_shape, const Dims& mesh_shape,
-                                      const Placements& placements);
+// True when the step starts from the placement it converts (its kind matches before[mesh_dim])
+// and its mesh dim is one of the mesh's.
+bool starts_from(const Step& step, const Placements& before, const Dims& mesh_shape);
+// The tensor dims the step splits or joins.
+std::vector<int> touched_dims(const Step& step);
 
-// NOTE [step validity]: the step starts from what it converts and moves data only within groups
-// along its mesh dim, for a tensor of `global_shape`.
-bool is_valid_step(const Step& step, const Placements& before, const Dims& global_shape,
-                   const Dims& mesh_shape);
-// The same with every rank's layout before (pre) and after (post) the step precomputed.
-bool is_valid_step(const Step& step, const Placements& before, const std::vector<ShardLayout>& pre,
-                   const std::vector<ShardLayout>& post, const Dims& mesh_shape);
+// NOTE [step validity], decided by the layout algebra (dtensor/plan/chain.h) in work bounded by
+// the step's split factors, size classes and later owner runs, never by the number of ranks:
+// the step starts from what it converts and moves data only within groups along its mesh dim,
+// for a tensor of `global_shape`. Throws Unsupported past the budget (chain.h: WorkBudget).
+bool is_valid_step(const Step& step, const Placements& before, const Dims& global_shape, const Dims& mesh_shape);
+bool is_valid_step(const Step& step, const Placements& before, const Dims& global_shape, const Dims& mesh_shape,
+                   WorkBudget& work);
 // True when the step starts from what it converts and no later mesh dim of size > 1 shards a
 // tensor dim it touches: valid for every global shape, and its pieces are contiguous chunks in
 // coordinate order (the classic all_gather / reduce_scatter / all_to_all buffers).

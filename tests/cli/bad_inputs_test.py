@@ -4,7 +4,7 @@ exit-status contract (program/main.h): the documented status, exactly one line o
 names the value (the case's needle), no signal, and an end within --case-timeout seconds (a hang
 fails the case). The last line is 'summary: N passed, N failed' (tools/test_summary.py counts it).
 
-  bad_inputs_test.py --program dtensor-check=build/tests/dtensor-check --program ... \\
+  bad_inputs_test.py --program dtensor-check=build/tools/dtensor-check --program ... \\
                      [--cases bad_inputs.txt] [--case-timeout 60] [--jobs 2] [--rlimit-gib 8]
 
 --rlimit-gib caps each process's address space so a case that would allocate without checking

@@ -11,11 +11,11 @@ more under ASan, and no timeout bounds them):
   - the failure: every line reporting it arrives within the timeout + 10 s (the survivors under
     mpi wait out one collective timeout);
   - the end, under mpi: the exit follows the last report within control_timeout (2 x timeout +
-    5 s, tests/dtensor_check.cpp: what each print barrier may wait) + 10 s, not the backend's
+    5 s, tools/dtensor_check.cpp: what each print barrier may wait) + 10 s, not the backend's
     fixed 300 s. Most of it is the processes' exit: under ASan with LeakSanitizer's full
     unwinding (tools/sanitizers.sh) 6.6-8.7 s under stress-ng --cpu 2 on the 2-core machine.
 
-  rank_failure_test.py build/tests/dtensor-check [--mpirun /usr/bin/mpirun]"""
+  rank_failure_test.py build/tools/dtensor-check [--mpirun /usr/bin/mpirun]"""
 import argparse
 import subprocess
 import sys

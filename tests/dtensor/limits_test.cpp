@@ -1,7 +1,7 @@
 // The documented limits of dtensor/ and its arithmetic near int64's limit: layouts of huge
 // tensors are exact (no ceil_div overflow), mesh ranks are read as 64-bit, split factors and
-// meshes are bounded by name, planning refuses what would take quadratic time and its byte
-// counts never wrap.
+// meshes are bounded by name, planning costs the same on any mesh and its byte counts never
+// wrap.
 #include <catch2/catch.hpp>
 
 #include <chrono>
@@ -109,22 +109,14 @@ TEST_CASE("planner byte counts near int64 are exact or refused", "[dtensor][limi
                       Catch::Contains("overflows int64 bytes"));
 }
 
-TEST_CASE("planning is bounded", "[dtensor][limits][planner]") {
-  // A 1-D mesh of 8192 ranks: 8192 x 8192 rank pairs per step, past kMaxPlanRankPairs.
-  REQUIRE_THROWS_AS(plan_redistribute(make_spec(mesh_of("8192"), {Shard{0}}, {8}, kernels::DType::kF32),
-                                      {Replicate{}}, PlannerKind::kGreedy),
-                    Unsupported);
-  REQUIRE_THROWS_WITH(plan_redistribute(make_spec(mesh_of("100000"), {Shard{0}}, {8}, kernels::DType::kF32),
-                                        {Replicate{}}, PlannerKind::kSearch),
-                      Catch::Contains("mesh shape [100000]") && Catch::Contains("16777216 rank pairs"));
-  // An 8-d mesh has millions of placement states: the search stops at its budget and returns a
-  // route no worse than greedy's (before: minutes and gigabytes).
-  auto mesh8 = mesh_of("2x2x2x2x2x2x2x2");
-  const DTensorSpec src = make_spec(mesh8, parse_placements("S(0),S(1),S(2),S(3),S(4),S(5),S(6),S(7)"),
-                                    Dims::filled(8, 16), kernels::DType::kF32);
-  const Placements dst = parse_placements("S(7),S(6),S(5),S(4),S(3),S(2),S(1),S(0)");
-  const Plan greedy = plan_redistribute(src, dst, PlannerKind::kGreedy);
-  const Plan search = plan_redistribute(src, dst, PlannerKind::kSearch);
-  CHECK(search.states.back() == dst);
-  CHECK(search.cost_us <= greedy.cost_us * (1 + 1e-9) + 1e-9);
+TEST_CASE("planning does not grow with the mesh", "[dtensor][limits][planner]") {
+  // Before: 8192 x 8192 rank pairs per step were refused (kMaxPlanRankPairs); 100000 ranks too.
+  // The layout algebra plans them like 8 ranks (NOTE [planning cost] in planner.h).
+  for (const char* m : {"8192", "100000", "1048576"}) {
+    const Plan ag = plan_redistribute(make_spec(mesh_of(m), {Shard{0}}, {8}, kernels::DType::kF32), {Replicate{}},
+                                      PlannerKind::kSearch);
+    INFO(m << ": " << to_string(ag));
+    CHECK(ag.collectives() == 1);
+    CHECK(ag.traffic.max_received() == 8 * 4);  // 8 elements, one on each of ranks 0..7: the others receive all
+  }
 }

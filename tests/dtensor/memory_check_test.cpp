@@ -2,7 +2,7 @@
 // dtensor/exec/memory_check.h): the bytes a transition needs per rank (the allocator's side is in
 // tests/kernels/allocator_test.cpp); a redistribute needing more than the allocator
 // has fails on every rank with a ResourceError naming the bytes needed and available, before
-// allocating anything (both the cached issue_to path and the plan path); one that fits runs and
+// allocating anything (both the cached issue_cached path and the plan path); one that fits runs and
 // is right; one larger than the machine (a 0-stride input: nothing big is allocated) fails
 // through the default path with the machine's figure, not the OOM killer; the gauge re-reads for
 // any transition above half its last figure.
@@ -80,6 +80,18 @@ std::string message_of(const std::exception_ptr& e) {
 
 }  // namespace
 
+namespace {
+
+// The DTensor path: the transition's plan from the communicators' cache, then the executor with
+// this rank's recipe for it.
+ExecHandle issue_cached_to(const DTensorSpec& spec, const Placements& dst, const Tensor& local, const MeshComms& comms) {
+  const Transition t = make_transition(spec, dst, PlannerKind::kGreedy);
+  const PlanCache::Found found = comms.plans().find(t);
+  return issue_cached(t, *found.plan, found.recipe, spec, local, comms);
+}
+
+}  // namespace
+
 TEST_CASE("transition_bytes counts results and staging in the steps' dtypes, not the caller's out",
           "[dtensor][memory]") {
   Checks checks;
@@ -129,7 +141,7 @@ TEST_CASE("a redistribute past the allocator's limit fails on every rank naming 
       MeshComms comms(*mesh, world, {}, alloc);
       for (int path = 0; path < 2; ++path) {
         try {
-          if (path == 0) (void)issue_to(spec, parse_placements("R"), PlannerKind::kGreedy, local, comms);
+          if (path == 0) (void)issue_cached_to(spec, parse_placements("R"), local, comms);
           else (void)issue(plan, spec, local, comms);
           checks.add(fmt::format("rank {} path {}: no ResourceError", rank, path));
         } catch (const kernels::ResourceError& e) {
@@ -155,7 +167,7 @@ TEST_CASE("a redistribute past the allocator's limit fails on every rank naming 
       dst.placements = parse_placements("R");
       for (int path = 0; path < 2; ++path) {
         try {
-          const Tensor out = path == 0 ? issue_to(spec, parse_placements("R"), PlannerKind::kGreedy, local, comms).wait()[0]
+          const Tensor out = path == 0 ? issue_cached_to(spec, parse_placements("R"), local, comms).wait()[0]
                                        : execute(plan, spec, local, comms);
           const std::string err = testing_support::check_local(dst, rank, out);
           checks.check(err.empty(), fmt::format("rank {} path {}: {}", rank, path, err));
@@ -185,7 +197,7 @@ TEST_CASE("a redistribute larger than the machine fails with the machine's figur
     const auto spec = make_spec(mesh, parse_placements("S(0)"), {n}, DType::kF32);
     const Tensor local = Tensor::zeros({1}, DType::kF32).as_strided({n / 2}, {0}, 0);
     try {
-      (void)issue_to(spec, parse_placements("R"), PlannerKind::kGreedy, local, comms);
+      (void)issue_cached_to(spec, parse_placements("R"), local, comms);
       checks.add("no ResourceError");
     } catch (const kernels::ResourceError& e) {
       const std::string m = e.what();

@@ -19,6 +19,14 @@
 //     --backend local: one thread per mesh rank (an explicit mesh must use ranks 0..n-1);
 //     mpi: one process per rank under mpirun, each prints its own line (rank 0 the plan line;
 //     world ranks outside the mesh print nothing); nccl: one GPU and one thread per mesh rank.
+//   dtensor-check plan --mesh 4096x8 --shape 65536,4096 --from '_S(0,8),S(0)' --to 'R,S(0)'
+//                [--dtype bf16] [--planner search|greedy] [--rank R]
+//     plans the transition (no communication, any mesh up to the 2^20-rank limit) and prints one
+//     JSON object: {"steps":"<route>","collectives":N,"bytes_per_rank":B,"lower_bound_bytes":L,
+//     "plan_us":T,"schedule_us":S,"schedule_bytes":M} where B is the bytes the busiest rank
+//     receives, L what no plan can go below, T the cold planning time in this process, and S, M
+//     the time and memory of the schedule rank R (default: the mesh's first rank) computes
+//     from its own coordinate (views backends: local, mpi).
 //   dtensor-check fuzz --cases N --seed S [--max-ranks 8] [--backend local|mpi]
 //                [--planner greedy|search|both] [--timeout-ms 30000]
 //     random meshes, shapes, dtypes and placement pairs (invalid ones included: they must raise
@@ -39,6 +47,7 @@
 #include <algorithm>
 #include <charconv>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <functional>
 #include <map>
@@ -177,7 +186,46 @@ void demo() {
   demo_case("3x2", "dp,tp", "7,2", "_S(0,2),S(0)", "uneven StridedShard with a first mesh dim of 3 (docs/pytorch-semantics.md 2.3)");
   demo_case("[[0,2],[1,3]]", "dp,tp", "4,4", "R,S(1)", "an explicit rank array: groups follow coordinates, not rank order");
   demo_case("2x2", "", "4,4", "P,S(0)", "Partial holds the full local shape on every rank of its group");
-  fmt::print("\nTry: build/tests/dtensor-check layout --mesh 4x2 --shape 13,2 --placements 'S(0),S(0)'\n");
+  fmt::print("\nTry: build/tools/dtensor-check layout --mesh 4x2 --shape 13,2 --placements 'S(0),S(0)'\n");
+}
+
+// ---------------------------------------------------------------------------------------------
+// plan
+
+struct PlanArgs {
+  std::string mesh, shape, from, to, dtype = "f32", planner = "search";
+  std::optional<int64_t> rank;
+};
+
+kernels::DType parse_cli_dtype(const std::string& text);
+
+int cmd_plan(const PlanArgs& a) {
+  auto mesh = std::make_shared<const DeviceMesh>(DeviceMesh::parse(a.mesh));
+  const Dims shape = parse_shape(a.shape);
+  const Placements from = dtensor::parse_placements(a.from);
+  const Placements to = dtensor::parse_placements(a.to);
+  const kernels::DType dtype = parse_cli_dtype(a.dtype);
+  const dtensor::PlannerKind planner = dtensor::parse_planner(a.planner);
+  const int rank = a.rank ? static_cast<int>(std::clamp<int64_t>(*a.rank, -1, dtensor::kMaxRank)) : mesh->ranks().front();
+  if (a.rank && (*a.rank < 0 || *a.rank > dtensor::kMaxRank || !mesh->contains(rank)))
+    throw kernels::InvalidArgument(fmt::format("--rank {} is not a rank of mesh '{}'", *a.rank, kernels::clip(a.mesh)));
+  const dtensor::DTensorSpec src = dtensor::make_spec(mesh, from, shape, dtype);
+  const dtensor::Transition t = dtensor::make_transition(src, to, planner);
+  const auto start = std::chrono::steady_clock::now();
+  const dtensor::Plan plan = dtensor::plan_transition(t);
+  const double plan_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+  const dtensor::ScheduleCost schedule = dtensor::measure_schedule(plan, src, *mesh->coord_of(rank));
+  nlohmann::ordered_json j;
+  j["steps"] = dtensor::to_string(plan);
+  j["collectives"] = plan.collectives();
+  j["bytes_per_rank"] = plan.traffic.max_received();
+  j["lower_bound_bytes"] = dtensor::lower_bound_traffic(src, plan.dst).max_received();
+  j["plan_us"] = std::round(plan_us * 10) / 10;
+  j["rank"] = rank;
+  j["schedule_us"] = std::round(schedule.us * 10) / 10;
+  j["schedule_bytes"] = schedule.bytes;
+  fmt::print("{}\n", j.dump());
+  return program::kOk;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -924,6 +972,16 @@ int main(int argc, char** argv) {
     redistribute->add_option("--inject-failure", rargs.inject_failure, "this rank fails at once (tests the failure path)")
         ->group("");  // hidden
 
+    PlanArgs pargs;
+    CLI::App* plan = app.add_subcommand("plan", "plan a transition on any mesh (no communication): route, bytes, timings");
+    plan->add_option("--mesh", pargs.mesh, "mesh shape (4096x8) or explicit rank array")->required();
+    plan->add_option("--shape", pargs.shape, "global tensor shape, comma-separated (65536,4096)")->required();
+    plan->add_option("--from", pargs.from, "source placements, one per mesh dim")->required();
+    plan->add_option("--to", pargs.to, "target placements, one per mesh dim")->required();
+    plan->add_option("--dtype", pargs.dtype, "f32 (default), f64, bf16, f16, i32, i64 or u8");
+    plan->add_option("--planner", pargs.planner, "search (default) or greedy (PyTorch's)");
+    plan->add_option("--rank", pargs.rank, "the rank whose schedule is timed (default: the mesh's first)");
+
     FuzzArgs fargs;
     CLI::App* fuzz = app.add_subcommand("fuzz", "random redistributes (invalid ones included), each checked on every rank");
     fuzz->add_option("--cases", fargs.cases, fmt::format("number of cases (default 100, at most {})", kMaxFuzzCases));
@@ -936,6 +994,7 @@ int main(int argc, char** argv) {
     program::parse(app, argc, argv);
 
     if (redistribute->parsed()) return cmd_redistribute(rargs);
+    if (plan->parsed()) return cmd_plan(pargs);
     if (fuzz->parsed()) return cmd_fuzz(fargs, argv[0]);
     if (layout->parsed()) print_layout(make_problem(args), args.runs);
     else demo();

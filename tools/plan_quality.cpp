@@ -5,9 +5,17 @@
 //    the bytes its busiest rank receives against the lower bound (ratio), and greedy's.
 //  - pairs: every placement pair of S(0), S(1), _S(0,2), R (and P sources) on a mesh where the
 //    search planner moves strictly fewer bytes than PyTorch's greedy planner.
-//   plan-quality [--table fsdp|pairs|all] [--size-mib 32] [--mesh 2x2 --shape 1024,768] [--dtype f32]
-//   plan-quality --check     exit 1 unless every FSDP row plans one collective per crossed mesh
-//                            dim and its even rows receive exactly the lower bound
+//  - fsdp at scale (--check, or --table fsdp-scale): the same families on 2^10, 2^12, 2^14 and
+//    2^17 ranks (FSDP over all of them, HSDP 8 x W/8, FSDP x TP W/8 x 8, HSDP x TP 8 x W/64 x 8),
+//    even (rows a multiple of the mesh: checked) and uneven (3 more rows: printed only).
+//  - scale (--scale, a benchmark, not a check): cold plan time, rank-0 schedule time, plan
+//    memory and the cached look-up for 1-D meshes of 2^8 to 2^20 ranks, 2-D (dp x tp 8) and 3-D
+//    (replicate x shard x tp 8) up to 2^17, medians over --repeats (bench/RESULTS.md).
+//   plan-quality [--table fsdp|fsdp-scale|pairs|all] [--size-mib 32] [--mesh 2x2 --shape 1024,768] [--dtype f32]
+//   plan-quality --check     exit 1 unless every FSDP row on 8 ranks, and every even one at
+//                            scale, plans one collective per crossed mesh dim and its even rows
+//                            receive exactly the lower bound
+//   plan-quality --scale [--repeats 15] [--json FILE]
 // Limits of the pairs table: meshes of at most 3 dims (the sweep has 20^ndim pairs), shapes of
 // at least 2 dims; --timeout-ms bounds the whole sweep (exit 3 naming how far it got).
 // Exit status (program/main.h): 0 ok, 1 a broken promise (--check), 2 invalid input, 3 out of
@@ -18,7 +26,11 @@
 #include <algorithm>
 #include <charconv>
 #include <chrono>
+#include <fstream>
+#include <nlohmann/json.hpp>
 
+#include "dtensor/exec/executor.h"
+#include "dtensor/plan/cache.h"
 #include "dtensor/plan/planner.h"
 #include "kernels/error.h"
 #include "program/cli.h"
@@ -83,20 +95,44 @@ std::string ratio(int64_t got, int64_t bound, int digits) {
   return fmt::format("{:.{}f}", static_cast<double>(got) / static_cast<double>(bound), digits);
 }
 
-// Prints the FSDP table for an even and an uneven shape of about size_mib; returns the number
-// of rows that break the promise (one collective per crossed dim; the bound on even shapes).
-int fsdp_table(double size_mib, kernels::DType dtype) {
-  const int64_t item = static_cast<int64_t>(kernels::itemsize(dtype));
-  const int64_t cols = 2048;
-  const int64_t rows = std::max<int64_t>(16, static_cast<int64_t>(size_mib * 1024 * 1024 / item / cols) / 16 * 16);
+// The same families on a world of w ranks (a power of two >= 2^8).
+std::vector<FsdpRow> fsdp_rows_at(int64_t w) {
+  const std::string flat = std::to_string(w), hsdp = fmt::format("8x{}", w / 8), tp = fmt::format("{}x8", w / 8),
+                    hsdp_tp = fmt::format("8x{}x8", w / 64);
+  return {
+      {"FSDP", "unshard", flat, "S(0)", "R"},
+      {"FSDP", "reshard", flat, "R", "S(0)"},
+      {"FSDP", "gradient reduce-scatter", flat, "P", "S(0)"},
+      {"FSDP, reshard_after_forward=8", "after forward: to groups of 8", tp, "R,R", "R,S(0)"},
+      {"FSDP, reshard_after_forward=8", "backward unshard (over 8)", tp, "R,S(0)", "R,R"},
+      {"HSDP (8 replicas)", "unshard", hsdp, "R,S(0)", "R,R"},
+      {"HSDP (8 replicas)", "reshard", hsdp, "R,R", "R,S(0)"},
+      {"HSDP (8 replicas)", "gradient reduce-scatter + all-reduce", hsdp, "P,P", "R,S(0)"},
+      {"HSDP (8 replicas)", "replica all-reduce", hsdp, "P,S(0)", "R,S(0)"},
+      {"FSDP x TP (tp 8), colwise", "unshard", tp, "_S(0,8),S(0)", "R,S(0)"},
+      {"FSDP x TP (tp 8), colwise", "reshard", tp, "R,S(0)", "_S(0,8),S(0)"},
+      {"FSDP x TP (tp 8), colwise", "gradient reduce-scatter", tp, "P,S(0)", "_S(0,8),S(0)"},
+      {"FSDP x TP (tp 8), rowwise", "unshard", tp, "S(0),S(1)", "R,S(1)"},
+      {"FSDP x TP (tp 8), rowwise", "gradient reduce-scatter", tp, "P,S(1)", "S(0),S(1)"},
+      {"HSDP x TP (8 replicas, tp 8)", "unshard", hsdp_tp, "R,_S(0,8),S(0)", "R,R,S(0)"},
+      {"HSDP x TP (8 replicas, tp 8)", "reshard", hsdp_tp, "R,R,S(0)", "R,_S(0,8),S(0)"},
+      {"HSDP x TP (8 replicas, tp 8)", "gradient reduce-scatter + all-reduce", hsdp_tp, "P,P,S(0)", "R,_S(0,8),S(0)"},
+      {"HSDP x TP (8 replicas, tp 8)", "replica all-reduce", hsdp_tp, "P,_S(0,8),S(0)", "R,_S(0,8),S(0)"},
+  };
+}
+
+// Prints a table of FSDP rows for an even shape (rows x cols) and an uneven one (3 more rows,
+// so no mesh dim divides it); returns the number of rows that break the promise (one collective
+// per crossed dim; the bound on even shapes). check_uneven: the uneven rows keep it too (on 8
+// ranks they do; at scale an uneven _S(0,8) unshard is no single valid step, NOTE [step
+// validity] in dtensor/plan/step.h, so those rows are printed, not checked).
+int fsdp_rows_table(const std::vector<FsdpRow>& table, int64_t rows, int64_t cols, kernels::DType dtype,
+                    bool check_uneven = true) {
   int bad = 0;
-  fmt::print("FSDP / HSDP / FSDP x TP / HSDP x TP transitions on 8 ranks, {} ({:.1f} MiB even; the uneven "
-             "shape has 3 more rows, so no mesh dim divides it)\n\n",
-             kernels::to_string(dtype), static_cast<double>(rows * cols * item) / (1 << 20));
   fmt::print("| family | transition | mesh | shape | src -> dst | search route | colls / dims crossed | "
              "busiest rank receives | lower bound | ratio | greedy colls | greedy ratio |\n");
   fmt::print("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-  for (const FsdpRow& r : fsdp_rows())
+  for (const FsdpRow& r : table)
     for (const Dims& shape : {Dims{rows, cols}, Dims{rows + 3, cols}}) {
       auto mesh = std::make_shared<const DeviceMesh>(DeviceMesh::parse(r.mesh));
       const DTensorSpec spec = make_spec(mesh, parse_placements(r.src), shape, dtype);
@@ -110,12 +146,36 @@ int fsdp_table(double size_mib, kernels::DType dtype) {
       // Uneven reductions cannot reach the mesh-wide bound (the owner of the largest chunk
       // receives k-1 copies of it); the other uneven rows must.
       const bool uneven_reduction = !even && r.src.find('P') != std::string::npos;
-      if (q.collectives() != crossed || (!uneven_reduction && q.traffic.max_received() != bound)) ++bad;
+      if ((even || check_uneven) &&
+          (q.collectives() != crossed || (!uneven_reduction && q.traffic.max_received() != bound)))
+        ++bad;
       fmt::print("| {} | {} | {} | {}x{} | [{}] -> [{}] | `{}` | {} / {} | {} | {} | {} | {} | {} |\n",
                  r.family, r.what, r.mesh, shape[0], shape[1], r.src, r.dst, to_string(q), q.collectives(), crossed,
                  q.traffic.max_received(), bound, qr, g.collectives(), gr);
     }
   fmt::print("\n");
+  return bad;
+}
+
+// Prints the FSDP table for an even and an uneven shape of about size_mib on 8 ranks.
+int fsdp_table(double size_mib, kernels::DType dtype) {
+  const int64_t item = static_cast<int64_t>(kernels::itemsize(dtype));
+  const int64_t cols = 2048;
+  const int64_t rows = std::max<int64_t>(16, static_cast<int64_t>(size_mib * 1024 * 1024 / item / cols) / 16 * 16);
+  fmt::print("FSDP / HSDP / FSDP x TP / HSDP x TP transitions on 8 ranks, {} ({:.1f} MiB even; the uneven "
+             "shape has 3 more rows, so no mesh dim divides it)\n\n",
+             kernels::to_string(dtype), static_cast<double>(rows * cols * item) / (1 << 20));
+  return fsdp_rows_table(fsdp_rows(), rows, cols, dtype);
+}
+
+// The same families on 2^10 to 2^17 ranks: rows 16 per rank (even), cols 1024.
+int fsdp_scale_table(kernels::DType dtype) {
+  int bad = 0;
+  for (int64_t w : {int64_t{1} << 10, int64_t{1} << 12, int64_t{1} << 14, int64_t{1} << 17}) {
+    fmt::print("FSDP / HSDP / FSDP x TP / HSDP x TP transitions on {} ranks, {} [{} (+3), 1024]\n\n", w,
+               kernels::to_string(dtype), 16 * w);
+    bad += fsdp_rows_table(fsdp_rows_at(w), 16 * w, 1024, dtype, /*check_uneven=*/false);
+  }
   return bad;
 }
 
@@ -168,6 +228,104 @@ void pairs_table(const std::string& mesh_text, const std::string& shape_text, ke
   }
 }
 
+// ---- --scale: the planner's cost at scale (a benchmark; bench/RESULTS.md) ----
+
+struct ScaleRow {
+  std::string mesh, what, src, dst;
+};
+
+std::vector<ScaleRow> scale_rows() {
+  std::vector<ScaleRow> rows;
+  for (int e : {8, 10, 11, 12, 14, 16, 17, 18, 20}) {
+    const std::string m = std::to_string(int64_t{1} << e);
+    rows.push_back({m, "FSDP unshard", "S(0)", "R"});
+    rows.push_back({m, "FSDP reshard", "R", "S(0)"});
+    rows.push_back({m, "FSDP gradient reduce-scatter", "P", "S(0)"});
+    rows.push_back({m, "all-to-all", "S(0)", "S(1)"});
+  }
+  for (int64_t dp : {16, 128, 256, 512, 2048, 16384}) {
+    const std::string m = fmt::format("{}x8", dp);
+    rows.push_back({m, "FSDP x TP unshard", "_S(0,8),S(0)", "R,S(0)"});
+    rows.push_back({m, "FSDP x TP reshard", "R,S(0)", "_S(0,8),S(0)"});
+    rows.push_back({m, "FSDP x TP gradient reduce-scatter", "P,S(0)", "_S(0,8),S(0)"});
+    rows.push_back({m, "all-to-all", "S(0),R", "S(1),R"});
+  }
+  for (const char* m : {"2x16x8", "32x64x8", "8x256x8", "8x2048x8"}) {
+    rows.push_back({m, "HSDP x TP unshard", "R,_S(0,8),S(0)", "R,R,S(0)"});
+    rows.push_back({m, "HSDP x TP reshard", "R,R,S(0)", "R,_S(0,8),S(0)"});
+    rows.push_back({m, "HSDP x TP gradient reduce-scatter + all-reduce", "P,P,S(0)", "R,_S(0,8),S(0)"});
+  }
+  return rows;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+// Bytes a plan holds (its vectors included): independent of the mesh size.
+int64_t plan_bytes(const Plan& p) {
+  int64_t n = sizeof(Plan) + static_cast<int64_t>(p.steps.size() * sizeof(Step) + p.communicating.size() +
+                                                 p.step_traffic.size() * sizeof(Traffic) + p.shapes.size() * sizeof(Dims));
+  for (const Placements* ps : {&p.src, &p.dst}) n += static_cast<int64_t>(ps->size() * sizeof(Placement));
+  for (const Placements& ps : p.states) n += static_cast<int64_t>(sizeof(Placements) + ps.size() * sizeof(Placement));
+  return n;
+}
+
+void scale_table(int repeats, const std::string& json_path) {
+  using Clock = std::chrono::steady_clock;
+  auto us_since = [](Clock::time_point t) { return std::chrono::duration<double, std::micro>(Clock::now() - t).count(); };
+  std::ofstream json_file;
+  if (!json_path.empty()) {  // opened first: a bad path fails before the benchmark runs
+    json_file.open(json_path);
+    if (!json_file) throw kernels::InvalidArgument(fmt::format("--json '{}': cannot open for writing", kernels::clip(json_path)));
+  }
+  fmt::print("Planning at scale, bf16 [65536, 4096], search planner; medians over {} repeats\n\n", repeats);
+  fmt::print("| mesh | ranks | transition | plan | colls | bytes / lower bound | cold plan us | rank-0 schedule us | "
+             "schedule bytes | plan bytes | cached look-up ns |\n");
+  fmt::print("|---|---|---|---|---|---|---|---|---|---|---|\n");
+  nlohmann::json out = nlohmann::json::array();
+  for (const ScaleRow& r : scale_rows()) {
+    auto mesh = std::make_shared<const DeviceMesh>(DeviceMesh::parse(r.mesh));
+    const DTensorSpec spec = make_spec(mesh, parse_placements(r.src), {65536, 4096}, kernels::DType::kBF16);
+    const Transition t = make_transition(spec, parse_placements(r.dst));
+    std::vector<double> plan_us, schedule_us, lookup_ns;
+    Plan plan;
+    ScheduleCost schedule;
+    for (int i = 0; i < repeats; ++i) {
+      const auto start = Clock::now();
+      plan = plan_transition(t);
+      plan_us.push_back(us_since(start));
+      schedule = measure_schedule(plan, spec, Dims::filled(mesh->ndim(), 0));
+      schedule_us.push_back(schedule.us);
+    }
+    PlanCache cache;
+    (void)cache.find(t);
+    const Placements dst = parse_placements(r.dst);
+    for (int i = 0; i < repeats; ++i) {
+      constexpr int kLookups = 2000;
+      const auto start = Clock::now();
+      for (int j = 0; j < kLookups; ++j) {
+        const Transition again = make_transition(spec, dst);  // the DTensor::redistribute path
+        if (cache.find(again).plan == nullptr) throw kernels::InternalError("cached plan missing");
+      }
+      lookup_ns.push_back(us_since(start) * 1e3 / kLookups);
+    }
+    const int64_t bound = lower_bound_traffic(spec, plan.dst).max_received();
+    fmt::print("| {} | {} | {} [{}] -> [{}] | `{}` | {} | {} / {} | {:.1f} | {:.1f} | {} | {} | {:.0f} |\n", r.mesh,
+               mesh->size(), r.what, r.src, r.dst, to_string(plan), plan.collectives(), plan.traffic.max_received(),
+               bound, median(plan_us), median(schedule_us), schedule.bytes, plan_bytes(plan), median(lookup_ns));
+    std::fflush(stdout);
+    out.push_back({{"mesh", r.mesh}, {"ranks", mesh->size()}, {"what", r.what}, {"src", r.src}, {"dst", r.dst},
+                   {"plan", to_string(plan)}, {"collectives", plan.collectives()},
+                   {"bytes_per_rank", plan.traffic.max_received()}, {"lower_bound_bytes", bound},
+                   {"plan_us", median(plan_us)}, {"schedule_us", median(schedule_us)},
+                   {"schedule_bytes", schedule.bytes}, {"plan_bytes", plan_bytes(plan)},
+                   {"lookup_ns", median(lookup_ns)}});
+  }
+  if (json_file.is_open()) json_file << out.dump(1) << "\n";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -178,7 +336,8 @@ int main(int argc, char** argv) {
     int64_t limit = 40;
     int64_t timeout_ms = 600'000;
     bool check = false;
-    app.add_option("--table", table, "fsdp, pairs or all")->check(CLI::IsMember({"fsdp", "pairs", "all"}))
+    app.add_option("--table", table, "fsdp, fsdp-scale, pairs or all")
+        ->check(CLI::IsMember({"fsdp", "fsdp-scale", "pairs", "all"}))
         ->capture_default_str();
     app.add_option("--size-mib", size_mib, "FSDP table: tensor size (even shape)")
         ->check(CLI::Range(1e-3, 1e6))
@@ -190,6 +349,12 @@ int main(int argc, char** argv) {
         ->check(CLI::Range(int64_t{0}, int64_t{1'000'000}))
         ->capture_default_str();
     app.add_flag("--check", check, "exit 1 unless every FSDP row keeps its promise");
+    bool scale = false;
+    int repeats = 15;
+    std::string json_path;
+    app.add_flag("--scale", scale, "benchmark: planning cost on meshes of 2^8 to 2^20 ranks");
+    app.add_option("--repeats", repeats, "--scale: repeats per row (medians)")->check(CLI::Range(1, 1000));
+    app.add_option("--json", json_path, "--scale: also write the rows as JSON");
     program::add_timeout(app, timeout_ms, "wall-clock limit of the pairs sweep (exit 3 beyond it)");
     program::parse(app, argc, argv);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
@@ -206,8 +371,13 @@ int main(int argc, char** argv) {
         throw kernels::InvalidArgument(fmt::format("--shape '{}' has {} dims: the sweep shards tensor dims 0 and 1",
                                                    kernels::clip(shape_text), shape.size()));
     }
+    if (scale) {
+      scale_table(repeats, json_path);
+      return program::kOk;
+    }
     int bad = 0;
-    if (table != "pairs" || check) bad = fsdp_table(size_mib, dtype);
+    if ((table != "pairs" && table != "fsdp-scale") || check) bad = fsdp_table(size_mib, dtype);
+    if (table == "fsdp-scale" || table == "all" || check) bad += fsdp_scale_table(dtype);
     if (pairs) pairs_table(mesh_text, shape_text, dtype, static_cast<size_t>(limit), timeout_ms, deadline);
     if (check && bad > 0) {
       fmt::print(stderr, "plan-quality: {} FSDP rows break their promise\n", bad);

@@ -1,0 +1,575 @@
+// The Issuer: enqueues every step of a plan on this rank's communicators (NOTE [deferred plans]
+// in executor.h), one function per step kind. It decides how (buffers, which collective, casts),
+// never what: the plan and the schedules are given.
+#include "dtensor/exec/issuer.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <functional>
+
+#include "dtensor/exec/memory_check.h"
+#include "kernels/error.h"
+#include "kernels/reduce.h"
+
+namespace dtensor {
+
+using collectives::Communicator;
+using collectives::P2POp;
+using collectives::Reduction;
+using collectives::WorkPtr;
+using kernels::DType;
+
+namespace {
+
+// ---- issuing ----
+
+bool same_view(const Tensor& a, const Tensor& b) {
+  return a.defined() && b.defined() && a.shares_storage_with(b) && a.dtype() == b.dtype() &&
+         a.storage_offset() == b.storage_offset() && a.shape() == b.shape() && a.strides() == b.strides();
+}
+
+// The bytes a transition allocates (memory_check.h), from the executor's step dtypes.
+int64_t batch_bytes(const MeshComms& comms, const Plan& plan, std::span<const Item> items,
+                    const std::vector<ExecStep>& steps, bool outs) {
+  std::vector<const DTensorSpec*> specs;
+  std::vector<StepDTypes> dtypes;
+  for (const Item& it : items) specs.push_back(it.spec);
+  for (const ExecStep& p : steps) dtypes.push_back({p.in, p.out, p.work, p.post_scale != 1.0});
+  return transition_bytes(plan, specs, comms, dtypes, outs);
+}
+
+class Issuer {
+ public:
+  // A batch: schedules per tensor from the step cache.
+  Issuer(const MeshComms& comms, const Plan& plan, std::span<const Item> items, TensorList outs,
+         const ReducePolicy& policy)
+      : comms_(comms), plan_(plan), items_(items.begin(), items.end()), outs_(std::move(outs)) {
+    const DType input = items_[0].spec->dtype;
+    const DType output = outs_.empty() || !outs_[0].defined() ? input : outs_[0].dtype();
+    own_steps_ = plan_dtypes(plan, comms.mesh().shape(), input, output, policy);
+    steps_ = &own_steps_;
+  }
+  // One tensor, everything from its recipe. background: NOTE [background copies].
+  Issuer(const MeshComms& comms, const Plan& plan, const Recipe& recipe, Item item, Tensor out, bool background)
+      : comms_(comms), plan_(plan), recipe_(&recipe), items_{item}, background_(background) {
+    if (out.defined()) outs_.push_back(std::move(out));
+    steps_ = &recipe.steps;
+  }
+
+  ExecHandle run() {
+    check_memory();
+    works_.reserve(plan_.steps.size());
+    for (size_t i = 0; i < plan_.steps.size(); ++i) {
+      const Placements& before = plan_.states[i];
+      const Step& step = plan_.steps[i];
+      if (recipe_ == nullptr) {
+        own_after_ = apply_step(step, before);
+        after_ = &own_after_;
+      } else {
+        after_ = &recipe_->per_step[i].after;
+      }
+      step_ = i;
+      before_ = &before;
+      m_ = mesh_dim_of(step);
+      k_ = comms_.mesh().size(m_);
+      r_ = comms_.coord()[m_];
+      const collectives::TraceLabel label(comm(), [&] {  // the trace's "label": the transition
+        return fmt::format("{} -> {} on mesh dim {} ({})", to_string(before), to_string(*after_), m_, to_string(step));
+      });
+      const bool final_step = i + 1 == plan_.steps.size();
+      dests_.clear();  // only the final step may write into the caller's outs
+      if (final_step && !outs_.empty()) {
+        dests_.assign(items_.size(), Tensor());
+        for (size_t j = 0; j < items_.size(); ++j)
+          if (outs_[j].dtype() == sp().out) dests_[j] = outs_[j];
+      }
+      TensorList next = k_ == 1 ? single(step) : std::visit([&](const auto& s) { return this->run_step(s); }, step);
+      for (size_t j = 0; j < items_.size(); ++j) items_[j].local = std::move(next[j]);
+    }
+    // The results into the caller's tensors where no step wrote them there.
+    TensorList results;
+    results.reserve(items_.size());
+    for (size_t j = 0; j < items_.size(); ++j) {
+      if (outs_.empty() || same_view(items_[j].local, outs_[j])) {
+        results.push_back(std::move(items_[j].local));
+        continue;
+      }
+      local([src = items_[j].local, dst = outs_[j]]() mutable { dst.copy_(src); });
+      results.push_back(outs_[j]);
+    }
+    return ExecHandle(std::move(works_), std::move(results),
+                      comms_.mesh().ndim() > 0 ? comms_.dim(0).timeout() : collectives::kDefaultTimeout, std::move(used_));
+  }
+
+ private:
+  // ---- where the data is produced ----
+
+  // Runs fn once the data it reads is there: at once when nothing is pending (in the background:
+  // as a host task of the current step's communicator, NOTE [background copies]), else as a host
+  // task of the communicator producing it (NOTE [deferred plans]).
+  void local(std::function<void()> fn) {
+    if (stream_ == nullptr && !background_) {
+      fn();
+      return;
+    }
+    Communicator& c = stream_ != nullptr ? *stream_ : on(comm());
+    call(c.host_task(std::move(fn)));
+  }
+  // The communicator of the current step; its next call waits for the data still in flight on
+  // another communicator.
+  Communicator& on(Communicator& c) {
+    if (stream_ != nullptr && stream_ != &c) c.wait_for(last_);
+    stream_ = &c;
+    if (used_.empty() || (used_.back() != &c && std::find(used_.begin(), used_.end(), &c) == used_.end())) {
+      used_.push_back(&c);
+    }
+    return c;
+  }
+  void call(WorkPtr w) {
+    last_ = w;
+    works_.push_back(std::move(w));
+  }
+
+  Communicator& comm() const { return comms_.dim(m_); }
+  bool plain_step() const {
+    return recipe_ != nullptr ? recipe_->per_step[step_].plain
+                              : is_plain_step(plan_.steps[step_], *before_, comms_.mesh().shape());
+  }
+  const ExecStep& sp() const { return (*steps_)[step_]; }
+
+  // Refuses, before any buffer is allocated, a transition the allocator cannot serve
+  // (NOTE [memory limit] in kernels/allocator.h); a recipe knows its bytes already.
+  void check_memory() const {
+    const bool outs = !outs_.empty();
+    const int64_t need = recipe_ != nullptr ? (outs ? recipe_->bytes_with_out : recipe_->bytes)
+                                            : batch_bytes(comms_, plan_, {items_.data(), items_.size()}, *steps_, outs);
+    comms_.memory_gauge().check(need, comms_.allocator().get(), device(), comms_.rank(), [&] {
+      return fmt::format("redistribute [{}] -> [{}] of {} [{}]{}", to_string(plan_.src), to_string(plan_.dst),
+                         kernels::to_string(items_[0].spec->dtype), fmt::join(items_[0].spec->shape, ","),
+                         items_.size() > 1 ? fmt::format(" (and {} more tensors)", items_.size() - 1) : "");
+    });
+  }
+  kernels::Device device() const { return items_[0].local.device(); }
+  Tensor alloc(const Dims& shape, DType dtype) const {
+    return Tensor::empty(shape, dtype, device(), comms_.allocator());
+  }
+  // The step's result for item j: the caller's out when it fits (the final step writes straight
+  // into it), else a new tensor.
+  Tensor result(size_t j, const Dims& shape, DType dtype, bool need_contiguous) const {
+    if (j >= dests_.size()) return alloc(shape, dtype);
+    const Tensor& d = dests_[j];
+    if (d.defined() && d.dtype() == dtype && d.shape() == shape && (!need_contiguous || d.is_contiguous())) return d;
+    return alloc(shape, dtype);
+  }
+  // The recipe's schedule, or (a batch, or a path the recipe did not expect) one computed now.
+  std::shared_ptr<const StepSchedule> sched(size_t j, Path path, bool per_member = false) const {
+    if (recipe_ != nullptr)
+      if (const auto& s = recipe_->per_step[step_].by_path[static_cast<size_t>(path)]; s && (!per_member || s->per_member))
+        return s;
+    if (!rank_) rank_ = RankContext::of(comms_);
+    return make_schedule(*rank_, items_[j].spec->shape, *before_, *after_, m_, path, sp().work, per_member);
+  }
+
+  // ---- steps on a group of one: nothing moves ----
+  TensorList single(const Step& step) {
+    TensorList out;
+    const ExecStep& p = sp();
+    const bool transform = is_reducing(step) && (p.in != p.out || p.reduction.pre_multiplier != 1.0 || p.post_scale != 1.0);
+    for (size_t j = 0; j < items_.size(); ++j) {
+      if (!transform) {
+        out.push_back(items_[j].local);
+        continue;
+      }
+      // The reduction over one member: the value itself, pre- and post-scaled, in the reduce dtype.
+      Tensor src = items_[j].local;
+      Tensor acc = alloc(src.shape(), p.work);
+      Tensor dst = p.out == p.work ? acc : result(j, src.shape(), p.out, false);
+      const double scale = p.reduction.pre_multiplier * p.post_scale;
+      local([=]() mutable {
+        acc.copy_(src);
+        if (scale != 1.0) kernels::scale_(acc, scale);
+        if (!same_view(dst, acc)) dst.copy_(acc);
+      });
+      out.push_back(dst);
+    }
+    return out;
+  }
+
+  // ---- all-gather ----
+  TensorList run_step(const AllGather& s) {
+    // A valid step that is not plain (a later mesh dim shards the dim too) gathers pieces that
+    // are not the result's chunks in coordinate order: only the exchange places them.
+    bool direct = s.tensor_dim == 0 && plain_step();
+    if (items_.size() == 1 && direct) {
+      // Straight from the local tensor into the result (the caller's out when contiguous).
+      const std::shared_ptr<const StepSchedule> sc = sched(0, Path::kAllGather);
+      if (sc->post_shape[0] % k_ == 0 && items_[0].local.is_contiguous()) {
+        Tensor out = result(0, sc->post_shape, sp().work, true);
+        call(on(comm()).all_gather(items_[0].local, out));  // contiguous: collectives go by numel
+        return {std::move(out)};
+      }
+      return exchange();
+    }
+    std::vector<std::shared_ptr<const StepSchedule>> scheds;
+    for (size_t j = 0; j < items_.size() && direct; ++j) {
+      scheds.push_back(sched(j, Path::kAllGather));
+      direct = scheds.back()->post_shape[0] % k_ == 0 && items_[j].local.is_contiguous();
+    }
+    if (!direct) return exchange();
+    const DType dt = sp().work;
+    Communicator& c = on(comm());
+    int64_t total = 0;
+    for (const Item& it : items_) total += it.local.numel();
+    Tensor send = alloc({total}, dt), recv = alloc({k_ * total}, dt);
+    TensorList outs;
+    for (size_t j = 0; j < items_.size(); ++j) outs.push_back(result(j, scheds[j]->post_shape, dt, false));
+    TensorList ins;
+    for (const Item& it : items_) ins.push_back(it.local);
+    local([=] {  // copy-in
+      int64_t off = 0;
+      for (const Tensor& in : ins) {
+        send.narrow(0, off, in.numel()).copy_(in.view({in.numel()}));
+        off += in.numel();
+      }
+    });
+    call(c.all_gather(send, recv));
+    const int64_t k = k_;
+    local([=] {  // copy-out: member g's piece of tensor i
+      int64_t off = 0;
+      for (size_t j = 0; j < ins.size(); ++j) {
+        const int64_t n = ins[j].numel();
+        Tensor o = outs[j].contiguous();
+        Tensor flat = o.view({o.numel()});
+        for (int64_t g = 0; g < k; ++g) flat.narrow(0, g * n, n).copy_(recv.narrow(0, g * total + off, n));
+        if (!same_view(o, outs[j])) Tensor(outs[j]).copy_(o);
+        off += n;
+      }
+    });
+    return outs;
+  }
+  TensorList run_step(const StridedAllGather&) { return exchange(); }
+  TensorList run_step(const AllToAll&) { return exchange(); }
+  TensorList run_step(const Regroup&) { return exchange(); }
+
+  // ---- local steps ----
+  TensorList run_step(const LocalChunk&) {
+    TensorList out;
+    for (size_t j = 0; j < items_.size(); ++j) {
+      auto sc = sched(j, Path::kLocalChunk);
+      Tensor o = result(j, sc->post_shape, sp().out, false);
+      local([src = items_[j].local, o, sc]() mutable {
+        Tensor packed = o.is_contiguous() ? o : Tensor::empty(o.shape(), o.dtype(), o.device());
+        pack(src, sc->keep, packed.view({packed.numel()}), 0);
+        if (!same_view(packed, o)) o.copy_(packed);
+      });
+      out.push_back(o);
+    }
+    return out;
+  }
+
+  // S(d) -> P(sum): zeros of the group's extent, this rank's shard at its place (what it holds of
+  // the new layout; NOTE [step validity] makes every element of it held by one member).
+  TensorList run_step(const LocalEmbed&) {
+    TensorList out;
+    for (size_t j = 0; j < items_.size(); ++j) {
+      const DTensorSpec& spec = *items_[j].spec;
+      const ShardLayout pre = compute_layout(spec.shape, comms_.mesh().shape(), *before_, comms_.coord());
+      const ShardLayout post = compute_layout(spec.shape, comms_.mesh().shape(), *after_, comms_.coord());
+      const std::vector<IndexRuns> mine = intersect_layouts(pre, post);
+      auto blocks = std::make_shared<std::pair<Block, Block>>(block_in(pre, mine), block_in(post, mine));
+      Tensor o = result(j, post.local_shape, sp().out, false);
+      local([src = items_[j].local, o, blocks]() mutable {
+        o.fill_(0);
+        if (blocks->first.numel() == 0) return;
+        Tensor tmp = Tensor::empty({blocks->first.numel()}, src.dtype(), src.device());
+        pack(src, blocks->first, tmp, 0);
+        unpack(tmp, 0, o, blocks->second);
+      });
+      out.push_back(o);
+    }
+    return out;
+  }
+
+  TensorList run_step(const LocalPartial& s) {
+    if (s.op == ReduceOp::kProd)
+      throw kernels::Unsupported("Replicate -> P(prod) has no partition (PyTorch rejects it too)");
+    TensorList out;
+    const double scale = s.op == ReduceOp::kSum ? 1.0 / static_cast<double>(k_) : 1.0;
+    for (size_t j = 0; j < items_.size(); ++j) {
+      Tensor o = result(j, items_[j].local.shape(), sp().out, false);
+      local([src = items_[j].local, o, scale]() mutable {
+        o.copy_(src);
+        if (scale != 1.0) kernels::scale_(o, scale);
+      });
+      out.push_back(o);
+    }
+    return out;
+  }
+
+  // ---- reductions ----
+
+  // acc (the reduced data, work dtype) -> post-scale -> dst (out dtype). REQUIRES: in a task.
+  static void finish_reduced(const Tensor& acc, double post_scale, Tensor dst) {
+    if (post_scale != 1.0) kernels::scale_(acc, post_scale);
+    if (!same_view(acc, dst)) dst.copy_(acc);
+  }
+
+  TensorList run_step(const AllReduce&) {
+    const ExecStep p = sp();
+    Communicator& c = on(comm());
+    int64_t total = 0;
+    for (const Item& it : items_) total += it.local.numel();
+    const bool single = items_.size() == 1;
+    // Input: the local tensor itself when it is contiguous and already in the reduce dtype, else
+    // a copy (cast fused).
+    Tensor in;
+    TensorList ins;
+    for (const Item& it : items_) ins.push_back(it.local);
+    if (single && ins[0].is_contiguous() && p.in == p.work) {
+      in = ins[0].view({total});
+    } else {
+      in = alloc({total}, p.work);
+      local([=] {
+        int64_t off = 0;
+        for (const Tensor& t : ins) {
+          in.narrow(0, off, t.numel()).view(t.shape()).copy_(t);
+          off += t.numel();
+        }
+      });
+    }
+    // Output: straight into the result (the caller's out when it fits) when no cast or scale
+    // follows, else one buffer (results are views of it, or casts).
+    const bool into_out = single && p.out == p.work && p.post_scale == 1.0;
+    Tensor direct = into_out ? result(0, ins[0].shape(), p.out, true) : Tensor();
+    Tensor buf = into_out ? direct.view({total}) : alloc({total}, p.work);
+    call(c.all_reduce(in, buf, p.reduction));
+    TensorList outs;
+    if (into_out) return {direct};
+    if (p.out == p.work && p.post_scale == 1.0 && dests_all_empty()) {
+      int64_t off = 0;
+      for (const Tensor& t : ins) {
+        outs.push_back(buf.narrow(0, off, t.numel()).view(t.shape()));
+        off += t.numel();
+      }
+      return outs;
+    }
+    for (size_t j = 0; j < ins.size(); ++j) outs.push_back(result(j, ins[j].shape(), p.out, false));
+    local([=] {
+      if (p.post_scale != 1.0) kernels::scale_(buf, p.post_scale);
+      int64_t off = 0;
+      for (size_t j = 0; j < ins.size(); ++j) {
+        Tensor(outs[j]).copy_(buf.narrow(0, off, ins[j].numel()).view(ins[j].shape()));
+        off += ins[j].numel();
+      }
+    });
+    return outs;
+  }
+
+  bool dests_all_empty() const {
+    return std::all_of(dests_.begin(), dests_.end(), [](const Tensor& t) { return !t.defined(); });
+  }
+
+  TensorList run_step(const ReduceScatter&) {
+    const ExecStep p = sp();
+    const int64_t k = k_, r = r_;
+    std::vector<std::shared_ptr<const StepSchedule>> sc;
+    for (size_t j = 0; j < items_.size(); ++j) sc.push_back(sched(j, Path::kReduceScatter));
+    TensorList ins;
+    for (const Item& it : items_) ins.push_back(it.local);
+    Communicator& c = on(comm());
+    // Member chunks that are consecutive flat ranges of one contiguous input: reduce-scatter
+    // straight from it (a cast copy first when the reduce dtype differs) into the result.
+    if (items_.size() == 1 && sc[0]->flat && ins[0].is_contiguous()) {
+      Tensor in = flat(ins[0]);
+      if (p.in != p.work) {
+        Tensor cast = alloc({ins[0].numel()}, p.work);
+        local([=]() mutable { cast.copy_(in); });
+        in = cast;
+      }
+      Tensor o = result(0, sc[0]->post_shape, p.out, true);
+      const bool into_out = o.dtype() == p.work;
+      Tensor acc = into_out ? o : alloc(sc[0]->post_shape, p.work);
+      call(c.reduce_scatter(in, flat(acc), p.reduction));
+      if (!into_out || p.post_scale != 1.0) local([=] { finish_reduced(acc, p.post_scale, o); });
+      return {o};
+    }
+    // Pack, per destination member, each tensor's block of that member's chunk (cast fused).
+    for (size_t j = 0; j < items_.size(); ++j)
+      if (!sc[j]->per_member) sc[j] = sched(j, Path::kReduceScatter, /*per_member=*/true);
+    std::vector<int64_t> seg(k, 0), seg_off(k, 0);
+    int64_t total = 0;
+    for (int64_t g = 0; g < k; ++g) {
+      seg_off[g] = total;
+      for (const auto& s : sc) seg[g] += s->seg[g];
+      total += seg[g];
+    }
+    const bool even = std::all_of(seg.begin(), seg.end(), [&](int64_t n) { return n == seg[0]; });
+    Tensor send = alloc({total}, p.work);
+    local([=] {
+      for (int64_t g = 0; g < k; ++g) {
+        int64_t off = seg_off[g];
+        for (size_t j = 0; j < ins.size(); ++j) {
+          pack(ins[j], sc[j]->chunk_blocks[g], send, off);
+          off += sc[j]->seg[g];
+        }
+      }
+    });
+    Tensor mine = alloc({seg[r]}, p.work);
+    if (even) {
+      call(c.reduce_scatter(send, mine, p.reduction));
+    } else {
+      // Uneven chunks: exchange exactly, then reduce in member order (no padding on the wire).
+      TensorList got(k);
+      std::vector<P2POp> ops;
+      for (int64_t g = 0; g < k; ++g) {
+        if (g == r) continue;
+        got[g] = alloc({seg[r]}, p.work);
+        if (seg[g] > 0) ops.push_back(P2POp::send(send.narrow(0, seg_off[g], seg[g]), static_cast<int>(g)));
+        if (seg[r] > 0) ops.push_back(P2POp::recv(got[g], static_cast<int>(g)));
+      }
+      call(c.send_recv(ops));
+      const Reduction red = p.reduction;
+      local([=]() mutable {
+        got[r] = send.narrow(0, seg_off[r], seg[r]);
+        const double m = red.pre_multiplier;
+        mine.copy_(got[0]);
+        if (m != 1.0) kernels::scale_(mine, m);
+        for (int64_t g = 1; g < k; ++g) kernels::reduce_into(mine, got[g], red.op, m);
+        if (red.op == ReduceOp::kAvg) kernels::scale_(mine, 1.0 / static_cast<double>(k));
+      });
+    }
+    TensorList outs;
+    for (size_t j = 0; j < items_.size(); ++j) outs.push_back(result(j, sc[j]->post_shape, p.out, false));
+    local([=] {
+      if (p.post_scale != 1.0) kernels::scale_(mine, p.post_scale);
+      int64_t off = 0;
+      for (size_t j = 0; j < outs.size(); ++j) {
+        unpack(mine, off, outs[j], sc[j]->post_whole);  // cast fused
+        off += sc[j]->post_whole.numel();
+      }
+    });
+    return outs;
+  }
+
+  // ---- exchanges (NOTE [exchange]) ----
+  TensorList exchange() { return comm().p2p_views() ? exchange_views() : exchange_packed(); }
+
+  // Every piece goes from this rank's input straight into the peer's result (what this rank
+  // keeps too, as a message to itself): one copy per element, nothing packed, all by the backend.
+  TensorList exchange_views() {
+    const DType dt = sp().work;
+    TensorList out;
+    std::vector<P2POp> ops;
+    for (size_t j = 0; j < items_.size(); ++j) {
+      auto sc = sched(j, Path::kViews);
+      Tensor o = result(j, sc->post_shape, dt, false);
+      if (o.ndim() > 0)
+        for (int d = 0; d < o.ndim(); ++d)
+          if (o.stride(d) < 0) o = alloc(sc->post_shape, dt);  // views need non-negative strides
+      out.push_back(o);
+      for (const StepSchedule::Message& msg : sc->messages)
+        ops.push_back(msg.send ? P2POp::send(at(items_[j].local, msg.view), msg.peer)
+                               : P2POp::recv(at(o, msg.view), msg.peer));
+    }
+    call(on(comm()).send_recv(ops));
+    return out;
+  }
+
+  // Per peer one contiguous send and one receive buffer (backends without views).
+  TensorList exchange_packed() {
+    const DType dt = sp().work;
+    const int64_t k = k_, r = r_;
+    std::vector<std::shared_ptr<const StepSchedule>> sc;
+    TensorList out, ins;
+    std::vector<int64_t> send_n(k, 0), recv_n(k, 0);
+    for (size_t j = 0; j < items_.size(); ++j) {
+      sc.push_back(sched(j, Path::kPacked));
+      out.push_back(result(j, sc.back()->post_shape, dt, false));
+      ins.push_back(items_[j].local);
+      for (int64_t g = 0; g < k; ++g) {
+        send_n[g] += sc.back()->send_n[g];
+        recv_n[g] += sc.back()->recv_n[g];
+      }
+    }
+    TensorList send_buf(k), recv_buf(k);
+    std::vector<P2POp> ops;
+    for (int64_t g = 0; g < k; ++g) {
+      if (g == r) continue;
+      send_buf[g] = alloc({send_n[g]}, dt);
+      recv_buf[g] = alloc({recv_n[g]}, dt);
+      if (send_n[g] > 0) ops.push_back(P2POp::send(send_buf[g], static_cast<int>(g)));
+      if (recv_n[g] > 0) ops.push_back(P2POp::recv(recv_buf[g], static_cast<int>(g)));
+    }
+    Communicator& c = on(comm());
+    local([=] {  // pack every peer's pieces, and move what this rank keeps
+      for (int64_t g = 0; g < k; ++g) {
+        if (g == r) {
+          for (size_t j = 0; j < ins.size(); ++j) {
+            const Block& from = sc[j]->send_blocks[g];
+            if (from.numel() == 0) continue;
+            Tensor tmp = Tensor::empty({from.numel()}, ins[j].dtype(), ins[j].device());
+            pack(ins[j], from, tmp, 0);
+            unpack(tmp, 0, out[j], sc[j]->recv_blocks[g]);
+          }
+          continue;
+        }
+        int64_t off = 0;
+        for (size_t j = 0; j < ins.size(); ++j) {
+          pack(ins[j], sc[j]->send_blocks[g], send_buf[g], off);
+          off += sc[j]->send_n[g];
+        }
+      }
+    });
+    call(c.send_recv(ops));
+    local([=] {  // unpack
+      for (int64_t g = 0; g < k; ++g) {
+        if (g == r) continue;
+        int64_t off = 0;
+        for (size_t j = 0; j < out.size(); ++j) {
+          unpack(recv_buf[g], off, out[j], sc[j]->recv_blocks[g]);
+          off += sc[j]->recv_n[g];
+        }
+      }
+    });
+    return out;
+  }
+
+  const MeshComms& comms_;
+  mutable std::optional<RankContext> rank_;  // for schedules computed at issue
+  const Plan& plan_;
+  const Recipe* recipe_ = nullptr;
+  boost::container::small_vector<Item, 1> items_;
+  bool background_ = false;
+  TensorList outs_;
+  std::vector<ExecStep> own_steps_;
+  const std::vector<ExecStep>* steps_ = nullptr;
+  // The current step.
+  size_t step_ = 0;
+  const Placements* before_ = nullptr;
+  const Placements* after_ = nullptr;
+  Placements own_after_;
+  int m_ = 0;
+  int64_t k_ = 1, r_ = 0;
+  TensorList dests_;  // per item: the caller's out when this step may write into it (empty: none)
+  // Where the data is: the communicator whose queue produces it (null: ready now) and its last call.
+  Communicator* stream_ = nullptr;
+  WorkPtr last_;
+  WorkList works_;
+  CommList used_;
+};
+
+}  // namespace
+
+ExecHandle issue_items(const MeshComms& comms, const Plan& plan, std::span<const Item> items, TensorList outs,
+                       const ReducePolicy& policy) {
+  return Issuer(comms, plan, items, std::move(outs), policy).run();
+}
+
+ExecHandle issue_with_recipe(const MeshComms& comms, const Plan& plan, const Recipe& recipe, Item item, Tensor out,
+                             bool background) {
+  return Issuer(comms, plan, recipe, item, std::move(out), background).run();
+}
+
+}  // namespace dtensor

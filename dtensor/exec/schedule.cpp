@@ -1,0 +1,377 @@
+#include "dtensor/exec/schedule.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "dtensor/plan/chain.h"
+#include "kernels/checked.h"
+#include "kernels/error.h"
+
+namespace dtensor {
+
+using kernels::InternalError;
+
+namespace {
+
+// ---- index arithmetic ----
+
+// The increasing runs common to a and b, into out (cleared first).
+void intersect(const IndexRuns& a, const IndexRuns& b, IndexRuns& out) {
+  out.clear();
+  size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    const int64_t lo = std::max(a[i].start, b[j].start);
+    const int64_t hi = std::min(a[i].start + a[i].length, b[j].start + b[j].length);
+    if (lo < hi) out.push_back({lo, hi - lo});
+    if (a[i].start + a[i].length < b[j].start + b[j].length) ++i;
+    else ++j;
+  }
+}
+
+// Positions, in the local order of `held`, of the global indices `subset` (subset within held).
+IndexRuns positions_of(const IndexRuns& held, const IndexRuns& subset) {
+  IndexRuns out;
+  int64_t base = 0;  // local position of held[i].start
+  size_t i = 0;
+  for (const IndexRun& s : subset) {
+    while (held[i].start + held[i].length <= s.start) base += held[i++].length;
+    const int64_t pos = base + (s.start - held[i].start);
+    if (!out.empty() && out.back().start + out.back().length == pos) out.back().length += s.length;
+    else out.push_back({pos, s.length});
+  }
+  return out;
+}
+
+// Local positions of each run of `subset` (not merged: one entry per run) in `held`.
+void run_positions(const IndexRuns& held, const IndexRuns& subset, std::vector<int64_t>& out) {
+  out.clear();
+  int64_t base = 0;
+  size_t i = 0;
+  for (const IndexRun& s : subset) {
+    while (held[i].start + held[i].length <= s.start) base += held[i++].length;
+    out.push_back(base + (s.start - held[i].start));
+  }
+}
+
+int64_t total(const IndexRuns& runs) {
+  int64_t n = 0;
+  for (const IndexRun& r : runs) n += r.length;
+  return n;
+}
+
+// A piece above the communicator's p2p_view_max_bytes as several messages, split along its first
+// dim of size > 1. Sender and receiver hold pieces of equal shape, so both split alike; the rule
+// looks at the shape only (one side's piece may be contiguous where the other's is strided).
+void split_view(const View& v, int64_t itemsize, int64_t limit, bool send, int peer,
+                std::vector<StepSchedule::Message>& out) {
+  const int64_t bytes = v.numel() * itemsize;
+  if (limit <= 0 || bytes <= limit || v.length.size() == 0) {
+    out.push_back({send, peer, v});
+    return;
+  }
+  int d = 0;
+  while (d + 1 < v.length.size() && v.length[d] == 1) ++d;
+  const int64_t row_bytes = bytes / v.length[d];
+  const int64_t rows = std::max<int64_t>(1, limit / std::max<int64_t>(row_bytes, 1));
+  for (int64_t i = 0; i < v.length[d]; i += rows) {
+    View p = v;
+    p.start[d] += i;
+    p.length[d] = std::min(rows, v.length[d] - i);
+    out.push_back({send, peer, p});
+  }
+}
+
+// The layouts of this rank's peers along one mesh dim: they differ from its own only along the
+// tensor dim that mesh dim shards, so a peer's layout is its own with that dim recomputed (one
+// chain of splits with the peer's coordinate at m).
+class PeerLayouts {
+ public:
+  PeerLayouts(const Dims& shape, const Dims& mesh_shape, const Placements& ps, const Dims& coord, int m)
+      : own_(compute_layout(shape, mesh_shape, ps, coord)), peer_(own_), coord_(coord), m_(m) {
+    if (mesh_shape[m] <= 1) return;
+    const std::optional<int> t = shard_dim(ps[m]);
+    if (!t) return;
+    t_ = *t;
+    n_ = shape[t_];
+    chain_ = chain_of(ps, mesh_shape, t_);
+    // Peers past the last non-empty piece of the split at m hold nothing along t.
+    int64_t prefix = n_;
+    for (const Split& s : chain_) {
+      if (s.mesh_dim == m) {
+        split_ = s;
+        break;
+      }
+      prefix = piece_size(prefix, s, coord[s.mesh_dim]);
+    }
+    count_ = 0;
+    const int64_t longest = split_.sf == 0 ? prefix : (prefix == 0 ? 0 : kernels::checked_ceil_div(prefix, split_.sf, "piece"));
+    const int64_t last = split_.sf == 0 || prefix == 0 ? 0 : prefix - (prefix / longest) * longest;
+    for (int64_t l : {longest, last})
+      if (l > 0) count_ = std::max(count_, kernels::checked_ceil_div(l, kernels::checked_ceil_div(l, split_.k, "piece"), "piece"));
+  }
+  const ShardLayout& own() const { return own_; }
+  // Peers [0, nonempty()) may hold something along the split dim; the others hold nothing.
+  int64_t nonempty() const { return t_ < 0 ? std::numeric_limits<int64_t>::max() : count_; }
+  // The layout of the peer at coordinate g along m (valid until the next call).
+  const ShardLayout& peer(int64_t g) {
+    if (t_ < 0) return own_;
+    coords_.clear();
+    for (const Split& s : chain_) coords_.push_back(s.mesh_dim == m_ ? g : coord_[s.mesh_dim]);
+    peer_.runs[t_] = chain_positions(n_, chain_, coords_);
+    peer_.local_shape[t_] = total(peer_.runs[t_]);
+    return peer_;
+  }
+
+ private:
+  ShardLayout own_, peer_;
+  Dims coord_;
+  int m_;
+  int t_ = -1;
+  int64_t n_ = 0, count_ = 0;
+  SplitList chain_;
+  Split split_;
+  std::vector<int64_t> coords_;
+};
+
+// Calls f(view) for every rectangular piece of the global set `set` (runs per tensor dim), in
+// the positions of `held`. The pieces follow the global runs in row-major order, so two ranks
+// enumerating the same set get the same sequence of piece shapes whatever their local orders.
+template <class F>
+void for_each_piece_in(const std::vector<IndexRuns>& set, const ShardLayout& held, std::vector<std::vector<int64_t>>& pos,
+                       F f) {
+  const int nd = static_cast<int>(set.size());
+  for (const IndexRuns& runs : set)
+    if (runs.empty()) return;
+  pos.resize(nd);
+  for (int t = 0; t < nd; ++t) run_positions(held.runs[t], set[t], pos[t]);
+  std::vector<size_t> idx(nd, 0);
+  View v;
+  v.start = Dims::filled(nd, 0);
+  v.length = Dims::filled(nd, 0);
+  for (;;) {
+    for (int t = 0; t < nd; ++t) {
+      v.start[t] = pos[t][idx[t]];
+      v.length[t] = set[t][idx[t]].length;
+    }
+    f(v);
+    int t = nd - 1;
+    for (; t >= 0; --t) {
+      if (++idx[t] < set[t].size()) break;
+      idx[t] = 0;
+    }
+    if (t < 0) return;
+  }
+}
+
+// The members' chunks of a plain reduce-scatter to S(t) in closed form (no per-member data):
+// along t, member g's chunk is piece g of this rank's list; flat when the pieces are equal and
+// every dim before t has length 1.
+bool closed_form_flat(const Dims& pre_shape, int t, int64_t k) {
+  if (pre_shape.product() == 0) return true;
+  if (pre_shape[t] % k != 0) return false;
+  for (int d = 0; d < t; ++d)
+    if (pre_shape[d] != 1) return false;
+  return true;
+}
+
+}  // namespace
+
+// ---- the copies around collectives ----
+
+Tensor flat(const Tensor& t) { return t.as_strided(Dims{t.numel()}, Dims{1}, t.storage_offset()); }
+
+Tensor at(const Tensor& base, const View& v) {
+  int64_t offset = base.storage_offset();
+  for (int d = 0; d < v.start.size(); ++d) offset += v.start[d] * base.stride(d);
+  return base.as_strided(v.length, base.strides(), offset);
+}
+
+std::vector<IndexRuns> intersect_layouts(const ShardLayout& a, const ShardLayout& b) {
+  std::vector<IndexRuns> out(a.runs.size());
+  for (size_t t = 0; t < a.runs.size(); ++t) intersect(a.runs[t], b.runs[t], out[t]);
+  return out;
+}
+
+Block block_in(const ShardLayout& holder, const std::vector<IndexRuns>& global_sets) {
+  Block b;
+  for (size_t t = 0; t < global_sets.size(); ++t) {
+    b.pos.push_back(positions_of(holder.runs[t], global_sets[t]));
+    b.shape.push_back(total(global_sets[t]));
+  }
+  return b;
+}
+
+namespace {
+
+// Calls f(sub_of_local, sub_of_packed) for every rectangular piece of the block, where `packed`
+// is a tensor of the block's shape holding its elements in row-major order.
+template <class F>
+void for_each_block_piece(const Tensor& local, const Block& b, const Tensor& packed, F f) {
+  const int nd = static_cast<int>(b.pos.size());
+  if (b.numel() == 0) return;
+  if (nd == 0) return f(local, packed);
+  std::vector<size_t> idx(nd, 0);
+  std::vector<int64_t> at_(nd, 0);  // start of the current run inside the packed block
+  for (;;) {
+    Tensor src = local, dst = packed;
+    for (int t = 0; t < nd; ++t) {
+      const IndexRun& run = b.pos[t][idx[t]];
+      src = src.narrow(t, run.start, run.length);
+      dst = dst.narrow(t, at_[t], run.length);
+    }
+    f(src, dst);
+    int t = nd - 1;
+    for (; t >= 0; --t) {
+      at_[t] += b.pos[t][idx[t]].length;
+      if (++idx[t] < b.pos[t].size()) break;
+      idx[t] = 0;
+      at_[t] = 0;
+    }
+    if (t < 0) return;
+  }
+}
+
+// The block as one flat range of a contiguous tensor of `shape`: its start, or -1 when the block
+// is not one range (a block is one range when every dim has one run, the dims after the first
+// partial one are whole and the dims before it have length 1).
+int64_t flat_start(const Block& b, const Dims& shape) {
+  const int nd = static_cast<int>(b.pos.size());
+  int64_t start = 0, stride = 1;
+  bool inner_whole = true;  // every dim after the current one is whole
+  for (int t = nd - 1; t >= 0; --t) {
+    if (b.pos[t].size() != 1) return b.numel() == 0 ? 0 : -1;
+    const IndexRun& run = b.pos[t][0];
+    if (!inner_whole && run.length != 1) return -1;
+    start += run.start * stride;
+    inner_whole = inner_whole && run.start == 0 && run.length == shape[t];
+    stride *= shape[t];
+  }
+  return start;
+}
+
+}  // namespace
+
+void pack(const Tensor& local, const Block& b, const Tensor& flat, int64_t offset) {
+  if (b.numel() == 0) return;
+  Tensor packed = flat.narrow(0, offset, b.numel()).view(b.shape);
+  for_each_block_piece(local, b, packed, [](const Tensor& src, Tensor dst) { dst.copy_(src); });
+}
+
+void unpack(const Tensor& flat, int64_t offset, const Tensor& local, const Block& b) {
+  if (b.numel() == 0) return;
+  Tensor packed = flat.narrow(0, offset, b.numel()).view(b.shape);
+  for_each_block_piece(local, b, packed, [](Tensor dst, const Tensor& src) { dst.copy_(src); });
+}
+
+int64_t StepSchedule::bytes() const {
+  auto block_bytes = [](const Block& b) {
+    int64_t n = static_cast<int64_t>(sizeof(Block));
+    for (const IndexRuns& r : b.pos) n += static_cast<int64_t>(sizeof(IndexRuns) + r.size() * sizeof(IndexRun));
+    return n;
+  };
+  int64_t n = static_cast<int64_t>(sizeof(StepSchedule) + messages.size() * sizeof(Message) +
+                                   (send_n.size() + recv_n.size() + seg.size() + seg_off.size()) * sizeof(int64_t));
+  for (const std::vector<Block>* bs : {&send_blocks, &recv_blocks, &chunk_blocks})
+    for (const Block& b : *bs) n += block_bytes(b);
+  return n + block_bytes(post_whole) + block_bytes(keep);
+}
+
+RankContext RankContext::of(const MeshComms& comms) {
+  RankContext rc{comms.mesh().shape(), comms.coord(), comms.rank(), {}, {}};
+  for (int m = 0; m < comms.mesh().ndim(); ++m) {
+    rc.views.push_back(comms.dim(m).p2p_views());
+    rc.view_max_bytes.push_back(comms.dim(m).p2p_view_max_bytes());
+  }
+  return rc;
+}
+
+std::shared_ptr<const StepSchedule> make_schedule(const RankContext& rc, const Dims& shape, const Placements& before,
+                                                  const Placements& after, int m, Path path, kernels::DType moved,
+                                                  bool per_member) {
+  auto s = std::make_shared<StepSchedule>();
+  const Dims& mesh_shape = rc.mesh_shape;
+  const Dims& coord = rc.coord;
+  const int64_t k = mesh_shape[m], r = coord[m];
+  const int64_t itemsize = static_cast<int64_t>(kernels::itemsize(moved));
+  PeerLayouts pre(shape, mesh_shape, before, coord, m), post(shape, mesh_shape, after, coord, m);
+  const ShardLayout& pre_r = pre.own();
+  const ShardLayout& post_r = post.own();
+  s->post_shape = post_r.local_shape;
+  std::vector<IndexRuns> set(shape.size());
+  switch (path) {
+    case Path::kViews: {
+      const int64_t limit = rc.view_max_bytes[m];
+      std::vector<std::vector<int64_t>> pos;
+      const int64_t last = std::max(std::min(pre.nonempty(), k), std::min(post.nonempty(), k));
+      for (int64_t g = 0; g < last; ++g) {
+        const int peer = static_cast<int>(g);
+        if (g < post.nonempty()) {  // what g holds after that this rank holds now
+          const ShardLayout& post_g = g == r ? post_r : post.peer(g);
+          for (int t = 0; t < shape.size(); ++t) intersect(pre_r.runs[t], post_g.runs[t], set[t]);
+          for_each_piece_in(set, pre_r, pos, [&](const View& v) { split_view(v, itemsize, limit, true, peer, s->messages); });
+        }
+        if (g < pre.nonempty()) {  // what this rank holds after that g holds now
+          const ShardLayout& pre_g = g == r ? pre_r : pre.peer(g);
+          for (int t = 0; t < shape.size(); ++t) intersect(pre_g.runs[t], post_r.runs[t], set[t]);
+          for_each_piece_in(set, post_r, pos, [&](const View& v) { split_view(v, itemsize, limit, false, peer, s->messages); });
+        }
+      }
+      break;
+    }
+    case Path::kPacked:
+      for (int64_t g = 0; g < k; ++g) {
+        s->send_blocks.push_back(block_in(pre_r, intersect_layouts(pre_r, g == r ? post_r : post.peer(g))));
+        s->recv_blocks.push_back(block_in(post_r, intersect_layouts(g == r ? pre_r : pre.peer(g), post_r)));
+        s->send_n.push_back(s->send_blocks.back().numel());
+        s->recv_n.push_back(s->recv_blocks.back().numel());
+      }
+      break;
+    case Path::kReduceScatter: {
+      s->post_whole = block_in(post_r, post_r.runs);
+      const std::optional<int> t = shard_dim(after[m]);
+      bool plain = is_shard(after[m]);
+      for (int d = m + 1; d < mesh_shape.size() && plain; ++d)
+        plain = !(mesh_shape[d] > 1 && shard_dim(before[d]) == t);
+      if (plain && !per_member) {
+        s->flat = s->even = closed_form_flat(pre_r.local_shape, *t, k);
+        if (s->flat) break;
+      }
+      s->per_member = true;
+      int64_t sum = 0;
+      for (int64_t g = 0; g < k; ++g) {
+        s->chunk_blocks.push_back(block_in(pre_r, intersect_layouts(pre_r, g == r ? post_r : post.peer(g))));
+        s->seg.push_back(s->chunk_blocks.back().numel());
+        s->seg_off.push_back(sum);
+        sum += s->seg.back();
+      }
+      s->even = std::all_of(s->seg.begin(), s->seg.end(), [&](int64_t n) { return n == s->seg[0]; });
+      s->flat = s->even && post_r.local_shape.product() == s->seg[r];
+      for (int64_t g = 0; g < k && s->flat; ++g) s->flat = flat_start(s->chunk_blocks[g], pre_r.local_shape) == s->seg_off[g];
+      break;
+    }
+    case Path::kLocalChunk:
+      s->keep = block_in(pre_r, intersect_layouts(pre_r, post_r));
+      break;
+    case Path::kAllGather:
+    case Path::kCount:
+      break;
+  }
+  // An exchange on one group must deliver every element of this rank's result: a step whose
+  // data comes from outside the group would leave holes, so it is refused loudly.
+  if (path == Path::kViews || path == Path::kPacked) {
+    int64_t received = 0;
+    for (const StepSchedule::Message& msg : s->messages)
+      if (!msg.send) received += msg.view.numel();
+    for (int64_t n : s->recv_n) received += n;
+    if (received != s->post_shape.product())
+      throw InternalError(fmt::format(
+          "execute: the step [{}] -> [{}] on mesh dim {} is not one exchange on its group: rank {} would receive "
+          "{} of the {} elements it holds after it",
+          to_string(before), to_string(after), m, rc.rank, received, s->post_shape.product()));
+  }
+  return s;
+}
+
+}  // namespace dtensor

@@ -1,0 +1,429 @@
+#include "dtensor/plan/traffic.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <map>
+
+#include "kernels/checked.h"
+#include "kernels/error.h"
+
+namespace dtensor {
+
+using kernels::InvalidArgument;
+
+namespace {
+
+__extension__ typedef __int128 Wide;  // __extension__: no -Wpedantic warning
+
+// A byte count computed in 128 bits, narrowed with a check: an InvalidArgument naming the
+// tensor, never a wrap.
+int64_t to_bytes(Wide v, const Dims& shape, DType dtype) {
+  if (v > kernels::kInt64Max || v < 0)
+    throw InvalidArgument(fmt::format("the traffic of a redistribute of shape [{}] ({}) overflows int64 bytes",
+                                      fmt::join(shape, ","), kernels::to_string(dtype)));
+  return static_cast<int64_t>(v);
+}
+
+// How one step's per-rank bytes follow from chain sizes (NOTE [traffic by size classes]).
+struct Term {
+  enum Kind { kNone, kGather, kPair, kSameDim, kAllReduce, kReduceScatter } kind = kNone;
+  int64_t k = 1;
+  std::vector<int> a;  // chain of every tensor dim before the step
+  int t = -1, t2 = -1;  // gather, reduce-scatter, same-dim regroup: t; pair: from t to t2
+  int b = -1, b2 = -1;  // their chains after
+  // Same-dim regroup: the common prefix's chain, the two splits at the step's mesh dim, the
+  // later splits, and the mesh dims of (split, later) in order.
+  int prefix = -1;
+  SplitList ca, cb;
+  std::vector<int> dims;
+};
+
+Term make_term(const Step& step, const Placements& before, const Dims& shape, const Dims& mesh, ChainSet& set) {
+  Term term;
+  const int m = mesh_dim_of(step);
+  term.k = mesh[m];
+  if (!communicates(step) || term.k == 1) return term;
+  for (int t = 0; t < shape.size(); ++t) term.a.push_back(set.add(shape[t], chain_of(before, mesh, t)));
+  const Placements after = apply_step(step, before);
+  auto after_chain = [&](int t) { return set.add(shape[t], chain_of(after, mesh, t)); };
+  std::visit(
+      [&](const auto& s) {
+        using T = std::decay_t<decltype(s)>;
+        if constexpr (std::is_same_v<T, AllReduce>) {
+          term.kind = Term::kAllReduce;
+        } else if constexpr (std::is_same_v<T, ReduceScatter>) {
+          term.kind = Term::kReduceScatter;
+          term.t = s.tensor_dim;
+        } else if constexpr (std::is_same_v<T, AllGather> || std::is_same_v<T, StridedAllGather>) {
+          term.kind = Term::kGather;
+          term.t = s.tensor_dim;
+        } else if constexpr (std::is_same_v<T, AllToAll>) {
+          term.kind = Term::kPair;
+          term.t = s.from_dim;
+          term.t2 = s.to_dim;
+        } else if constexpr (std::is_same_v<T, Regroup>) {
+          term.t = *shard_dim(s.from);
+          term.t2 = *shard_dim(s.to);
+          term.kind = term.t == term.t2 ? Term::kSameDim : Term::kPair;
+        }
+      },
+      step);
+  if (term.t >= 0) term.b = after_chain(term.t);
+  if (term.t2 >= 0) term.b2 = after_chain(term.t2);
+  if (term.kind == Term::kSameDim) {
+    SplitList prefix;
+    for (const Split& s : chain_of(before, mesh, term.t)) {
+      if (s.mesh_dim < m) prefix.push_back(s);
+      else term.ca.push_back(s);
+    }
+    for (const Split& s : chain_of(after, mesh, term.t))
+      if (s.mesh_dim >= m) term.cb.push_back(s);
+    term.prefix = set.add(shape[term.t], prefix);
+    for (const Split& s : term.ca) term.dims.push_back(s.mesh_dim);
+  }
+  return term;
+}
+
+struct Bytes {
+  Wide sent = 0, received = 0;
+};
+
+Wide product_except(const Term& term, std::span<const int64_t> sizes, int skip1, int skip2) {
+  Wide p = 1;
+  for (int t = 0; t < static_cast<int>(term.a.size()); ++t)
+    if (t != skip1 && t != skip2) p *= sizes[term.a[t]];
+  return p;
+}
+
+// The elements (not bytes) a rank in this size class moves, for every term but same-dim regroups.
+Bytes class_elements(const Term& term, std::span<const int64_t> s) {
+  Bytes out;
+  switch (term.kind) {
+    case Term::kNone:
+    case Term::kSameDim:
+      break;
+    case Term::kGather: {
+      const Wide others = product_except(term, s, term.t, -1);
+      out.received = (Wide{s[term.b]} - s[term.a[term.t]]) * others;
+      out.sent = Wide{term.k - 1} * s[term.a[term.t]] * others;
+      break;
+    }
+    case Term::kPair: {
+      const Wide others = product_except(term, s, term.t, term.t2);
+      out.received = Wide{s[term.b2]} * (Wide{s[term.b]} - s[term.a[term.t]]) * others;
+      out.sent = Wide{s[term.a[term.t]]} * (Wide{s[term.a[term.t2]]} - s[term.b2]) * others;
+      break;
+    }
+    case Term::kAllReduce: {
+      const Wide n = product_except(term, s, -1, -1);
+      out.sent = out.received = (Wide{2} * (term.k - 1) * n + term.k - 1) / term.k;
+      break;
+    }
+    case Term::kReduceScatter: {
+      const Wide others = product_except(term, s, term.t, -1);
+      const Wide after = Wide{s[term.b]} * others;
+      out.received = Wide{term.k - 1} * after;
+      out.sent = Wide{s[term.a[term.t]]} * others - after;
+      break;
+    }
+  }
+  return out;
+}
+
+int64_t common(const IndexRuns& x, const IndexRuns& y) {
+  int64_t n = 0;
+  size_t i = 0, j = 0;
+  while (i < x.size() && j < y.size()) {
+    const int64_t lo = std::max(x[i].start, y[j].start);
+    const int64_t hi = std::min(x[i].start + x[i].length, y[j].start + y[j].length);
+    if (lo < hi) n += hi - lo;
+    if (x[i].start + x[i].length < y[j].start + y[j].length) ++i;
+    else ++j;
+  }
+  return n;
+}
+
+// A same-dim regroup at one coordinate (coord: the full mesh coordinate).
+Bytes same_dim_elements(const Term& term, std::span<const int64_t> s, const Dims& coord) {
+  std::vector<int64_t> c;
+  for (int d : term.dims) c.push_back(coord[d]);
+  const int64_t n = s[term.prefix];
+  const int64_t kept = common(chain_positions(n, term.ca, c), chain_positions(n, term.cb, c));
+  const Wide others = product_except(term, s, term.t, -1);
+  return {(Wide{s[term.a[term.t]]} - kept) * others, (Wide{s[term.b]} - kept) * others};
+}
+
+// Calls f(coord) for every coordinate of `dims` inside the class's box (others at lo).
+template <class F>
+void for_each_coordinate(const SizeClass& cls, const std::vector<int>& dims, WorkBudget& work, F f) {
+  Dims coord = cls.lo;
+  for (;;) {
+    work.add(1);
+    f(coord);
+    size_t i = dims.size();
+    while (i > 0) {
+      const int d = dims[i - 1];
+      if (++coord[d] < cls.hi[d]) break;
+      coord[d] = cls.lo[d];
+      --i;
+    }
+    if (i == 0) return;
+  }
+}
+
+IndexRuns intersect_runs(const IndexRuns& x, const IndexRuns& y) {
+  IndexRuns out;
+  size_t i = 0, j = 0;
+  while (i < x.size() && j < y.size()) {
+    const int64_t lo = std::max(x[i].start, y[j].start);
+    const int64_t hi = std::min(x[i].start + x[i].length, y[j].start + y[j].length);
+    if (lo < hi) out.push_back({lo, hi - lo});
+    if (x[i].start + x[i].length < y[j].start + y[j].length) ++i;
+    else ++j;
+  }
+  return out;
+}
+
+// The least a rank at coordinate c of the step's mesh dim keeps through a valid same-dim
+// regroup, over the later coordinates of the class: the positions both splits give c, counted per
+// later owner (0 as soon as some later coordinate of the class gets none).
+Wide least_kept(const Term& term, int64_t n, int64_t c, const SizeClass& cls, WorkBudget& work) {
+  const std::span<const Split> later(term.cb.data() + 1, term.cb.size() - 1);
+  const int64_t ci[] = {c};
+  const IndexRuns pa = chain_positions(n, std::span<const Split>(term.ca.data(), 1), ci);
+  const IndexRuns pb = chain_positions(n, std::span<const Split>(term.cb.data(), 1), ci);
+  const IndexRuns both = intersect_runs(pa, pb);
+  work.add(1 + static_cast<int64_t>(pa.size() + pb.size()));
+  int64_t kept = 0;
+  for (const IndexRun& r : both) kept += r.length;
+  if (later.empty()) return kept;
+  int64_t box = 1;
+  for (size_t i = 1; i < term.dims.size(); ++i) box *= cls.hi[term.dims[i]] - cls.lo[term.dims[i]];
+  if (kept < box) return 0;  // fewer kept positions than later coordinates
+  // Per later owner (through b's list: the owners agree), the kept positions.
+  std::map<int64_t, int64_t> per_owner;
+  int64_t base = 0;
+  size_t j = 0;
+  std::vector<OwnerRun> runs;
+  for (const IndexRun& r : both) {
+    while (pb[j].start + pb[j].length <= r.start) base += pb[j++].length;
+    const int64_t pos = base + (r.start - pb[j].start);
+    runs.clear();
+    owner_runs(piece_size(n, term.cb.front(), c), later, pos, pos + r.length, runs, work);
+    for (const OwnerRun& o : runs) {
+      // Inside the class's box along every later dim?
+      int64_t code = o.code;
+      bool inside = true;
+      for (size_t i = later.size(); i-- > 0;) {
+        const int64_t digit = code % later[i].k;
+        code /= later[i].k;
+        const int d = later[i].mesh_dim;
+        inside = inside && digit >= cls.lo[d] && digit < cls.hi[d];
+      }
+      if (inside) per_owner[o.code] += o.end - o.begin;
+    }
+  }
+  if (static_cast<int64_t>(per_owner.size()) < box) return 0;
+  int64_t least = kernels::kInt64Max;
+  for (const auto& [code, count] : per_owner) least = std::min(least, count);
+  return least;
+}
+
+Traffic busiest(const std::vector<Term>& terms, const ChainSet& set, const Dims& shape, DType dtype, WorkBudget& work) {
+  const int64_t item = static_cast<int64_t>(kernels::itemsize(dtype));
+  std::vector<int> same_dims;
+  std::vector<const Term*> same;
+  bool any_term = false;
+  for (const Term& term : terms) {
+    any_term = any_term || term.kind != Term::kNone;
+    if (term.kind != Term::kSameDim) continue;
+    same.push_back(&term);
+    same_dims.insert(same_dims.end(), term.dims.begin(), term.dims.end());
+  }
+  if (!any_term) return {};
+  std::sort(same_dims.begin(), same_dims.end());
+  same_dims.erase(std::unique(same_dims.begin(), same_dims.end()), same_dims.end());
+  Wide sent = 0, received = 0;
+  auto take = [&](const Bytes& b) {
+    sent = std::max(sent, b.sent);
+    received = std::max(received, b.received);
+  };
+  // One same-dim regroup (every single step, and most routes): a rank keeps nothing unless its
+  // coordinate's pieces overlap (overlapping_pieces), so off those few coordinates its size class
+  // decides; on them it is evaluated per coordinate.
+  std::map<int64_t, std::vector<std::pair<int64_t, int64_t>>> overlaps;  // per prefix size
+  for_each_size_class(set, work, [&](const SizeClass& cls) {
+    Bytes fixed;
+    for (const Term& term : terms) {
+      const Bytes b = class_elements(term, cls.sizes);
+      fixed.sent += b.sent;
+      fixed.received += b.received;
+    }
+    if (same.empty()) return take(fixed);
+    if (same.size() > 1) {
+      for_each_coordinate(cls, same_dims, work, [&](const Dims& coord) {
+        Bytes total = fixed;
+        for (const Term* term : same) {
+          const Bytes b = same_dim_elements(*term, cls.sizes, coord);
+          total.sent += b.sent;
+          total.received += b.received;
+        }
+        take(total);
+      });
+      return;
+    }
+    // In this class every rank holds |before_t| and |after_t| along t; what it keeps is the
+    // overlap of its pieces at the step's mesh dim restricted to its later owners (the step is
+    // valid: the later owners agree), so the busiest rank is the one keeping least.
+    const Term& term = *same.front();
+    const int m = term.dims.front();
+    const int64_t n = cls.sizes[term.prefix];
+    auto it = overlaps.find(n);
+    if (it == overlaps.end()) it = overlaps.emplace(n, overlapping_pieces(n, term.ca.front(), term.cb.front(), work)).first;
+    int64_t covered = 0;
+    for (const auto& [first, last] : it->second)
+      covered += std::max<int64_t>(0, std::min(last, cls.hi[m]) - std::max(first, cls.lo[m]));
+    Wide least = 0;  // the least a rank of the class keeps
+    if (covered == cls.hi[m] - cls.lo[m]) {
+      least = -1;
+      for (int64_t c = cls.lo[m]; c < cls.hi[m] && least != 0; ++c) {
+        const Wide kept = least_kept(term, n, c, cls, work);
+        least = least < 0 ? kept : std::min(least, kept);
+      }
+    }
+    const Wide others = product_except(term, cls.sizes, term.t, -1);
+    take({fixed.sent + (Wide{cls.sizes[term.a[term.t]]} - least) * others,
+          fixed.received + (Wide{cls.sizes[term.b]} - least) * others});
+  });
+  return {to_bytes(sent * item, shape, dtype), to_bytes(received * item, shape, dtype)};
+}
+
+}  // namespace
+
+Traffic step_traffic(const Step& step, const Placements& before, const Dims& global_shape, const Dims& mesh_shape,
+                     DType dtype, WorkBudget& work) {
+  ChainSet set(mesh_shape);
+  const std::vector<Term> terms = {make_term(step, before, global_shape, mesh_shape, set)};
+  return busiest(terms, set, global_shape, dtype, work);
+}
+
+Traffic route_traffic(std::span<const Step> steps, std::span<const Placements> states, const Dims& global_shape,
+                      const Dims& mesh_shape, DType dtype, WorkBudget& work) {
+  ChainSet set(mesh_shape);
+  std::vector<Term> terms;
+  for (size_t i = 0; i < steps.size(); ++i) terms.push_back(make_term(steps[i], states[i], global_shape, mesh_shape, set));
+  return busiest(terms, set, global_shape, dtype, work);
+}
+
+Traffic lower_bound_traffic(const DTensorSpec& src, const Placements& dst_in) {
+  const DeviceMesh& mesh = *src.mesh;
+  const Dims& mesh_shape = mesh.shape();
+  const Dims& shape = src.shape;
+  const int64_t item = static_cast<int64_t>(kernels::itemsize(src.dtype));
+  const Placements& from = src.placements;
+  // What must be held after: a new Partial (a zero-fill) needs nothing beyond its source.
+  Placements dst = normalize_placements(dst_in, mesh.ndim(), src.tensor_ndim());
+  int64_t contributions = 1, classes = 1;
+  for (int m = 0; m < mesh.ndim(); ++m) {
+    if (is_partial(dst[m]) && !is_partial(from[m])) dst[m] = from[m];
+    if (!is_partial(from[m]) || mesh.size(m) == 1) continue;
+    if (from[m] == dst[m]) classes *= mesh.size(m);  // a kept Partial: separate values
+    else contributions *= mesh.size(m);              // reduced
+  }
+  WorkBudget work(kMaxPlanWork, [&] {
+    return fmt::format("the lower bound of [{}] -> [{}] on mesh [{}]", to_string(from), to_string(dst),
+                       fmt::join(mesh_shape, ","));
+  });
+  ChainSet set(mesh_shape);
+  const int ndim = src.tensor_ndim();
+  std::vector<int> after(ndim), kept(ndim);
+  for (int t = 0; t < ndim; ++t) after[t] = set.add(shape[t], chain_of(dst, mesh_shape, t));
+  if (contributions > 1) {
+    // Partial mesh dims reduced: each element's C contributions merge with C-1 transfers and
+    // reach its D holders with D-1 more (planner.h); the busiest rank at least the average.
+    Wide held_after = 1;  // every rank's new local size, summed: numel x the replication
+    for (int64_t n : shape) held_after *= n;
+    for (int m = 0; m < mesh.ndim(); ++m)
+      if (!shard_dim(dst[m])) held_after *= mesh.size(m);
+    Wide numel = 1;
+    for (int64_t n : shape) numel *= n;
+    const Wide total = numel * (contributions - 2) * classes + held_after;
+    const Wide average = (total + mesh.size() - 1) / mesh.size();
+    Wide largest = 0;
+    for_each_size_class(set, work, [&](const SizeClass& c) {
+      Wide held = 1;
+      for (int t = 0; t < ndim; ++t) held *= c.sizes[after[t]];
+      largest = std::max(largest, held);
+    });
+    return {0, to_bytes(std::max(average, largest) * item, shape, src.dtype)};
+  }
+  // No reduction: what a rank holds after and not before. Per tensor dim, when one chain's
+  // pieces nest in the other's, the overlap is the smaller one's size; otherwise it is counted
+  // per coordinate of the mesh dims where the chains differ.
+  struct Explicit {
+    int t, prefix;
+    SplitList a, b;
+    std::vector<int> a_dims, b_dims;
+  };
+  std::vector<Explicit> explicit_dims;
+  std::vector<int> explicit_mesh_dims;
+  for (int t = 0; t < ndim; ++t) {
+    const SplitList a = chain_of(from, mesh_shape, t), b = chain_of(dst, mesh_shape, t);
+    const int before = set.add(shape[t], a);
+    size_t common_len = 0;
+    while (common_len < a.size() && common_len < b.size() && a[common_len] == b[common_len]) ++common_len;
+    const SplitList prefix(a.begin(), a.begin() + static_cast<std::ptrdiff_t>(common_len));
+    const std::span<const Split> ra(a.data() + common_len, a.size() - common_len), rb(b.data() + common_len, b.size() - common_len);
+    auto nests = [&](std::span<const Split> longer, std::span<const Split> shorter) {
+      if (shorter.empty()) return true;
+      if (longer.size() != shorter.size() + 1 || !std::equal(shorter.begin(), shorter.end(), longer.begin() + 1))
+        return false;
+      for (int64_t n : distinct_sizes(shape[t], prefix, mesh_shape, work))
+        if (!same_later_owners(n, longer.front(), std::nullopt, shorter, work)) return false;
+      return true;
+    };
+    if (nests(ra, rb)) {
+      kept[t] = before;  // before's pieces lie inside after's
+    } else if (nests(rb, ra)) {
+      kept[t] = after[t];
+    } else {
+      kept[t] = -1;
+      Explicit e{t, set.add(shape[t], prefix), SplitList(ra.begin(), ra.end()), SplitList(rb.begin(), rb.end()), {}, {}};
+      for (const Split& s : e.a) e.a_dims.push_back(s.mesh_dim);
+      for (const Split& s : e.b) e.b_dims.push_back(s.mesh_dim);
+      explicit_mesh_dims.insert(explicit_mesh_dims.end(), e.a_dims.begin(), e.a_dims.end());
+      explicit_mesh_dims.insert(explicit_mesh_dims.end(), e.b_dims.begin(), e.b_dims.end());
+      explicit_dims.push_back(std::move(e));
+    }
+  }
+  std::sort(explicit_mesh_dims.begin(), explicit_mesh_dims.end());
+  explicit_mesh_dims.erase(std::unique(explicit_mesh_dims.begin(), explicit_mesh_dims.end()), explicit_mesh_dims.end());
+  Wide received = 0;
+  for_each_size_class(set, work, [&](const SizeClass& c) {
+    Wide need = 1, fixed = 1;
+    for (int t = 0; t < ndim; ++t) {
+      need *= c.sizes[after[t]];
+      if (kept[t] >= 0) fixed *= c.sizes[kept[t]];
+    }
+    if (explicit_dims.empty()) {
+      received = std::max(received, need - fixed);
+      return;
+    }
+    for_each_coordinate(c, explicit_mesh_dims, work, [&](const Dims& coord) {
+      Wide overlap = fixed;
+      for (const Explicit& e : explicit_dims) {
+        std::vector<int64_t> ca, cb;
+        for (int d : e.a_dims) ca.push_back(coord[d]);
+        for (int d : e.b_dims) cb.push_back(coord[d]);
+        const int64_t n = c.sizes[e.prefix];
+        overlap *= common(chain_positions(n, e.a, ca), chain_positions(n, e.b, cb));
+      }
+      received = std::max(received, need - overlap);
+    });
+  });
+  return {0, to_bytes(received * item, shape, src.dtype)};
+}
+
+}  // namespace dtensor
