@@ -71,7 +71,8 @@ if [ ! -f "$dir/build.ninja" ]; then
 elif [ "$kind" = fuzz ]; then
   meson configure "$dir" "-Dfuzz_seconds=${FUZZ_SECONDS:-30}" >/dev/null
 fi
-ninja -C "$dir" --quiet "${targets[@]}" >/dev/null 2>"$dir.ninja.log" || { cat "$dir.ninja.log"; exit 1; }
+# ninja prints a failed command's output on stdout: keep both for the failure message.
+ninja -C "$dir" --quiet "${targets[@]}" >"$dir.ninja.log" 2>&1 || { tail -n 60 "$dir.ninja.log"; exit 1; }
 rm -f "$dir.ninja.log"
 mpi_tests=()
 if [ "$kind" = asan ] && grep -qx 'mpi=true' "$dir/features.txt" && command -v mpirun >/dev/null; then

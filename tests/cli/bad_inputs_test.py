@@ -5,7 +5,7 @@ names the value (the case's needle), no signal, and an end within --case-timeout
 fails the case). The last line is 'summary: N passed, N failed' (tools/test_summary.py counts it).
 
   bad_inputs_test.py --program dtensor-check=build/tools/dtensor-check --program ... \\
-                     [--cases bad_inputs.txt] [--case-timeout 60] [--jobs 2] [--rlimit-gib 8]
+                     [--cases bad_inputs.txt] [--case-timeout S] [--jobs 2] [--rlimit-gib 8]
 
 --rlimit-gib caps each process's address space so a case that would allocate without checking
 fails fast instead of taking the machine's memory (0: no cap). Under a sanitizer (ASAN_OPTIONS
@@ -26,11 +26,15 @@ from sanitizer_env import child_env
 ap = argparse.ArgumentParser()
 ap.add_argument("--program", action="append", default=[], help="NAME=PATH")
 ap.add_argument("--cases", default=str(pathlib.Path(__file__).with_name("bad_inputs.txt")))
-ap.add_argument("--case-timeout", type=float, default=60)
+ap.add_argument("--case-timeout", type=float, default=None,
+                help="seconds; default 60, 240 under a sanitizer (up to 20x slower)")
 ap.add_argument("--jobs", type=int, default=2)
 ap.add_argument("--rlimit-gib", type=float, default=8)
 args = ap.parse_args()
 programs = dict(p.split("=", 1) for p in args.program)
+if args.case_timeout is None:
+    sanitized = any(os.environ.get(v) for v in ("ASAN_OPTIONS", "TSAN_OPTIONS", "UBSAN_OPTIONS"))
+    args.case_timeout = 240.0 if sanitized else 60.0
 
 
 def expand(token):
