@@ -185,7 +185,7 @@ TEST_CASE("single-mesh-dim transitions move exactly the lower bound", "[dtensor]
   CHECK(checked > 500);
 }
 
-TEST_CASE("search moves no more bytes than greedy on multi-dim pairs", "[dtensor][planner][traffic]") {
+TEST_CASE("search moves no more bytes than greedy on multi-dim pairs", "[dtensor][planner][traffic][exhaustive]") {
   // Bandwidth-dominated sizes (the cost model trades bytes for latency only on tiny tensors).
   for (const Dims& mesh : std::vector<Dims>{{2, 2}, {2, 3}, {2, 2, 2}})
     for (const Placements& src : testing_support::placement_lists(mesh.size(), kSources))
