@@ -283,7 +283,7 @@ TEST_CASE("meshes of up to 2^20 ranks plan; FSDP-family transitions at the lower
   }
 }
 
-TEST_CASE("a search past its work budget fails by name, never with a worse route", "[dtensor][planner][limits]") {
+TEST_CASE("a search past its work budget fails by name, never with a worse route", "[dtensor][planner][limits][budget]") {
   // An 8-d mesh has millions of placement states.
   auto mesh8 = std::make_shared<const DeviceMesh>(DeviceMesh::parse("2x2x2x2x2x2x2x2"));
   const DTensorSpec src = make_spec(mesh8, parse_placements("S(0),S(1),S(2),S(3),S(4),S(5),S(6),S(7)"),

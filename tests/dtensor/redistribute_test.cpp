@@ -10,6 +10,7 @@
 #include "collectives/local.h"
 #include "dtensor/exec/executor.h"
 #include "kernels/error.h"
+#include "support/catch2_runner.h"
 #include "support/checks.h"
 #include "support/dtensor_data.h"
 
@@ -34,9 +35,11 @@ void run_pairs(const Dims& mesh_shape, const std::vector<Dims>& shapes,
   PlanCache cache;  // shared by the rank threads: plans are rank-independent
   collectives::run_ranks(static_cast<int>(mesh->size()), [&](Communicator& world) {
     MeshComms comms(*mesh, world);
+    int64_t index = 0;  // the same on every rank: they skip the same cases under --sample
     for (const Dims& shape : shapes)
       for (const Placements& src : srcs)
         for (const Placements& dst : dsts) {
+          if (!test_support::sampled(index++)) continue;
           DTensorSpec s = make_spec(mesh, src, shape, dtype);
           DTensorSpec d = make_spec(mesh, dst, shape, dtype);
           const Plan& plan = cache.get(s, dst, planner);
@@ -67,7 +70,7 @@ TEST_CASE("exhaustive redistribute over R/S(0)/S(1)/P on small meshes", "[dtenso
                 planner, kernels::DType::kF32, outcome);
     INFO(outcome.cases << " cases with planner " << to_string(planner));
     for (const auto& f : outcome.failures) FAIL_CHECK(f);
-    CHECK(outcome.cases > 1000);
+    CHECK(outcome.cases > 1000 / test_support::sample_stride());
   }
 }
 
@@ -80,8 +83,8 @@ TEST_CASE("StridedShard transitions, uneven and with a first mesh dim of 3", "[d
                 planner, kernels::DType::kF32, outcome);
     INFO(outcome.cases << " cases with planner " << to_string(planner));
     for (const auto& f : outcome.failures) FAIL_CHECK(f);
-    // 3 shapes x (25 x 25 pairs on each 2-D mesh, 5 x 5 on {4}).
-    CHECK(outcome.cases == 3 * (2 * 25 * 25 + 5 * 5));
+    // 3 shapes x (25 x 25 pairs on each 2-D mesh, 5 x 5 on {4}), sampled per mesh.
+    CHECK(outcome.cases == 2 * test_support::sampled_count(3 * 25 * 25) + test_support::sampled_count(3 * 5 * 5));
   }
 }
 
@@ -96,7 +99,7 @@ TEST_CASE("other dtypes and Partial ops", "[dtensor][redistribute]") {
     run_pairs({2, 3}, {{5, 3}}, srcs, testing_support::placement_lists(2, {Replicate{}, Shard{0}, Shard{1}}), PlannerKind::kGreedy,
               dtype, outcome);
   for (const auto& f : outcome.failures) FAIL_CHECK(f);
-  CHECK(outcome.cases == 5 * 15 * 9);  // dtypes x sources x targets
+  CHECK(outcome.cases == 5 * test_support::sampled_count(15 * 9));  // dtypes x (sources x targets)
 }
 
 TEST_CASE("batched redistribute: one collective per step for many tensors", "[dtensor][redistribute][batch]") {
