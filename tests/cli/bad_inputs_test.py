@@ -32,8 +32,8 @@ ap.add_argument("--jobs", type=int, default=2)
 ap.add_argument("--rlimit-gib", type=float, default=8)
 args = ap.parse_args()
 programs = dict(p.split("=", 1) for p in args.program)
+sanitized = any(os.environ.get(v) for v in ("ASAN_OPTIONS", "TSAN_OPTIONS", "UBSAN_OPTIONS"))
 if args.case_timeout is None:
-    sanitized = any(os.environ.get(v) for v in ("ASAN_OPTIONS", "TSAN_OPTIONS", "UBSAN_OPTIONS"))
     args.case_timeout = 240.0 if sanitized else 60.0
 
 
@@ -50,10 +50,17 @@ def expand(token):
 
 
 cases = []
+left_out = 0  # cases marked "unsanitized" when running under a sanitizer
 for lineno, line in enumerate(pathlib.Path(args.cases).read_text().splitlines(), 1):
     if not line.strip() or line.lstrip().startswith("#"):
         continue
     status, needle, command = (part.strip() for part in line.split(" | ", 2))
+    status, *marks = status.split()
+    if marks not in ([], ["unsanitized"]):
+        sys.exit(f"bad_inputs_test: line {lineno}: status {' '.join([status] + marks)!r}: expected N or 'N unsanitized'")
+    if marks and sanitized:
+        left_out += 1
+        continue
     argv = [expand(t) for t in shlex.split(command)]
     cases.append((lineno, int(status), [n.strip() for n in needle.split(" || ")], argv))
 
@@ -68,6 +75,9 @@ def limit():
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
 
+took_by_line = {}
+
+
 def run(case):
     lineno, want, needles, argv = case
     cmd = [programs[argv[0]]] + argv[1:]
@@ -79,6 +89,7 @@ def run(case):
     except subprocess.TimeoutExpired:
         return f"line {lineno}: {shown}: still running after {args.case_timeout:.0f} s (a hang)"
     took = time.monotonic() - start
+    took_by_line[lineno] = took
     # ASan's note on an allocation it refused (allocator_may_return_null) is not the program's.
     err = [l for l in r.stderr.strip().splitlines() if "WARNING: AddressSanitizer failed to allocate" not in l]
     problems = []
@@ -103,6 +114,9 @@ with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
 failures = [f for f in results if f]
 for f in failures:
     print("FAIL", f)
-print(f"bad_inputs_test: {len(cases)} cases against {len(programs)} programs in {time.monotonic() - start:.1f} s")
+print(f"bad_inputs_test: {len(cases)} cases against {len(programs)} programs in {time.monotonic() - start:.1f} s"
+      + (f" ({left_out} 'unsanitized' cases left out: the main tree runs them)" if left_out else ""))
+slowest = sorted(took_by_line.items(), key=lambda kv: -kv[1])[:5]
+print("slowest: " + ", ".join(f"line {n} {t:.1f} s" for n, t in slowest))
 print(f"summary: {len(cases) - len(failures)} passed, {len(failures)} failed")
 sys.exit(1 if failures or len(cases) < 100 else 0)
