@@ -12,12 +12,18 @@
 #                              dtensor tests that run rank threads
 #   tools/sanitizers.sh fuzz   build-fuzz: clang + libFuzzer: layout-fuzz (the mesh and
 #                              placement parsers and the layout rules) for FUZZ_SECONDS (30) s
+#   tools/sanitizers.sh KIND build   only configure and build the tree (./build.sh test builds the
+#                                    next tree at idle CPU priority while the current one's tests run)
+#   tools/sanitizers.sh KIND test    only run the tests of a tree built before
 # A sanitizer report fails the test that triggered it (halt_on_error).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$here"
 
-kind=${1:?usage: tools/sanitizers.sh asan|tsan|fuzz}
+usage="usage: tools/sanitizers.sh asan|tsan|fuzz [build|test]"
+kind=${1:?$usage}
+step=${2:-all}
+case $step in all|build|test) ;; *) echo "$usage" >&2; exit 2 ;; esac
 setup_env=()
 cpp_args="'-g1'"
 case $kind in
@@ -44,7 +50,7 @@ case $kind in
     dir=build-tsan
     opts=(-Db_sanitize=thread -Dmpi=disabled)
     targets=(tests/collectives/collectives_test tests/dtensor/dtensor_test)
-    tests=(collectives-local dtensor-tsan dtensor-tsan-redistribute)
+    tests=(collectives-tsan dtensor-tsan dtensor-tsan-redistribute)
     ;;
   fuzz)
     dir=build-fuzz
@@ -58,10 +64,11 @@ case $kind in
     targets=(tests/fuzz/layout_fuzz)
     tests=(layout-fuzz)
     ;;
-  *) echo "usage: tools/sanitizers.sh asan|tsan|fuzz" >&2; exit 2 ;;
+  *) echo "$usage" >&2; exit 2 ;;
 esac
 
 source tools/ccache_env.sh
+if [ "$step" != test ]; then
 rm -f "$dir"/meson-logs/testlog*.json  # a failed build must not leave the last run's results behind
 if [ ! -f "$dir/build.ninja" ]; then
   echo "sanitizers: configuring $dir"
@@ -74,10 +81,16 @@ fi
 # ninja prints a failed command's output on stdout: keep both for the failure message.
 ninja -C "$dir" --quiet "${targets[@]}" >"$dir.ninja.log" 2>&1 || { tail -n 60 "$dir.ninja.log"; exit 1; }
 rm -f "$dir.ninja.log"
+fi
 mpi_tests=()
 if [ "$kind" = asan ] && grep -qx 'mpi=true' "$dir/features.txt" && command -v mpirun >/dev/null; then
-  ninja -C "$dir" --quiet tests/collectives/collectives_mpi_test >/dev/null
+  [ "$step" = test ] || ninja -C "$dir" --quiet tests/collectives/collectives_mpi_test >/dev/null
   mpi_tests=(collectives-mpi-np2 redistribute-mpi rank-failure)
+fi
+[ "$step" != build ] || exit 0
+if [ ! -f "$dir/build.ninja" ]; then
+  echo "sanitizers.sh: $dir is not built (tools/sanitizers.sh $kind build)" >&2
+  exit 1
 fi
 
 supp=$here/tools/sanitizers
