@@ -919,7 +919,7 @@ FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr
     if (const auto bad = check_dp_chunks(uspec.shape, mesh.shape(), uspec.placements, sharded, g.shard_mesh_dim, sd)) {
       if (bad->kind == DpChunkVerdict::kIndivisible)
         throw InvalidArgument(fmt::format(
-            "{}: Shard({}) over {} dp ranks needs dim {} (size {} on this tensor-parallel shard) divisible by {}", where,
+            "{}: Shard({}) over {} dp ranks needs dim {} (size {} on a tensor-parallel shard) divisible by {}", where,
             sd, g.dp, sd, bad->size, g.dp));
       throw Unsupported(fmt::format(
           "{}: under {} the dp shards are not chunks of the tensor-parallel shard (uneven FSDP x TP: dim {} of "
