@@ -127,6 +127,35 @@ void check_mesh(const std::string& key, const dtensor::DeviceMesh& mesh, int wor
           fmt::format("checkpoint: '{}' lives on rank {} but the world has {} ranks", key, r, world_size));
 }
 
+// The bytes each replica index of one replica group has been given so far (a group: keys on one
+// mesh replicated along the same mesh dims; every replica of such a key holds the same boxes of
+// every key of the group, so all replicas compute the same loads). take() gives a box to the
+// least-loaded index (lowest on ties): the reference's greedy, within the group. Memory: the
+// indices given something, never the replica count.
+class ReplicaLoads {
+ public:
+  explicit ReplicaLoads(int64_t replicas) : replicas_(replicas) {}
+  int64_t take(uint64_t nbytes) {
+    // The candidates: the least-loaded index given something, and the lowest never given one.
+    const std::pair<uint64_t, int64_t> fresh{0, fresh_};
+    const bool use_fresh =
+        fresh_ < replicas_ && (by_load_.empty() || fresh < *by_load_.begin());
+    std::pair<uint64_t, int64_t> best = fresh;
+    if (use_fresh) {
+      ++fresh_;
+    } else {
+      best = *by_load_.begin();
+      by_load_.erase(by_load_.begin());
+    }
+    by_load_.insert({best.first + nbytes, best.second});
+    return best.second;
+  }
+
+ private:
+  std::set<std::pair<uint64_t, int64_t>> by_load_;
+  int64_t replicas_ = 1, fresh_ = 0;
+};
+
 }  // namespace
 
 SpecList specs_of(const nn::StateDict& sd) {
@@ -140,6 +169,8 @@ SavePlan make_local_save_plan(const SpecList& specs, int rank, int world_size, u
   SavePlan plan;
   const std::string desc = describe(specs, block_bytes);
   std::set<const dtensor::DeviceMesh*> checked;
+  std::vector<const dtensor::DeviceMesh*> meshes;                // distinct by value
+  std::map<std::pair<size_t, std::vector<int>>, ReplicaLoads> groups;  // (mesh, replicating dims)
   for (size_t k = 0; k < specs.size(); ++k) {
     const auto& [key, spec] = specs[k];
     const dtensor::DeviceMesh& mesh = *spec.mesh;
@@ -153,17 +184,26 @@ SavePlan make_local_save_plan(const SpecList& specs, int rank, int world_size, u
     if (!coord) continue;
     // The replicas of this rank's boxes: the ranks that differ from it only along mesh dims that
     // replicate the tensor (a Partial of size 1 as well); this rank's index among them.
-    int64_t replicas = 1, index = 0;
+    std::vector<int> rep_dims;
+    int64_t index = 0;
     for (int m = 0; m < mesh.ndim(); ++m)
       if ((dtensor::is_replicate(spec.placements[m]) || dtensor::is_partial(spec.placements[m])) && mesh.size(m) > 1) {
+        rep_dims.push_back(m);
         index = index * mesh.size(m) + (*coord)[m];
-        replicas *= mesh.size(m);
       }
     const std::optional<dtensor::ShardLayout> layout = spec.layout(rank);
     const std::vector<Box> boxes = boxes_of(*layout, spec.shape);
-    for (size_t b = 0; b < boxes.size(); ++b)
-      if (static_cast<int64_t>((k + b) % static_cast<uint64_t>(replicas)) == index)
-        plan.chunks.push_back(planned(k, boxes[b], rank, item, block_bytes));
+    // Groups by mesh value (equal meshes held as different objects on different ranks group alike).
+    size_t mesh_id = 0;
+    while (mesh_id < meshes.size() && !(*meshes[mesh_id] == mesh)) ++mesh_id;
+    if (mesh_id == meshes.size()) meshes.push_back(&mesh);
+    int64_t replicas = 1;
+    for (int m : rep_dims) replicas *= mesh.size(m);
+    ReplicaLoads& loads = groups.try_emplace({mesh_id, rep_dims}, replicas).first->second;
+    for (const Box& box : boxes) {
+      PlannedChunk c = planned(k, box, rank, item, block_bytes);
+      if (loads.take(c.nbytes) == index) plan.chunks.push_back(std::move(c));
+    }
   }
   plan.hash = xxh64(desc.data(), desc.size());
   plan_files(specs, plan);

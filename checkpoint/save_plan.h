@@ -1,18 +1,21 @@
 // Internal to checkpoint/: which rank writes which chunk, and the files it writes them to.
 //
-// Each rank plans only its own part (make_local_save_plan): the boxes of its own layout, and of
-// each box replicated over r ranks (the ranks that differ from it only along mesh dims that
-// replicate the tensor) it writes the one whose (key index + box index) mod r equals its index
-// among the replicas (its coordinate along those dims, mixed radix). Every replica computes the
-// same rule from the same data (replicas hold equal layouts), so each chunk is written exactly
-// once, without listing any other rank's layout. Rank 0 assembles checkpoint.json from what the
-// ranks report (save.cpp).
+// Each rank plans only its own part (make_local_save_plan): the boxes of its own layout. A box
+// replicated over r ranks (those that differ from this one only along mesh dims that replicate
+// the tensor) goes to one replica index by a greedy within its replica group: keys on one mesh
+// replicated along the same mesh dims form a group, and every box of the group, in key order, goes
+// to the index with the fewest bytes so far (lowest on ties). Every replica holds the same boxes of
+// every key of the group, so all compute the same choice: each chunk is written exactly once,
+// without listing any other rank's layout, in work of this rank's boxes times log of their number.
+// Rank 0 assembles checkpoint.json from what the ranks report (save.cpp).
 //
-//   HSDP [R, S(0)] on a (2, 4) mesh: rank (0, j) writes row block j of keys 0, 2, 4, ...;
-//   rank (1, j) those of keys 1, 3, 5, ... (one box per key per rank, two replicas).
+//   HSDP [R, S(0)] on a (2, 4) mesh, keys of equal size: rank (0, j) writes row block j of keys
+//   0, 2, 4, ...; rank (1, j) those of keys 1, 3, 5, ... (one box per key per rank, two replicas).
 //
 // make_save_plan_by_rank is the former whole-world plan (every rank's layout, each replicated
-// chunk to the least-loaded holder so far): the tests' reference on small meshes.
+// chunk to the least-loaded holder over all keys so far): the tests' reference on small meshes.
+// The two choose the same writers when all replicated keys of a mesh form one group (FSDP, HSDP,
+// fully replicated); where groups mix they may differ (tests/checkpoint/save_plan_test.cpp).
 #pragma once
 
 #include <cstdint>

@@ -4,7 +4,9 @@
 // (examples/fsdp-train's default model) as one rank of meshes of 16,384 ranks, fast.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <chrono>
+#include <iostream>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -235,4 +237,72 @@ TEST_CASE("fully_shard sets up a meta GPT as one rank of 16,384-rank meshes (FSD
     }
   }
   CHECK(ran == 8);
+}
+
+TEST_CASE("fully_shard setup time and the layout check, by rank vs from placements, 8 to 16,384 ranks",
+          "[.][bench]") {
+  using Clock = std::chrono::steady_clock;
+  auto ms_since = [](Clock::time_point t0) {
+    return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  };
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  nn::GPTConfig cfg;  // examples/fsdp-train's default model
+  cfg.vocab = 64;
+  cfg.dim = 64;
+  cfg.heads = 4;
+  cfg.layers = 2;
+  cfg.max_seq = 32;
+  cfg.bias = false;
+  struct Case {
+    Dims mesh;
+    std::vector<std::string> names;
+    int tp_dim, shard_dim;
+  };
+  const std::vector<Case> cases = {
+      {{8}, {"dp_shard"}, -1, 0},          {{64}, {"dp_shard"}, -1, 0},
+      {{1024}, {"dp_shard"}, -1, 0},       {{16384}, {"dp_shard"}, -1, 0},
+      {{2, 4}, {"dp_shard", "tp"}, 1, 0},  {{16, 4}, {"dp_shard", "tp"}, 1, 0},
+      {{256, 4}, {"dp_shard", "tp"}, 1, 0}, {{4096, 4}, {"dp_shard", "tp"}, 1, 0},
+  };
+  for (const Case& c : cases) {
+    const DeviceMesh mesh = DeviceMesh::from_shape(c.mesh, c.names);
+    const int world_size = static_cast<int>(mesh.size());
+    std::vector<double> setup, fast, by_rank;
+    const int reps = world_size >= 4096 ? 3 : 7;
+    for (int i = 0; i < reps; ++i) {
+      auto world = SetupOnlyCommunicator::world(world_size, 0);
+      auto comms = dtensor::MeshComms::create(mesh, *world);
+      nn::GPT model(nn::ModuleOptions{comms, kernels::DType::kF32, {}}, cfg);
+      if (c.tp_dim >= 0) nn::parallelize_module(model, c.tp_dim, nn::gpt_tensor_parallel_plan(cfg, true, true));
+      auto t0 = Clock::now();
+      for (const auto& [name, block] : model.blocks().children()) fsdp::fully_shard(*block, comms);
+      fsdp::fully_shard(model, comms);
+      setup.push_back(ms_since(t0));
+      // The check alone, per parameter, both ways (the sharded placements back to the tp ones).
+      double f = 0, r = 0;
+      for (const auto& [n, p] : model.named_parameters()) {
+        const Placements sh = p->placements();
+        Placements u = sh;
+        u[c.shard_dim] = dtensor::Replicate{};
+        const int sd = dtensor::shard_dim(sh[c.shard_dim]).value_or(0);
+        t0 = Clock::now();
+        const auto a = fsdp::check_dp_chunks(p->shape(), c.mesh, u, sh, c.shard_dim, sd);
+        f += ms_since(t0);
+        t0 = Clock::now();
+        const auto b = fsdp::check_dp_chunks_by_rank(p->shape(), c.mesh, u, sh, c.shard_dim, sd);
+        r += ms_since(t0);
+        CHECK(a.has_value() == b.has_value());
+      }
+      fast.push_back(f);
+      by_rank.push_back(r);
+    }
+    const double s = median(setup), f = median(fast), r = median(by_rank);
+    std::cout << fmt::format(
+        "mesh {:<12} setup (new) {:>9.3f} ms; check from placements {:>8.3f} ms, by rank {:>10.3f} ms; "
+        "setup with the by-rank check ~{:>10.3f} ms\n",
+        str(c.mesh), s, f, r, s - f + r);
+  }
 }
