@@ -1,6 +1,7 @@
 #include "checkpoint/save_plan.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <map>
 #include <nlohmann/json.hpp>
@@ -33,11 +34,20 @@ void check_saveable(const std::string& key, const dtensor::DTensorSpec& spec) {
 std::string describe(const SpecList& specs, uint64_t block_bytes) {
   std::string desc = fmt::format("block_bytes={};", block_bytes);
   std::set<std::string> seen;
+  // A mesh as its shape, names and a digest of its rank list (once per mesh object: not a string
+  // of every rank per key).
+  std::map<const dtensor::DeviceMesh*, std::string> meshes;
   for (const auto& [key, spec] : specs) {
     if (!seen.insert(key).second) throw InvalidArgument(fmt::format("checkpoint: key '{}' appears twice", key));
     check_saveable(key, spec);
+    auto [it, added] = meshes.try_emplace(spec.mesh.get());
+    if (added) {
+      const std::vector<int>& ranks = spec.mesh->ranks();
+      it->second = fmt::format("{}/{}/{:016x}", spec.mesh->shape(), fmt::join(spec.mesh->names(), ","),
+                               xxh64(ranks.data(), ranks.size() * sizeof(int)));
+    }
     desc += fmt::format("{}|{}|{}|{}|{};", key, spec.shape, kernels::to_string(spec.dtype),
-                        dtensor::to_string(spec.placements), dtensor::to_string(*spec.mesh));
+                        dtensor::to_string(spec.placements), it->second);
   }
   return desc;
 }
