@@ -306,3 +306,49 @@ TEST_CASE("fully_shard setup time and the layout check, by rank vs from placemen
         str(c.mesh), s, f, r, s - f + r);
   }
 }
+
+TEST_CASE("fully_shard refuses the layouts the check refuses, naming the parameter", "[fsdp][dp-chunks]") {
+  nn::GPTConfig cfg;
+  cfg.vocab = 13;  // 13 rows over tp 2 and dp 3: the dp shards are not chunks of the tp shards
+  cfg.dim = 16;
+  cfg.heads = 2;
+  cfg.layers = 1;
+  cfg.max_seq = 8;
+  int ran = 0;
+  for (int rank : {0, 5}) {
+    const DeviceMesh mesh = DeviceMesh::from_shape({3, 2}, {"dp_shard", "tp"});
+    auto world = SetupOnlyCommunicator::world(6, rank);
+    auto comms = dtensor::MeshComms::create(mesh, *world);
+    nn::GPT model(nn::ModuleOptions{comms, kernels::DType::kF32, {}}, cfg);
+    nn::parallelize_module(model, 1, nn::gpt_tensor_parallel_plan(cfg, true, true));
+    try {
+      fsdp::fully_shard(model, comms);
+      FAIL("uneven FSDP x TP accepted on rank " << rank);
+    } catch (const kernels::Unsupported& e) {
+      CHECK_THAT(e.what(), Catch::Contains("the dp shards are not chunks of the tensor-parallel shard") &&
+                               Catch::Contains("size 13"));
+    }
+    ++ran;
+  }
+  {
+    // Shard(1) of 16 columns over 3 dp ranks: indivisible.
+    const DeviceMesh mesh = DeviceMesh::from_shape({3}, {"dp_shard"});
+    auto world = SetupOnlyCommunicator::world(3, 1);
+    auto comms = dtensor::MeshComms::create(mesh, *world);
+    cfg.vocab = 12;
+    nn::GPT model(nn::ModuleOptions{comms, kernels::DType::kF32, {}}, cfg);
+    fsdp::FullyShardOptions o;
+    o.shard_placement_fn = [](const std::string&, const nn::Parameter& p) -> std::optional<int> {
+      return p.shape().size() == 2 ? std::optional<int>(1) : std::nullopt;
+    };
+    try {
+      fsdp::fully_shard(model, comms, o);
+      FAIL("indivisible Shard(1) accepted");
+    } catch (const kernels::InvalidArgument& e) {
+      CHECK_THAT(e.what(), Catch::Contains("Shard(1) over 3 dp ranks needs dim 1") &&
+                               Catch::Contains("(size 16 on a tensor-parallel shard) divisible by 3"));
+    }
+    ++ran;
+  }
+  CHECK(ran == 3);
+}
