@@ -16,7 +16,8 @@
 // coordinate of L's mesh dims (the tensor-parallel group), and not at all when the dp split is the
 // last one (torch.chunk of the tp list by definition) or the tp pieces are even (m divisible by
 // sf: chunk c of each tp piece is what the strided split takes). Work: distinct sizes x dp x tp
-// group, never the world.
+// group in that last case (the groups of the mesh dims that split sd: replicate dims and dims
+// splitting other tensor dims never count), else the distinct sizes.
 #pragma once
 
 #include <cstdint>
