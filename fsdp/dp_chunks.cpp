@@ -15,6 +15,42 @@ namespace fsdp {
 using dtensor::Split;
 using kernels::Dims;
 
+namespace {
+
+// A sequence of sizes as runs (size, count): counts > 0, adjacent sizes distinct.
+using SizeRuns = std::vector<std::pair<int64_t, int64_t>>;
+void push(SizeRuns& runs, int64_t size, int64_t count) {
+  if (count <= 0) return;
+  if (!runs.empty() && runs.back().first == size) runs.back().second += count;
+  else runs.emplace_back(size, count);
+}
+// The torch.chunk piece sizes of n into k, mapped by f, as runs: ceil(n/k)-sized pieces, one
+// partial piece, then empties.
+template <class F>
+SizeRuns piece_runs(int64_t n, int64_t k, F&& f) {
+  SizeRuns runs;
+  const int64_t piece = n == 0 ? 0 : (n + k - 1) / k;
+  const int64_t full = piece == 0 ? 0 : n / piece, rem = n - full * piece;
+  push(runs, f(piece), full);
+  push(runs, f(rem), rem > 0 ? 1 : 0);
+  push(runs, f(0), k - full - (rem > 0 ? 1 : 0));
+  return runs;
+}
+
+// NOTE: the strided dp split of a list of m (factor sf) keeps, of each of its sf torch.chunk
+// pieces, sub-chunk c over dp, in piece order; the tp split (k = sf) then cuts that kept list by
+// torch.chunk. Rank (c, j) holds chunk c of tp piece j exactly when the tp split's piece sizes
+// of the kept list are the sub-chunk sizes, piece by piece (both lists are the same positions in
+// the same order, so equal sizes mean equal pieces).
+bool chunk_sizes_match(int64_t m, int64_t sf, int64_t dp, int64_t c) {
+  const SizeRuns kept = piece_runs(m, sf, [&](int64_t p) { return dtensor::chunk(p, dp, c).size; });
+  int64_t total = 0;
+  for (const auto& [size, count] : kept) total += size * count;
+  return kept == piece_runs(total, sf, [](int64_t p) { return p; });
+}
+
+}  // namespace
+
 std::optional<DpChunkVerdict> check_dp_chunks(const Dims& global_shape, const Dims& mesh_shape,
                                               const dtensor::Placements& unsharded,
                                               const dtensor::Placements& sharded, int shard_mesh_dim, int sd) {
@@ -54,6 +90,13 @@ std::optional<DpChunkVerdict> check_dp_chunks(const Dims& global_shape, const Di
   for (int64_t m : dtensor::distinct_sizes(n, before, mesh_shape, work)) {
     // Even tp pieces: the strided split takes chunk c of each, which the later splits hand out whole.
     if (plain_later && sf == tp_group && m % sf == 0) continue;
+    if (plain_later && later.size() == 1 && later[0].k == sf) {
+      // One tp split of the same factor: by sizes alone, O(dp) (NOTE in chunk_sizes_match).
+      work.add(dp);
+      for (int64_t c = 0; c < dp; ++c)
+        if (!chunk_sizes_match(m, sf, dp, c)) return DpChunkVerdict{DpChunkVerdict::kNotChunks, n};
+      continue;
+    }
     for (int64_t t = 0; t < tp_group; ++t) {
       int64_t rest = t;
       for (size_t i = later.size(); i-- > 0;) {

@@ -12,12 +12,14 @@
 //
 // How: along sd a placement list is a chain of splits (dtensor/plan/chain.h). With E the splits
 // before the dp mesh dim and L those after it, every rank's index list is E's list (of a few
-// distinct sizes m) split further; so the check runs once per distinct m, per dp piece and per
-// coordinate of L's mesh dims (the tensor-parallel group), and not at all when the dp split is the
-// last one (torch.chunk of the tp list by definition) or the tp pieces are even (m divisible by
-// sf: chunk c of each tp piece is what the strided split takes). Work: distinct sizes x dp x tp
-// group in that last case (the groups of the mesh dims that split sd: replicate dims and dims
-// splitting other tensor dims never count), else the distinct sizes.
+// distinct sizes m) split further, so the check runs once per distinct m:
+//  - nothing to do when the dp split is the last (torch.chunk of the tp list by definition) or
+//    the tp pieces are even (m divisible by sf: chunk c of each tp piece is what the strided
+//    split takes);
+//  - one tp split (the FSDP x TP case): by piece sizes alone, O(dp);
+//  - otherwise (several mesh dims after dp split sd) positions are compared per dp piece and per
+//    coordinate of L's mesh dims: O(dp x their group), bounded by dtensor::kMaxPlanWork.
+// Replicate dims and dims splitting other tensor dims never count.
 #pragma once
 
 #include <cstdint>

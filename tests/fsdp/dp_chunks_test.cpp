@@ -169,6 +169,8 @@ TEST_CASE("dp chunk check: meshes of 2^14 to 2^20 ranks, uneven shapes included,
       {{2048, 8}, {13, 64}, "R,S(0)", "_S(0,8),S(0)", 0, 0, true},
       {{2048, 8}, {16390, 64}, "R,S(0)", "_S(0,8),S(0)", 0, 0, true},
       {{512, 32}, {1000, 64}, "R,S(0)", "_S(0,32),S(0)", 0, 0, true},
+      {{2048, 8}, {50257, 64}, "R,S(0)", "_S(0,8),S(0)", 0, 0, true},
+      {{4, 64, 64}, {1000, 64}, "R,S(0),S(0)", "_S(0,4096),S(0),S(0)", 0, 0, true},  // two tp dims
   };
   int ran = 0, compared = 0, refused = 0;
   for (const Case& c : cases) {
@@ -190,9 +192,9 @@ TEST_CASE("dp chunk check: meshes of 2^14 to 2^20 ranks, uneven shapes included,
     CHECK(ms < 1000.0);  // generous for sanitizer builds; release: well under a millisecond to a few ms
     ++ran;
   }
-  CHECK(compared == 8);
+  CHECK(compared == 10);
   CHECK(refused >= 1);
-  CHECK(ran == 11);
+  CHECK(ran == 13);
 }
 
 TEST_CASE("fully_shard sets up a meta GPT as one rank of 16,384-rank meshes (FSDP, HSDP, FSDP x TP, HSDP x TP)",
