@@ -148,7 +148,8 @@ TEST_CASE("dp chunk check: the uneven FSDP x TP vocab fsdp-train refuses, and th
   CHECK(fsdp::check_dp_chunks_by_rank({13, 16}, {3, 2}, u, sh, 0, 0) == bad);
 }
 
-TEST_CASE("dp chunk check: meshes of 2^14 to 2^20 ranks, uneven shapes included, in milliseconds",
+// Timings are printed (INFO) but not asserted: the figures live in the [bench] case below.
+TEST_CASE("dp chunk check: meshes of 2^14 to 2^20 ranks, uneven shapes included",
           "[fsdp][dp-chunks][scale]") {
   struct Case {
     Dims mesh, global;
@@ -190,7 +191,6 @@ TEST_CASE("dp chunk check: meshes of 2^14 to 2^20 ranks, uneven shapes included,
       CHECK(verdict.has_value() != c.valid);
     }
     refused += verdict.has_value();
-    CHECK(ms < 1000.0);  // generous for sanitizer builds; release: well under a millisecond to a few ms
     ++ran;
   }
   CHECK(compared == 10);
@@ -235,7 +235,6 @@ TEST_CASE("fully_shard sets up a meta GPT as one rank of 16,384-rank meshes (FSD
       INFO("rank " << rank << ": set up in " << ms << " ms");
       CHECK(root.sharded_bytes() >= 0);
       for (const auto& [n, p] : model.named_parameters()) CHECK(p->is_meta());
-      CHECK(ms < 5000.0);
       ++ran;
     }
   }
