@@ -24,9 +24,9 @@
 //       byte_offset, nbytes, xxh64 of the bytes and, for chunks larger than a block, the block
 //       shape and each block's xxh64), every file's size, and the non-tensor values.
 // A chunk is a box in global coordinates. A rank whose shard is not one box (_StridedShard,
-// nested uneven shards) writes several. Chunks replicated over ranks are written once, each by
-// the holder with the fewest bytes so far (the plan is a pure function of the specs, the same
-// on every rank: no communication but one gather of checksums and the commit's agreement).
+// nested uneven shards) writes several. Chunks replicated over ranks are written once: each rank
+// plans its own chunks from its coordinate and the specs (checkpoint/save_plan.h), and rank 0
+// writes checkpoint.json from what the ranks report (one gather, and the commit's agreement).
 //
 // Errors: kernels::InvalidArgument naming the directory, the key and what differs (missing,
 // unexpected, shape, dtype, incomplete, checksum, truncated file, a value out of range, a path

@@ -1,4 +1,4 @@
-// Internal to checkpoint/ (checkpoint.cpp, metadata.cpp, coverage.cpp): block checksums, the
+// Internal to checkpoint/ (save.cpp, load.cpp, metadata.cpp, coverage.cpp): block checksums, the
 // runs of a box inside a row-major buffer, and the coverage check. Not for users.
 #pragma once
 

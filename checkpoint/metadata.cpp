@@ -31,7 +31,7 @@ using Json = nlohmann::ordered_json;
 
 namespace {
 
-constexpr const char* kWriterKey = "dtensor_runtime";  // our files' __metadata__ marker (checkpoint.cpp)
+constexpr const char* kWriterKey = "dtensor_runtime";  // our files' __metadata__ marker (shared.h)
 constexpr uint64_t kMaxMetadataBytes = uint64_t{1} << 30;
 constexpr uint64_t kMaxHeader = uint64_t{100} << 20;
 

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "dtensor/layout.h"
+#include "fsdp/dp_chunks.h"
 #include "kernels/error.h"
 #include "kernels/format.h"
 #include "kernels/ops/chunk_cat.h"
@@ -914,26 +915,16 @@ FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr
     else sharded[g.shard_mesh_dim] = dtensor::Shard{sd};
     s.sharded_spec = meta ? dtensor::make_spec(mesh_ptr(comms), sharded, uspec.shape, uspec.dtype)
                           : dtensor::make_spec(mesh_ptr(comms), sharded, uspec.shape, uspec.dtype, p->data().stride());
-    // Every rank checks every coordinate, so all ranks agree on an error.
-    const int64_t total = mesh.size();
-    for (int64_t r = 0; r < total; ++r) {
-      const Dims coord = dtensor::unravel_index(r, mesh.shape());
-      const dtensor::ShardLayout u = dtensor::compute_layout(uspec.shape, mesh.shape(), uspec.placements, coord);
-      const dtensor::ShardLayout sh = dtensor::compute_layout(uspec.shape, mesh.shape(), sharded, coord);
-      const int64_t n = u.local_shape[sd];
-      if (sd > 0 && n % g.dp != 0)
+    // Decided from global data only (no layout per rank), so all ranks agree on an error.
+    if (const auto bad = check_dp_chunks(uspec.shape, mesh.shape(), uspec.placements, sharded, g.shard_mesh_dim, sd)) {
+      if (bad->kind == DpChunkVerdict::kIndivisible)
         throw InvalidArgument(fmt::format(
-            "{}: Shard({}) over {} dp ranks needs dim {} (size {} on this tensor-parallel shard) divisible by {}",
-            where, sd, g.dp, sd, n, g.dp));
-      const dtensor::Chunk c = dtensor::chunk(n, g.dp, coord[g.shard_mesh_dim]);
-      // The dp shard must hold positions [c.offset, c.offset + c.size) of the tp shard's indices
-      // (compared as runs: memory in the number of runs, not in the size of the dim).
-      const bool ok = sh.local_shape[sd] == c.size && sh.runs[sd] == dtensor::slice_runs(u.runs[sd], c.offset, c.size);
-      if (!ok)
-        throw Unsupported(fmt::format(
-            "{}: under {} the dp shards are not chunks of the tensor-parallel shard (uneven FSDP x TP: dim {} of "
-            "size {} over tp and dp); pad the dim to a multiple of the mesh sizes",
-            where, dtensor::to_string(sharded), sd, uspec.shape[sd]));
+            "{}: Shard({}) over {} dp ranks needs dim {} (size {} on a tensor-parallel shard) divisible by {}", where,
+            sd, g.dp, sd, bad->size, g.dp));
+      throw Unsupported(fmt::format(
+          "{}: under {} the dp shards are not chunks of the tensor-parallel shard (uneven FSDP x TP: dim {} of "
+          "size {} over tp and dp); pad the dim to a multiple of the mesh sizes",
+          where, dtensor::to_string(sharded), sd, uspec.shape[sd]));
     }
     const int64_t n = s.local_shape[sd];
     for (int64_t d = 0; d < g.dp; ++d) s.chunks.push_back(dtensor::chunk(n, g.dp, d));
