@@ -13,7 +13,22 @@ namespace dtensor {
 
 namespace {
 
-int64_t ceil_div(int64_t a, int64_t b) { return kernels::checked_ceil_div(a, b, "chunk size"); }
+// The hot loops divide a lot: the checked forms only off the fast path.
+inline int64_t ceil_div(int64_t a, int64_t b) {
+  if (a < 0 || b < 1) [[unlikely]]
+    return kernels::checked_ceil_div(a, b, "chunk size");
+  return a / b + (a % b != 0);
+}
+
+// dtensor::chunk (layout.h), inline.
+inline Chunk chunk_at(int64_t n, int64_t k, int64_t index) {
+  if (n < 0 || k < 1) [[unlikely]]
+    return chunk(n, k, index);
+  const int64_t c = ceil_div(n, k);
+  int64_t start = 0;
+  if (__builtin_mul_overflow(index, c, &start) || start > n) return {n, 0};
+  return {start, std::min(n - start, c)};
+}
 
 // The piece lengths of a split of a list of n: one piece of n (Shard), or `full` pieces of
 // `length` and one of `last` (StridedShard; last may be 0).
@@ -64,11 +79,11 @@ SplitList chain_of(const Placements& placements, const Dims& mesh_shape, int t) 
 }
 
 int64_t piece_size(int64_t n, const Split& s, int64_t c) {
-  if (s.sf == 0) return chunk(n, s.k, c).size;
+  if (s.sf == 0) return chunk_at(n, s.k, c).size;
   const Pieces p = pieces_of(n, s);
   if (p.full == 0 && p.last == 0) return 0;
-  int64_t size = p.full * chunk(p.length, s.k, c).size;
-  if (p.last > 0) size += chunk(p.last, s.k, c).size;
+  int64_t size = p.full * chunk_at(p.length, s.k, c).size;
+  if (p.last > 0) size += chunk_at(p.last, s.k, c).size;
   return size;
 }
 
@@ -163,11 +178,11 @@ void owner_rec(int64_t n, std::span<const Split> splits, size_t level, int64_t l
     const int64_t cs = ceil_div(length, s.k);
     const int64_t a = std::max(lo, start) - start, b = std::min(hi, start + length) - start;
     for (int64_t c = a / cs; c < s.k && c * cs < b; ++c) {
-      const Chunk sub = chunk(length, s.k, c);
+      const Chunk sub = chunk_at(length, s.k, c);
       const int64_t x = std::max(a, sub.offset), z = std::min(b, sub.offset + sub.size);
       if (z <= x) continue;
       // Earlier pieces are full: this sub-chunk starts at p x (a full piece's sub-chunk c) in c's list.
-      const int64_t before = s.sf == 0 ? 0 : p * chunk(pc.length, s.k, c).size;
+      const int64_t before = s.sf == 0 ? 0 : p * chunk_at(pc.length, s.k, c).size;
       const int64_t shift = start + sub.offset - before;  // parent position = local + shift
       owner_rec(piece_size(n, s, c), splits, level + 1, x - sub.offset + before, z - sub.offset + before,
                 code * s.k + c, delta + shift, out, work);
@@ -197,9 +212,9 @@ std::vector<Family> families(int64_t n, const Split& a) {
     const int64_t cs = ceil_div(length, a.k);
     for (size_t j = 0; j + 1 < cuts.size(); ++j) {
       const int64_t c0 = cuts[j];
-      const int64_t w = chunk(length, a.k, c0).size;
+      const int64_t w = chunk_at(length, a.k, c0).size;
       if (w == 0) continue;
-      const int64_t before = a.sf == 0 ? 0 : p * chunk(pc.length, a.k, c0).size;
+      const int64_t before = a.sf == 0 ? 0 : p * chunk_at(pc.length, a.k, c0).size;
       out.push_back({start + c0 * cs, w, cuts[j + 1] - c0, before, piece_size(n, a, c0), c0});
     }
   }
@@ -340,13 +355,13 @@ void affine_rec(int64_t n, std::span<const Split> splits, size_t level, int64_t 
     const int64_t cs = ceil_div(length, s.k);
     const int64_t a = std::max(lo, start) - start, b = std::min(hi, start + length) - start;
     for (size_t j = 0; j + 1 < cuts.size(); ++j) {
-      const int64_t c0 = cuts[j], w = chunk(length, s.k, c0).size;
+      const int64_t c0 = cuts[j], w = chunk_at(length, s.k, c0).size;
       if (w == 0) continue;
       // Windows c in [c0, c1) at [c cs, c cs + w); w == cs unless the family is one coordinate.
       const int64_t c1 = std::min(cuts[j + 1], c0 + (w == cs ? cuts[j + 1] - c0 : 1));
       const int64_t cl = std::max(c0, a / cs), ch = std::min(c1, ceil_div(b, cs));
       if (cl >= ch) continue;
-      const int64_t before = s.sf == 0 ? 0 : p * chunk(pc.length, s.k, c0).size;
+      const int64_t before = s.sf == 0 ? 0 : p * chunk_at(pc.length, s.k, c0).size;
       const int64_t list = piece_size(n, s, c0);
       auto window = [&](int64_t c) {
         const int64_t x = std::max(a, c * cs), z = std::min(b, c * cs + w);
