@@ -83,6 +83,8 @@ class WorkBudget {
   int64_t used() const { return limit_ - left_; }
   // Owner checks already decided in this planning call (same_later_owners), by their inputs.
   std::map<std::vector<int64_t>, bool> owner_checks;
+  // The least a rank keeps through a same-dim regroup (traffic.cpp), by its inputs.
+  std::map<std::vector<int64_t>, int64_t> kept_checks;
 
  private:
   [[noreturn]] void fail() const;

@@ -293,10 +293,22 @@ Traffic busiest(const std::vector<Term>& terms, const ChainSet& set, const Dims&
       covered += std::max<int64_t>(0, std::min(last, cls.hi[m]) - std::max(first, cls.lo[m]));
     Wide least = 0;  // the least a rank of the class keeps
     if (covered == cls.hi[m] - cls.lo[m]) {
-      least = -1;
-      for (int64_t c = cls.lo[m]; c < cls.hi[m] && least != 0; ++c) {
-        const Wide kept = least_kept(term, n, c, cls, work);
-        least = least < 0 ? kept : std::min(least, kept);
+      // The same regroup recurs across a search's edges: its least, by everything it reads.
+      std::vector<int64_t> key = {n};
+      for (const SplitList* chain : {&term.ca, &term.cb}) {
+        key.push_back(static_cast<int64_t>(chain->size()));
+        for (const Split& sp : *chain) key.insert(key.end(), {sp.mesh_dim, sp.k, sp.sf});
+      }
+      for (int d : term.dims) key.insert(key.end(), {d, cls.lo[d], cls.hi[d]});
+      if (auto hit = work.kept_checks.find(key); hit != work.kept_checks.end()) {
+        least = hit->second;
+      } else {
+        least = -1;
+        for (int64_t c = cls.lo[m]; c < cls.hi[m] && least != 0; ++c) {
+          const Wide kept = least_kept(term, n, c, cls, work);
+          least = least < 0 ? kept : std::min(least, kept);
+        }
+        work.kept_checks.emplace(std::move(key), static_cast<int64_t>(least));
       }
     }
     const Wide others = product_except(term, cls.sizes, term.t, -1);
