@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <limits>
+#include <numeric>
 
 #include "kernels/checked.h"
 #include "kernels/error.h"
@@ -11,7 +13,22 @@ namespace dtensor {
 
 namespace {
 
-int64_t ceil_div(int64_t a, int64_t b) { return kernels::checked_ceil_div(a, b, "chunk size"); }
+// The hot loops divide a lot: the checked forms only off the fast path.
+inline int64_t ceil_div(int64_t a, int64_t b) {
+  if (a < 0 || b < 1) [[unlikely]]
+    return kernels::checked_ceil_div(a, b, "chunk size");
+  return a / b + (a % b != 0);
+}
+
+// dtensor::chunk (layout.h), inline.
+inline Chunk chunk_at(int64_t n, int64_t k, int64_t index) {
+  if (n < 0 || k < 1) [[unlikely]]
+    return chunk(n, k, index);
+  const int64_t c = ceil_div(n, k);
+  int64_t start = 0;
+  if (__builtin_mul_overflow(index, c, &start) || start > n) return {n, 0};
+  return {start, std::min(n - start, c)};
+}
 
 // The piece lengths of a split of a list of n: one piece of n (Shard), or `full` pieces of
 // `length` and one of `last` (StridedShard; last may be 0).
@@ -62,11 +79,11 @@ SplitList chain_of(const Placements& placements, const Dims& mesh_shape, int t) 
 }
 
 int64_t piece_size(int64_t n, const Split& s, int64_t c) {
-  if (s.sf == 0) return chunk(n, s.k, c).size;
+  if (s.sf == 0) return chunk_at(n, s.k, c).size;
   const Pieces p = pieces_of(n, s);
   if (p.full == 0 && p.last == 0) return 0;
-  int64_t size = p.full * chunk(p.length, s.k, c).size;
-  if (p.last > 0) size += chunk(p.last, s.k, c).size;
+  int64_t size = p.full * chunk_at(p.length, s.k, c).size;
+  if (p.last > 0) size += chunk_at(p.last, s.k, c).size;
   return size;
 }
 
@@ -161,43 +178,16 @@ void owner_rec(int64_t n, std::span<const Split> splits, size_t level, int64_t l
     const int64_t cs = ceil_div(length, s.k);
     const int64_t a = std::max(lo, start) - start, b = std::min(hi, start + length) - start;
     for (int64_t c = a / cs; c < s.k && c * cs < b; ++c) {
-      const Chunk sub = chunk(length, s.k, c);
+      const Chunk sub = chunk_at(length, s.k, c);
       const int64_t x = std::max(a, sub.offset), z = std::min(b, sub.offset + sub.size);
       if (z <= x) continue;
       // Earlier pieces are full: this sub-chunk starts at p x (a full piece's sub-chunk c) in c's list.
-      const int64_t before = s.sf == 0 ? 0 : p * chunk(pc.length, s.k, c).size;
+      const int64_t before = s.sf == 0 ? 0 : p * chunk_at(pc.length, s.k, c).size;
       const int64_t shift = start + sub.offset - before;  // parent position = local + shift
       owner_rec(piece_size(n, s, c), splits, level + 1, x - sub.offset + before, z - sub.offset + before,
                 code * s.k + c, delta + shift, out, work);
     }
   }
-}
-
-// G is constant and equal to v on [x, y) (G: runs covering [0, w), codes merged).
-bool constant_on(const std::vector<OwnerRun>& g, int64_t x, int64_t y, int64_t v) {
-  if (y <= x) return true;
-  auto it = std::upper_bound(g.begin(), g.end(), x, [](int64_t pos, const OwnerRun& r) { return pos < r.end; });
-  return it != g.end() && it->begin <= x && it->end >= y && it->code == v;
-}
-
-// Every window j < count of H on [h0 + j w, h0 + (j+1) w) equals G (runs of [0, w)).
-bool windows_match(const std::vector<OwnerRun>& h, int64_t h0, int64_t w, int64_t count, const std::vector<OwnerRun>& g,
-                   WorkBudget& work) {
-  const int64_t h1 = h0 + count * w;
-  auto it = std::upper_bound(h.begin(), h.end(), h0, [](int64_t pos, const OwnerRun& r) { return pos < r.end; });
-  for (; it != h.end() && it->begin < h1; ++it) {
-    work.add(1);
-    const int64_t u0 = std::max(it->begin, h0) - h0, u1 = std::min(it->end, h1) - h0;
-    const int64_t j0 = u0 / w, j1 = (u1 - 1) / w;
-    if (j0 == j1) {
-      if (!constant_on(g, u0 - j0 * w, u1 - j0 * w, it->code)) return false;
-      continue;
-    }
-    if (!constant_on(g, u0 - j0 * w, w, it->code)) return false;
-    if (j1 - j0 >= 2 && !constant_on(g, 0, w, it->code)) return false;
-    if (!constant_on(g, 0, u1 - j1 * w, it->code)) return false;
-  }
-  return true;
 }
 
 // The windows of a split of a list of n, grouped in families: per piece p and coordinate
@@ -222,49 +212,13 @@ std::vector<Family> families(int64_t n, const Split& a) {
     const int64_t cs = ceil_div(length, a.k);
     for (size_t j = 0; j + 1 < cuts.size(); ++j) {
       const int64_t c0 = cuts[j];
-      const int64_t w = chunk(length, a.k, c0).size;
+      const int64_t w = chunk_at(length, a.k, c0).size;
       if (w == 0) continue;
-      const int64_t before = a.sf == 0 ? 0 : p * chunk(pc.length, a.k, c0).size;
+      const int64_t before = a.sf == 0 ? 0 : p * chunk_at(pc.length, a.k, c0).size;
       out.push_back({start + c0 * cs, w, cuts[j + 1] - c0, before, piece_size(n, a, c0), c0});
     }
   }
   return out;
-}
-
-// The later owners of one window of a family, as runs of [0, w).
-void window_runs(const Family& f, std::span<const Split> later, std::vector<OwnerRun>& g, WorkBudget& work) {
-  g.clear();
-  owner_runs(f.list, later, f.before, f.before + f.w, g, work);
-  for (OwnerRun& r : g) r.begin -= f.before, r.end -= f.before;
-}
-
-// The owners along `later` of every position of a list of n split by (a, later): a family whose
-// windows hold one owner each is one run over its hull; others are expanded window by window.
-void later_runs(int64_t n, const Split& a, std::span<const Split> later, std::vector<OwnerRun>& out, WorkBudget& work) {
-  std::vector<OwnerRun> g;
-  for (const Family& f : families(n, a)) {
-    work.add(1);
-    window_runs(f, later, g, work);
-    if (g.size() == 1) {
-      emit(out, f.h0, f.h0 + f.count * f.w, g[0].code);
-      continue;
-    }
-    work.add(f.count * static_cast<int64_t>(g.size()));
-    for (int64_t j = 0; j < f.count; ++j)
-      for (const OwnerRun& r : g) emit(out, f.h0 + j * f.w + r.begin, f.h0 + j * f.w + r.end, r.code);
-  }
-}
-
-// (a, later) against the owner runs h of another chain over the same list (every position's
-// later owner): the window check of NOTE [layout algebra].
-bool split_matches(int64_t n, const Split& a, std::span<const Split> later, const std::vector<OwnerRun>& h,
-                   WorkBudget& work) {
-  std::vector<OwnerRun> g;
-  for (const Family& f : families(n, a)) {
-    window_runs(f, later, g, work);
-    if (!windows_match(h, f.h0, f.w, f.count, g, work)) return false;
-  }
-  return true;
 }
 
 int64_t floor_div(int64_t a, int64_t b) {
@@ -336,10 +290,13 @@ bool compare_later_owners(int64_t n, const std::optional<Split>& a, const std::o
 bool same_later_owners(int64_t n, const std::optional<Split>& a, const std::optional<Split>& b,
                        std::span<const Split> later, WorkBudget& work) {
   if (later.empty() || n == 0 || (!a && !b)) return true;
+  // Symmetric in a and b: one key for both orders.
+  auto code = [](const std::optional<Split>& s) { return s ? std::vector<int64_t>{s->k, s->sf} : std::vector<int64_t>{-1}; };
+  std::vector<int64_t> ca = code(a), cb = code(b);
+  if (cb < ca) std::swap(ca, cb);
   std::vector<int64_t> key = {n};
-  for (const std::optional<Split>& s : {a, b})
-    if (s) key.insert(key.end(), {s->k, s->sf});
-    else key.push_back(-1);
+  key.insert(key.end(), ca.begin(), ca.end());
+  key.insert(key.end(), cb.begin(), cb.end());
   for (const Split& s : later) key.insert(key.end(), {s.k, s.sf});
   if (auto it = work.owner_checks.find(key); it != work.owner_checks.end()) return it->second;
   const bool same = compare_later_owners(n, a, b, later, work);
@@ -347,48 +304,204 @@ bool same_later_owners(int64_t n, const std::optional<Split>& a, const std::opti
   return same;
 }
 
-// The later owners of (x, later) and (y, later) compared position by position over [0, end):
-// 1 equal, 0 a mismatch. Codes drop the digit of the split at the mesh dim.
-int compare_prefix(int64_t end, int64_t n, const std::optional<Split>& x, const std::optional<Split>& y,
-                   std::span<const Split> later, WorkBudget& work, size_t& runs) {
-  int64_t k_later = 1;
-  for (const Split& s : later) k_later *= s.k;
-  SplitList cx, cy;
-  if (x) cx.push_back(*x);
-  if (y) cy.push_back(*y);
-  cx.insert(cx.end(), later.begin(), later.end());
-  cy.insert(cy.end(), later.begin(), later.end());
-  std::vector<OwnerRun> rx, ry;
-  owner_runs(n, cx, 0, end, rx, work);
-  owner_runs(n, cy, 0, end, ry, work);
-  runs = rx.size() + ry.size();
-  size_t i = 0, j = 0;
-  while (i < rx.size() && j < ry.size()) {
-    if (rx[i].code % k_later != ry[j].code % k_later) return 0;
-    if (rx[i].end < ry[j].end) ++i;
-    else if (ry[j].end < rx[i].end) ++j;
-    else ++i, ++j;
+namespace {
+
+// Owner codes as affine segments: the positions [lo, hi) lie in windows [h + i w, h + (i+1) w)
+// and position q has code code0 + ((q - h) / w) x step (step 0: one code). A family of equal
+// sub-chunks whose windows each hold one later owner is one segment (its codes step by the later
+// splits' product), so the segments of a chain number about its families, not its runs.
+struct Seg {
+  int64_t lo, hi, h, w, code0, step;
+  int64_t at(int64_t q) const { return step == 0 ? code0 : code0 + (q - h) / w * step; }
+  int64_t next_change(int64_t q) const {  // the first window start after q (INT64_MAX: none)
+    return step == 0 ? std::numeric_limits<int64_t>::max() : h + ((q - h) / w + 1) * w;
   }
-  return 1;
+};
+
+void emit_seg(std::vector<Seg>& out, Seg s) {
+  if (s.hi <= s.lo) return;
+  if (s.step == 0) s.h = s.lo, s.w = s.hi - s.lo;
+  if (!out.empty()) {
+    Seg& b = out.back();
+    if (b.hi == s.lo && b.step == 0 && s.step == 0 && b.code0 == s.code0) {
+      b.hi = s.hi;
+      b.w = b.hi - b.lo;
+      return;
+    }
+  }
+  out.push_back(s);
 }
 
+// Positions [lo, hi) of a list of n under splits[level..] as segments (codes prefixed by `code`,
+// positions shifted by delta). REQUIRES: 0 <= lo <= hi <= n.
+void affine_rec(int64_t n, std::span<const Split> splits, size_t level, int64_t lo, int64_t hi, int64_t code,
+                int64_t delta, std::vector<Seg>& out, WorkBudget& work) {
+  if (hi <= lo) return;
+  work.add(1);
+  if (level == splits.size()) return emit_seg(out, {lo + delta, hi + delta, lo + delta, hi - lo, code, 0});
+  const Split& s = splits[level];
+  int64_t k_rest = 1;
+  for (size_t i = level + 1; i < splits.size(); ++i) k_rest = kernels::checked_mul(k_rest, splits[i].k, "owner code");
+  std::vector<int64_t> cuts = {0, s.k};
+  breakpoints(n, s, cuts);
+  std::sort(cuts.begin(), cuts.end());
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  const Pieces pc = pieces_of(n, s);
+  const int64_t piece_count = pc.full + (pc.last > 0 ? 1 : 0);
+  std::vector<Seg> one;
+  for (int64_t p = lo / pc.length; p < piece_count && p * pc.length < hi; ++p) {
+    const int64_t start = p * pc.length;
+    const int64_t length = p < pc.full ? pc.length : pc.last;
+    const int64_t cs = ceil_div(length, s.k);
+    const int64_t a = std::max(lo, start) - start, b = std::min(hi, start + length) - start;
+    for (size_t j = 0; j + 1 < cuts.size(); ++j) {
+      const int64_t c0 = cuts[j], w = chunk_at(length, s.k, c0).size;
+      if (w == 0) continue;
+      // Windows c in [c0, c1) at [c cs, c cs + w); w == cs unless the family is one coordinate.
+      const int64_t c1 = std::min(cuts[j + 1], c0 + (w == cs ? cuts[j + 1] - c0 : 1));
+      const int64_t cl = std::max(c0, a / cs), ch = std::min(c1, ceil_div(b, cs));
+      if (cl >= ch) continue;
+      const int64_t before = s.sf == 0 ? 0 : p * chunk_at(pc.length, s.k, c0).size;
+      const int64_t list = piece_size(n, s, c0);
+      auto window = [&](int64_t c) {
+        const int64_t x = std::max(a, c * cs), z = std::min(b, c * cs + w);
+        if (z > x)
+          affine_rec(list, splits, level + 1, x - c * cs + before, z - c * cs + before, code * s.k + c,
+                     delta + start + c * cs - before, out, work);
+      };
+      // Whole windows [cf, cg); the (at most two) clipped ones at the ends one by one.
+      const int64_t cf = std::max(cl, ceil_div(a, cs)), cg = std::min(ch, floor_div(b - w, cs) + 1);
+      if (cf >= cg) {
+        for (int64_t c = cl; c < ch; ++c) window(c);
+        continue;
+      }
+      for (int64_t c = cl; c < cf; ++c) window(c);
+      if (cg - cf == 1) {
+        window(cf);
+      } else {
+        one.clear();
+        affine_rec(list, splits, level + 1, before, before + w, 0, -before, one, work);
+        if (one.size() == 1 && one[0].step == 0) {
+          const int64_t h = delta + start + cf * cs;
+          emit_seg(out, {h, h + (cg - cf) * w, h, w, (code * s.k + cf) * k_rest + one[0].code0, k_rest});
+        } else {
+          work.add((cg - cf) * static_cast<int64_t>(one.size()));
+          for (int64_t c = cf; c < cg; ++c) {
+            const int64_t off = delta + start + c * cs, prefix = (code * s.k + c) * k_rest;
+            for (Seg g : one) {
+              g.lo += off, g.hi += off, g.h += off, g.code0 += prefix;
+              emit_seg(out, g);
+            }
+          }
+        }
+      }
+      for (int64_t c = cg; c < ch; ++c) window(c);
+    }
+  }
+}
+
+// One side of the comparison: windows [h0 + j w, + w), j < count, each with the later owners g
+// (segments of [0, w)); `varies`: g holds more than one code.
+struct Periodic {
+  int64_t h0, w, count;
+  std::vector<Seg> g;
+  bool varies() const { return g.size() > 1 || g[0].step != 0; }
+};
+
+std::vector<Periodic> side(int64_t n, const std::optional<Split>& x, std::span<const Split> later, WorkBudget& work) {
+  std::vector<Periodic> out;
+  if (!x) {
+    out.push_back({0, n, 1, {}});
+    affine_rec(n, later, 0, 0, n, 0, 0, out.back().g, work);
+    return out;
+  }
+  for (const Family& f : families(n, *x)) {
+    out.push_back({f.h0, f.w, f.count, {}});
+    Periodic& p = out.back();
+    affine_rec(f.list, later, 0, f.before, f.before + f.w, 0, -f.before, p.g, work);
+    if (!p.varies()) {  // one code over the whole hull
+      p.w *= p.count;
+      p.count = 1;
+      p.g[0].hi = p.g[0].w = p.w;
+    }
+  }
+  return out;
+}
+
+// The segments of a periodic side over [lo, hi) (inside its hull), one at a time.
+class Cursor {
+ public:
+  Cursor(const Periodic& p, int64_t lo, int64_t hi) : p_(p), lo_(lo), hi_(hi), j_((lo - p.h0) / p.w) {}
+  // The next segment, clipped; false past hi.
+  bool next(Seg& out) {
+    for (;;) {
+      if (k_ == p_.g.size()) ++j_, k_ = 0;
+      const int64_t off = p_.h0 + j_ * p_.w;
+      if (j_ >= p_.count || off >= hi_) return false;
+      const Seg& s = p_.g[k_++];
+      out = {std::max(lo_, s.lo + off), std::min(hi_, s.hi + off), s.h + off, s.w, s.code0, s.step};
+      if (out.hi > out.lo) return true;
+    }
+  }
+
+ private:
+  const Periodic& p_;
+  int64_t lo_, hi_, j_;
+  size_t k_ = 0;
+};
+
+// Two segments with equal codes over [x, r) (both cover it).
+bool equal_on(const Seg& a, const Seg& b, int64_t x, int64_t r) {
+  if (a.at(x) != b.at(x)) return false;
+  const int64_t na = a.next_change(x), nb = b.next_change(x);
+  if (na >= r && nb >= r) return true;
+  if (na != nb) return false;
+  if (a.w == b.w && a.step == b.step) return true;  // the same windows from na on, the same steps
+  // One change each inside [x, r), at the same place.
+  return na + a.w >= r && nb + b.w >= r && a.at(na) == b.at(nb);
+}
+
+// x and y (overlapping families) with equal codes over [lo, hi). Codes never decrease along a
+// segment while a varying family repeats its codes every window, so a segment longer than the
+// other side's window (of a family with several windows there) is a mismatch.
+bool equal_over(const Periodic& x, const Periodic& y, int64_t lo, int64_t hi, WorkBudget& work) {
+  const bool x_repeats = x.varies() && hi - lo > x.w, y_repeats = y.varies() && hi - lo > y.w;
+  Cursor cx(x, lo, hi), cy(y, lo, hi);
+  Seg a{}, b{};
+  bool more = cx.next(a) && cy.next(b);
+  while (more) {
+    work.add(1);
+    if ((y_repeats && a.hi - a.lo > y.w) || (x_repeats && b.hi - b.lo > x.w)) return false;
+    const int64_t p = std::max(a.lo, b.lo), r = std::min(a.hi, b.hi);
+    if (!equal_on(a, b, p, r)) return false;
+    const bool step_a = a.hi == r, step_b = b.hi == r;
+    if (step_a) more = cx.next(a);
+    if (step_b) more = more && cy.next(b);
+  }
+  return true;
+}
+
+}  // namespace
+
+// Both sides as periodic families; on the overlap of two families both owner functions repeat
+// with period lcm(wa, wb), so one period decides it (NOTE [layout algebra]).
 bool compare_later_owners(int64_t n, const std::optional<Split>& a, const std::optional<Split>& b,
                           std::span<const Split> later, WorkBudget& work) {
-  // A mismatch, when there is one, usually shows in the first positions: compare prefixes of
-  // growing length position by position first (a short list is decided there entirely).
-  for (int64_t end = std::min<int64_t>(n, 64);; end = std::min(n, end * 4)) {
-    size_t runs = 0;
-    if (compare_prefix(end, n, a, b, later, work, runs) == 0) return false;
-    if (end == n) return true;
-    if (runs > 512) break;
+  const std::vector<Periodic> pa = side(n, a, later, work), pb = side(n, b, later, work);
+  size_t i = 0, j = 0;
+  while (i < pa.size() && j < pb.size()) {
+    const Periodic &x = pa[i], &y = pb[j];
+    const int64_t xe = x.h0 + x.count * x.w, ye = y.h0 + y.count * y.w;
+    const int64_t lo = std::max(x.h0, y.h0), hi = std::min(xe, ye);
+    if (lo < hi) {
+      const int64_t g = std::gcd(x.w, y.w);
+      const int64_t span = x.w / g > (hi - lo) / y.w ? hi - lo : std::min(hi - lo, x.w / g * y.w);
+      if (!equal_over(x, y, lo, lo + span, work)) return false;
+    }
+    if (xe <= ye) ++i;
+    if (ye <= xe) ++j;
   }
-  std::vector<OwnerRun> h;
-  if (a && b) {
-    later_runs(n, *b, later, h, work);  // both split at the mesh dim: b's side as runs
-    return split_matches(n, *a, later, h, work);
-  }
-  owner_runs(n, later, 0, n, h, work);  // the side without a split at the mesh dim
-  return split_matches(n, a ? *a : *b, later, h, work);
+  return true;
 }
 
 }  // namespace dtensor

@@ -22,10 +22,15 @@
 //    same owner along the later mesh dims (step validity, NOTE [step validity] in step.h). The
 //    chains share the splits before m, so after them both split the same ordered list, whose
 //    size takes a few values (the size classes of the common prefix): the check runs once per
-//    distinct size. When one chain has no split at m, the pieces of the other at m repeat
-//    (pieces of one size class hold positions that differ by a multiple of their size), so the
-//    check walks the owner runs of the later splits once per piece of the split at m and size
-//    class, never per coordinate: O(split factor x classes x later runs).
+//    distinct size. Each side is a few families (a piece of the split at m and an interval of
+//    coordinates of equal sub-chunk size): windows of equal width that all hold the same pattern
+//    of later owners. A pattern is a few affine segments (a family of the later splits whose
+//    windows hold one owner each is one segment, its codes stepping by a constant), so it costs
+//    the later splits' families, not their runs. On the overlap of two families both sides repeat
+//    with period lcm(widths), so one period decides it; and since codes never decrease along a
+//    segment while a varying pattern repeats its codes every window, a segment longer than the
+//    other side's window is a mismatch at once. Work: families x segments per period, in
+//    practice a few hundred units at any mesh size (tests compare it position by position).
 // Everything counts its work in a WorkBudget; past it, planning fails with Unsupported naming
 // the transition (never a silently worse route).
 #pragma once
@@ -78,6 +83,8 @@ class WorkBudget {
   int64_t used() const { return limit_ - left_; }
   // Owner checks already decided in this planning call (same_later_owners), by their inputs.
   std::map<std::vector<int64_t>, bool> owner_checks;
+  // The least a rank keeps through a same-dim regroup (traffic.cpp), by its inputs.
+  std::map<std::vector<int64_t>, int64_t> kept_checks;
 
  private:
   [[noreturn]] void fail() const;

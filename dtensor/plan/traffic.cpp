@@ -203,7 +203,7 @@ Wide least_kept(const Term& term, int64_t n, int64_t c, const SizeClass& cls, Wo
   for (size_t i = 1; i < term.dims.size(); ++i) box *= cls.hi[term.dims[i]] - cls.lo[term.dims[i]];
   if (kept < box) return 0;  // fewer kept positions than later coordinates
   // Per later owner (through b's list: the owners agree), the kept positions.
-  std::map<int64_t, int64_t> per_owner;
+  std::vector<std::pair<int64_t, int64_t>> per_owner;  // (code, count), merged below
   int64_t base = 0;
   size_t j = 0;
   std::vector<OwnerRun> runs;
@@ -222,13 +222,19 @@ Wide least_kept(const Term& term, int64_t n, int64_t c, const SizeClass& cls, Wo
         const int d = later[i].mesh_dim;
         inside = inside && digit >= cls.lo[d] && digit < cls.hi[d];
       }
-      if (inside) per_owner[o.code] += o.end - o.begin;
+      if (inside) per_owner.push_back({o.code, o.end - o.begin});
     }
   }
-  if (static_cast<int64_t>(per_owner.size()) < box) return 0;
-  int64_t least = kernels::kInt64Max;
-  for (const auto& [code, count] : per_owner) least = std::min(least, count);
-  return least;
+  std::sort(per_owner.begin(), per_owner.end());
+  int64_t owners = 0, least = kernels::kInt64Max;
+  for (size_t i = 0; i < per_owner.size();) {
+    int64_t count = 0;
+    const int64_t code = per_owner[i].first;
+    for (; i < per_owner.size() && per_owner[i].first == code; ++i) count += per_owner[i].second;
+    ++owners;
+    least = std::min(least, count);
+  }
+  return owners < box ? 0 : least;
 }
 
 Traffic busiest(const std::vector<Term>& terms, const ChainSet& set, const Dims& shape, DType dtype, WorkBudget& work) {
@@ -287,10 +293,22 @@ Traffic busiest(const std::vector<Term>& terms, const ChainSet& set, const Dims&
       covered += std::max<int64_t>(0, std::min(last, cls.hi[m]) - std::max(first, cls.lo[m]));
     Wide least = 0;  // the least a rank of the class keeps
     if (covered == cls.hi[m] - cls.lo[m]) {
-      least = -1;
-      for (int64_t c = cls.lo[m]; c < cls.hi[m] && least != 0; ++c) {
-        const Wide kept = least_kept(term, n, c, cls, work);
-        least = least < 0 ? kept : std::min(least, kept);
+      // The same regroup recurs across a search's edges: its least, by everything it reads.
+      std::vector<int64_t> key = {n};
+      for (const SplitList* chain : {&term.ca, &term.cb}) {
+        key.push_back(static_cast<int64_t>(chain->size()));
+        for (const Split& sp : *chain) key.insert(key.end(), {sp.mesh_dim, sp.k, sp.sf});
+      }
+      for (int d : term.dims) key.insert(key.end(), {d, cls.lo[d], cls.hi[d]});
+      if (auto hit = work.kept_checks.find(key); hit != work.kept_checks.end()) {
+        least = hit->second;
+      } else {
+        least = -1;
+        for (int64_t c = cls.lo[m]; c < cls.hi[m] && least != 0; ++c) {
+          const Wide kept = least_kept(term, n, c, cls, work);
+          least = least < 0 ? kept : std::min(least, kept);
+        }
+        work.kept_checks.emplace(std::move(key), static_cast<int64_t>(least));
       }
     }
     const Wide others = product_except(term, cls.sizes, term.t, -1);

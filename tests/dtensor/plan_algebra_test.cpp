@@ -14,10 +14,12 @@
 #include <fmt/ranges.h>
 
 #include <random>
+#include <ranges>
 
 #include "support/placement_lists.h"
 
 #include "dtensor/exec/schedule.h"
+#include "dtensor/plan/chain.h"
 #include "dtensor/plan/planner.h"
 #include "dtensor/plan/reference.h"
 #include "kernels/error.h"
@@ -238,6 +240,60 @@ TEST_CASE("every rank's exchange schedule equals the reference's", "[dtensor][pl
   }
   INFO(schedules << " schedules, " << messages << " messages");
   CHECK(schedules > 20000);
+}
+
+// same_later_owners (chain.h) against positions owner by owner: random lists and chains, uneven
+// and strided splits, pieces of 0 and 1 positions included.
+TEST_CASE("owner equality of two chains equals the position-by-position check", "[dtensor][planner][algebra]") {
+  std::mt19937 rng(25);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  auto random_split = [&](int mesh_dim) {
+    const int64_t sfs[] = {0, 0, 2, 3, 4, 8};
+    return Split{mesh_dim, pick(2, 9), sfs[pick(0, 5)]};
+  };
+  // The later owner code of every position under (x, later), x optional.
+  auto owners = [&](int64_t n, const std::optional<Split>& x, const SplitList& later) {
+    SplitList chain;
+    if (x) chain.push_back(*x);
+    chain.insert(chain.end(), later.begin(), later.end());
+    std::vector<int64_t> code(static_cast<size_t>(n), -1);
+    std::vector<int64_t> coords(chain.size(), 0);
+    for (;;) {
+      int64_t later_code = 0;
+      for (size_t i = x ? 1 : 0; i < chain.size(); ++i) later_code = later_code * chain[i].k + coords[i];
+      for (const IndexRun& r : chain_positions(n, chain, coords))
+        for (int64_t q = r.start; q < r.start + r.length; ++q) code[static_cast<size_t>(q)] = later_code;
+      size_t i = 0;
+      while (i < chain.size() && ++coords[i] == chain[i].k) coords[i++] = 0;
+      if (i == chain.size()) break;
+    }
+    return code;
+  };
+  int cases = 0, same = 0;
+  for (int iter = 0; iter < 3000; ++iter) {
+    const int64_t n = iter % 3 == 0 ? pick(1, 24) : pick(1, 400);
+    std::optional<Split> a, b;
+    const int kind = static_cast<int>(pick(0, 2));  // 0: a and b, 1: a only, 2: b only
+    if (kind != 2) a = random_split(0);
+    if (kind != 1) b = random_split(0);
+    if (kind == 0 && iter % 2 == 0) b->k = a->k;  // the same mesh dim: one size
+    SplitList later;
+    for (int i = 0, count = static_cast<int>(pick(1, 3)); i < count; ++i) later.push_back(random_split(i + 1));
+    const bool expected = owners(n, a, later) == owners(n, b, later);
+    WorkBudget work(kMaxPlanWork);
+    INFO("n " << n << " a " << (a ? fmt::format("{}/{}", a->k, a->sf) : "-") << " b "
+              << (b ? fmt::format("{}/{}", b->k, b->sf) : "-") << " later "
+              << fmt::format("{}", fmt::join(later | std::views::transform([](const Split& s) {
+                                                return fmt::format("{}/{}", s.k, s.sf);
+                                              }),
+                                              ",")));
+    REQUIRE(same_later_owners(n, a, b, later, work) == expected);
+    ++cases;
+    same += expected ? 1 : 0;
+  }
+  CHECK(cases == 3000);
+  CHECK(same > 100);  // both answers occur
+  CHECK(same < 2900);
 }
 
 TEST_CASE("meshes of up to 2^20 ranks plan; FSDP-family transitions at the lower bound", "[dtensor][planner][scale]") {
