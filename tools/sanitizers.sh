@@ -43,6 +43,7 @@ case $kind in
            conformance cli-layout cli-redistribute fuzz bench-smoke
            bench-smoke-detects-wrong dtensor-bench-smoke dtensor-bench-odd-world dtensor-bench-host-cost
            bad-inputs layout-example api-example dtensor-asan dtensor-asan-planner fsdp fsdp-meta fsdp-estimate
+           fsdp-dp-chunks checkpoint-save-plan
            checkpoint fsdp-train-fsdp4
            fsdp-train-hsdp2x2xtp2-bf16 fsdp-train-checkpoint-resume)
     ;;
