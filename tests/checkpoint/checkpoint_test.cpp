@@ -23,6 +23,7 @@
 #include "nn/safetensors.h"
 #include "nn/tensor_parallel.h"
 #include "nn/transformer.h"
+#include "layouts.h"
 #include "support/checks.h"
 
 namespace fs = std::filesystem;
@@ -34,6 +35,8 @@ using dtensor::MeshComms;
 using dtensor::Placements;
 using kernels::DType;
 using kernels::Tensor;
+using checkpoint_tests::Layout;
+using checkpoint_tests::layouts;
 
 namespace {
 
@@ -55,31 +58,6 @@ struct TempDir {
     return c;
   }
 };
-
-// One layout: a mesh shape and the placements of 2-D tensors (1-D tensors get the same with
-// dim-1 shards replaced by Replicate).
-struct Layout {
-  std::string name;
-  Dims mesh;
-  std::string placements2d;
-  std::string placements1d;
-};
-
-const std::vector<Layout>& layouts() {
-  static const std::vector<Layout> l = {
-      {"fsdp4", {4}, "S(0)", "S(0)"},
-      {"tp4-col", {4}, "S(1)", "R"},
-      {"fsdp3", {3}, "S(0)", "S(0)"},
-      {"one", {1}, "R", "R"},
-      {"hsdp2x2", {2, 2}, "R,S(0)", "R,S(0)"},
-      {"fsdp-x-tp-rowwise", {2, 2}, "S(0),S(1)", "S(0),R"},
-      {"fsdp-x-tp-strided", {2, 2}, "_S(0,2),S(0)", "_S(0,2),S(0)"},
-      {"nested-uneven", {2, 2}, "S(0),S(0)", "S(0),S(0)"},
-      {"replicate3", {3}, "R", "R"},
-      {"strided4", {4}, "_S(0,2)", "_S(0,2)"},
-  };
-  return l;
-}
 
 struct TensorCase {
   std::string key;

@@ -24,6 +24,7 @@
 #include "dtensor/placement.h"
 #include "dtensor/spec.h"
 #include "kernels/format.h"
+#include "layouts.h"
 
 namespace {
 
@@ -121,23 +122,12 @@ struct Config {
 
 std::vector<Config> configs() {
   std::vector<Config> out;
-  const std::vector<std::tuple<std::string, Dims, std::string, std::string>> layouts = {
-      {"fsdp4", {4}, "S(0)", "S(0)"},
-      {"tp4-col", {4}, "S(1)", "R"},
-      {"fsdp3", {3}, "S(0)", "S(0)"},
-      {"one", {1}, "R", "R"},
-      {"hsdp2x2", {2, 2}, "R,S(0)", "R,S(0)"},
-      {"fsdp-x-tp-rowwise", {2, 2}, "S(0),S(1)", "S(0),R"},
-      {"fsdp-x-tp-strided", {2, 2}, "_S(0,2),S(0)", "_S(0,2),S(0)"},
-      {"nested-uneven", {2, 2}, "S(0),S(0)", "S(0),S(0)"},
-      {"replicate3", {3}, "R", "R"},
-      {"strided4", {4}, "_S(0,2)", "_S(0,2)"},
-      {"hsdp-x-tp", {2, 2, 2}, "R,S(0),S(1)", "R,S(0),R"},
-      {"hsdp4x2", {4, 2}, "R,S(0)", "R,S(0)"},
-      {"replicate-x-strided", {3, 2, 2}, "R,_S(0,2),S(0)", "R,S(0),R"},
-  };
-  for (const auto& [name, mesh, p2, p1] : layouts)
-    out.push_back({"checkpoint tensors, " + name, mesh, checkpoint_test_tensors(p2, p1)});
+  std::vector<checkpoint_tests::Layout> layouts = checkpoint_tests::layouts();
+  layouts.push_back({"hsdp-x-tp", {2, 2, 2}, "R,S(0),S(1)", "R,S(0),R"});
+  layouts.push_back({"hsdp4x2", {4, 2}, "R,S(0)", "R,S(0)"});
+  layouts.push_back({"replicate-x-strided", {3, 2, 2}, "R,_S(0,2),S(0)", "R,S(0),R"});
+  for (const auto& l : layouts)
+    out.push_back({"checkpoint tensors, " + l.name, l.mesh, checkpoint_test_tensors(l.placements2d, l.placements1d)});
   out.push_back({"empty and 0-d tensors, hsdp2x2", {2, 2},
                  {{"empty", {0, 4}, "R,S(0)"}, {"scalar", {}, "R,R"}, {"w", {6, 4}, "R,S(0)"}}});
   out.push_back({"gpt FSDP 8", {8}, gpt_tensors("S(0)", "S(0)", "S(0)")});

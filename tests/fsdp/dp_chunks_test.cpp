@@ -25,6 +25,17 @@
 
 namespace {
 
+nn::GPTConfig small_gpt() {  // examples/fsdp-train's default model
+  nn::GPTConfig cfg;
+  cfg.vocab = 64;
+  cfg.dim = 64;
+  cfg.heads = 4;
+  cfg.layers = 2;
+  cfg.max_seq = 32;
+  cfg.bias = false;
+  return cfg;
+}
+
 using dtensor::DeviceMesh;
 using dtensor::Placements;
 using kernels::Dims;
@@ -212,13 +223,7 @@ TEST_CASE("fully_shard sets up a meta GPT as one rank of 16,384-rank meshes (FSD
       {"FSDP x TP 4096 x 4", {4096, 4}, {"dp_shard", "tp"}, 1},
       {"HSDP x TP 16 x 256 x 4", {16, 256, 4}, {"dp_replicate", "dp_shard", "tp"}, 2},
   };
-  nn::GPTConfig cfg;  // examples/fsdp-train's default model
-  cfg.vocab = 64;
-  cfg.dim = 64;
-  cfg.heads = 4;
-  cfg.layers = 2;
-  cfg.max_seq = 32;
-  cfg.bias = false;
+  const nn::GPTConfig cfg = small_gpt();
   int ran = 0;
   for (const Case& c : cases) {
     INFO(c.what);
@@ -251,13 +256,7 @@ TEST_CASE("fully_shard setup time and the layout check, by rank vs from placemen
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
   };
-  nn::GPTConfig cfg;  // examples/fsdp-train's default model
-  cfg.vocab = 64;
-  cfg.dim = 64;
-  cfg.heads = 4;
-  cfg.layers = 2;
-  cfg.max_seq = 32;
-  cfg.bias = false;
+  const nn::GPTConfig cfg = small_gpt();
   struct Case {
     Dims mesh;
     std::vector<std::string> names;
