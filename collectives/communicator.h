@@ -342,7 +342,8 @@ namespace detail {
 // scatter's input dropped on non-roots). Throws InvalidArgument naming the call, the group and
 // the value, and what was expected:
 //  - buffers defined, contiguous (send_recv views where comm.p2p_views(): non-negative strides),
-//    of a dtype the collectives move (not fp8), input and output of one dtype and device kind;
+//    input and output of one dtype and device kind; fp8 (e4m3, e5m2) moves as bytes in every
+//    collective but all_reduce and reduce_scatter, which refuse it naming the op and the dtype;
 //  - counts: all_gather output = size x input, reduce_scatter input = size x output, all_reduce
 //    equal, all_to_all equal and divisible by size, scatter (root) input = size x output,
 //    all_to_all_v one count per member, >= 0, summing to the buffer;

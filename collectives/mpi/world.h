@@ -71,9 +71,10 @@ inline MPI_Datatype mpi_type(DType dtype) {
     case DType::kF16: return MPI_UINT16_T;
     case DType::kI32: return MPI_INT32_T;
     case DType::kI64: return MPI_INT64_T;
-    case DType::kU8: return MPI_UINT8_T;
+    case DType::kU8:
+    // fp8 moves as opaque bytes; reducing collectives refuse it (detail::validate).
     case DType::kF8E4M3:
-    case DType::kF8E5M2: break;  // rejected earlier by detail::validate
+    case DType::kF8E5M2: return MPI_UINT8_T;
   }
   throw kernels::InternalError(
       fmt::format("mpi backend: no MPI datatype for {}", kernels::to_string(dtype)));

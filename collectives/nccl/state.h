@@ -122,9 +122,10 @@ inline ncclDataType_t nccl_dtype(DType dtype) {
     case DType::kF16: return ncclFloat16;
     case DType::kI32: return ncclInt32;
     case DType::kI64: return ncclInt64;
-    case DType::kU8: return ncclUint8;
+    case DType::kU8:
+    // fp8 moves as opaque bytes; reducing collectives refuse it (detail::validate).
     case DType::kF8E4M3:
-    case DType::kF8E5M2: break;  // storage-only: rejected by detail::validate before we get here
+    case DType::kF8E5M2: return ncclUint8;
   }
   throw kernels::InternalError(
       fmt::format("nccl backend: dtype {} reached nccl_dtype", kernels::to_string(dtype)));
@@ -193,7 +194,8 @@ inline std::optional<PremulScalar> premul_scalar(CollectiveKind kind, const std:
       put(static_cast<uint8_t>(m));
       break;
     case DType::kF8E4M3:
-    case DType::kF8E5M2: (void)nccl_dtype(dtype); break;  // throws
+    case DType::kF8E5M2:  // reducing collectives refuse fp8 (detail::validate)
+      throw kernels::InternalError(fmt::format("nccl backend: a reduction scalar of dtype {}", kernels::to_string(dtype)));
   }
   return s;
 }

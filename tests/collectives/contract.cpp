@@ -288,6 +288,55 @@ void all_to_all_v(Communicator& comm, Device dev, Log& log) {
   }
 }
 
+// fp8 (e4m3, e5m2) moves exactly, as bytes, through every collective that does not reduce.
+void fp8(Communicator& comm, Device dev, Log& log) {
+  const int n = comm.size(), r = comm.rank();
+  for (DType d : {DType::kF8E4M3, DType::kF8E5M2}) {
+    const std::string t = name_of(d);
+    const int64_t c = 7;
+    Tensor gathered = full(dev, d, n * c, 1);
+    comm.wait(comm.all_gather(make(dev, d, c, [&](int64_t i) { return value(d, r, i); }), gathered));
+    expect_elements(log, gathered, n * c, [&](int64_t k) { return value(d, static_cast<int>(k / c), k % c); },
+                    "all_gather " + t);
+    Tensor a2a = full(dev, d, n * c, 1);
+    comm.wait(comm.all_to_all(make(dev, d, n * c, [&](int64_t i) { return value(d, r, i); }), a2a));
+    expect_elements(log, a2a, n * c, [&](int64_t k) { return value(d, static_cast<int>(k / c), r * c + k % c); },
+                    "all_to_all " + t);
+    std::vector<int64_t> sends(static_cast<size_t>(n)), recvs(static_cast<size_t>(n));
+    for (int q = 0; q < n; ++q) {
+      sends[static_cast<size_t>(q)] = (r + q) % 3;
+      recvs[static_cast<size_t>(q)] = (q + r) % 3;
+    }
+    int64_t total_in = 0;
+    for (int64_t k : recvs) total_in += k;
+    Tensor vout = full(dev, d, total_in, 1);
+    int64_t total_out = 0;
+    for (int64_t k : sends) total_out += k;
+    comm.wait(comm.all_to_all_v(make(dev, d, total_out, [&](int64_t i) { return value(d, r, i); }), sends, vout,
+                                recvs));
+    // From member q: the elements q sent to r, which start after what q sent to members 0..r-1.
+    std::vector<double> want;
+    for (int q = 0; q < n; ++q) {
+      int64_t start = 0;
+      for (int z = 0; z < r; ++z) start += (q + z) % 3;
+      for (int64_t e = 0; e < (q + r) % 3; ++e) want.push_back(value(d, q, start + e));
+    }
+    expect_elements(log, vout, total_in, [&](int64_t k) { return want[static_cast<size_t>(k)]; }, "all_to_all_v " + t);
+    Tensor b = make(dev, d, c, [&](int64_t i) { return value(d, r, i); });
+    comm.wait(comm.broadcast(b, n - 1));
+    expect_elements(log, b, c, [&](int64_t i) { return value(d, n - 1, i); }, "broadcast " + t);
+    Tensor part = full(dev, d, c, 1);
+    comm.wait(comm.scatter(r == 0 ? make(dev, d, n * c, [&](int64_t i) { return value(d, 0, i); }) : Tensor(), part, 0));
+    expect_elements(log, part, c, [&](int64_t e) { return value(d, 0, r * c + e); }, "scatter " + t);
+    const int next = (r + 1) % n, prev = (r + n - 1) % n;
+    Tensor got = full(dev, d, c, 1);
+    const std::vector<P2POp> ring = {P2POp::send(make(dev, d, c, [&](int64_t i) { return value(d, r, i); }), next),
+                                     P2POp::recv(got, prev)};
+    comm.wait(comm.send_recv(ring));
+    expect_elements(log, got, c, [&](int64_t i) { return value(d, prev, i); }, "send_recv " + t);
+  }
+}
+
 void broadcast(Communicator& comm, Device dev, Log& log) {
   const int n = comm.size(), r = comm.rank();
   for (int root = 0; root < n; ++root)
@@ -419,10 +468,18 @@ void send_recv_views(Communicator& comm, Device dev, Log& log) {
     return;
   }
   for (std::string& f : p2p_views_cases::run_p2p_view_cases(comm)) log.fail(std::move(f));
-  // fp8 is refused in a view as in a contiguous buffer.
-  const std::vector<P2POp> fp8 = {P2POp::send(Tensor::zeros({4, 4}, DType::kF8E4M3, dev).narrow(1, 1, 2), next)};
-  expect_invalid(log, [&] { comm.send_recv(fp8); }, "send_recv on group '" + comm.name() + "': dtype f8e4m3",
-                 "fp8 in a view");
+  // fp8 moves in a view as in a contiguous buffer: columns 1..2 of a 4 x 4 block to the next member.
+  {
+    const int prev = (r + n - 1) % n;
+    const Tensor src = make(dev, DType::kF8E4M3, 16, [&](int64_t i) { return value(DType::kF8E4M3, r, i); })
+                           .view({4, 4});
+    Tensor dst = Tensor::zeros({4, 4}, DType::kF8E4M3, dev);
+    const std::vector<P2POp> fp8 = {P2POp::send(src.narrow(1, 1, 2), next), P2POp::recv(dst.narrow(1, 1, 2), prev)};
+    comm.wait(comm.send_recv(fp8));
+    expect_elements(
+        log, dst, 16,
+        [&](int64_t i) { return i % 4 == 1 || i % 4 == 2 ? value(DType::kF8E4M3, prev, i) : 0.0; }, "fp8 in a view");
+  }
   // On a split communicator (group ranks != global ranks): parity groups in descending order.
   std::vector<int> group;
   for (int q = n - 1; q >= 0; --q)
@@ -718,14 +775,14 @@ void invalid_arguments(Communicator& comm, Device dev, Log& log) {
   }
   const std::vector<P2POp> undefined = {P2POp::send(f4, 0), P2POp::recv(Tensor(), 0)};
   expect_invalid(log, [&] { comm.send_recv(undefined); }, "send/recv tensor is undefined", "undefined receive");
-  for (DType fp8 : {DType::kF8E4M3, DType::kF8E5M2}) {
-    Tensor x = zeros(3, fp8);
+  for (DType fp8 : {DType::kF8E4M3, DType::kF8E5M2}) {  // moved by the others (case "fp8")
+    Tensor x = zeros(3 * n, fp8);
     expect_invalid(log, [&] { comm.all_reduce(x, x, sum); },
-                   fmt::format("all_reduce {}: dtype {} is not supported by the collectives", g, name_of(fp8)),
+                   fmt::format("all_reduce {}: sum of dtype {}: the collectives move fp8 but do not reduce it", g,
+                               name_of(fp8)),
                    "fp8 all_reduce");
-    expect_invalid(log, [&] { comm.broadcast(x, 0); }, "is not supported", "fp8 broadcast");
-    const std::vector<P2POp> ops = {P2POp::send(x, 0)};
-    expect_invalid(log, [&] { comm.send_recv(ops); }, "send_recv " + g + ": dtype " + name_of(fp8), "fp8 send");
+    expect_invalid(log, [&] { comm.reduce_scatter(x, zeros(3, fp8), ReduceOp::kMax); },
+                   fmt::format("reduce_scatter {}: max of dtype {}", g, name_of(fp8)), "fp8 reduce_scatter");
   }
   std::vector<int64_t> ok(static_cast<size_t>(n), 0), too_many(static_cast<size_t>(n) + 1, 0),
       ones(static_cast<size_t>(n), 1), negative(static_cast<size_t>(n), 0);
@@ -822,6 +879,7 @@ constexpr Case kCases[] = {
     {"all_to_all_v", all_to_all_v},
     {"broadcast", broadcast},
     {"scatter", scatter},
+    {"fp8", fp8},
     {"barrier", barrier},
     {"send_recv", send_recv},
     {"send_recv views", send_recv_views},
