@@ -128,9 +128,8 @@ void plan_files(const SpecList& specs, SavePlan& plan) {
 }
 
 // Refuses a mesh naming a rank outside the world (once per distinct mesh).
-void check_mesh(const std::string& key, const dtensor::DeviceMesh& mesh, int world_size,
-                std::set<const dtensor::DeviceMesh*>& checked) {
-  if (!checked.insert(&mesh).second) return;
+// Every rank of the mesh is in the world.
+void check_ranks(const std::string& key, const dtensor::DeviceMesh& mesh, int world_size) {
   for (int r : mesh.ranks())
     if (r >= world_size)
       throw InvalidArgument(
@@ -178,13 +177,18 @@ SpecList specs_of(const nn::StateDict& sd) {
 SavePlan make_local_save_plan(const SpecList& specs, int rank, int world_size, uint64_t block_bytes) {
   SavePlan plan;
   const std::string desc = describe(specs, block_bytes);
-  std::set<const dtensor::DeviceMesh*> checked;
-  std::vector<const dtensor::DeviceMesh*> meshes;                // distinct by value
+  std::vector<const dtensor::DeviceMesh*> meshes;                // distinct by value, each checked once
   std::map<std::pair<size_t, std::vector<int>>, ReplicaLoads> groups;  // (mesh, replicating dims)
   for (size_t k = 0; k < specs.size(); ++k) {
     const auto& [key, spec] = specs[k];
     const dtensor::DeviceMesh& mesh = *spec.mesh;
-    check_mesh(key, mesh, world_size, checked);
+    // Groups by mesh value (equal meshes held as different objects on different ranks group alike).
+    size_t mesh_id = 0;
+    while (mesh_id < meshes.size() && !(*meshes[mesh_id] == mesh)) ++mesh_id;
+    if (mesh_id == meshes.size()) {
+      check_ranks(key, mesh, world_size);
+      meshes.push_back(&mesh);
+    }
     const uint64_t item = kernels::itemsize(spec.dtype);
     if (has_empty_dim(spec.shape)) {
       if (mesh.ranks().front() == rank) plan.chunks.push_back(planned(k, empty_box(spec.shape), rank, item, block_bytes));
@@ -203,10 +207,6 @@ SavePlan make_local_save_plan(const SpecList& specs, int rank, int world_size, u
       }
     const std::optional<dtensor::ShardLayout> layout = spec.layout(rank);
     const std::vector<Box> boxes = boxes_of(*layout, spec.shape);
-    // Groups by mesh value (equal meshes held as different objects on different ranks group alike).
-    size_t mesh_id = 0;
-    while (mesh_id < meshes.size() && !(*meshes[mesh_id] == mesh)) ++mesh_id;
-    if (mesh_id == meshes.size()) meshes.push_back(&mesh);
     int64_t replicas = 1;
     for (int m : rep_dims) replicas *= mesh.size(m);
     ReplicaLoads& loads = groups.try_emplace({mesh_id, rep_dims}, replicas).first->second;
@@ -230,10 +230,8 @@ SavePlan make_save_plan_by_rank(const SpecList& specs, int world_size, uint64_t 
     // Distinct boxes in the order of the first holder (mesh order), with their holders.
     std::vector<std::pair<Box, std::vector<int>>> distinct;
     std::map<std::pair<std::vector<int64_t>, std::vector<int64_t>>, size_t> index;
+    check_ranks(key, *spec.mesh, world_size);
     for (int r : spec.mesh->ranks()) {
-      if (r >= world_size)
-        throw InvalidArgument(fmt::format("checkpoint: '{}' lives on rank {} but the world has {} ranks", key, r,
-                                          world_size));
       auto layout = spec.layout(r);
       for (Box& b : boxes_of(*layout, spec.shape)) {
         auto id = std::make_pair(std::vector<int64_t>(b.offsets.begin(), b.offsets.end()),
