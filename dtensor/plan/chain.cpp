@@ -34,6 +34,7 @@ inline Chunk chunk_at(int64_t n, int64_t k, int64_t index) {
 // `length` and one of `last` (StridedShard; last may be 0).
 struct Pieces {
   int64_t length = 0, full = 0, last = 0;
+  int64_t count() const { return full + (last > 0 ? 1 : 0); }
 };
 
 Pieces pieces_of(int64_t n, const Split& s) {
@@ -57,6 +58,19 @@ void breakpoints(int64_t n, const Split& s, std::vector<int64_t>& out) {
   const Pieces p = pieces_of(n, s);
   chunk_breakpoints(p.length, s.k, out);
   chunk_breakpoints(p.last, s.k, out);
+}
+
+void sort_unique(std::vector<int64_t>& v) {
+  std::sort(v.begin(), v.end());
+  v.erase(std::unique(v.begin(), v.end()), v.end());
+}
+
+// 0, s.k and the coordinates between where a piece size of a list of n under s changes, sorted.
+std::vector<int64_t> coordinate_cuts(int64_t n, const Split& s) {
+  std::vector<int64_t> cuts = {0, s.k};
+  breakpoints(n, s, cuts);
+  sort_unique(cuts);
+  return cuts;
 }
 
 }  // namespace
@@ -126,8 +140,7 @@ void for_each_size_class(const ChainSet& chains, WorkBudget& work, const std::fu
     }
     points.assign({0, mesh[d]});
     for (const auto& [i, s] : at[d]) breakpoints(sizes[i], s, points);
-    std::sort(points.begin(), points.end());
-    points.erase(std::unique(points.begin(), points.end()), points.end());
+    sort_unique(points);
     const std::vector<int64_t> cuts = points;  // `points` is reused deeper
     std::vector<int64_t> saved;
     for (const auto& [i, s] : at[d]) saved.push_back(sizes[i]);
@@ -171,7 +184,7 @@ void owner_rec(int64_t n, std::span<const Split> splits, size_t level, int64_t l
   if (level == splits.size()) return emit(out, lo + delta, hi + delta, code);
   const Split& s = splits[level];
   const Pieces pc = pieces_of(n, s);
-  const int64_t piece_count = pc.full + (pc.last > 0 ? 1 : 0);
+  const int64_t piece_count = pc.count();
   for (int64_t p = lo / pc.length; p < piece_count && p * pc.length < hi; ++p) {
     const int64_t start = p * pc.length;
     const int64_t length = p < pc.full ? pc.length : pc.last;
@@ -199,12 +212,9 @@ struct Family {
 };
 
 std::vector<Family> families(int64_t n, const Split& a) {
-  std::vector<int64_t> cuts = {0, a.k};
-  breakpoints(n, a, cuts);
-  std::sort(cuts.begin(), cuts.end());
-  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  const std::vector<int64_t> cuts = coordinate_cuts(n, a);
   const Pieces pc = pieces_of(n, a);
-  const int64_t piece_count = pc.full + (pc.last > 0 ? 1 : 0);
+  const int64_t piece_count = pc.count();
   std::vector<Family> out;
   for (int64_t p = 0; p < piece_count; ++p) {
     const int64_t start = p * pc.length;
@@ -342,12 +352,9 @@ void affine_rec(int64_t n, std::span<const Split> splits, size_t level, int64_t 
   const Split& s = splits[level];
   int64_t k_rest = 1;
   for (size_t i = level + 1; i < splits.size(); ++i) k_rest = kernels::checked_mul(k_rest, splits[i].k, "owner code");
-  std::vector<int64_t> cuts = {0, s.k};
-  breakpoints(n, s, cuts);
-  std::sort(cuts.begin(), cuts.end());
-  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  const std::vector<int64_t> cuts = coordinate_cuts(n, s);
   const Pieces pc = pieces_of(n, s);
-  const int64_t piece_count = pc.full + (pc.last > 0 ? 1 : 0);
+  const int64_t piece_count = pc.count();
   std::vector<Seg> one;
   for (int64_t p = lo / pc.length; p < piece_count && p * pc.length < hi; ++p) {
     const int64_t start = p * pc.length;
