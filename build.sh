@@ -52,17 +52,18 @@ case "${1:-}" in
       exit 1
     fi
     echo "== meson test -C build ($(tr '\n' ' ' < build/features.txt))"
-    start_build asan
+    kinds=(asan tsan fuzz)
+    start_build "${kinds[0]}"
     phase "tests (build/)" meson test -C build --no-rebuild --print-errorlogs --num-processes 2
     dirs+=(build)
-    next=(tsan fuzz)
-    for kind in asan tsan fuzz; do
-      if finish_build; then
-        if ((${#next[@]})); then start_build "${next[0]}"; next=("${next[@]:1}"); fi
+    for i in "${!kinds[@]}"; do
+      kind=${kinds[i]} built=1
+      finish_build || built=0
+      if ((i + 1 < ${#kinds[@]})); then start_build "${kinds[i + 1]}"; fi
+      if ((built)); then
         phase "sanitizer tree build-$kind: tests" tools/sanitizers.sh "$kind" test
       else
         echo "== build-$kind failed to build: its tests did not run"
-        if ((${#next[@]})); then start_build "${next[0]}"; next=("${next[@]:1}"); fi
       fi
       dirs+=("build-$kind")
     done
