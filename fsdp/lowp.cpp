@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <vector>
 
@@ -116,6 +117,31 @@ void tables(const Dims& box, const Dims& off, const Dims& astride, const dtensor
   }
 }
 
+// dequantize_value() through a table of the 256 decoded codes (and, for one scale, of the 256
+// results): the same float operations, so the same bits.
+class Dequantizer {
+ public:
+  Dequantizer(QuantKind kind, const float* scales, int64_t groups) : kind_(kind), scales_(scales) {
+    for (int c = 0; c < 256; ++c)
+      decoded_[static_cast<size_t>(c)] = kind == QuantKind::kInt8Block
+                                             ? static_cast<float>(static_cast<int8_t>(static_cast<uint8_t>(c)))
+                                             : kernels::f8e4m3_bits_to_float(static_cast<uint8_t>(c));
+    one_ = groups == 1;
+    if (one_)
+      for (int c = 0; c < 256; ++c) single_[static_cast<size_t>(c)] = apply(decoded_[static_cast<size_t>(c)], scales[0]);
+  }
+  float operator()(uint8_t code, int64_t group) const {
+    return one_ ? single_[code] : apply(decoded_[code], scales_[group]);
+  }
+
+ private:
+  float apply(float q, float s) const { return kind_ == QuantKind::kInt8Block ? q * s : q / s; }
+  QuantKind kind_;
+  const float* scales_;
+  bool one_ = false;
+  std::array<float, 256> decoded_{}, single_{};
+};
+
 struct Scales {
   Tensor values;  // [G] f32, host
 };
@@ -188,6 +214,7 @@ class QuantizedAllGather final : public AllGatherExtension {
     const Tensor g0 = gathered[0].device().is_cpu() ? gathered[0] : gathered[0].to(kernels::Device{});
     const uint8_t* pq = static_cast<const uint8_t*>(g0.data_ptr());
     const float* ps = scales->values.data<float>();
+    const Dequantizer deq(c_.kind, ps, scales->values.numel());
     const Dims& gshape = ctx.unsharded_spec.shape;
     const int64_t last = gshape[gshape.size() - 1];
     const auto layout = ctx.unsharded_spec.layout(ctx.comms->rank());
@@ -211,7 +238,7 @@ class QuantizedAllGather final : public AllGatherExtension {
       tables(box, Dims::filled(box.size(), 0), pstride, *layout, Dims::filled(box.size(), 0), P, unused);
       const int64_t base = static_cast<int64_t>(d) * piece;
       walk3(box, A, P, Gt, [&](int64_t o, int64_t p, int64_t f) {
-        py[o] = dequantize_value(c_.kind, pq[base + p], ps[quant_group(c_, f, last)]);
+        py[o] = deq(pq[base + p], quant_group(c_, f, last));
       });
     }
     out.copy_(y);  // rounds to the param dtype (nearest even)
