@@ -14,15 +14,17 @@
 // --grad-accum: gradients reduced on the last microbatch only), --prefetch 0|1|2 (implicit
 // prefetch depth in forward and backward; default 1). --mp bf16 under FSDP is the
 // MixedPrecisionPolicy (bf16 parameters, f32 reduction, f32 sharded master weights).
+// --all-gather fp8|int8 (with --mp bf16) gathers the blocks' linear weights as fp8 / int8 codes
+// (examples/fsdp_train_lowp.h); the one-rank reference computes with the same dequantised weights.
 //
 // Output: one progress line per --log-every steps on rank 0 (the step's wall time in ms too),
 //   step 3/30 loss 3.91234567 ms 6.21 tokens/s 41234 peak_bytes 1234567 param_bytes 123 grad_bytes 45
-//   optim_bytes 90 buffer_bytes 67
+//   optim_bytes 90 buffer_bytes 67 all_gather_bytes 89
 // (rank 0's peaks: parameters = sharded plus unsharded, gradients = sharded, optimizer state,
-// buffers = FSDP's reduce-scatter inputs and casts)
+// buffers = FSDP's reduce-scatter inputs and casts; the bytes rank 0's unshards sent this step)
 // and, last, one JSON object:
 //   {"steps":30,"first_loss":4.16,"last_loss":0.93,"parity":"ok","max_rel_loss_diff":2e-7,
-//    "max_param_diff":3e-8,"tokens_per_s":41234,"peak_bytes":1234567}
+//    "max_param_diff":3e-8,"tokens_per_s":41234,"peak_bytes":1234567,...,"all_gather_bytes":89}
 // parity: "skipped" without --check-parity (then the two diffs are null); max_rel_loss_diff is the
 // largest |loss - loss_ref| / |loss_ref| over the steps (limit 1e-5; bf16: 2e-2), max_param_diff
 // the relative L2 difference of all final parameters flattened together (limit 1e-5; bf16: 5e-2).
