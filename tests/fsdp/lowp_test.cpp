@@ -15,6 +15,7 @@
 #include "dtensor/dtensor.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/lowp.h"
+#include "fsdp/nf4.h"
 #include "nn/tensor_parallel.h"
 #include "nn/transformer.h"
 #include "support/checks.h"
@@ -323,6 +324,74 @@ TEST_CASE("[lowp] reshard_after_forward k with an extension is refused", "[lowp]
                                         "reshard_after_forward = 2", "k with extensions");
   });
   checks.report();
+}
+
+// ---- NF4 (codec only) ----
+
+TEST_CASE("[lowp] nf4 codes: every level maps to itself, a midpoint to the lower level", "[lowp]") {
+  int n = 0;
+  for (size_t i = 0; i < fsdp::kNf4Levels.size(); ++i, ++n) {
+    CHECK(fsdp::nf4_code(fsdp::kNf4Levels[i]) == i);
+    if (i + 1 < fsdp::kNf4Levels.size()) {
+      const float mid = (fsdp::kNf4Levels[i] + fsdp::kNf4Levels[i + 1]) * 0.5f;
+      CHECK(fsdp::nf4_code(mid) == i);
+      CHECK(fsdp::nf4_code(std::nextafter(mid, 2.0f)) == i + 1);
+    }
+  }
+  CHECK(n == 16);
+}
+
+TEST_CASE("[lowp] nf4: one block round-trips exactly, nibble order, sizes", "[lowp]") {
+  // 64 elements level[i % 16] * 2: absmax 2, one block, so the double-quantised absmax is the
+  // mean (2) itself: exact.
+  Tensor w = Tensor::empty({4, 16}, DType::kF32);
+  w.fill_index_([](std::span<const int64_t> i) { return 2.0 * fsdp::kNf4Levels[static_cast<size_t>(i[1])]; });
+  const fsdp::Nf4Tensor q = fsdp::nf4_quantize(w);
+  CHECK(q.codes.numel() == 32);
+  CHECK(q.scalers.numel() == 1);
+  CHECK(q.factors.numel() == 1);
+  CHECK(q.mean == 2.0f);
+  CHECK(q.codes.to_vector()[0] == 0x01);  // element 0 (code 0) high, element 1 (code 1) low
+  CHECK(q.codes.to_vector()[7] == 0xEF);  // elements 14, 15
+  CHECK(kernels::equal(fsdp::nf4_dequantize(q, DType::kF32), w));
+  // An odd count: 5 elements in 3 bytes.
+  CHECK(fsdp::nf4_quantize(Tensor::from_vector({1, -1, 0.5, 0, 0.25}, {5})).codes.numel() == 3);
+  CHECK_THROWS_AS(fsdp::nf4_quantize(Tensor::empty({0}, DType::kF32)), kernels::InvalidArgument);
+}
+
+TEST_CASE("[lowp] nf4 with double-quantised scales: error bounds and 4.127 bits per weight", "[lowp]") {
+  // 300 blocks of 64 (two scaler blocks: 256 + 44), values a function of the global index.
+  const int64_t n = 300 * 64;
+  Tensor w = Tensor::empty({n / 96, 96}, DType::kF32);
+  w.fill_index_([](std::span<const int64_t> i) {
+    const int64_t f = i[0] * 96 + i[1];
+    return std::sin(0.013 * static_cast<double>(f)) * (1.0 + static_cast<double>(f % 977) / 977.0);
+  });
+  const fsdp::Nf4Tensor q = fsdp::nf4_quantize(w);
+  REQUIRE(q.scalers.numel() == 300);
+  REQUIRE(q.factors.numel() == 2);
+  const auto x = w.to_vector(), y = fsdp::nf4_dequantize(q, DType::kF32).to_vector();
+  REQUIRE(x.size() == y.size());
+  // Per block: the absmax, its double-quantised value (within half a step of 1 / factor), and
+  // every element within half the widest level gap of it (plus the absmax error).
+  float widest = 0;
+  for (size_t i = 0; i + 1 < fsdp::kNf4Levels.size(); ++i)
+    widest = std::max(widest, fsdp::kNf4Levels[i + 1] - fsdp::kNf4Levels[i]);
+  int blocks = 0;
+  for (int64_t b = 0; b < 300; ++b, ++blocks) {
+    double amax = 0;
+    for (int64_t i = b * 64; i < (b + 1) * 64; ++i) amax = std::max(amax, std::abs(x[static_cast<size_t>(i)]));
+    const double factor = q.factors.to_vector()[static_cast<size_t>(b / 256)];
+    REQUIRE(factor > 0);
+    const double amax_err = 0.5 / factor + 1e-6;
+    for (int64_t i = b * 64; i < (b + 1) * 64; ++i) {
+      INFO("element " << i);
+      CHECK(std::abs(y[static_cast<size_t>(i)] - x[static_cast<size_t>(i)]) <= widest / 2 * amax + amax_err);
+    }
+  }
+  CHECK(blocks == 300);
+  const double bits = 8.0 * static_cast<double>(q.codes.nbytes() + q.scalers.nbytes() + q.factors.nbytes() + 4) / n;
+  CHECK(bits == Approx(4.127).epsilon(0.001));
 }
 
 }  // namespace
