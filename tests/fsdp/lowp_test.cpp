@@ -16,6 +16,7 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/lowp.h"
 #include "fsdp/nf4.h"
+#include "nn/optim.h"
 #include "nn/tensor_parallel.h"
 #include "nn/transformer.h"
 #include "support/checks.h"
@@ -392,6 +393,92 @@ TEST_CASE("[lowp] nf4 with double-quantised scales: error bounds and 4.127 bits 
   CHECK(blocks == 300);
   const double bits = 8.0 * static_cast<double>(q.codes.nbytes() + q.scalers.nbytes() + q.factors.nbytes() + 4) / n;
   CHECK(bits == Approx(4.127).epsilon(0.001));
+}
+
+// ---- gradients: straight-through to the high-precision sharded parameter ----
+
+// One forward/backward of the GPT on 4 sequences; the full gradients (rank 0's) and the full
+// parameters after it. fsdp: FSDP over 2 ranks with the int8 extension (f32 compute, so the
+// comparison is tight); otherwise one rank computing with fake_quantize()d weights.
+std::map<std::string, Tensor> grads_of(bool fsdp_run, std::map<std::string, Tensor>* params_after) {
+  std::map<std::string, Tensor> out;
+  const int ranks = fsdp_run ? 2 : 1;
+  const QuantConfig q{QuantKind::kInt8Block, 256};
+  collectives::run_ranks(ranks, [&](Communicator& world) {
+    const DeviceMesh mesh = DeviceMesh::from_shape({ranks}, {fsdp_run ? "dp_shard" : "tp"});
+    auto comms = MeshComms::create(mesh, world);
+    nn::GPT model(nn::ModuleOptions{comms, DType::kF32, {}}, small());
+    if (fsdp_run) {
+      fsdp::FullyShardOptions o;
+      auto ext = fsdp::make_quantized_all_gather(q);
+      o.all_gather_extension_fn = [&](const std::string& name, const nn::Parameter& p) {
+        return quantised(name, p) ? ext : nullptr;
+      };
+      fsdp::fully_shard(model.blocks()[0], comms, o);
+      fsdp::fully_shard(model, comms, {});
+    }
+    nn::materialize(model, 11);
+    if (!fsdp_run)
+      for (const auto& [name, p] : model.blocks()[0].named_parameters())
+        if (quantised(name, *p)) {
+          Tensor local = p->data().to_local();
+          local.copy_(fsdp::fake_quantize(local, q, DType::kF32));
+        }
+    Tensor ids = Tensor::empty({4, 8}, DType::kI64), tgt = Tensor::empty({4, 8}, DType::kI64);
+    ids.fill_index_([](std::span<const int64_t> i) { return static_cast<double>((i[0] * 7 + i[1] * 3) % 16); });
+    tgt.fill_index_([](std::span<const int64_t> i) { return static_cast<double>((i[0] * 5 + i[1] * 11 + 1) % 16); });
+    const dtensor::Placements pl{dtensor::Shard{0}};
+    const DTensor x = dtensor::distribute_tensor(ids, comms, fsdp_run ? pl : dtensor::Placements{dtensor::Replicate{}},
+                                                 std::nullopt);
+    const DTensor y = dtensor::distribute_tensor(tgt, comms, fsdp_run ? pl : dtensor::Placements{dtensor::Replicate{}},
+                                                 std::nullopt);
+    auto shared_mesh = std::shared_ptr<const DeviceMesh>(comms, &comms->mesh());
+    const DTensor dloss(comms, dtensor::make_spec(shared_mesh, {dtensor::Replicate{}}, {}, DType::kF64),
+                        Tensor::full({}, 1.0, DType::kF64));
+    nn::CrossEntropyLoss loss_fn;
+    nn::Ctx ctx, lctx;
+    DTensor logits = model.forward(ctx, x);
+    loss_fn.forward(lctx, logits, y);
+    model.backward(ctx, loss_fn.backward(lctx, dloss));
+    const auto params = model.named_parameters();
+    nn::reduce_gradients(params);
+    for (const auto& [name, p] : params) {
+      if (!p->grad()) continue;
+      Tensor g = p->grad()->full_tensor();
+      Tensor v = p->data().full_tensor();
+      if (world.rank() == 0) {
+        out[name] = g.clone();
+        if (params_after) (*params_after)[name] = v.clone();
+      }
+    }
+  });
+  return out;
+}
+
+TEST_CASE("[lowp] gradients flow straight through to the f32 sharded parameters", "[lowp]") {
+  std::map<std::string, Tensor> after;
+  const auto got = grads_of(true, &after);
+  const auto want = grads_of(false, nullptr);
+  REQUIRE(got.size() == want.size());
+  REQUIRE(got.size() > 10);
+  double num = 0, den = 0;
+  for (const auto& [name, t] : want) {
+    INFO(name);
+    REQUIRE(got.count(name) == 1);
+    const auto a = got.at(name).to_vector(), b = t.to_vector();
+    REQUIRE(a.size() == b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      num += (a[i] - b[i]) * (a[i] - b[i]);
+      den += b[i] * b[i];
+    }
+  }
+  CHECK(den > 0);
+  CHECK(std::sqrt(num / den) <= 1e-5);
+  // The sharded parameters stay the f32 master values (not quantised): a quantised weight
+  // differs from its fake_quantize().
+  const Tensor& w = after.at("blocks.0.mlp.fc1.weight");
+  CHECK(w.dtype() == DType::kF32);
+  CHECK_FALSE(kernels::equal(w, fsdp::fake_quantize(w, {QuantKind::kInt8Block, 256}, DType::kF32)));
 }
 
 }  // namespace
