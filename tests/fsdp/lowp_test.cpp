@@ -2,7 +2,8 @@
 // (fsdp/lowp.h): the codecs against their formulas, the contract (mixed dtypes in one all-gather,
 // pre/post once per unshard, errors), and sharding independence: the dequantised weights of a GPT
 // are bit-identical under FSDP 1..5 (uneven), HSDP and FSDP x TP, and equal fake_quantize() of the
-// full tensor. Element values are a function of the global index (Init::value).
+// full tensor; gradients reach the f32 sharded parameters straight through; the NF4 codec against
+// its formulas. Element values are a function of the global index (Init::value).
 #include <catch2/catch.hpp>
 
 #include <cmath>
