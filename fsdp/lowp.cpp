@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "dtensor/dtensor.h"
+#include "fsdp/nf4.h"
 #include "kernels/checked.h"
 #include "kernels/error.h"
 #include "kernels/format.h"
@@ -24,6 +25,7 @@ std::string to_string(const QuantConfig& c) {
     case QuantKind::kFp8Tensor: return "fp8";
     case QuantKind::kFp8Rowwise: return "fp8-rowwise";
     case QuantKind::kInt8Block: return c.block == 256 ? "int8" : fmt::format("int8-block{}", c.block);
+    case QuantKind::kNf4: return "nf4";
   }
   return "?";
 }
@@ -37,6 +39,7 @@ int64_t quant_groups(const QuantConfig& c, const Dims& shape) {
     case QuantKind::kInt8Block:
       if (c.block < 1) throw InvalidArgument(fmt::format("int8 block size {}: expected >= 1", c.block));
       return kernels::checked_ceil_div(n, c.block, "quantisation blocks");
+    case QuantKind::kNf4: return kernels::checked_ceil_div(n, kNf4Block, "nf4 blocks");
   }
   return 1;
 }
@@ -47,6 +50,7 @@ float quant_scale(QuantKind kind, float amax) {
 }
 
 uint8_t quantize_value(QuantKind kind, float x, float scale) {
+  if (kind == QuantKind::kNf4) return nf4_code(x, scale);
   if (kind == QuantKind::kInt8Block) {
     if (scale == 0.0f) return 0;
     const float q = std::clamp(std::nearbyint(x / scale), -kInt8Max, kInt8Max);  // FE_TONEAREST: ties to even
@@ -56,11 +60,14 @@ uint8_t quantize_value(QuantKind kind, float x, float scale) {
 }
 
 float dequantize_value(QuantKind kind, uint8_t code, float scale) {
+  if (kind == QuantKind::kNf4) return kNf4Levels[code & 0x0F] * scale;
   if (kind == QuantKind::kInt8Block) return static_cast<float>(static_cast<int8_t>(code)) * scale;
   return kernels::f8e4m3_bits_to_float(code) / scale;
 }
 
-DType quant_wire_dtype(QuantKind kind) { return kind == QuantKind::kInt8Block ? DType::kU8 : DType::kF8E4M3; }
+DType quant_wire_dtype(QuantKind kind) {
+  return kind == QuantKind::kFp8Tensor || kind == QuantKind::kFp8Rowwise ? DType::kF8E4M3 : DType::kU8;
+}
 
 namespace {
 
@@ -125,7 +132,8 @@ class Dequantizer {
     for (int c = 0; c < 256; ++c)
       decoded_[static_cast<size_t>(c)] = kind == QuantKind::kInt8Block
                                              ? static_cast<float>(static_cast<int8_t>(static_cast<uint8_t>(c)))
-                                             : kernels::f8e4m3_bits_to_float(static_cast<uint8_t>(c));
+                                         : kind == QuantKind::kNf4 ? kNf4Levels[static_cast<size_t>(c & 0x0F)]
+                                                                   : kernels::f8e4m3_bits_to_float(static_cast<uint8_t>(c));
     one_ = groups == 1;
     if (one_)
       for (int c = 0; c < 256; ++c) single_[static_cast<size_t>(c)] = apply(decoded_[static_cast<size_t>(c)], scales[0]);
@@ -135,7 +143,9 @@ class Dequantizer {
   }
 
  private:
-  float apply(float q, float s) const { return kind_ == QuantKind::kInt8Block ? q * s : q / s; }
+  float apply(float q, float s) const {
+    return kind_ == QuantKind::kInt8Block || kind_ == QuantKind::kNf4 ? q * s : q / s;
+  }
   QuantKind kind_;
   const float* scales_;
   bool one_ = false;
@@ -143,8 +153,11 @@ class Dequantizer {
 };
 
 struct Scales {
-  Tensor values;  // [G] f32, host
+  Tensor values;  // [G] f32, host: what dequantisation multiplies or divides by
 };
+
+// Bytes of n codes on the wire: one each, or two per byte (nf4).
+int64_t code_bytes(QuantKind kind, int64_t n) { return kind == QuantKind::kNf4 ? (n + 1) / 2 : n; }
 
 class QuantizedAllGather final : public AllGatherExtension {
  public:
@@ -158,7 +171,7 @@ class QuantizedAllGather final : public AllGatherExtension {
     if (!kernels::is_floating_point(ctx.sharded_spec.dtype))
       throw InvalidArgument(fmt::format("{} all-gather of parameter '{}': it is {}; expected a floating dtype", name(),
                                         ctx.name, kernels::to_string(ctx.sharded_spec.dtype)));
-    return {GatherInput{quant_wire_dtype(c_.kind), Dims{ctx.padded_shape.product()}}};
+    return {GatherInput{quant_wire_dtype(c_.kind), Dims{code_bytes(c_.kind, ctx.padded_shape.product())}}};
   }
 
   PreAllGatherResult pre_all_gather(const Tensor& shard, const AllGatherContext& ctx) override {
@@ -194,11 +207,24 @@ class QuantizedAllGather final : public AllGatherExtension {
     Scales scales{Tensor::empty(Dims{G}, DType::kF32)};
     const float* pg = global_amax.data<float>();
     float* ps = scales.values.data<float>();
-    for (int64_t g = 0; g < G; ++g) ps[g] = quant_scale(c_.kind, pg[g]);
-    // Codes of the padded shard (padding rows: code 0, i.e. +0).
-    Tensor codes = Tensor::zeros(Dims{ctx.padded_shape.product()}, DType::kU8);
+    if (c_.kind == QuantKind::kNf4) {
+      const std::vector<float> dq = nf4_dequantized_absmax(std::vector<float>(pg, pg + G));
+      std::copy(dq.begin(), dq.end(), ps);
+    } else {
+      for (int64_t g = 0; g < G; ++g) ps[g] = quant_scale(c_.kind, pg[g]);
+    }
+    // Codes of the padded shard (padding: code 0; nf4: two per byte, element 2j high).
+    const int64_t padded = ctx.padded_shape.product();
+    Tensor codes = Tensor::zeros(Dims{code_bytes(c_.kind, padded)}, DType::kU8);
     uint8_t* pq = codes.data<uint8_t>();
-    walk(box, A, Gt, [&](int64_t a, int64_t f) { pq[a] = quantize_value(c_.kind, px[a], ps[quant_group(c_, f, last)]); });
+    if (c_.kind == QuantKind::kNf4) {
+      walk(box, A, Gt, [&](int64_t a, int64_t f) {
+        const uint8_t c = nf4_code(px[a], pg[f / kNf4Block]);
+        pq[a / 2] = static_cast<uint8_t>(pq[a / 2] | (a % 2 == 0 ? c << 4 : c));
+      });
+    } else {
+      walk(box, A, Gt, [&](int64_t a, int64_t f) { pq[a] = quantize_value(c_.kind, px[a], ps[quant_group(c_, f, last)]); });
+    }
     const DType wire = quant_wire_dtype(c_.kind);
     Tensor q = Tensor::from_storage(codes.storage(), wire, codes.shape(), codes.strides());
     r.inputs.push_back(shard.device().is_cpu() ? q : q.to(shard.device()));
@@ -236,10 +262,17 @@ class QuantizedAllGather final : public AllGatherExtension {
       std::vector<std::vector<int64_t>> A, Gt, P, unused;
       tables(box, off, ostride, *layout, Tensor::contiguous_strides(gshape), A, Gt);
       tables(box, Dims::filled(box.size(), 0), pstride, *layout, Dims::filled(box.size(), 0), P, unused);
-      const int64_t base = static_cast<int64_t>(d) * piece;
-      walk3(box, A, P, Gt, [&](int64_t o, int64_t p, int64_t f) {
-        py[o] = deq(pq[base + p], quant_group(c_, f, last));
-      });
+      const int64_t base = static_cast<int64_t>(d) * code_bytes(c_.kind, piece);
+      if (c_.kind == QuantKind::kNf4) {
+        walk3(box, A, P, Gt, [&](int64_t o, int64_t p, int64_t f) {
+          const uint8_t b = pq[base + p / 2];
+          py[o] = deq(p % 2 == 0 ? b >> 4 : b & 0x0F, f / kNf4Block);
+        });
+      } else {
+        walk3(box, A, P, Gt, [&](int64_t o, int64_t p, int64_t f) {
+          py[o] = deq(pq[base + p], quant_group(c_, f, last));
+        });
+      }
     }
     out.copy_(y);  // rounds to the param dtype (nearest even)
   }
@@ -277,6 +310,11 @@ class QuantizedAllGather final : public AllGatherExtension {
 }  // namespace
 
 Tensor fake_quantize(const Tensor& full, const QuantConfig& c, DType out_dtype) {
+  if (c.kind == QuantKind::kNf4) {
+    Tensor out = Tensor::empty(full.shape(), out_dtype, full.device());
+    out.copy_(nf4_dequantize(nf4_quantize(full), DType::kF32));
+    return out;
+  }
   const Dims& shape = full.shape();
   const int64_t G = quant_groups(c, shape);
   const int64_t last = shape[shape.size() - 1];

@@ -9,6 +9,7 @@
 //   kFp8Tensor    one group (per-tensor dynamic scaling)            G = 1
 //   kFp8Rowwise   f / n: one per row of the last dim                G = numel / n
 //   kInt8Block    f / block (ZeRO++ qwZ), block 256 by default      G = ceil(numel / block)
+//   kNf4          f / 64 (QLoRA's NF4, fsdp/nf4.h)                   G = ceil(numel / 64)
 // amax_g = max |x_f| over the group (exact in f32), all-reduced (max) over the weight mesh: every
 // mesh dim but HSDP's replicate dim (its ranks hold copies), as one P(max) -> R redistribute of a
 // [G] f32 tensor. Then per element, in f32:
@@ -16,6 +17,11 @@
 //                           (round to nearest even);      x' = float(q) / s
 //   int8 (symmetric):       s = amax / 127;  q = clamp(nearbyint(x / s), -127, 127) (round to
 //                           nearest, ties to even; q = 0 when s == 0);  x' = q * s
+//   nf4:  the G amax values (replicated after the all-reduce) are double-quantised as
+//         fsdp/nf4.h says (their mean, blocks of 256, 8-bit scalers) into absmax'_g on every
+//         rank;  q = nf4_code(x / amax_g) (4 bits);  x' = level[q] * absmax'_g, i.e. exactly
+//         nf4_dequantize(nf4_quantize(full tensor)). Codes travel two per byte in the order of
+//         the rank's padded shard (element 2j in the high nibble): 0.5 byte per element.
 // x' is rounded (nearest even) to the param dtype. int8 codes travel as u8 bytes (two's
 // complement). Only the codes are gathered: the scales are the same on every rank after the
 // all-reduce, so they stay metadata.
@@ -24,7 +30,8 @@
 //   0.5, 2.5} up to e4m3's 3 mantissa bits.
 //
 // Bytes: fp8 gathers 1 byte per element plus a 4-byte all-reduce per tensor (per row for
-// rowwise); int8 1 byte per element plus an all-reduce of 4 bytes per 256 elements.
+// rowwise); int8 1 byte per element plus an all-reduce of 4 bytes per 256 elements; nf4 half a
+// byte per element plus an all-reduce of 4 bytes per 64 elements.
 #pragma once
 
 #include <cstdint>
@@ -36,7 +43,7 @@
 
 namespace fsdp {
 
-enum class QuantKind { kFp8Tensor, kFp8Rowwise, kInt8Block };
+enum class QuantKind { kFp8Tensor, kFp8Rowwise, kInt8Block, kNf4 };
 
 struct QuantConfig {
   QuantKind kind = QuantKind::kFp8Tensor;
@@ -47,7 +54,7 @@ inline constexpr float kFp8E4M3Max = 448.0f;
 inline constexpr float kFp8AmaxEps = 1e-12f;
 inline constexpr float kInt8Max = 127.0f;
 
-// "fp8", "fp8-rowwise", "int8" (block 256).
+// "fp8", "fp8-rowwise", "int8" (block 256), "nf4".
 std::string to_string(const QuantConfig& config);
 
 // G for a global shape. REQUIRES: shape has >= 1 dim; block >= 1 (InvalidArgument otherwise).
@@ -58,15 +65,18 @@ inline int64_t quant_group(const QuantConfig& c, int64_t f, int64_t last_dim) {
     case QuantKind::kFp8Tensor: return 0;
     case QuantKind::kFp8Rowwise: return f / last_dim;
     case QuantKind::kInt8Block: return f / c.block;
+    case QuantKind::kNf4: return f / 64;
   }
   return 0;
 }
-// The scale of a group from its amax (formulas above).
+// The scale of a group from its amax (formulas above; not kNf4, whose scales depend on every
+// group's amax: nf4_dequantized_absmax).
 float quant_scale(QuantKind kind, float amax);
-// One element: its code (a byte) and back.
+// One element: its code (a byte; kNf4: a nibble, scale = the exact amax to code, absmax' to
+// decode) and back.
 uint8_t quantize_value(QuantKind kind, float x, float scale);
 float dequantize_value(QuantKind kind, uint8_t code, float scale);
-// The wire dtype of the codes: f8e4m3 or u8.
+// The wire dtype of the codes: f8e4m3 or u8 (int8, nf4).
 kernels::DType quant_wire_dtype(QuantKind kind);
 
 // The one-rank reference: every element of `full` (the global tensor, any floating dtype)

@@ -21,31 +21,11 @@ uint8_t nf4_code(float v) {
   return static_cast<uint8_t>(kNf4Levels.size() - 1);
 }
 
-Nf4Tensor nf4_quantize(const Tensor& full) {
-  if (!kernels::is_floating_point(full.dtype()) || full.numel() == 0)
-    throw kernels::InvalidArgument(fmt::format("nf4_quantize: a {} tensor of {} elements; expected a floating "
-                                               "tensor with at least one element",
-                                               kernels::to_string(full.dtype()), full.numel()));
-  Tensor host = full.device().is_cpu() ? full : full.to(kernels::Device{});
-  const Tensor x = host.dtype() == DType::kF32 ? host.contiguous() : host.to(DType::kF32);
-  const float* px = x.data<float>();
-  const int64_t n = x.numel();
-  const int64_t nb = kernels::checked_ceil_div(n, kNf4Block, "nf4 blocks");
+Nf4Scales nf4_double_quantize(const std::vector<float>& absmax) {
+  const int64_t nb = static_cast<int64_t>(absmax.size());
+  if (nb == 0) throw kernels::InvalidArgument("nf4 double quantisation of 0 blocks: expected at least one");
   const int64_t ns = kernels::checked_ceil_div(nb, kNf4ScalerBlock, "nf4 scaler blocks");
-  std::vector<float> absmax(static_cast<size_t>(nb), 0.0f);
-  for (int64_t i = 0; i < n; ++i) {
-    float& m = absmax[static_cast<size_t>(i / kNf4Block)];
-    m = std::max(m, std::fabs(px[i]));
-  }
-  Nf4Tensor q;
-  q.shape = full.shape();
-  q.codes = Tensor::zeros(Dims{(n + 1) / 2}, DType::kU8);
-  uint8_t* pc = q.codes.data<uint8_t>();
-  for (int64_t i = 0; i < n; ++i) {
-    const float a = absmax[static_cast<size_t>(i / kNf4Block)];
-    const uint8_t c = nf4_code(a == 0.0f ? 0.0f : px[i] / a);
-    pc[i / 2] = static_cast<uint8_t>(pc[i / 2] | (i % 2 == 0 ? c << 4 : c));
-  }
+  Nf4Scales q;
   double sum = 0;
   for (float a : absmax) sum += a;
   q.mean = static_cast<float>(sum / static_cast<double>(nb));
@@ -69,6 +49,46 @@ Nf4Tensor nf4_quantize(const Tensor& full) {
   return q;
 }
 
+std::vector<float> nf4_dequantized_absmax(const std::vector<float>& absmax) {
+  const Nf4Scales q = nf4_double_quantize(absmax);
+  const uint8_t* ps = q.scalers.data<uint8_t>();
+  const float* pf = q.factors.data<float>();
+  std::vector<float> out(absmax.size());
+  for (size_t b = 0; b < out.size(); ++b)
+    out[b] = nf4_block_scale(ps[b], pf[b / static_cast<size_t>(kNf4ScalerBlock)], q.mean);
+  return out;
+}
+
+Nf4Tensor nf4_quantize(const Tensor& full) {
+  if (!kernels::is_floating_point(full.dtype()) || full.numel() == 0)
+    throw kernels::InvalidArgument(fmt::format("nf4_quantize: a {} tensor of {} elements; expected a floating "
+                                               "tensor with at least one element",
+                                               kernels::to_string(full.dtype()), full.numel()));
+  Tensor host = full.device().is_cpu() ? full : full.to(kernels::Device{});
+  const Tensor x = host.dtype() == DType::kF32 ? host.contiguous() : host.to(DType::kF32);
+  const float* px = x.data<float>();
+  const int64_t n = x.numel();
+  const int64_t nb = kernels::checked_ceil_div(n, kNf4Block, "nf4 blocks");
+  std::vector<float> absmax(static_cast<size_t>(nb), 0.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    float& m = absmax[static_cast<size_t>(i / kNf4Block)];
+    m = std::max(m, std::fabs(px[i]));
+  }
+  Nf4Tensor q;
+  q.shape = full.shape();
+  q.codes = Tensor::zeros(Dims{(n + 1) / 2}, DType::kU8);
+  uint8_t* pc = q.codes.data<uint8_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t c = nf4_code(px[i], absmax[static_cast<size_t>(i / kNf4Block)]);
+    pc[i / 2] = static_cast<uint8_t>(pc[i / 2] | (i % 2 == 0 ? c << 4 : c));
+  }
+  Nf4Scales sc = nf4_double_quantize(absmax);
+  q.scalers = std::move(sc.scalers);
+  q.factors = std::move(sc.factors);
+  q.mean = sc.mean;
+  return q;
+}
+
 Tensor nf4_dequantize(const Nf4Tensor& q, DType out_dtype) {
   const int64_t n = q.shape.product();
   const int64_t nb = kernels::checked_ceil_div(n, kNf4Block, "nf4 blocks");
@@ -83,11 +103,7 @@ Tensor nf4_dequantize(const Nf4Tensor& q, DType out_dtype) {
   const uint8_t* ps = scalers.data<uint8_t>();
   const float* pf = factors.data<float>();
   std::vector<float> absmax(static_cast<size_t>(nb));
-  for (int64_t b = 0; b < nb; ++b) {
-    const float f = pf[b / kNf4ScalerBlock];
-    absmax[static_cast<size_t>(b)] =
-        f == 0.0f ? q.mean : static_cast<float>(static_cast<int8_t>(ps[b])) / f + q.mean;
-  }
+  for (int64_t b = 0; b < nb; ++b) absmax[static_cast<size_t>(b)] = nf4_block_scale(ps[b], pf[b / kNf4ScalerBlock], q.mean);
   Tensor y = Tensor::empty(q.shape, DType::kF32);
   float* py = y.data<float>();
   for (int64_t i = 0; i < n; ++i) {

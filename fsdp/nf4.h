@@ -1,6 +1,7 @@
-// NF4 (QLoRA's 4-bit NormalFloat) with double-quantised scales: the codec only (no FSDP
-// extension yet). Blocks are in the tensor's row-major flat index, so a codec of the global
-// tensor does not depend on any sharding.
+// NF4 (QLoRA's 4-bit NormalFloat) with double-quantised scales. Blocks are in the tensor's
+// row-major flat index, so a codec of the global tensor does not depend on any sharding (the FSDP
+// all-gather extension, QuantKind::kNf4 in fsdp/lowp.h, computes the same absmax per global block
+// and the same double quantisation of them on every rank).
 //
 //   w (n elements, f32)
 //   absmax_b = max |w| over block b of 64 elements (the last block may be shorter)
@@ -22,6 +23,7 @@
 
 #include <array>
 #include <cstdint>
+#include <vector>
 
 #include "kernels/tensor.h"
 
@@ -46,6 +48,23 @@ struct Nf4Tensor {
 
 // The level index nearest to v (REQUIRES v in [-1, 1]; ties to the lower level).
 uint8_t nf4_code(float v);
+// The code of x in a block of exact absmax a (0, i.e. level 0.0, when a == 0).
+inline uint8_t nf4_code(float x, float absmax) { return nf4_code(absmax == 0.0f ? 0.0f : x / absmax); }
+
+// Double quantisation of every block's exact absmax (formulas above): scalers (u8 [nb]),
+// factors (f32 [ceil(nb / 256)]) and the mean.
+struct Nf4Scales {
+  kernels::Tensor scalers, factors;
+  float mean = 0.0f;
+};
+// REQUIRES: absmax non-empty.
+Nf4Scales nf4_double_quantize(const std::vector<float>& absmax);
+// absmax'_b, the scale dequantisation multiplies block b's levels by.
+inline float nf4_block_scale(uint8_t scaler, float factor, float mean) {
+  return factor == 0.0f ? mean : static_cast<float>(static_cast<int8_t>(scaler)) / factor + mean;
+}
+// Every block's absmax'_b from the exact absmax_b (nf4_double_quantize, then nf4_block_scale).
+std::vector<float> nf4_dequantized_absmax(const std::vector<float>& absmax);
 // REQUIRES: a floating tensor with at least one element (InvalidArgument otherwise).
 Nf4Tensor nf4_quantize(const kernels::Tensor& full);
 kernels::Tensor nf4_dequantize(const Nf4Tensor& q, kernels::DType out_dtype);

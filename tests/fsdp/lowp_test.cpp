@@ -146,7 +146,7 @@ std::map<std::string, Tensor> reference_weights(const QuantConfig& q) {
   return out;
 }
 
-TEST_CASE("[lowp] dequantised weights are bit-identical under FSDP 1..5, HSDP and FSDP x TP", "[lowp]") {
+TEST_CASE("[lowp] dequantised weights (fp8, int8, nf4) are bit-identical under FSDP 1..5, HSDP and FSDP x TP", "[lowp]") {
   const std::vector<Layout> layouts = {
       {{1}, {"dp_shard"}},
       {{2}, {"dp_shard"}},
@@ -157,7 +157,8 @@ TEST_CASE("[lowp] dequantised weights are bit-identical under FSDP 1..5, HSDP an
       {{3, 2}, {"dp_shard", "tp"}, 1},
   };
   const std::vector<QuantConfig> configs = {
-      {QuantKind::kFp8Tensor}, {QuantKind::kFp8Rowwise}, {QuantKind::kInt8Block, 256}, {QuantKind::kInt8Block, 7}};
+      {QuantKind::kFp8Tensor}, {QuantKind::kFp8Rowwise}, {QuantKind::kInt8Block, 256}, {QuantKind::kInt8Block, 7},
+      {QuantKind::kNf4}};
   int compared = 0;
   for (const QuantConfig& q : configs) {
     const auto ref = reference_weights(q);
@@ -176,7 +177,7 @@ TEST_CASE("[lowp] dequantised weights are bit-identical under FSDP 1..5, HSDP an
       }
     }
   }
-  CHECK(compared == 6 * 7 * 4);
+  CHECK(compared == 6 * 7 * 5);
 }
 
 TEST_CASE("[lowp] a block cut by a shard boundary: per-shard scales would differ", "[lowp]") {
