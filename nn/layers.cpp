@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
+
 #include "kernels/error.h"
 #include "kernels/format.h"
 
@@ -56,6 +58,22 @@ void Linear::set_output_reduction(int mesh_dim, dtensor::Placement placement) {
   reduce_ = std::make_pair(mesh_dim, placement);
 }
 
+void Linear::enable_lora(int64_t rank, double alpha) {
+  if (rank < 1 || !(alpha > 0) || !std::isfinite(alpha))
+    throw InvalidArgument(fmt::format("Linear::enable_lora: rank {}, alpha {}; expected rank >= 1 and alpha > 0", rank,
+                                      alpha));
+  if (lora_a_) throw InvalidArgument("Linear::enable_lora: LoRA is already enabled on this layer");
+  if (!weight_->is_meta())
+    throw InvalidArgument("Linear::enable_lora: the layer is materialised; enable LoRA on the meta model first");
+  const double bound = in_ > 0 ? 1.0 / std::sqrt(static_cast<double>(in_)) : 0.0;
+  lora_a_ = add_parameter("lora_A", std::make_shared<Parameter>(weight_->comms(), Dims{rank, in_}, weight_->dtype(),
+                                                                Init::uniform(-bound, bound), std::nullopt,
+                                                                weight_->device()));
+  lora_b_ = add_parameter("lora_B", std::make_shared<Parameter>(weight_->comms(), Dims{out_, rank}, weight_->dtype(),
+                                                                Init::zeros(), std::nullopt, weight_->device()));
+  lora_scale_ = alpha / static_cast<double>(rank);
+}
+
 DTensor Linear::do_forward(Ctx& ctx, const DTensor& x) {
   const int nd = x.spec().tensor_ndim();
   if (nd < 1 || x.shape()[nd - 1] != in_)
@@ -69,11 +87,30 @@ DTensor Linear::do_forward(Ctx& ctx, const DTensor& x) {
     y = y.redistribute(to, {ctx.ops().choose.planner});
   }
   if (bias_) y = ops::add(y, bias_->data(), 1.0, ctx.ops(), &ctx.op(1));
+  if (lora_a_) {
+    if (reduce_)
+      throw kernels::Unsupported("Linear: LoRA on a RowwiseParallel layer (an output reduction) is not supported");
+    const std::string eq = linear_equation(nd);
+    const DTensor h = ops::einsum(eq, x, lora_a_->data(), ctx.ops(), &ctx.op(2));  // [..., rank]
+    const DTensor l = ops::einsum(eq, h, lora_b_->data(), ctx.ops(), &ctx.op(3));  // [..., out]
+    y = ops::add(y, l, lora_scale_, ctx.ops(), &ctx.op(4));
+  }
   return y;
 }
 
 std::optional<DTensor> Linear::do_backward(Ctx& ctx, const DTensor& dy_in) {
   DTensor dy = dy_in;
+  std::optional<DTensor> dx_lora;
+  if (lora_a_) {
+    // y = base + s * l: dl = s * dy; l = h B^T; h = x A^T.
+    const ops::GradSink add_sinks[] = {ops::GradSink{}, ops::GradSink{}};
+    ops::Grads g = ops::add_backward(ctx.op(4), dy, add_sinks, ctx.ops());
+    dy = *g[0];
+    const ops::GradSink b_sinks[] = {ops::GradSink{}, lora_b_->grad_sink()};
+    const DTensor dh = *ops::einsum_backward(ctx.op(3), *g[1], b_sinks, ctx.ops())[0];
+    const ops::GradSink a_sinks[] = {ops::GradSink{}, lora_a_->grad_sink()};
+    dx_lora = ops::einsum_backward(ctx.op(2), dh, a_sinks, ctx.ops())[0];
+  }
   if (bias_) {
     const ops::GradSink sinks[] = {ops::GradSink{}, bias_->grad_sink()};
     dy = *ops::add_backward(ctx.op(1), dy, sinks, ctx.ops())[0];
@@ -86,7 +123,9 @@ std::optional<DTensor> Linear::do_backward(Ctx& ctx, const DTensor& dy_in) {
     if (!(to == dy.placements())) dy = dy.redistribute(to, {ctx.ops().choose.planner});
   }
   const ops::GradSink sinks[] = {ops::GradSink{}, weight_->grad_sink()};
-  return ops::einsum_backward(ctx.op(0), dy, sinks, ctx.ops())[0];
+  std::optional<DTensor> dx = ops::einsum_backward(ctx.op(0), dy, sinks, ctx.ops())[0];
+  if (dx_lora) dx = ops::add(*dx, *dx_lora, 1.0, ctx.ops());
+  return dx;
 }
 
 // ---- Embedding ----

@@ -35,13 +35,26 @@ class Linear : public Module {
   // the bias is added (the backward maps the gradient back).
   void set_output_reduction(int mesh_dim, dtensor::Placement placement);
 
+  // LoRA (Hu et al. 2021; PEFT's defaults): adds parameters lora_A [rank, in] and lora_B
+  // [out, rank] (the weight's dtype, comms and device; meta) and computes
+  //   y = x W^T + b + (alpha / rank) (x A^T) B^T
+  // with A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming_uniform_(a = sqrt(5))) and B = 0, so the output
+  // starts as the base layer's. Example: in 4, out 3, rank 2, alpha 4: scale 2, A [2, 4], B [3, 2].
+  // REQUIRES: rank >= 1, alpha > 0, called once, before sharding or materialising (InvalidArgument
+  // otherwise); no output reduction (RowwiseParallel): forward refuses it (Unsupported).
+  void enable_lora(int64_t rank, double alpha);
+  Parameter* lora_A() const { return lora_a_.get(); }
+  Parameter* lora_B() const { return lora_b_.get(); }
+  double lora_scale() const { return lora_scale_; }
+
  protected:
   DTensor do_forward(Ctx& ctx, const DTensor& input) override;
   std::optional<DTensor> do_backward(Ctx& ctx, const DTensor& grad_output) override;
 
  private:
   int64_t in_, out_;
-  std::shared_ptr<Parameter> weight_, bias_;
+  std::shared_ptr<Parameter> weight_, bias_, lora_a_, lora_b_;
+  double lora_scale_ = 0.0;
   std::optional<std::pair<int, dtensor::Placement>> reduce_;
 };
 

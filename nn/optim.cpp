@@ -106,7 +106,8 @@ StateDict Optimizer::state_dict() const {
 
 void Optimizer::init_state() {
   for (size_t i = 0; i < params_.size(); ++i)
-    for (const std::string& k : state_keys()) state_tensor(i, k);
+    if (params_[i].second->requires_grad)
+      for (const std::string& k : state_keys()) state_tensor(i, k);
 }
 
 void Optimizer::load_state_dict(const StateDict& sd, bool strict) {
@@ -228,7 +229,7 @@ void reduce_gradients(const NamedParameters& params) {
   std::vector<std::pair<std::string, Group>> groups;
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& p = params[i].second;
-    if (!p->grad()) continue;
+    if (!p->grad() || !p->requires_grad) continue;
     const DTensor& g = *p->grad();
     if (g.placements() == p->placements()) continue;
     const std::string key = fmt::format("{}|{}|{}|{}", static_cast<const void*>(g.comms().get()),
@@ -261,7 +262,7 @@ double clip_grad_norm_(const NamedParameters& params, double max_norm, double no
   std::vector<const DTensor*> grads;
   std::vector<std::string> names;
   for (const auto& [n, p] : params)
-    if (p->grad()) {
+    if (p->grad() && p->requires_grad) {
       grads.push_back(&*p->grad());
       names.push_back(n);
     }

@@ -30,7 +30,8 @@ class Optimizer {
  public:
   explicit Optimizer(NamedParameters params);
   virtual ~Optimizer() = default;
-  // Steps every parameter that has a gradient.
+  // Steps every parameter that has a gradient and requires_grad (a frozen parameter, e.g. an NF4
+  // base weight under QLoRA, gets no state, here or in init_state()).
   virtual void step() = 0;
   void zero_grad(bool set_to_none = true);
   const NamedParameters& parameters() const { return params_; }
@@ -84,6 +85,7 @@ class AdamW : public Optimizer {
   kernels::AdamWOptions options;
 };
 
+// Frozen parameters (requires_grad false) are skipped here and by clip_grad_norm_.
 // Redistributes every gradient whose placements differ from its parameter's (Partial sums over
 // the batch-splitting or sequence-parallel mesh dims) to the parameter's placements; gradients
 // moving alike are batched into one collective per step. Collective over the mesh.

@@ -231,4 +231,25 @@ DTensor CrossEntropyLoss::backward(Ctx& ctx, const std::optional<DTensor>& dloss
   return out;
 }
 
+int add_lora(GPT& model, int64_t rank, double alpha) {
+  for (auto& [name, p] : model.named_parameters()) p->requires_grad = false;
+  int n = 0;
+  for (auto& [name, m] : model.named_modules()) {
+    auto* lin = dynamic_cast<Linear*>(m);
+    if (!lin || name.rfind("blocks.", 0) != 0) continue;
+    if (name.find(".attn.") == std::string::npos && name.find(".mlp.") == std::string::npos) continue;
+    lin->enable_lora(rank, alpha);
+    ++n;
+  }
+  return n;
+}
+
+bool is_lora_parameter(const std::string& name) {
+  auto ends_with = [&](const char* s) {
+    const std::string t(s);
+    return name.size() >= t.size() && name.compare(name.size() - t.size(), t.size(), t) == 0;
+  };
+  return ends_with(".lora_A") || ends_with(".lora_B");
+}
+
 }  // namespace nn

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "nn/layers.h"
 
@@ -117,6 +118,16 @@ class GPT : public Module {
   std::shared_ptr<Module> ln_f_;
   std::shared_ptr<Linear> lm_head_;
 };
+
+// QLoRA / LoRA fine-tuning: enables LoRA (Linear::enable_lora) on every attention projection
+// (wq, wk, wv, wo) and MLP projection (fc1, fc2) of every block and freezes every other
+// parameter (requires_grad = false: no gradient, no optimizer state). Returns how many layers
+// got adapters (6 per block). REQUIRES: the model still meta (before sharding / materialising).
+//   nn::GPT model(mo, cfg);
+//   nn::add_lora(model, /*rank=*/8, /*alpha=*/16);   // blocks.0.attn.wq.lora_A, ..., lora_B
+int add_lora(GPT& model, int64_t rank, double alpha);
+// True for a LoRA adapter's parameter name (ends in ".lora_A" or ".lora_B").
+bool is_lora_parameter(const std::string& name);
 
 // Activation checkpointing: runs the wrapped module's forward without keeping anything but the
 // input, and re-runs that forward (ctx.recomputing() is true for its hooks) right before its

@@ -1,6 +1,7 @@
 // Every layer's backward against central finite differences, in f64, on a mesh of one rank:
 // the loss sum(forward(x) * r) for a fixed r, differentiated in every parameter (all elements of
-// small ones, 40 spread over large ones) and in the input.
+// small ones, 40 spread over large ones) and in the input. Frozen parameters (requires_grad
+// false: LoRA's base weights) must get no gradient.
 #include <catch2/catch.hpp>
 
 #include "nn/layers.h"
@@ -64,6 +65,10 @@ int gradcheck(Module& m, const Problem& pb, const std::string& what, testing_sup
     return (up - down) / (2 * kEps);
   };
   for (auto& [name, p] : m.named_parameters()) {
+    if (!p->requires_grad) {
+      if (p->grad()) checks.add(fmt::format("{}: frozen {} got a gradient", what, name));
+      continue;
+    }
     if (!p->grad()) {
       checks.add(fmt::format("{}: no gradient for {}", what, name));
       continue;
@@ -131,6 +136,92 @@ TEST_CASE("gradcheck: Linear, with and without bias", "[nn][gradcheck]") {
                 DTensor x = replicated(values({2, 3, 5}, 7), comms);
                 return gradcheck(l, module_problem(l, x, 11), "Linear", checks);
               });
+}
+
+TEST_CASE("gradcheck: Linear with LoRA adapters and a frozen base weight", "[nn][gradcheck][lora]") {
+  // lora_A 3x5 + lora_B 7x3 + bias 7 + input 30 elements.
+  run_check("Linear LoRA", 15 + 21 + 7 + 30, [](auto comms, auto& checks) {
+    Linear l(f64(comms), 5, 7, true);
+    l.enable_lora(3, 6.0);
+    l.weight().requires_grad = false;
+    materialize(l, 1);
+    randomize(l, 3);  // B != 0, so A's gradient is not trivially zero
+    checks.check(l.lora_scale() == 2.0, "scale alpha / rank");
+    DTensor x = replicated(values({2, 3, 5}, 7), comms);
+    return gradcheck(l, module_problem(l, x, 11), "Linear LoRA", checks);
+  });
+}
+
+TEST_CASE("LoRA: init (A uniform within 1/sqrt(in), B zero) leaves the GPT's output unchanged", "[nn][lora]") {
+  testing_support::Checks checks;
+  int layers = 0;
+  on_mesh({1}, [&](std::shared_ptr<MeshComms> comms, Communicator&) {
+    GPTConfig cfg;
+    cfg.vocab = 11;
+    cfg.dim = 8;
+    cfg.heads = 2;
+    cfg.layers = 2;
+    cfg.max_seq = 6;
+    GPT base(f64(comms), cfg), lora(f64(comms), cfg);
+    layers = add_lora(lora, 4, 8.0);
+    materialize(base, 1);
+    materialize(lora, 1);
+    for (auto& [name, p] : lora.named_parameters()) {
+      checks.check(p->requires_grad == is_lora_parameter(name), name + ": only adapters train");
+      if (name.size() > 7 && name.compare(name.size() - 7, 7, ".lora_A") == 0) {
+        for (double v : p->data().full_tensor().to_vector())
+          checks.check(std::abs(v) <= 1.0 / std::sqrt(static_cast<double>(p->shape()[1])), name + " within bound");
+      }
+      if (name.size() > 7 && name.compare(name.size() - 7, 7, ".lora_B") == 0)
+        for (double v : p->data().full_tensor().to_vector()) checks.check(v == 0.0, name + " starts at zero");
+    }
+    checks.check(lora.parameter("blocks.1.mlp.fc2.lora_B").shape() == Dims{8, 4}, "fc2.lora_B [out, rank]");
+    checks.check(lora.parameter("blocks.0.attn.wq.lora_A").shape() == Dims{4, 8}, "wq.lora_A [rank, in]");
+    DTensor x = replicated(ids({2, 5}, 11, 1), comms);
+    Ctx c1, c2;
+    checks.check(kernels::equal(base.forward(c1, x).full_tensor(), lora.forward(c2, x).full_tensor()),
+                 "B = 0: the logits equal the base model's");
+    Linear l(f64(comms), 4, 3);
+    l.enable_lora(2, 1.0);
+    bool twice = false, bad = false;
+    try { l.enable_lora(2, 1.0); } catch (const kernels::InvalidArgument&) { twice = true; }
+    Linear m(f64(comms), 4, 3);
+    try { m.enable_lora(0, 1.0); } catch (const kernels::InvalidArgument&) { bad = true; }
+    checks.check(twice && bad, "a second enable_lora and rank 0 are refused");
+  });
+  checks.report();
+  CHECK(layers == 12);  // 2 blocks x (wq, wk, wv, wo, fc1, fc2)
+}
+
+TEST_CASE("gradcheck: GPT with LoRA adapters (frozen base)", "[nn][gradcheck][lora]") {
+  run_check("GPT LoRA", 300, [&](auto comms, auto& checks) {
+    GPTConfig cfg;
+    cfg.vocab = 11;
+    cfg.dim = 8;
+    cfg.heads = 2;
+    cfg.layers = 2;
+    cfg.max_seq = 6;
+    GPT model(f64(comms), cfg);
+    add_lora(model, 2, 4.0);
+    materialize(model, 1);
+    randomize(model, 5);
+    DTensor x = replicated(ids({2, 5}, 11, 1), comms);
+    DTensor targets = replicated(ids({2, 5}, 11, 2), comms);
+    CrossEntropyLoss ce;
+    Problem pb;
+    pb.loss = [&] {
+      Ctx ctx, lctx;
+      return ce.forward(lctx, model.forward(ctx, x), targets).full_tensor().item({});
+    };
+    pb.analytic = [&]() -> std::optional<DTensor> {
+      Ctx ctx, lctx;
+      DTensor logits = model.forward(ctx, x);
+      ce.forward(lctx, logits, targets);
+      model.backward(ctx, ce.backward(lctx));
+      return std::nullopt;
+    };
+    return gradcheck(model, pb, "GPT LoRA", checks);
+  });
 }
 
 TEST_CASE("gradcheck: Embedding", "[nn][gradcheck]") {
