@@ -100,6 +100,12 @@ class Group {
   std::shared_ptr<kernels::Allocator> unsharded_alloc, buffer_alloc;
   std::vector<Slot> slots;
   int64_t slot_numel = 0;  // P: one rank's flat elements
+  // The trainable prefix: parameters with requires_grad come first in the slots, so gradients
+  // (reduce-scatter, sharded gradient buffer) cover only the first grad_numel of the P
+  // elements; frozen parameters (QLoRA's base weights) send and keep no gradient bytes.
+  int64_t grad_numel = 0;
+  size_t grad_slots = 0;
+  kernels::ChunkCatLayout grad_layout;
   kernels::ChunkCatLayout layout;  // the slots, rank-major: chunk_cat / split_copy copies
   int64_t unsharded_numel = 0;
   // With all-gather extensions: one ByteSlot per slot and the bytes of one rank's u8 buffer
@@ -145,6 +151,9 @@ class Group {
   }
   DTensorSpec flat_spec(const Placements& p, DType dtype) const {
     return dtensor::make_spec(mesh_ptr(dp_comms), p, Dims{dp * slot_numel}, dtype);
+  }
+  DTensorSpec grad_flat_spec(const Placements& p, DType dtype) const {
+    return dtensor::make_spec(mesh_ptr(dp_comms), p, Dims{dp * grad_numel}, dtype);
   }
 
   bool reshards_after_forward() const {
@@ -360,9 +369,20 @@ class Group {
   }
 
   // ---- gradients ----
+  // A parameter frozen at fully_shard (after the trainable prefix) has no gradient storage.
+  void check_frozen(size_t i) const {
+    const Slot& s = slots[i];
+    if (i >= grad_slots && (s.param->requires_grad || s.param->grad()))
+      throw InvalidArgument(fmt::format(
+          "FSDP group '{}': parameter '{}' was frozen (requires_grad false) at fully_shard but now {}; set "
+          "requires_grad before fully_shard",
+          name, s.name, s.param->grad() ? "holds a gradient" : "requires a gradient"));
+  }
   void stash_grads() {
     has_sharded_grad = false;
-    for (Slot& s : slots) {
+    for (size_t i = 0; i < slots.size(); ++i) {
+      check_frozen(i);
+      Slot& s = slots[i];
       auto& g = s.param->grad();
       if (!g) continue;
       if (!grad_flat.defined()) allocate_grad_flat();
@@ -381,12 +401,12 @@ class Group {
     }
   }
   void allocate_grad_flat() {
-    grad_flat = Tensor::empty(Dims{slot_numel}, orig_dtype, storage_device, comms->allocator());
+    grad_flat = Tensor::empty(Dims{grad_numel}, orig_dtype, storage_device, comms->allocator());
     grad_flat.fill_(0.0);
   }
   void install_grads() {
-    for (Slot& s : slots)
-      if (s.param->requires_grad) s.param->grad() = sharded_grad_view(s);
+    for (size_t i = 0; i < grad_slots; ++i)
+      if (slots[i].param->requires_grad) slots[i].param->grad() = sharded_grad_view(slots[i]);
   }
 
   // The unsharded gradient of s as the local tensor of its placements on the non-dp dims, dp
@@ -430,6 +450,7 @@ class Group {
     // gradients this rank happens to hold: a rank without one contributes zeros.
     bool any = false;
     for (size_t i = 0; i < slots.size(); ++i) {
+      check_frozen(i);
       grads[i] = take_grad(slots[i]);
       any = any || slots[i].param->requires_grad;
     }
@@ -477,13 +498,14 @@ class Group {
         throw InvalidArgument(fmt::format("FSDP group '{}': the gradient of '{}' has local shape {}, expected {}", name,
                                           slots[i].name, kernels::to_string(grads[i].shape()),
                                           kernels::to_string(slots[i].local_shape)));
-    Tensor in = Tensor::empty(Dims{dp * slot_numel}, reduce_dtype, compute_device, buffer_alloc);
+    Tensor in = Tensor::empty(Dims{dp * grad_numel}, reduce_dtype, compute_device, buffer_alloc);
+    grads.resize(grad_slots);  // the frozen slots (after the prefix) hold no gradient
     {
       const kernels::TraceSpan span(tracer(), trace_pid(), "copies", "FSDP gradient copy-in");
-      kernels::chunk_cat(in, grads, layout, opts.copy_threads);
+      kernels::chunk_cat(in, grads, grad_layout, opts.copy_threads);
     }
     grads.clear();
-    DTensor flat_in(dp_comms, flat_spec(filled(dp_ndim(), dtensor::Partial{}), reduce_dtype), in);
+    DTensor flat_in(dp_comms, grad_flat_spec(filled(dp_ndim(), dtensor::Partial{}), reduce_dtype), in);
     Pending p;
     p.to_partial = hsdp() && !requires_all_reduce;
     p.all_reduce_after = hsdp() && requires_all_reduce && partial_acc.defined();
@@ -500,7 +522,7 @@ class Group {
       if (!grad_flat.defined()) allocate_grad_flat();
       p.out = grad_flat;
     } else {
-      p.out = Tensor::empty(Dims{slot_numel}, reduce_dtype, compute_device, buffer_alloc);
+      p.out = Tensor::empty(Dims{grad_numel}, reduce_dtype, compute_device, buffer_alloc);
     }
     p.input = in;
     p.handle = dtensor::redistribute_async(flat_in, target, ro, p.out);
@@ -533,7 +555,7 @@ class Group {
       Placements from = flat_sharded_placements();
       for (int m = 0; m < dp_ndim(); ++m)
         if (m != dp_index) from[m] = dtensor::Partial{};
-      DTensor part(dp_comms, flat_spec(from, reduce_dtype), result);
+      DTensor part(dp_comms, grad_flat_spec(from, reduce_dtype), result);
       dtensor::RedistributeOptions ro;
       ro.reduce_dtype = reduce_dtype;
       result = part.redistribute(flat_sharded_placements(), ro).to_local();
@@ -756,7 +778,7 @@ int64_t FSDPModule::unsharded_bytes() const {
          static_cast<int64_t>(kernels::itemsize(group_->param_dtype));
 }
 int64_t FSDPModule::reduce_scatter_input_bytes() const {
-  return group_->dp * group_->slot_numel * static_cast<int64_t>(kernels::itemsize(group_->reduce_dtype));
+  return group_->dp * group_->grad_numel * static_cast<int64_t>(kernels::itemsize(group_->reduce_dtype));
 }
 int64_t FSDPModule::sharded_bytes() const {
   return group_->slot_numel * static_cast<int64_t>(kernels::itemsize(group_->orig_dtype));
@@ -895,6 +917,8 @@ FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr
   for (size_t i = 0; i < modules.size(); ++i)
     visit(*modules[i], modules.size() == 1 ? "" : std::to_string(i), nullptr);
 
+  // Trainable parameters first (stable): the gradient buffers cover that prefix only.
+  std::stable_partition(params.begin(), params.end(), [](const auto& e) { return e.second->requires_grad; });
   const auto& mp = options.mp_policy;
   bool first = true;
   int64_t offset = 0, uoffset = 0;
@@ -969,6 +993,11 @@ FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr
   }
   g.slot_numel = offset;
   g.unsharded_numel = uoffset;
+  for (const Slot& s : g.slots) {
+    if (!s.param->requires_grad) break;
+    ++g.grad_slots;
+    g.grad_numel += s.padded_numel;
+  }
   {
     std::vector<Dims> shapes;
     std::vector<int> dims;
@@ -976,6 +1005,8 @@ FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr
       shapes.push_back(s.local_shape);
       dims.push_back(s.shard_dim);
     }
+    g.grad_layout = kernels::ChunkCatLayout(std::vector<Dims>(shapes.begin(), shapes.begin() + g.grad_slots),
+                                            std::vector<int>(dims.begin(), dims.begin() + g.grad_slots), g.dp);
     g.layout = kernels::ChunkCatLayout(std::move(shapes), std::move(dims), g.dp);
     for (size_t i = 0; i < g.slots.size(); ++i)
       if (g.layout.offset(i) != g.slots[i].offset || g.layout.chunk_numel() != g.slot_numel)

@@ -483,4 +483,151 @@ TEST_CASE("[lowp] gradients flow straight through to the f32 sharded parameters"
   CHECK_FALSE(kernels::equal(w, fsdp::fake_quantize(w, {QuantKind::kInt8Block, 256}, DType::kF32)));
 }
 
+// ---- QLoRA: frozen NF4 base weights, LoRA adapters ----
+
+struct QloraResult {
+  std::map<std::string, Tensor> grads, params;  // rank 0's full tensors after two steps
+  std::vector<std::string> state_names;         // the optimizer's state keys
+  int64_t block_rs_bytes = -1, block_rs_bytes_full = -1;
+};
+
+// Two AdamW steps of the GPT with LoRA (rank 2) on every projection and the base frozen: FSDP over
+// `ranks` with the NF4 extension on the frozen linear weights (f32 compute), or one rank
+// computing with nf4 fake-quantised base weights.
+QloraResult qlora_run(int ranks, bool fsdp_run, testing_support::Checks& checks) {
+  QloraResult out;
+  const QuantConfig q{QuantKind::kNf4};
+  auto frozen_linear = [](const std::string& name, const nn::Parameter& p) {
+    return quantised(name, p) && !nn::is_lora_parameter(name) && !p.requires_grad;
+  };
+  collectives::run_ranks(ranks, [&](Communicator& world) {
+    const DeviceMesh mesh = DeviceMesh::from_shape({ranks}, {fsdp_run ? "dp_shard" : "tp"});
+    auto comms = MeshComms::create(mesh, world);
+    nn::GPT model(nn::ModuleOptions{comms, DType::kF32, {}}, small());
+    checks.check(nn::add_lora(model, 2, 4.0) == 6, "six adapted projections");
+    fsdp::FSDPModule* block = nullptr;
+    if (fsdp_run) {
+      fsdp::FullyShardOptions o;
+      auto ext = fsdp::make_quantized_all_gather(q);
+      o.all_gather_extension_fn = [&](const std::string& name, const nn::Parameter& p) {
+        return frozen_linear(name, p) ? ext : nullptr;
+      };
+      block = &fsdp::fully_shard(model.blocks()[0], comms, o);
+      fsdp::fully_shard(model, comms, {});
+    }
+    nn::materialize(model, 11);
+    if (!fsdp_run)
+      for (const auto& [name, p] : model.blocks()[0].named_parameters())
+        if (frozen_linear(name, *p)) {
+          Tensor local = p->data().to_local();
+          local.copy_(fsdp::fake_quantize(local, q, DType::kF32));
+        }
+    nn::AdamW opt(model.named_parameters(), {});
+    Tensor ids = Tensor::empty({4, 8}, DType::kI64), tgt = Tensor::empty({4, 8}, DType::kI64);
+    ids.fill_index_([](std::span<const int64_t> i) { return static_cast<double>((i[0] * 7 + i[1] * 3) % 16); });
+    tgt.fill_index_([](std::span<const int64_t> i) { return static_cast<double>((i[0] * 5 + i[1] * 11 + 1) % 16); });
+    const dtensor::Placements pl{fsdp_run ? dtensor::Placement{dtensor::Shard{0}} : dtensor::Placement{dtensor::Replicate{}}};
+    const DTensor x = dtensor::distribute_tensor(ids, comms, pl, std::nullopt);
+    const DTensor y = dtensor::distribute_tensor(tgt, comms, pl, std::nullopt);
+    auto shared_mesh = std::shared_ptr<const DeviceMesh>(comms, &comms->mesh());
+    const DTensor dloss(comms, dtensor::make_spec(shared_mesh, {dtensor::Replicate{}}, {}, DType::kF64),
+                        Tensor::full({}, 1.0, DType::kF64));
+    nn::CrossEntropyLoss loss_fn;
+    const auto params = model.named_parameters();
+    for (int step = 0; step < 2; ++step) {
+      opt.zero_grad();
+      nn::Ctx ctx, lctx;
+      DTensor logits = model.forward(ctx, x);
+      loss_fn.forward(lctx, logits, y);
+      model.backward(ctx, loss_fn.backward(lctx, dloss));
+      nn::reduce_gradients(params);
+      nn::clip_grad_norm_(params, 1e9);
+      if (step == 1)
+        for (const auto& [name, p] : params) {
+          checks.check(!p->grad() || p->requires_grad, name + ": a frozen parameter got a gradient");
+          if (!p->grad()) continue;
+          Tensor g = p->grad()->full_tensor();
+          if (world.rank() == 0) out.grads[name] = g.clone();
+        }
+      opt.step();
+    }
+    for (const auto& [name, p] : params) {
+      Tensor v = p->data().full_tensor();
+      if (world.rank() == 0) out.params[name] = v.clone();
+    }
+    if (world.rank() == 0) {
+      for (const auto& [k, t] : opt.state_dict().tensors) out.state_names.push_back(k);
+      if (block) {
+        out.block_rs_bytes = block->reduce_scatter_input_bytes();
+        out.block_rs_bytes_full = block->sharded_bytes() * ranks;  // every slot, f32
+      }
+    }
+  });
+  return out;
+}
+
+TEST_CASE("[lowp] QLoRA: NF4 frozen base under FSDP 3 trains the adapters as one rank does", "[lowp][qlora]") {
+  testing_support::Checks checks;
+  const QloraResult got = qlora_run(3, true, checks);
+  const QloraResult want = qlora_run(1, false, checks);
+  checks.report();
+  // Gradients only for the adapters (12) and nothing else; state only for them (AdamW: 2 each).
+  REQUIRE(want.grads.size() == 12);
+  REQUIRE(got.grads.size() == want.grads.size());
+  int compared = 0;
+  double num = 0, den = 0;
+  for (const auto& [name, t] : want.grads) {
+    INFO(name);
+    CHECK(nn::is_lora_parameter(name));
+    REQUIRE(got.grads.count(name) == 1);
+    const auto a = got.grads.at(name).to_vector(), b = t.to_vector();
+    REQUIRE(a.size() == b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      num += (a[i] - b[i]) * (a[i] - b[i]);
+      den += b[i] * b[i];
+    }
+    ++compared;
+  }
+  CHECK(compared == 12);
+  CHECK(den > 0);  // step 2: B != 0, so A's gradients are not all zero either
+  CHECK(std::sqrt(num / den) <= 1e-5);
+  CHECK(got.state_names.size() == 12 * 2);
+  for (const std::string& k : got.state_names) CHECK(k.find(".lora_") != std::string::npos);
+  // Frozen parameters keep their initial (f32, unquantised) values; adapters moved as one rank's.
+  std::map<std::string, Tensor> init;
+  collectives::run_ranks(1, [&](Communicator& world) {
+    auto comms = MeshComms::create(DeviceMesh::from_shape({1}, {"tp"}), world);
+    nn::GPT model(nn::ModuleOptions{comms, DType::kF32, {}}, small());
+    nn::add_lora(model, 2, 4.0);
+    nn::materialize(model, 11);
+    for (const auto& [name, p] : model.named_parameters()) init[name] = p->data().to_local().clone();
+  });
+  int frozen = 0, adapters = 0;
+  for (const auto& [name, t] : got.params) {
+    INFO(name);
+    REQUIRE(init.count(name) == 1);
+    if (!nn::is_lora_parameter(name)) {
+      CHECK(kernels::equal(t, init.at(name)));
+      ++frozen;
+      continue;
+    }
+    CHECK_FALSE(kernels::equal(t, init.at(name)));
+    const auto a = t.to_vector(), b = want.params.at(name).to_vector();
+    double n2 = 0, d2 = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      n2 += (a[i] - b[i]) * (a[i] - b[i]);
+      d2 += b[i] * b[i];
+    }
+    CHECK(std::sqrt(n2 / std::max(d2, 1e-30)) <= 1e-5);
+    ++adapters;
+  }
+  CHECK(adapters == 12);
+  CHECK(frozen > 10);
+  // The block's reduce-scatter carries only the adapters (frozen slots excluded): per rank, padded
+  // over 3 dp ranks, A [2, in] is 1 row, B [out, 2] ceil(out / 3) rows: wq..wo 4 x (24 + 16), fc1
+  // 24 + 64, fc2 96 + 16 = 360 f32 elements, of 2696 for every slot.
+  CHECK(got.block_rs_bytes == 3 * 360 * 4);
+  CHECK(got.block_rs_bytes_full == 3 * 2696 * 4);
+}
+
 }  // namespace
