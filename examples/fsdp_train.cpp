@@ -16,6 +16,9 @@
 // MixedPrecisionPolicy (bf16 parameters, f32 reduction, f32 sharded master weights).
 // --all-gather fp8|int8 (with --mp bf16) gathers the blocks' linear weights as fp8 / int8 codes
 // (examples/fsdp_train_lowp.h); the one-rank reference computes with the same dequantised weights.
+// --qlora RANK (with --mp bf16; --lora-alpha, default 16): QLoRA, LoRA adapters of that rank on
+// every attention and MLP projection, everything else frozen, the frozen linear weights gathered
+// as NF4 (fsdp/lowp.h); only the adapters get gradients and optimizer state.
 //
 // Output: one progress line per --log-every steps on rank 0 (the step's wall time in ms too),
 //   step 3/30 loss 3.91234567 ms 6.21 tokens/s 41234 peak_bytes 1234567 param_bytes 123 grad_bytes 45
@@ -130,6 +133,8 @@ struct Args {
   uint64_t seed = 0;
   std::string mp = "fp32";
   std::string all_gather;  // --all-gather fp8 | int8 (empty: param dtype)
+  int qlora = 0;           // --qlora RANK (0: off)
+  double lora_alpha = 16;
   int grad_accum = 1;
   bool check_parity = false;
   std::string dump_init;
@@ -286,13 +291,16 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   // Built on meta (shapes, dtypes, placements: nothing allocated), parallelised, and under FSDP
   // sharded before it is initialised (or loaded): every rank only ever allocates its shards.
   nn::GPT model(nn::ModuleOptions{comms, DType::kF32, device}, cfg);
+  if (a.qlora > 0) nn::add_lora(model, a.qlora, a.lora_alpha);  // on meta, before sharding
   if (tp > 1) nn::parallelize_module(model, plan.tp_dim, nn::gpt_tensor_parallel_plan(cfg, a.sequence_parallel, true));
   const nn::NamedParameters params = model.named_parameters();
   const bool rank0 = world.rank() == 0;
   kernels::Tracer* const tracer = world.tracer();  // null: not traced
   const int me = world.global_rank();
   const bool bf16 = a.mp == "bf16";
-  const std::optional<fsdp::QuantConfig> quant = fsdp_train::parse_all_gather(a.all_gather);
+  const std::optional<fsdp::QuantConfig> quant =
+      a.qlora > 0 ? std::optional<fsdp::QuantConfig>(fsdp::QuantConfig{fsdp::QuantKind::kNf4, 256, true})
+                  : fsdp_train::parse_all_gather(a.all_gather);
   auto initialise = [&] {
     if (a.init_from.empty()) {
       nn::materialize(model, a.seed);
@@ -396,6 +404,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
       auto m =
           std::make_shared<nn::Parameter>(comms, p->shape(), DType::kF32, p->init(), p->placements(), device);
       m->set_data(p->data());
+      m->requires_grad = p->requires_grad;  // --qlora: the frozen base stays frozen
       master.emplace_back(name, m);
       p->set_dtype(DType::kBF16);
       fsdp_train::set_compute(name, *p, p->data().to_local(), m->data().to_local(), quant);
@@ -724,6 +733,24 @@ void validate(const Args& a) {
                       "would hold bf16 weights, not the codes)",
                       a.all_gather, r));
   }
+  if (a.qlora < 0) bad(fmt::format("--qlora {}: expected a LoRA rank >= 1 (0: off)", a.qlora));
+  if (a.qlora > 0) {
+    if (a.mp != "bf16")
+      bad(fmt::format("--qlora {} needs --mp bf16 (the NF4 base weights are dequantised to bf16); got --mp {}",
+                      a.qlora, a.mp));
+    if (!a.all_gather.empty())
+      bad(fmt::format("--qlora {} with --all-gather {}: the base weights are already NF4; give one of the two",
+                      a.qlora, a.all_gather));
+    if (a.tp > 1) bad(fmt::format("--qlora {} with --tp {}: LoRA under tensor parallelism is not supported", a.qlora, a.tp));
+    if (r != "auto" && r != "true" && r != "false" && r != "1" && r != std::to_string(a.dp_shard))
+      bad(fmt::format("--qlora with --reshard-after-forward {}: expected true or false (the K buffer would hold bf16 "
+                      "weights, not NF4 codes)",
+                      r));
+    if (a.qlora > a.dim)
+      bad(fmt::format("--qlora {}: expected a rank <= --dim {}", a.qlora, a.dim));
+  }
+  if (!(a.lora_alpha > 0) || !std::isfinite(a.lora_alpha))
+    bad(fmt::format("--lora-alpha {}: expected a finite value > 0", a.lora_alpha));
   if (a.log_every < 1) bad(fmt::format("--log-every {}: expected >= 1", a.log_every));
   if (a.optimizer != "adamw" && a.optimizer != "sgd")
     bad(fmt::format("--optimizer {}: expected adamw or sgd", a.optimizer));
@@ -1038,6 +1065,10 @@ int run(int argc, char** argv) {
   app.add_option("--mp", a.mp, "fp32 | bf16");
   app.add_option("--all-gather", a.all_gather,
                  "fp8 | int8: all-gather the blocks' linear weights as fp8 e4m3 or int8 blocks (needs --mp bf16)");
+  app.add_option("--qlora", a.qlora,
+                 "RANK: QLoRA, LoRA adapters of this rank on the blocks' projections, the frozen base as NF4 (needs "
+                 "--mp bf16)");
+  app.add_option("--lora-alpha", a.lora_alpha, "LoRA alpha (scale alpha / rank; default 16)");
   app.add_option("--grad-accum", a.grad_accum, "microbatches per step");
   app.add_flag("--check-parity", a.check_parity,
                "also train on one rank and compare every loss and the final parameters");

@@ -187,23 +187,21 @@ class QuantizedAllGather final : public AllGatherExtension {
     std::vector<std::vector<int64_t>> A, Gt;
     tables(box, Dims::filled(box.size(), 0), Tensor::contiguous_strides(ctx.padded_shape), *layout,
            Tensor::contiguous_strides(gshape), A, Gt);
-    // Partial amax of every group this rank touches (0 elsewhere: the identity of max of |x|).
-    Tensor amax = Tensor::zeros(Dims{G}, DType::kF32);
-    float* pa = amax.data<float>();
-    walk(box, A, Gt, [&](int64_t a, int64_t f) {
-      float& m = pa[quant_group(c_, f, last)];
-      m = std::max(m, std::fabs(px[a]));
-    });
-    // max over the weight mesh: every dim but HSDP's replicate one (copies, not pieces).
-    const auto& mesh = ctx.comms->mesh();
-    dtensor::Placements partial(static_cast<size_t>(mesh.ndim()), dtensor::Partial{dtensor::ReduceOp::kMax});
-    if (ctx.replicate_mesh_dim) partial[static_cast<size_t>(*ctx.replicate_mesh_dim)] = dtensor::Replicate{};
-    const auto mesh_ptr = std::shared_ptr<const dtensor::DeviceMesh>(ctx.comms, &mesh);
-    const dtensor::DTensor part(ctx.comms, dtensor::make_spec(mesh_ptr, partial, Dims{G}, DType::kF32), amax.to(shard.device()));
-    const dtensor::Placements all_r(static_cast<size_t>(mesh.ndim()), dtensor::Replicate{});
     PreAllGatherResult r;
-    r.communicated_bytes = part.plan_to(all_r).bytes_per_rank();
-    Tensor global_amax = host_f32(part.redistribute(all_r).to_local());
+    Tensor global_amax;
+    if (c_.static_scales && cached_amax_.defined()) {
+      global_amax = cached_amax_;
+    } else {
+      // Partial amax of every group this rank touches (0 elsewhere: the identity of max of |x|).
+      Tensor amax = Tensor::zeros(Dims{G}, DType::kF32);
+      float* pa = amax.data<float>();
+      walk(box, A, Gt, [&](int64_t a, int64_t f) {
+        float& m = pa[quant_group(c_, f, last)];
+        m = std::max(m, std::fabs(px[a]));
+      });
+      global_amax = all_reduce_amax(amax, shard.device(), ctx, r.communicated_bytes);
+      if (c_.static_scales) cached_amax_ = global_amax;
+    }
     Scales scales{Tensor::empty(Dims{G}, DType::kF32)};
     const float* pg = global_amax.data<float>();
     float* ps = scales.values.data<float>();
@@ -278,6 +276,20 @@ class QuantizedAllGather final : public AllGatherExtension {
   }
 
  private:
+  // max over the weight mesh: every dim but HSDP's replicate one (copies, not pieces).
+  static Tensor all_reduce_amax(const Tensor& amax, kernels::Device device, const AllGatherContext& ctx,
+                                int64_t& communicated_bytes) {
+    const auto& mesh = ctx.comms->mesh();
+    dtensor::Placements partial(static_cast<size_t>(mesh.ndim()), dtensor::Partial{dtensor::ReduceOp::kMax});
+    if (ctx.replicate_mesh_dim) partial[static_cast<size_t>(*ctx.replicate_mesh_dim)] = dtensor::Replicate{};
+    const auto mesh_ptr = std::shared_ptr<const dtensor::DeviceMesh>(ctx.comms, &mesh);
+    const dtensor::DTensor part(ctx.comms, dtensor::make_spec(mesh_ptr, partial, amax.shape(), DType::kF32),
+                                amax.to(device));
+    const dtensor::Placements all_r(static_cast<size_t>(mesh.ndim()), dtensor::Replicate{});
+    communicated_bytes = part.plan_to(all_r).bytes_per_rank();
+    return host_f32(part.redistribute(all_r).to_local());
+  }
+
   // walk() over three tables at once.
   template <class F>
   static void walk3(const Dims& box, const std::vector<std::vector<int64_t>>& A,
@@ -305,6 +317,7 @@ class QuantizedAllGather final : public AllGatherExtension {
   }
 
   QuantConfig c_;
+  Tensor cached_amax_;  // static_scales: the global amax of the first unshard
 };
 
 }  // namespace

@@ -48,6 +48,11 @@ enum class QuantKind { kFp8Tensor, kFp8Rowwise, kInt8Block, kNf4 };
 struct QuantConfig {
   QuantKind kind = QuantKind::kFp8Tensor;
   int64_t block = 256;  // kInt8Block only; >= 1
+  // A frozen weight (QLoRA's base): the scales of the first unshard are kept, so later unshards
+  // run no amax all-reduce (the codes are still computed from the shard each time). REQUIRES:
+  // the weight does not change after its first unshard, and one extension object per parameter
+  // (make_quantized_all_gather per parameter: the scales live in the object).
+  bool static_scales = false;
 };
 
 inline constexpr float kFp8E4M3Max = 448.0f;

@@ -116,6 +116,22 @@ for args, text in [(["--clip", "nan"], "--clip nan"), (["--threads", "-5"], "--t
     r = run(args + ["--steps", "2"])
     check(r.returncode == 2 and text in r.stderr and len(r.stderr.strip().splitlines()) == 1,
           f"{args}: exit {r.returncode}, stderr {r.stderr.strip()}")
+# --qlora (issue 27): refusals exit 2 with one line naming the value; one rank trains.
+qlora_cases = [(["--qlora", "4"], "--qlora 4 needs --mp bf16"), (["--qlora", "-1", "--mp", "bf16"], "--qlora -1"),
+               (["--qlora", "4", "--mp", "bf16", "--tp", "2"], "--tp 2"),
+               (["--qlora", "4", "--mp", "bf16", "--dp-shard", "2", "--all-gather", "int8"], "--all-gather int8"),
+               (["--qlora", "4", "--mp", "bf16", "--lora-alpha", "0"], "--lora-alpha 0"),
+               (["--qlora", "4", "--mp", "bf16", "--dp-shard", "4", "--reshard-after-forward", "2"],
+                "--reshard-after-forward 2")]
+for args, text in qlora_cases:
+    r = run(args + ["--steps", "2"])
+    check(r.returncode == 2 and text in r.stderr and len(r.stderr.strip().splitlines()) == 1,
+          f"{args}: exit {r.returncode}, stderr {r.stderr.strip()}")
+check(len(qlora_cases) == 6, "qlora refusal cases ran")
+r = run(SMALL + ["--qlora", "2", "--mp", "bf16", "--steps", "3"])
+check(r.returncode == 0 and json.loads(r.stdout.strip().splitlines()[-1])["last_loss"] > 0,
+      f"--qlora 2 on one rank: exit {r.returncode}, stderr {r.stderr.strip()}")
+
 # A model too large for the machine: exit 3 naming the bytes, at once.
 r = run(["--dim", "3037000500", "--heads", "4"])
 check(r.returncode == 3 and re.search(r"needs at least \d+ bytes", r.stderr) is not None,
