@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "dtensor/dtensor.h"
+#include "fsdp/lowp_checkpoint.h"
 #include "fsdp/nf4.h"
 #include "kernels/checked.h"
 #include "kernels/error.h"
@@ -353,6 +354,218 @@ Tensor fake_quantize(const Tensor& full, const QuantConfig& c, DType out_dtype) 
 
 std::shared_ptr<AllGatherExtension> make_quantized_all_gather(const QuantConfig& config) {
   return std::make_shared<QuantizedAllGather>(config);
+}
+
+// ---- checkpoints of low-precision parameters (fsdp/lowp_checkpoint.h) ----
+
+namespace {
+
+using dtensor::DTensor;
+using dtensor::DTensorSpec;
+
+void check_checkpoint_kind(const std::string& name, const QuantConfig& q) {
+  if (q.kind != QuantKind::kFp8Tensor && q.kind != QuantKind::kNf4)
+    throw kernels::Unsupported(fmt::format("low-precision checkpoint of '{}': {} is not supported (fp8 or nf4)", name,
+                                           to_string(q)));
+}
+
+DTensorSpec replicated_spec(const DTensorSpec& like, Dims shape, DType dtype) {
+  return dtensor::make_spec(like.mesh, dtensor::Placements(like.placements.size(), dtensor::Replicate{}),
+                            std::move(shape), dtype);
+}
+
+// The codes entry's spec: x's placements; nf4 packs the last dim in pairs.
+DTensorSpec codes_spec(const DTensorSpec& x, QuantKind kind) {
+  Dims shape = x.shape;
+  if (kind == QuantKind::kNf4) shape[shape.size() - 1] = (shape[shape.size() - 1] + 1) / 2;
+  return dtensor::make_spec(x.mesh, x.placements, shape, kind == QuantKind::kNf4 ? DType::kU8 : DType::kF8E4M3);
+}
+
+// nf4: this rank's held last-dim indices must pair up (2j, 2j + 1) and the packed spec must hold
+// exactly their halves, so a byte never straddles two ranks.
+void check_pairs(const std::string& name, const DTensorSpec& x, const dtensor::ShardLayout& lx,
+                 const dtensor::ShardLayout& lc) {
+  const int d = x.tensor_ndim() - 1;
+  const dtensor::HeldIndices hx(lx.runs[static_cast<size_t>(d)]), hc(lc.runs[static_cast<size_t>(d)]);
+  const int64_t n = x.shape[d];
+  bool ok = hc.size() == (hx.size() + 1) / 2;
+  for (int64_t p = 0; ok && p < hx.size(); p += 2) {
+    ok = hx[p] % 2 == 0 && hc[p / 2] == hx[p] / 2;
+    if (ok && p + 1 < hx.size()) ok = hx[p + 1] == hx[p] + 1;
+    else if (ok) ok = hx[p] + 1 == n;  // a lone last element: the end of the dim
+  }
+  if (!ok)
+    throw kernels::Unsupported(fmt::format(
+        "nf4 checkpoint of '{}': placements {} split its last dim ({}) between an even and an odd index; two "
+        "codes share a byte, so each rank must hold whole pairs (save it with the last dim unsplit or split evenly)",
+        name, dtensor::to_string(x.placements), n));
+}
+
+
+// The max of every rank's `amax` over the whole mesh (a Replicate dim holds copies: max is
+// unchanged by them).
+Tensor mesh_max(const DTensor& like, const Tensor& amax) {
+  const auto& mesh = like.comms()->mesh();
+  const dtensor::Placements partial(static_cast<size_t>(mesh.ndim()), dtensor::Partial{dtensor::ReduceOp::kMax});
+  const DTensor part(like.comms(), dtensor::make_spec(like.spec().mesh, partial, amax.shape(), DType::kF32),
+                     amax.to(like.to_local().device()));
+  return host_f32(part.redistribute(dtensor::Placements(static_cast<size_t>(mesh.ndim()), dtensor::Replicate{})).to_local());
+}
+
+// Copies src into an entry's local tensor (a view of the same storage).
+void fill(nn::StateDict& sd, const std::string& key, const Tensor& src) {
+  Tensor local = sd.find(key)->to_local();
+  local.copy_(src);
+}
+
+Tensor local_empty(const DTensor& like, const DTensorSpec& spec) {
+  const auto layout = spec.layout(like.comms()->rank());
+  return Tensor::empty(layout ? layout->local_shape : Dims::filled(spec.tensor_ndim(), 0), spec.dtype,
+                       like.to_local().device());
+}
+
+const dtensor::ShardLayout& layout_of(const DTensorSpec& spec, const DTensor& like, std::optional<dtensor::ShardLayout>& keep) {
+  keep = spec.layout(like.comms()->rank());
+  if (!keep) throw kernels::InternalError("low-precision checkpoint: this rank is not in the mesh");
+  return *keep;
+}
+
+const DTensor& entry(const nn::StateDict& sd, const std::string& key, const Dims& shape, DType dtype) {
+  const DTensor* t = sd.find(key);
+  if (!t || !(t->shape() == shape) || t->dtype() != dtype)
+    throw InvalidArgument(fmt::format("low-precision checkpoint: entry '{}' is {}; expected {} {}", key,
+                                      t ? fmt::format("{} {}", kernels::to_string(t->dtype()), kernels::to_string(t->shape()))
+                                        : std::string("missing"),
+                                      kernels::to_string(dtype), kernels::to_string(shape)));
+  return *t;
+}
+
+}  // namespace
+
+nn::StateDict quantized_checkpoint_template(const std::string& name, const DTensor& like, const QuantConfig& q) {
+  check_checkpoint_kind(name, q);
+  const DTensorSpec& x = like.spec();
+  nn::StateDict sd;
+  const DTensorSpec cs = codes_spec(x, q.kind);
+  sd.tensors.emplace_back(name, DTensor(like.comms(), cs, local_empty(like, cs)));
+  sd.values[name + "._quant"] = std::string(q.kind == QuantKind::kNf4 ? "nf4" : "fp8-e4m3");
+  auto rep = [&](const std::string& key, Dims shape, DType dtype) {
+    const DTensorSpec rs = replicated_spec(x, std::move(shape), dtype);
+    sd.tensors.emplace_back(key, DTensor(like.comms(), rs, local_empty(like, rs)));
+  };
+  if (q.kind == QuantKind::kFp8Tensor) {
+    rep(name + "._scale", Dims{1}, DType::kF32);
+  } else {
+    const int64_t nb = quant_groups(q, x.shape);
+    rep(name + "._scale", Dims{nb}, DType::kU8);
+    rep(name + "._scale_factor", Dims{kernels::checked_ceil_div(nb, kNf4ScalerBlock, "nf4 scaler blocks")}, DType::kF32);
+    rep(name + "._scale_mean", Dims{1}, DType::kF32);
+  }
+  return sd;
+}
+
+nn::StateDict quantize_for_checkpoint(const std::string& name, const DTensor& xd, const QuantConfig& q) {
+  check_checkpoint_kind(name, q);
+  const DTensorSpec& x = xd.spec();
+  if (!kernels::is_floating_point(x.dtype) || x.tensor_ndim() < 1 || x.shape.product() == 0)
+    throw InvalidArgument(fmt::format("low-precision checkpoint of '{}': a {} tensor of shape {}; expected a floating "
+                                      "tensor with at least one element",
+                                      name, kernels::to_string(x.dtype), kernels::to_string(x.shape)));
+  nn::StateDict sd = quantized_checkpoint_template(name, xd, q);
+  std::optional<dtensor::ShardLayout> keep_x, keep_c;
+  const dtensor::ShardLayout& lx = layout_of(x, xd, keep_x);
+  const DTensorSpec cs = codes_spec(x, q.kind);
+  if (q.kind == QuantKind::kNf4) check_pairs(name, x, lx, layout_of(cs, xd, keep_c));
+  const Tensor xl = host_f32(xd.to_local());
+  const float* px = xl.data<float>();
+  const Dims& box = lx.local_shape;
+  std::vector<std::vector<int64_t>> A, Gt;
+  tables(box, Dims::filled(box.size(), 0), Tensor::contiguous_strides(box), lx, Tensor::contiguous_strides(x.shape), A,
+         Gt);
+  const int64_t G = quant_groups(q, x.shape);
+  Tensor amax = Tensor::zeros(Dims{G}, DType::kF32);
+  float* pa = amax.data<float>();
+  walk(box, A, Gt, [&](int64_t a, int64_t f) {
+    float& m = pa[quant_group(q, f, 1)];
+    m = std::max(m, std::fabs(px[a]));
+  });
+  const Tensor global = mesh_max(xd, amax);
+  const float* pg = global.data<float>();
+  const DTensor& codes = *sd.find(name);
+  Tensor cl = Tensor::zeros(codes.to_local().shape(), DType::kU8);
+  uint8_t* pc = cl.data<uint8_t>();
+  if (q.kind == QuantKind::kFp8Tensor) {
+    const float s = quant_scale(q.kind, pg[0]);
+    walk(box, A, Gt, [&](int64_t a, int64_t) { pc[a] = quantize_value(q.kind, px[a], s); });
+    Tensor sc = Tensor::full({1}, static_cast<double>(s), DType::kF32);
+    fill(sd, name + "._scale", sc);
+  } else {
+    // Local element a = (row r, last-dim position j) -> byte r * ceil(L / 2) + j / 2.
+    const int64_t L = box[box.size() - 1], Lp = (L + 1) / 2;
+    walk(box, A, Gt, [&](int64_t a, int64_t f) {
+      const uint8_t c = nf4_code(px[a], pg[f / kNf4Block]);
+      const int64_t byte = (a / L) * Lp + (a % L) / 2;
+      pc[byte] = static_cast<uint8_t>(pc[byte] | ((a % L) % 2 == 0 ? c << 4 : c));
+    });
+    const Nf4Scales ns = nf4_double_quantize(std::vector<float>(pg, pg + G));
+    fill(sd, name + "._scale", ns.scalers);
+    fill(sd, name + "._scale_factor", ns.factors);
+    fill(sd, name + "._scale_mean", Tensor::full({1}, static_cast<double>(ns.mean), DType::kF32));
+  }
+  fill(sd, name, Tensor::from_storage(cl.storage(), codes.dtype(), cl.shape(), cl.strides()));
+  return sd;
+}
+
+DTensor dequantize_from_checkpoint(const nn::StateDict& sd, const std::string& name, const DTensor& like, DType out) {
+  const DTensorSpec& x = like.spec();
+  const auto it = sd.values.find(name + "._quant");
+  const std::string kind = it == sd.values.end() ? "" : std::get<std::string>(it->second);
+  if (kind != "fp8-e4m3" && kind != "nf4")
+    throw InvalidArgument(fmt::format("low-precision checkpoint: '{}._quant' is '{}'; expected fp8-e4m3 or nf4", name,
+                                      kind));
+  const QuantConfig q{kind == "nf4" ? QuantKind::kNf4 : QuantKind::kFp8Tensor};
+  const DTensorSpec cs = codes_spec(x, q.kind);
+  const DTensor& codes = entry(sd, name, cs.shape, cs.dtype);
+  if (!(codes.placements() == x.placements))
+    throw InvalidArgument(fmt::format("low-precision checkpoint: '{}' is {}; expected {} (the target's placements)",
+                                      name, dtensor::to_string(codes.placements()), dtensor::to_string(x.placements)));
+  std::optional<dtensor::ShardLayout> keep_x;
+  const dtensor::ShardLayout& lx = layout_of(x, like, keep_x);
+  const Tensor cl = codes.to_local().device().is_cpu() ? codes.to_local().contiguous()
+                                                         : codes.to_local().to(kernels::Device{});
+  const uint8_t* pc = static_cast<const uint8_t*>(cl.data_ptr());
+  const Dims& box = lx.local_shape;
+  std::vector<std::vector<int64_t>> A, Gt;
+  tables(box, Dims::filled(box.size(), 0), Tensor::contiguous_strides(box), lx, Tensor::contiguous_strides(x.shape), A,
+         Gt);
+  Tensor y = Tensor::empty(box, DType::kF32);
+  float* py = y.data<float>();
+  if (q.kind == QuantKind::kFp8Tensor) {
+    const float s = host_f32(entry(sd, name + "._scale", Dims{1}, DType::kF32).to_local()).data<float>()[0];
+    walk(box, A, Gt, [&](int64_t a, int64_t) { py[a] = dequantize_value(q.kind, pc[a], s); });
+  } else {
+    const int64_t nb = quant_groups(q, x.shape);
+    const Tensor scalers = entry(sd, name + "._scale", Dims{nb}, DType::kU8).to_local().to(kernels::Device{}).contiguous();
+    const Tensor factors = host_f32(
+        entry(sd, name + "._scale_factor", Dims{kernels::checked_ceil_div(nb, kNf4ScalerBlock, "nf4 scaler blocks")},
+              DType::kF32)
+            .to_local());
+    const float mean = host_f32(entry(sd, name + "._scale_mean", Dims{1}, DType::kF32).to_local()).data<float>()[0];
+    const uint8_t* ps = scalers.data<uint8_t>();
+    const float* pf = factors.data<float>();
+    const int64_t L = box[box.size() - 1], Lp = (L + 1) / 2;
+    walk(box, A, Gt, [&](int64_t a, int64_t f) {
+      const int64_t b = f / kNf4Block;
+      const uint8_t byte = pc[(a / L) * Lp + (a % L) / 2];
+      const uint8_t c = (a % L) % 2 == 0 ? byte >> 4 : byte & 0x0F;
+      py[a] = kNf4Levels[c] * nf4_block_scale(ps[b], pf[b / kNf4ScalerBlock], mean);
+    });
+  }
+  dtensor::DTensorSpec os = x;
+  os.dtype = out;
+  Tensor o = Tensor::empty(box, out, like.to_local().device());
+  o.copy_(y);
+  return DTensor(like.comms(), os, o);
 }
 
 }  // namespace fsdp

@@ -38,16 +38,21 @@ const char* dtype_name(DType d) {
       return "I32";
     case DType::kU8:
       return "U8";
+    case DType::kF8E4M3:
+      return "F8_E4M3";  // torch.float8_e4m3fn
+    case DType::kF8E5M2:
+      return "F8_E5M2";  // torch.float8_e5m2
     default:
       return nullptr;
   }
 }
 
 DType parse_dtype_name(const std::string& s) {
-  for (DType d : {DType::kF64, DType::kF32, DType::kF16, DType::kBF16, DType::kI64, DType::kI32, DType::kU8})
+  for (DType d : {DType::kF64, DType::kF32, DType::kF16, DType::kBF16, DType::kI64, DType::kI32, DType::kU8,
+                  DType::kF8E4M3, DType::kF8E5M2})
     if (s == dtype_name(d)) return d;
-  throw InvalidArgument(
-      fmt::format("safetensors: dtype '{}' is not supported (F64, F32, F16, BF16, I64, I32, U8)", s));
+  throw InvalidArgument(fmt::format(
+      "safetensors: dtype '{}' is not supported (F64, F32, F16, BF16, I64, I32, U8, F8_E4M3, F8_E5M2)", s));
 }
 
 }  // namespace

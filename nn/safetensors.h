@@ -7,7 +7,8 @@
 //   save_safetensors("init.safetensors", {{"tok_emb.weight", t}}, {{"format", "pt"}});
 //   auto tensors = load_safetensors("init.safetensors");   // [("tok_emb.weight", t)]
 //
-// dtypes: F64, F32, F16, BF16, I64, I32, U8 (the others raise InvalidArgument).
+// dtypes: F64, F32, F16, BF16, I64, I32, U8, F8_E4M3, F8_E5M2 (fp8 e4m3fn / e5m2: PyTorch reads
+// them as torch.float8_e4m3fn / float8_e5m2; the others raise InvalidArgument).
 #pragma once
 
 #include <map>
