@@ -630,4 +630,34 @@ TEST_CASE("[lowp] QLoRA: NF4 frozen base under FSDP 3 trains the adapters as one
   CHECK(got.block_rs_bytes_full == 3 * 2696 * 4);
 }
 
+TEST_CASE("[lowp] a parameter frozen at fully_shard cannot start training later", "[lowp][qlora]") {
+  testing_support::Checks checks;
+  collectives::run_ranks(2, [&](Communicator& world) {
+    auto comms = MeshComms::create(DeviceMesh::from_shape({2}, {"dp_shard"}), world);
+    nn::GPT model(nn::ModuleOptions{comms, DType::kF32, {}}, small());
+    nn::add_lora(model, 2, 4.0);
+    fsdp::fully_shard(model.blocks()[0], comms, {});
+    fsdp::fully_shard(model, comms, {});
+    nn::materialize(model, 11);
+    model.parameter("blocks.0.mlp.fc1.weight").requires_grad = true;  // after fully_shard
+    Tensor ids = Tensor::empty({2, 8}, DType::kI64);
+    ids.fill_index_([](std::span<const int64_t> i) { return static_cast<double>((i[0] * 7 + i[1] * 3) % 16); });
+    const DTensor x = dtensor::distribute_tensor(ids, comms, {dtensor::Shard{0}}, std::nullopt);
+    std::string message;
+    try {
+      nn::Ctx ctx, lctx;
+      nn::CrossEntropyLoss loss_fn;
+      DTensor logits = model.forward(ctx, x);
+      loss_fn.forward(lctx, logits, x);
+      model.backward(ctx, loss_fn.backward(lctx));
+    } catch (const kernels::InvalidArgument& e) {
+      message = e.what();
+    }
+    checks.check(message.find("blocks.0.mlp.fc1.weight") != std::string::npos || message.find("mlp.fc1.weight") != std::string::npos,
+                 "refused naming the parameter: '" + message + "'");
+    checks.check(message.find("frozen") != std::string::npos, "the message says why: '" + message + "'");
+  });
+  checks.report();
+}
+
 }  // namespace
