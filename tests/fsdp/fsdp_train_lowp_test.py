@@ -5,7 +5,8 @@ frozen base, bf16 adapters) the all-gather bytes of the bf16 run (the JSON line'
 all_gather_bytes, per rank per step, and the progress line's), and each passes --check-parity
 against one rank with the same quantisation. The parity check can tell: after one step each run
 is far closer to its quantised reference than to the bf16 run. qlora: gradients (and so
-optimizer state) only for the adapters, exactly their bytes.
+optimizer state) only for the adapters, exactly their bytes; a run resumed from its checkpoint
+ends at the uninterrupted run's loss.
 
 usage: fsdp_train_lowp_test.py path/to/fsdp-train
 """
@@ -92,6 +93,18 @@ if "qlora" in progress_of:
           f"qlora: grad_bytes {field(last_line, 'grad_bytes')}, expected the adapters' {adapters * 4 // 4}")
     check(field(last_line, "optim_bytes") == 2 * adapters * 4 // 4,
           f"qlora: optim_bytes {field(last_line, 'optim_bytes')}, expected AdamW's two per adapter element")
+
+# qlora save and resume: the adapters and their AdamW state round-trip (the frozen base has none);
+# the resumed run ends at the uninterrupted run's loss.
+import tempfile  # noqa: E402
+with tempfile.TemporaryDirectory() as d:
+    small = ["--backend", "local", "--dp-shard", "2", "--mp", "bf16", "--qlora", "4", "--steps", "4", "--log-every", "4"]
+    r_full, full, _ = run(small + ["--save-dir", d, "--save-every", "2"])
+    r_res, res, _ = run(small + ["--resume-from", f"{d}/step-00000002"])
+    check(r_full.returncode == 0 and r_res.returncode == 0 and full is not None and res is not None and
+          res["last_loss"] == full["last_loss"],
+          f"qlora resume: exits {r_full.returncode}/{r_res.returncode}, last losses "
+          f"{full and full['last_loss']} vs {res and res['last_loss']}, stderr {r_res.stderr.strip()}")
 
 for f in failures:
     print("FAIL:", f)
