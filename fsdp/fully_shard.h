@@ -211,7 +211,9 @@ class FSDPModule {
 // buffer; nn::materialize (or a loader's nn::to_empty) then allocates the buffer and writes
 // only this rank's shard into it (no full tensor on any rank), with the values materialising
 // before sharding gives, bit for bit. A group with a parameter still meta refuses to unshard,
-// naming it.
+// naming it. Parameters with requires_grad false at this call are frozen: the group's
+// reduce-scatter and sharded gradients leave them out (QLoRA's base weights); turning
+// requires_grad on later is refused at the next backward, naming the parameter.
 //   nn::GPT model(nn::ModuleOptions{comms}, cfg);         // meta
 //   for (auto& [n, b] : model.blocks().children()) fsdp::fully_shard(*b, comms);
 //   fsdp::fully_shard(model, comms);
