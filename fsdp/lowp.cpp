@@ -176,6 +176,12 @@ class QuantizedAllGather final : public AllGatherExtension {
   }
 
   PreAllGatherResult pre_all_gather(const Tensor& shard, const AllGatherContext& ctx) override {
+    if (c_.static_scales && cached_codes_.defined()) {  // a frozen weight: the first unshard's
+      PreAllGatherResult r;
+      r.inputs.push_back(cached_codes_);
+      r.metadata = cached_scales_;
+      return r;
+    }
     const Dims& gshape = ctx.sharded_spec.shape;
     const int64_t G = quant_groups(c_, gshape);
     const int64_t last = gshape[gshape.size() - 1];
@@ -189,20 +195,14 @@ class QuantizedAllGather final : public AllGatherExtension {
     tables(box, Dims::filled(box.size(), 0), Tensor::contiguous_strides(ctx.padded_shape), *layout,
            Tensor::contiguous_strides(gshape), A, Gt);
     PreAllGatherResult r;
-    Tensor global_amax;
-    if (c_.static_scales && cached_amax_.defined()) {
-      global_amax = cached_amax_;
-    } else {
-      // Partial amax of every group this rank touches (0 elsewhere: the identity of max of |x|).
-      Tensor amax = Tensor::zeros(Dims{G}, DType::kF32);
-      float* pa = amax.data<float>();
-      walk(box, A, Gt, [&](int64_t a, int64_t f) {
-        float& m = pa[quant_group(c_, f, last)];
-        m = std::max(m, std::fabs(px[a]));
-      });
-      global_amax = all_reduce_amax(amax, shard.device(), ctx, r.communicated_bytes);
-      if (c_.static_scales) cached_amax_ = global_amax;
-    }
+    // Partial amax of every group this rank touches (0 elsewhere: the identity of max of |x|).
+    Tensor amax = Tensor::zeros(Dims{G}, DType::kF32);
+    float* pa = amax.data<float>();
+    walk(box, A, Gt, [&](int64_t a, int64_t f) {
+      float& m = pa[quant_group(c_, f, last)];
+      m = std::max(m, std::fabs(px[a]));
+    });
+    const Tensor global_amax = all_reduce_amax(amax, shard.device(), ctx, r.communicated_bytes);
     Scales scales{Tensor::empty(Dims{G}, DType::kF32)};
     const float* pg = global_amax.data<float>();
     float* ps = scales.values.data<float>();
@@ -227,6 +227,10 @@ class QuantizedAllGather final : public AllGatherExtension {
     const DType wire = quant_wire_dtype(c_.kind);
     Tensor q = Tensor::from_storage(codes.storage(), wire, codes.shape(), codes.strides());
     r.inputs.push_back(shard.device().is_cpu() ? q : q.to(shard.device()));
+    if (c_.static_scales) {
+      cached_codes_ = r.inputs[0];
+      cached_scales_ = scales;
+    }
     r.metadata = std::move(scales);
     return r;
   }
@@ -318,7 +322,9 @@ class QuantizedAllGather final : public AllGatherExtension {
   }
 
   QuantConfig c_;
-  Tensor cached_amax_;  // static_scales: the global amax of the first unshard
+  // static_scales: the codes and scales of the first unshard (the gathered input is only read).
+  Tensor cached_codes_;
+  Scales cached_scales_;
 };
 
 }  // namespace

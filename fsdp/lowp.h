@@ -48,10 +48,10 @@ enum class QuantKind { kFp8Tensor, kFp8Rowwise, kInt8Block, kNf4 };
 struct QuantConfig {
   QuantKind kind = QuantKind::kFp8Tensor;
   int64_t block = 256;  // kInt8Block only; >= 1
-  // A frozen weight (QLoRA's base): the scales of the first unshard are kept, so later unshards
-  // run no amax all-reduce (the codes are still computed from the shard each time). REQUIRES:
+  // A frozen weight (QLoRA's base): the codes and scales of the first unshard are kept (0.5 byte
+  // per element for nf4), so later unshards run no amax all-reduce and no quantisation. REQUIRES:
   // the weight does not change after its first unshard, and one extension object per parameter
-  // (make_quantized_all_gather per parameter: the scales live in the object).
+  // (make_quantized_all_gather per parameter: the codes live in the object).
   bool static_scales = false;
 };
 

@@ -660,4 +660,43 @@ TEST_CASE("[lowp] a parameter frozen at fully_shard cannot start training later"
   checks.report();
 }
 
+TEST_CASE("[lowp] static scales (a frozen weight): later unshards send no amax and gather the same codes", "[lowp][qlora]") {
+  testing_support::Checks checks;
+  int unshards = 0;
+  collectives::run_ranks(3, [&](Communicator& world) {
+    auto comms = MeshComms::create(DeviceMesh::from_shape({3}, {"dp_shard"}), world);
+    nn::GPT model(nn::ModuleOptions{comms, DType::kF32, {}}, small());
+    fsdp::FullyShardOptions o;
+    o.mp_policy.param_dtype = DType::kBF16;
+    o.all_gather_extension_fn = [&](const std::string& name, const nn::Parameter& p) {
+      return quantised(name, p) ? fsdp::make_quantized_all_gather({QuantKind::kNf4, 256, true}) : nullptr;
+    };
+    fsdp::FSDPModule& block = fsdp::fully_shard(model.blocks()[0], comms, o);
+    fsdp::fully_shard(model, comms, {});
+    nn::materialize(model, 11);
+    std::vector<int64_t> ext_bytes, ag_bytes;
+    std::vector<std::map<std::string, Tensor>> weights;
+    for (int i = 0; i < 3; ++i) {
+      block.unshard();
+      ext_bytes.push_back(block.stats().extension_bytes);
+      ag_bytes.push_back(block.stats().all_gather_bytes);
+      std::map<std::string, Tensor> w;
+      for (const auto& [name, p] : model.blocks()[0].named_parameters())
+        if (quantised(name, *p)) w[name] = p->data().to_local().clone();
+      weights.push_back(std::move(w));
+      block.reshard();
+      if (world.rank() == 0) ++unshards;
+    }
+    checks.check(ext_bytes[0] > 0 && ext_bytes[1] == ext_bytes[0] && ext_bytes[2] == ext_bytes[0],
+                 "only the first unshard all-reduces the absmax");
+    checks.check(ag_bytes[1] - ag_bytes[0] == ag_bytes[0] && ag_bytes[2] - ag_bytes[1] == ag_bytes[0],
+                 "every unshard gathers the same bytes");
+    checks.check(weights[0].size() == 6, "six quantised weights");
+    for (const auto& [name, t] : weights[0])
+      checks.check(kernels::equal(t, weights[2].at(name)), name + ": the same dequantised weight");
+  });
+  checks.report();
+  CHECK(unshards == 3);
+}
+
 }  // namespace
