@@ -3,8 +3,8 @@
 // fsdp/lowp.h's extensions and dequantised to bf16 for compute; embeddings, norms and lm_head stay
 // bf16. The single-rank reference (--check-parity) computes with fake_quantize() of the same
 // weights: the same values bit for bit (the quantisation does not depend on the sharding).
-// --qlora RANK: the same with NF4 (static scales: the base is frozen, so only the first unshard
-// all-reduces its absmax) on the frozen weights, LoRA adapters in bf16.
+// --qlora RANK: the same with NF4 (static scales: the base is frozen, so it is quantised once, at
+// its first unshard) on the frozen weights, LoRA adapters in bf16.
 #pragma once
 
 #include <optional>
@@ -34,7 +34,7 @@ inline bool quantised_weight(const std::string& name, const nn::Parameter& p) {
 }
 
 inline fsdp::AllGatherExtensionFn extension_fn(const fsdp::QuantConfig& q) {
-  if (q.static_scales)  // the scales live in the extension: one per parameter
+  if (q.static_scales)  // the codes live in the extension: one per parameter
     return [q](const std::string& name, const nn::Parameter& p) {
       return quantised_weight(name, p) ? fsdp::make_quantized_all_gather(q) : std::shared_ptr<fsdp::AllGatherExtension>();
     };
