@@ -110,7 +110,7 @@ class PeerLayouts {
       coord_at.push_back(coord[s.mesh_dim]);
       ++at;
     }
-    translate_range(prefix, chain_positions(n_, std::span<const Split>(chain_).first(at), std::span<const int64_t>(coord_at)));
+    translate_range(prefix, chain_positions(n_, span_of(chain_).first(at), std::span<const int64_t>(coord_at)));
     count_ = 0;
     const int64_t longest = split_.sf == 0 ? prefix : (prefix == 0 ? 0 : kernels::checked_ceil_div(prefix, split_.sf, "piece"));
     const int64_t last = split_.sf == 0 || prefix == 0 ? 0 : prefix - (prefix / longest) * longest;
@@ -133,7 +133,7 @@ class PeerLayouts {
     if (t_ < 0) return own_;
     coords_.clear();
     for (const Split& s : chain_) coords_.push_back(s.mesh_dim == m_ ? g : coord_[s.mesh_dim]);
-    peer_.runs[t_] = chain_positions(n_, chain_, coords_);
+    peer_.runs[t_] = chain_positions(n_, span_of(chain_), coords_);
     peer_.local_shape[t_] = total(peer_.runs[t_]);
     return peer_;
   }

@@ -150,7 +150,7 @@ Bytes same_dim_elements(const Term& term, std::span<const int64_t> s, const Dims
   std::vector<int64_t> c;
   for (int d : term.dims) c.push_back(coord[d]);
   const int64_t n = s[term.prefix];
-  const int64_t kept = common(chain_positions(n, term.ca, c), chain_positions(n, term.cb, c));
+  const int64_t kept = common(chain_positions(n, span_of(term.ca), c), chain_positions(n, span_of(term.cb), c));
   const Wide others = product_except(term, s, term.t, -1);
   return {(Wide{s[term.a[term.t]]} - kept) * others, (Wide{s[term.b]} - kept) * others};
 }
@@ -294,7 +294,7 @@ Traffic busiest(const std::vector<Term>& terms, const ChainSet& set, const Dims&
     Wide least = 0;  // the least a rank of the class keeps
     if (covered == cls.hi[m] - cls.lo[m]) {
       // The same regroup recurs across a search's edges: its least, by everything it reads.
-      std::vector<int64_t> key = {n};
+      WorkBudget::Key key = {n};
       for (const SplitList* chain : {&term.ca, &term.cb}) {
         key.push_back(static_cast<int64_t>(chain->size()));
         for (const Split& sp : *chain) key.insert(key.end(), {sp.mesh_dim, sp.k, sp.sf});
@@ -398,7 +398,7 @@ Traffic lower_bound_traffic(const DTensorSpec& src, const Placements& dst_in) {
       if (shorter.empty()) return true;
       if (longer.size() != shorter.size() + 1 || !std::equal(shorter.begin(), shorter.end(), longer.begin() + 1))
         return false;
-      for (int64_t n : distinct_sizes(shape[t], prefix, mesh_shape, work))
+      for (int64_t n : distinct_sizes(shape[t], span_of(prefix), mesh_shape, work))
         if (!same_later_owners(n, longer.front(), std::nullopt, shorter, work)) return false;
       return true;
     };
@@ -436,7 +436,7 @@ Traffic lower_bound_traffic(const DTensorSpec& src, const Placements& dst_in) {
         for (int d : e.a_dims) ca.push_back(coord[d]);
         for (int d : e.b_dims) cb.push_back(coord[d]);
         const int64_t n = c.sizes[e.prefix];
-        overlap *= common(chain_positions(n, e.a, ca), chain_positions(n, e.b, cb));
+        overlap *= common(chain_positions(n, span_of(e.a), ca), chain_positions(n, span_of(e.b), cb));
       }
       received = std::max(received, need - overlap);
     });

@@ -411,7 +411,7 @@ TEST_CASE("owner equality of two chains equals the position-by-position check", 
     for (;;) {
       int64_t later_code = 0;
       for (size_t i = x ? 1 : 0; i < chain.size(); ++i) later_code = later_code * chain[i].k + coords[i];
-      for (const IndexRun& r : chain_positions(n, chain, coords))
+      for (const IndexRun& r : chain_positions(n, span_of(chain), coords))
         for (int64_t q = r.start; q < r.start + r.length; ++q) code[static_cast<size_t>(q)] = later_code;
       size_t i = 0;
       while (i < chain.size() && ++coords[i] == chain[i].k) coords[i++] = 0;
@@ -438,7 +438,7 @@ TEST_CASE("owner equality of two chains equals the position-by-position check", 
                                                 return fmt::format("{}/{}", s.k, s.sf);
                                               }),
                                               ",")));
-    REQUIRE(same_later_owners(n, a, b, later, work) == expected);
+    REQUIRE(same_later_owners(n, a, b, span_of(later), work) == expected);
     ++cases;
     same += expected ? 1 : 0;
   }
