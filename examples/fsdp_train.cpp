@@ -299,7 +299,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   const int me = world.global_rank();
   const bool bf16 = a.mp == "bf16";
   const std::optional<fsdp::QuantConfig> quant =
-      a.qlora > 0 ? std::optional<fsdp::QuantConfig>(fsdp::QuantConfig{fsdp::QuantKind::kNf4, 256, true})
+      a.qlora > 0 ? std::optional<fsdp::QuantConfig>(fsdp_train::kQloraBase)
                   : fsdp_train::parse_all_gather(a.all_gather);
   auto initialise = [&] {
     if (a.init_from.empty()) {
@@ -733,24 +733,8 @@ void validate(const Args& a) {
                       "would hold bf16 weights, not the codes)",
                       a.all_gather, r));
   }
-  if (a.qlora < 0) bad(fmt::format("--qlora {}: expected a LoRA rank >= 1 (0: off)", a.qlora));
-  if (a.qlora > 0) {
-    if (a.mp != "bf16")
-      bad(fmt::format("--qlora {} needs --mp bf16 (the NF4 base weights are dequantised to bf16); got --mp {}",
-                      a.qlora, a.mp));
-    if (!a.all_gather.empty())
-      bad(fmt::format("--qlora {} with --all-gather {}: the base weights are already NF4; give one of the two",
-                      a.qlora, a.all_gather));
-    if (a.tp > 1) bad(fmt::format("--qlora {} with --tp {}: LoRA under tensor parallelism is not supported", a.qlora, a.tp));
-    if (r != "auto" && r != "true" && r != "false" && r != "1" && r != std::to_string(a.dp_shard))
-      bad(fmt::format("--qlora with --reshard-after-forward {}: expected true or false (the K buffer would hold bf16 "
-                      "weights, not NF4 codes)",
-                      r));
-    if (a.qlora > a.dim)
-      bad(fmt::format("--qlora {}: expected a rank <= --dim {}", a.qlora, a.dim));
-  }
-  if (!(a.lora_alpha > 0) || !std::isfinite(a.lora_alpha))
-    bad(fmt::format("--lora-alpha {}: expected a finite value > 0", a.lora_alpha));
+  if (const auto why = fsdp_train::qlora_refusal({a.qlora, a.lora_alpha, a.mp, a.all_gather, a.tp, a.dim, r, a.dp_shard}))
+    bad(*why);
   if (a.log_every < 1) bad(fmt::format("--log-every {}: expected >= 1", a.log_every));
   if (a.optimizer != "adamw" && a.optimizer != "sgd")
     bad(fmt::format("--optimizer {}: expected adamw or sgd", a.optimizer));

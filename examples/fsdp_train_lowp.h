@@ -7,8 +7,11 @@
 // its first unshard) on the frozen weights, LoRA adapters in bf16.
 #pragma once
 
+#include <cmath>
 #include <optional>
 #include <string>
+
+#include <fmt/format.h>
 
 #include "fsdp/fully_shard.h"
 #include "fsdp/lowp.h"
@@ -22,6 +25,40 @@ inline std::optional<fsdp::QuantConfig> parse_all_gather(const std::string& text
   if (text == "fp8") return fsdp::QuantConfig{fsdp::QuantKind::kFp8Tensor};
   if (text == "int8") return fsdp::QuantConfig{fsdp::QuantKind::kInt8Block, 256};
   throw kernels::InvalidArgument("--all-gather " + text + ": expected fp8 or int8");
+}
+
+// --qlora's base weights: NF4, quantised once (frozen).
+inline const fsdp::QuantConfig kQloraBase{fsdp::QuantKind::kNf4, 256, /*static_scales=*/true};
+
+struct QloraFlags {
+  int rank = 0;  // --qlora (0: off)
+  double alpha = 16;
+  std::string mp, all_gather;
+  int tp = 1;
+  int64_t dim = 0;
+  std::string reshard_after_forward;
+  int dp_shard = 1;
+};
+
+// Why --qlora / --lora-alpha cannot run as given (one line naming the value), or nothing.
+inline std::optional<std::string> qlora_refusal(const QloraFlags& f) {
+  if (f.rank < 0) return fmt::format("--qlora {}: expected a LoRA rank >= 1 (0: off)", f.rank);
+  if (!(f.alpha > 0) || !std::isfinite(f.alpha)) return fmt::format("--lora-alpha {}: expected a finite value > 0", f.alpha);
+  if (f.rank == 0) return std::nullopt;
+  if (f.mp != "bf16")
+    return fmt::format("--qlora {} needs --mp bf16 (the NF4 base weights are dequantised to bf16); got --mp {}", f.rank,
+                       f.mp);
+  if (!f.all_gather.empty())
+    return fmt::format("--qlora {} with --all-gather {}: the base weights are already NF4; give one of the two", f.rank,
+                       f.all_gather);
+  if (f.tp > 1) return fmt::format("--qlora {} with --tp {}: LoRA under tensor parallelism is not supported", f.rank, f.tp);
+  const std::string& r = f.reshard_after_forward;
+  if (r != "auto" && r != "true" && r != "false" && r != "1" && r != std::to_string(f.dp_shard))
+    return fmt::format("--qlora with --reshard-after-forward {}: expected true or false (the K buffer would hold bf16 "
+                       "weights, not NF4 codes)",
+                       r);
+  if (f.rank > f.dim) return fmt::format("--qlora {}: expected a rank <= --dim {}", f.rank, f.dim);
+  return std::nullopt;
 }
 
 // A linear weight of a block's attention or MLP (names relative to a block or to the model).
