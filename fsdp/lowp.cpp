@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <variant>
 #include <vector>
 
 #include "dtensor/dtensor.h"
@@ -525,7 +526,8 @@ nn::StateDict quantize_for_checkpoint(const std::string& name, const DTensor& xd
 DTensor dequantize_from_checkpoint(const nn::StateDict& sd, const std::string& name, const DTensor& like, DType out) {
   const DTensorSpec& x = like.spec();
   const auto it = sd.values.find(name + "._quant");
-  const std::string kind = it == sd.values.end() ? "" : std::get<std::string>(it->second);
+  const std::string* text = it == sd.values.end() ? nullptr : std::get_if<std::string>(&it->second);
+  const std::string kind = text ? *text : "";
   if (kind != "fp8-e4m3" && kind != "nf4")
     throw InvalidArgument(fmt::format("low-precision checkpoint: '{}._quant' is '{}'; expected fp8-e4m3 or nf4", name,
                                       kind));

@@ -131,7 +131,7 @@ TEST_CASE("lowp checkpoint: fp8 and nf4 round-trip and reshard bit-exactly", "[c
   CHECK(compared == 2 * 3 * 3);
 }
 
-TEST_CASE("lowp checkpoint: nf4 refuses a last-dim split that cuts a byte, naming the tensor", "[checkpoint][lowp]") {
+TEST_CASE("lowp checkpoint: refusals name the tensor (nf4 byte cut by a split, int8, bad entries)", "[checkpoint][lowp]") {
   // [4, 9] over tp 3 on the last dim: 3 columns each, so rank 0 holds 0..2 and byte 1 (columns 2,
   // 3) would straddle ranks 0 and 1.
   testing_support::Checks checks;
@@ -154,6 +154,25 @@ TEST_CASE("lowp checkpoint: nf4 refuses a last-dim split that cuts a byte, namin
       int8 = true;
     }
     checks.check(int8, "int8 checkpoints are refused (fp8 or nf4)");
+    // A loaded entry that is not what it should be: InvalidArgument naming the key.
+    nn::StateDict t = fsdp::quantized_checkpoint_template("w", x, {QuantKind::kFp8Tensor});
+    std::string bad_kind, bad_scale;
+    t.values["w._quant"] = int64_t{3};
+    try {
+      fsdp::dequantize_from_checkpoint(t, "w", x, DType::kF32);
+    } catch (const kernels::InvalidArgument& e) {
+      bad_kind = e.what();
+    }
+    t.values["w._quant"] = std::string("fp8-e4m3");
+    t.tensors.pop_back();  // w._scale
+    try {
+      fsdp::dequantize_from_checkpoint(t, "w", x, DType::kF32);
+    } catch (const kernels::InvalidArgument& e) {
+      bad_scale = e.what();
+    }
+    checks.check(bad_kind.find("w._quant") != std::string::npos, "a wrong _quant value named: '" + bad_kind + "'");
+    checks.check(bad_scale.find("w._scale") != std::string::npos && bad_scale.find("missing") != std::string::npos,
+                 "a missing scale named: '" + bad_scale + "'");
   });
   checks.report();
 }
