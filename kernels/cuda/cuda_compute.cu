@@ -11,6 +11,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <string>
 #include <type_traits>
@@ -831,6 +832,22 @@ cudaDataType_t blas_type(DType d) {
   }
 }
 
+// When every batch offset of an operand is index * stride over the flattened batch (its batch
+// dims collapse into one: attention's [B, H] batches of contiguous or permuted activations,
+// or a stride-0 broadcast of the whole batch), sets `stride` and returns true.
+bool collapses(const Dims& shape, const Dims& strides, int64_t& stride) {
+  bool first = true;
+  int64_t outer = 0;  // the stride the next outer dim must have
+  stride = 0;
+  for (int d = shape.size() - 1; d >= 0; --d) {
+    if (shape[d] == 1) continue;
+    if (first) stride = strides[d], first = false;
+    else if (strides[d] != outer) return false;
+    outer = strides[d] * shape[d];
+  }
+  return true;
+}
+
 }  // namespace
 
 // ---- entry points ----
@@ -877,6 +894,18 @@ void cuda_gemm(const GemmPlan& plan, int device) {
   const int64_t out_size = static_cast<int64_t>(itemsize(p.out_dtype));
   cublasHandle_t h = blas_handle(device);
   const int64_t batches = p.batch_shape.product();
+  // bf16 / f16 inputs with f32 accumulation run on the tensor cores (CUBLAS_COMPUTE_32F). A
+  // batch whose offsets collapse is one strided-batched call instead of one call per matrix.
+  int64_t sa = 0, sb = 0, sc = 0;
+  if (batches > 1 && batches <= std::numeric_limits<int>::max() && collapses(p.batch_shape, p.a_batch_strides, sa) &&
+      collapses(p.batch_shape, p.b_batch_strides, sb) && collapses(p.batch_shape, p.c_batch_strides, sc)) {
+    check_blas(cublasGemmStridedBatchedEx(h, op_b, op_a, static_cast<int>(p.n), static_cast<int>(p.m),
+                                          static_cast<int>(p.k), alpha, p.b, in_t, static_cast<int>(ldb), sb, p.a,
+                                          in_t, static_cast<int>(lda), sa, beta, p.c, out_t, static_cast<int>(ldc),
+                                          sc, static_cast<int>(batches), compute, CUBLAS_GEMM_DEFAULT),
+               "cublasGemmStridedBatchedEx on " + device_name(device));
+    return;
+  }
   auto one = [&](const void* a, const void* b, void* c) {
     check_blas(cublasGemmEx(h, op_b, op_a, static_cast<int>(p.n), static_cast<int>(p.m),
                             static_cast<int>(p.k), alpha, b, in_t, static_cast<int>(ldb), a, in_t,
