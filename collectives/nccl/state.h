@@ -580,6 +580,23 @@ class NcclWork final : public Work {
     }
   }
 
+  // Device-side when `stream` is on this communicator's GPU and the call's event is recorded
+  // (a failed call has none: wait() then throws); otherwise the host waits.
+  void wait_on(const kernels::Stream& stream, Milliseconds timeout) override {
+    if (stream.device().is_cuda() && same_device(stream.device().index)) {
+      (void)completed();  // finishes its enqueue when NCCL reported it in progress
+      if (cudaEvent_t ev = recorded_event()) {
+        CommState& s = *state_;
+        std::lock_guard lk(s.mu);
+        const auto guard = device_guard(s.device, s.where());
+        cudaStream_t st = stream.id() == 0 ? cudaStreamLegacy : reinterpret_cast<cudaStream_t>(stream.id());
+        cuda_check(cudaStreamWaitEvent(st, ev, 0), "cudaStreamWaitEvent", s.where());
+        return;
+      }
+    }
+    wait(timeout);
+  }
+
   bool settle(Milliseconds timeout) override {
     std::unique_lock lk(state_->mu);
     return advance(lk, deadline_after(timeout));

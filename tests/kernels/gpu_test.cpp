@@ -4,8 +4,13 @@
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <limits>
+#include <span>
 
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/cuda_stream.h"
+#include "kernels/detail/stream_pool.h"
 #include "kernels/format.h"
+#include "kernels/stream.h"
 #include "kernels/tensor.h"
 
 using namespace kernels;
@@ -131,4 +136,66 @@ TEST_CASE("CUDA fills and views", "[kernels][gpu]") {
     back.copy_(other.transpose(0, 1));
     CHECK(equal(back, Tensor::arange({3, 3}, DType::kF32).transpose(0, 1)));
   }
+}
+
+// Streams and events (kernels/stream.h) and the stream-aware block pool over real CUDA events
+// (kernels/detail/stream_pool.h, NOTE [stream-aware reuse]).
+TEST_CASE("CUDA streams and events order copies across streams", "[kernels][gpu][stream]") {
+  const Device gpu = Device::cuda(0);
+  const int64_t n = int64_t{1} << 24;  // 64 MiB of f32: long enough to be in flight
+  Tensor a = Tensor::empty({n}, DType::kF32);
+  a.fill_index_([](std::span<const int64_t> i) { return static_cast<double>(i[0] % 1021); });
+  const Tensor ga = a.to(gpu);
+  Tensor b = Tensor::empty({n}, DType::kF32, gpu), c = Tensor::empty({n}, DType::kF32, gpu);
+  const Stream s1 = Stream::create(gpu), s2 = Stream::create(gpu);
+  REQUIRE(s1.id() != 0);
+  REQUIRE(s1.id() != s2.id());
+  REQUIRE(Stream::legacy(gpu).id() == 0);
+  int rounds = 0;
+  for (int r = 0; r < 3; ++r, ++rounds) {
+    c.fill_(-1.0);
+    Stream::legacy(gpu).synchronize();  // the fill (legacy stream) is done before s1 and s2 run
+    detail::cuda_memcpy_async(b.data_ptr(), ga.data_ptr(), a.nbytes(), reinterpret_cast<void*>(s1.id()), 0);
+    const Event e = Event::record(s1);
+    s2.wait(e);  // without it the second copy could read b before the first wrote it
+    detail::cuda_memcpy_async(c.data_ptr(), b.data_ptr(), a.nbytes(), reinterpret_cast<void*>(s2.id()), 0);
+    const Event done = Event::record(s2);
+    done.synchronize();
+    CHECK(done.query());
+    CHECK(e.query());
+    CHECK(same_bits(c, ga));
+  }
+  REQUIRE(rounds == 3);
+  // The legacy stream waits for an event of a stream of one's own.
+  detail::cuda_memcpy_async(b.data_ptr(), ga.data_ptr(), a.nbytes(), reinterpret_cast<void*>(s1.id()), 0);
+  Stream::legacy(gpu).wait(Event::record(s1));
+  c.copy_(b);  // a kernel on the legacy stream
+  CHECK(same_bits(c, ga));
+  CHECK_THROWS_AS(Stream::create(Device::cuda(1 << 20)), Unsupported);
+}
+
+TEST_CASE("stream-aware block pool over CUDA events", "[kernels][gpu][stream]") {
+  const Device gpu = Device::cuda(0);
+  const int64_t n = int64_t{1} << 24;
+  const Tensor src = Tensor::full({n}, 3.0, DType::kF32, gpu);
+  void* block = detail::cuda_malloc(src.nbytes(), 0);
+  const Stream s1 = Stream::create(gpu), s2 = Stream::create(gpu);
+  auto ops = detail::cuda_event_ops(0);
+  {
+    detail::StreamBlockPool pool(*ops, {});
+    int rounds = 0;
+    for (int r = 0; r < 3; ++r, ++rounds) {
+      // The block's last use: a copy into it queued on s1.
+      detail::cuda_memcpy_async(block, src.data_ptr(), src.nbytes(), reinterpret_cast<void*>(s1.id()), 0);
+      REQUIRE(pool.give({block, src.nbytes()}, s1.id()).empty());
+      CHECK(pool.take(src.nbytes(), s1.id()) == block);  // s1 orders it: no wait
+      REQUIRE(pool.give({block, src.nbytes()}, s1.id()).empty());
+      s1.synchronize();  // now the freeing stream's event has completed
+      CHECK(pool.take(src.nbytes(), s2.id()) == block);
+    }
+    REQUIRE(rounds == 3);
+    CHECK(pool.stats().pending_events == 0);
+    CHECK(pool.stats().reused == 6);
+  }
+  detail::cuda_free(block, 0);
 }

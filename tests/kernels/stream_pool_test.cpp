@@ -10,6 +10,10 @@
 #include <map>
 #include <vector>
 
+#include "kernels/device.h"
+#include "kernels/error.h"
+#include "kernels/stream.h"
+
 using kernels::detail::EventId;
 using kernels::detail::EventOps;
 using kernels::detail::StreamBlockPool;
@@ -132,4 +136,24 @@ TEST_CASE("stream pool: small blocks within their budget, large ones evicted old
   CHECK(pool.drain().size() == 4);
   CHECK(ev.live() == 0);
   CHECK(pool.stats().pending_events == 0);
+}
+
+TEST_CASE("streams and events on the CPU are no-ops; CUDA ones refuse without a GPU", "[kernels][stream]") {
+  using kernels::Device;
+  using kernels::Event;
+  using kernels::Stream;
+  const Stream cpu = Stream::create(Device::cpu());
+  CHECK(cpu.id() == 0);
+  CHECK(cpu == Stream());
+  CHECK(cpu.device() == Device::cpu());
+  const Event e = Event::record(cpu);
+  CHECK(e.query());
+  e.synchronize();
+  cpu.wait(e);
+  cpu.synchronize();
+  CHECK(Event().query());
+  if (kernels::cuda_device_count() == 0) {  // CI: no GPU (a CUDA build or not)
+    CHECK_THROWS_AS(Stream::create(Device::cuda(0)), kernels::Unsupported);
+    CHECK_THROWS_AS(Stream::legacy(Device::cuda(0)), kernels::Unsupported);
+  }
 }
