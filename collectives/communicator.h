@@ -275,7 +275,7 @@ class Communicator {
   // later calls start after fn returned. An exception from fn fails the returned Work (wait()
   // rethrows it) and nothing else. fn runs on whichever thread progresses the communicator (its
   // worker, or one waiting on it), never at the same time as another entry of this
-  // communicator. nccl: fn runs at once on the calling thread after the legacy default stream
+  // communicator. nccl: fn runs at once on the calling thread after the device's compute stream
   // was made to wait for this communicator's stream, so fn must only enqueue device work (the
   // kernels layer's copies do).
   virtual WorkPtr host_task(std::function<void()> fn) = 0;

@@ -16,10 +16,11 @@ Stream Stream::create(Device device) {
   return s;
 }
 
-Stream Stream::legacy(Device device) {
-  if (device.is_cuda()) detail::cuda_check_device(device.index);
+Stream Stream::compute(Device device) {
   Stream s;
   s.device_ = device;
+  if (device.is_cuda())  // not owned: the kernels layer keeps it
+    s.handle_ = std::shared_ptr<void>(detail::cuda_compute_stream(device.index), [](void*) {});
   return s;
 }
 

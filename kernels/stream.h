@@ -3,16 +3,16 @@
 // thread, whose work is done when each call returns: on the CPU (and in a build without CUDA,
 // for CPU devices) every operation here is a no-op and every event has completed.
 //
-//   Stream s = Stream::create(Device::cuda(0));  // a new stream, non-blocking towards the
-//                                                 // legacy default stream (no implicit sync)
+//   Stream s = Stream::create(Device::cuda(0));  // a new stream, non-blocking (no implicit
+//                                                 // sync with the legacy default stream)
 //   Event e = Event::record(s);                   // completes after the work queued on s so far
-//   Stream::legacy(Device::cuda(0)).wait(e);      // device-side: later work there runs after e
+//   Stream::compute(Device::cuda(0)).wait(e);     // device-side: later kernels run after e
 //   e.query();  e.synchronize();  s.synchronize();  // host-side poll / waits
 //
-// Today the kernels run on the legacy default stream (NOTE [cuda ordering] in
-// kernels/cuda/cuda_ops.h): Stream::legacy is where their work is; a stream of one's own is
-// ordered against it with events. Errors: Unsupported for a CUDA device in a build without CUDA
-// or without that GPU; Error naming the CUDA call otherwise.
+// The kernels layer queues every kernel and copy of a device on that device's compute stream
+// (NOTE [cuda ordering] in kernels/cuda/cuda_ops.h), never on the legacy default stream; a
+// stream of one's own is ordered against it with events. Errors: Unsupported for a CUDA device
+// in a build without CUDA or without that GPU; Error naming the CUDA call otherwise.
 #pragma once
 
 #include <cstdint>
@@ -29,11 +29,11 @@ class Stream {
   Stream() = default;  // the CPU stream
   // A new stream on `device` (the CPU: the CPU stream); destroyed with its last copy.
   static Stream create(Device device);
-  // The legacy default stream of a CUDA device (the CPU stream for the CPU).
-  static Stream legacy(Device device);
+  // The stream the kernels layer runs on for `device` (the CPU stream for the CPU).
+  static Stream compute(Device device);
 
   Device device() const { return device_; }
-  // An opaque handle, equal for copies of one stream; 0 for the CPU and legacy streams.
+  // An opaque handle (the cudaStream_t), equal for copies of one stream; 0 for the CPU.
   uint64_t id() const { return reinterpret_cast<uint64_t>(handle_.get()); }
   // Work queued on this stream after this call runs after `event` (device-side; no host wait).
   // REQUIRES: the event is on this stream's device (or the CPU).
@@ -48,7 +48,7 @@ class Stream {
  private:
   friend class Event;
   Device device_;
-  std::shared_ptr<void> handle_;  // cudaStream_t; null: the legacy default stream / the CPU
+  std::shared_ptr<void> handle_;  // cudaStream_t; null on the CPU
 };
 
 class Event {

@@ -20,6 +20,9 @@ void cuda_event_record(void* event, void* stream, int device);
 bool cuda_event_query(void* event, int device);
 void cuda_event_synchronize(void* event, int device);
 void cuda_stream_wait_event(void* stream, void* event, int device);
+// The stream the kernels layer runs everything on for `device` (NOTE [cuda ordering] in
+// cuda_ops.h): a cudaStream_t, created on first use, never destroyed.
+void* cuda_compute_stream(int device);
 // Queues a device-to-device copy of nbytes on `stream` (no host wait).
 void cuda_memcpy_async(void* dst, const void* src, size_t nbytes, void* stream, int device);
 // EventOps over CUDA events on `device`: StreamId is the cudaStream_t's value (0: legacy).

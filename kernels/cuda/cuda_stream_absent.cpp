@@ -20,6 +20,7 @@ void cuda_event_record(void*, void*, int) { no_cuda(); }
 bool cuda_event_query(void*, int) { no_cuda(); }
 void cuda_event_synchronize(void*, int) { no_cuda(); }
 void cuda_stream_wait_event(void*, void*, int) { no_cuda(); }
+void* cuda_compute_stream(int) { no_cuda(); }
 void cuda_memcpy_async(void*, const void*, size_t, void*, int) { no_cuda(); }
 std::unique_ptr<EventOps> cuda_event_ops(int) { no_cuda(); }
 

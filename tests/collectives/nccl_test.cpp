@@ -510,7 +510,7 @@ TEST_CASE("nccl: a stream waits for a call's Work without the host waiting", "[c
     const kernels::Stream s = kernels::Stream::create(gpu);
     for (int r = 0; r < 3; ++r, ++rounds) {
       z.fill_(-1.0);
-      kernels::Stream::legacy(gpu).synchronize();
+      kernels::Stream::compute(gpu).synchronize();
       WorkPtr w = comm->all_reduce(gx, y, kernels::ReduceOp::kSum);
       w->wait_on(s, kNcclTimeout);  // device-side: s runs the copy after the all_reduce
       kernels::detail::cuda_memcpy_async(z.data_ptr(), y.data_ptr(), y.nbytes(), reinterpret_cast<void*>(s.id()), 0);

@@ -150,11 +150,12 @@ TEST_CASE("CUDA streams and events order copies across streams", "[kernels][gpu]
   const Stream s1 = Stream::create(gpu), s2 = Stream::create(gpu);
   REQUIRE(s1.id() != 0);
   REQUIRE(s1.id() != s2.id());
-  REQUIRE(Stream::legacy(gpu).id() == 0);
+  REQUIRE(Stream::compute(gpu).id() != 0);
+  REQUIRE(Stream::compute(gpu) == Stream::compute(gpu));
   int rounds = 0;
   for (int r = 0; r < 3; ++r, ++rounds) {
     c.fill_(-1.0);
-    Stream::legacy(gpu).synchronize();  // the fill (legacy stream) is done before s1 and s2 run
+    Stream::compute(gpu).synchronize();  // the fill (compute stream) is done before s1 and s2 run
     detail::cuda_memcpy_async(b.data_ptr(), ga.data_ptr(), a.nbytes(), reinterpret_cast<void*>(s1.id()), 0);
     const Event e = Event::record(s1);
     s2.wait(e);  // without it the second copy could read b before the first wrote it
@@ -166,10 +167,10 @@ TEST_CASE("CUDA streams and events order copies across streams", "[kernels][gpu]
     CHECK(same_bits(c, ga));
   }
   REQUIRE(rounds == 3);
-  // The legacy stream waits for an event of a stream of one's own.
+  // The compute stream waits for an event of a stream of one's own.
   detail::cuda_memcpy_async(b.data_ptr(), ga.data_ptr(), a.nbytes(), reinterpret_cast<void*>(s1.id()), 0);
-  Stream::legacy(gpu).wait(Event::record(s1));
-  c.copy_(b);  // a kernel on the legacy stream
+  Stream::compute(gpu).wait(Event::record(s1));
+  c.copy_(b);  // a kernel on the compute stream
   CHECK(same_bits(c, ga));
   CHECK_THROWS_AS(Stream::create(Device::cuda(1 << 20)), Unsupported);
 }
@@ -180,6 +181,7 @@ TEST_CASE("stream-aware block pool over CUDA events", "[kernels][gpu][stream]") 
   const Tensor src = Tensor::full({n}, 3.0, DType::kF32, gpu);
   void* block = detail::cuda_malloc(src.nbytes(), 0);
   const Stream s1 = Stream::create(gpu), s2 = Stream::create(gpu);
+  s1.wait(Event::record(Stream::compute(gpu)));  // src's fill ran on the compute stream
   auto ops = detail::cuda_event_ops(0);
   {
     detail::StreamBlockPool pool(*ops, {});

@@ -154,6 +154,6 @@ TEST_CASE("streams and events on the CPU are no-ops; CUDA ones refuse without a 
   CHECK(Event().query());
   if (kernels::cuda_device_count() == 0) {  // CI: no GPU (a CUDA build or not)
     CHECK_THROWS_AS(Stream::create(Device::cuda(0)), kernels::Unsupported);
-    CHECK_THROWS_AS(Stream::legacy(Device::cuda(0)), kernels::Unsupported);
+    CHECK_THROWS_AS(Stream::compute(Device::cuda(0)), kernels::Unsupported);
   }
 }
