@@ -4,8 +4,10 @@
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <span>
 
+#include "kernels/allocator.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_stream.h"
 #include "kernels/detail/stream_pool.h"
@@ -200,4 +202,38 @@ TEST_CASE("stream-aware block pool over CUDA events", "[kernels][gpu][stream]") 
     CHECK(pool.stats().reused == 6);
   }
   detail::cuda_free(block, 0);
+}
+
+TEST_CASE("CachingAllocator: CUDA blocks, small ones too, reused by stream", "[kernels][gpu][stream]") {
+  const Device gpu = Device::cuda(0);
+  CachingAllocator cache;
+  int sizes = 0;
+  for (size_t nbytes : {size_t{1000}, size_t{4} << 20}) {  // a small and a large block
+    ++sizes;
+    void* p = cache.allocate(nbytes, gpu);  // the compute stream
+    cache.deallocate(p, nbytes, gpu);
+    CHECK(cache.allocate(nbytes, gpu) == p);  // same stream: at once
+    const Stream side = Stream::create(gpu);
+    cache.deallocate(p, nbytes, gpu);
+    Stream::compute(gpu).synchronize();  // the compute stream passed the free
+    CHECK(cache.allocate_on(nbytes, side) == p);
+    cache.deallocate_on(p, nbytes, side);
+    side.synchronize();
+    CHECK(cache.allocate(nbytes, gpu) == p);
+    cache.deallocate(p, nbytes, gpu);
+  }
+  REQUIRE(sizes == 2);
+  CHECK(cache.stats().hits == 6);
+  CHECK(cache.stats().in_use_bytes == 0);
+  CHECK(cache.stats().cached_bytes == CachingAllocator::rounded_size(1000) + CachingAllocator::rounded_size(4 << 20));
+  // Tensors through the cache: the values survive reuse across streams.
+  auto shared = std::make_shared<CachingAllocator>();
+  for (int r = 0; r < 3; ++r) {
+    Tensor a = Tensor::empty({1 << 16}, DType::kF32, gpu, shared);
+    a.fill_(r + 2.0);
+    CHECK(a.to(Device::cpu()).item({123}) == r + 2.0);
+  }
+  CHECK(shared->stats().hits == 2);
+  cache.release_cached();
+  CHECK(cache.stats().cached_bytes == 0);
 }
