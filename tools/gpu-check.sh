@@ -317,7 +317,7 @@ fi
 check bandwidth 90 "$BIN/gpu-bench" kernels
 if [[ $rc == 0 ]]; then
   detail=$(sed -n 's/.*"kernel":"\([^"]*\)".*"gbps":\([0-9.]*\),"fraction":\([0-9.]*\).*/\1 \2 \3/p' "$log" |
-    awk '{f = $NF; g = $(NF-1); $NF = ""; $(NF-1) = ""; sub(/ +$/, ""); split($0, w, " "); printf "%s%s %s %.0f GB/s %.2f", NR > 1 ? "; " : "", w[1], w[2], g, f; if (NR > 1 && f < 0.90) low = 1} END {if (low) printf " (low: below 0.90)"}')
+    awk '{f = $NF; g = $(NF-1); $NF = ""; $(NF-1) = ""; sub(/ +$/, ""); split($0, w, " "); printf "%s%s %s %.0f GB/s %.2f", (NR > 1 ? "; " : ""), w[1], w[2], g, f; if (NR > 1 && f < 0.90) low = 1} END {if (low) printf " (low: below 0.90)"}')
   st=pass; [[ $detail == *"(low"* ]] && st=low
   grep -q '"ok":false' "$log" && { st=FAIL; detail="wrong output: $(grep '"ok":false' "$log" | head -n 1 | cut -c1-80)"; }
   row bandwidth "$st" "$secs" "$detail"
