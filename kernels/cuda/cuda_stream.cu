@@ -2,6 +2,7 @@
 #include <cuda_runtime.h>
 
 #include <string>
+#include <vector>
 
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_stream.h"
@@ -21,11 +22,22 @@ void check(cudaError_t err, const char* what, int device) {
 
 cudaStream_t as_stream(void* s) { return s == nullptr ? cudaStreamLegacy : static_cast<cudaStream_t>(s); }
 
+// Released events are kept and recorded again (a record is cheap, a create is not): a caching
+// allocator records one per block it gets back. Not thread-safe: its owner serialises calls.
 class CudaEventOps final : public EventOps {
  public:
   explicit CudaEventOps(int device) : device_(device) {}
+  ~CudaEventOps() override {
+    for (void* ev : spare_) cuda_event_destroy(ev, device_);
+  }
   EventId record(StreamId stream) override {
-    void* ev = cuda_event_create(device_);
+    void* ev = nullptr;
+    if (spare_.empty()) {
+      ev = cuda_event_create(device_);
+    } else {
+      ev = spare_.back();
+      spare_.pop_back();
+    }
     try {
       cuda_event_record(ev, reinterpret_cast<void*>(stream), device_);
     } catch (...) {
@@ -35,10 +47,22 @@ class CudaEventOps final : public EventOps {
     return reinterpret_cast<EventId>(ev);
   }
   bool done(EventId event) override { return cuda_event_query(reinterpret_cast<void*>(event), device_); }
-  void release(EventId event) noexcept override { cuda_event_destroy(reinterpret_cast<void*>(event), device_); }
+  void release(EventId event) noexcept override {
+    void* ev = reinterpret_cast<void*>(event);
+    try {
+      if (spare_.size() < kMaxSpare) {
+        spare_.push_back(ev);
+        return;
+      }
+    } catch (...) {  // no room in the list: destroy it
+    }
+    cuda_event_destroy(ev, device_);
+  }
 
  private:
+  static constexpr size_t kMaxSpare = 4096;
   int device_;
+  std::vector<void*> spare_;
 };
 
 }  // namespace

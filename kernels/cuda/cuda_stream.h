@@ -25,7 +25,8 @@ void cuda_stream_wait_event(void* stream, void* event, int device);
 void* cuda_compute_stream(int device);
 // Queues a device-to-device copy of nbytes on `stream` (no host wait).
 void cuda_memcpy_async(void* dst, const void* src, size_t nbytes, void* stream, int device);
-// EventOps over CUDA events on `device`: StreamId is the cudaStream_t's value (0: legacy).
+// EventOps over CUDA events on `device` (released events are recorded again, not destroyed; not
+// thread-safe): StreamId is the cudaStream_t's value (0: legacy).
 std::unique_ptr<EventOps> cuda_event_ops(int device);
 
 }  // namespace kernels::detail
