@@ -14,15 +14,17 @@
 // --grad-accum: gradients reduced on the last microbatch only), --prefetch 0|1|2 (implicit
 // prefetch depth in forward and backward; default 1). --mp bf16 under FSDP is the
 // MixedPrecisionPolicy (bf16 parameters, f32 reduction, f32 sharded master weights).
+// --all-gather fp8|int8 (with --mp bf16) gathers the blocks' linear weights as fp8 / int8 codes
+// (examples/fsdp_train_lowp.h); the one-rank reference computes with the same dequantised weights.
 //
 // Output: one progress line per --log-every steps on rank 0 (the step's wall time in ms too),
 //   step 3/30 loss 3.91234567 ms 6.21 tokens/s 41234 peak_bytes 1234567 param_bytes 123 grad_bytes 45
-//   optim_bytes 90 buffer_bytes 67
+//   optim_bytes 90 buffer_bytes 67 all_gather_bytes 89
 // (rank 0's peaks: parameters = sharded plus unsharded, gradients = sharded, optimizer state,
-// buffers = FSDP's reduce-scatter inputs and casts)
+// buffers = FSDP's reduce-scatter inputs and casts; the bytes rank 0's unshards sent this step)
 // and, last, one JSON object:
 //   {"steps":30,"first_loss":4.16,"last_loss":0.93,"parity":"ok","max_rel_loss_diff":2e-7,
-//    "max_param_diff":3e-8,"tokens_per_s":41234,"peak_bytes":1234567}
+//    "max_param_diff":3e-8,"tokens_per_s":41234,"peak_bytes":1234567,...,"all_gather_bytes":89}
 // parity: "skipped" without --check-parity (then the two diffs are null); max_rel_loss_diff is the
 // largest |loss - loss_ref| / |loss_ref| over the steps (limit 1e-5; bf16: 2e-2), max_param_diff
 // the relative L2 difference of all final parameters flattened together (limit 1e-5; bf16: 5e-2).
@@ -103,6 +105,7 @@
 #include "nn/safetensors.h"
 #include "nn/tensor_parallel.h"
 #include "nn/transformer.h"
+#include "examples/fsdp_train_lowp.h"
 #include "program/cli.h"
 #include "program/main.h"
 #include "program/stats.h"
@@ -126,6 +129,7 @@ struct Args {
   double lr = 3e-3;
   uint64_t seed = 0;
   std::string mp = "fp32";
+  std::string all_gather;  // --all-gather fp8 | int8 (empty: param dtype)
   int grad_accum = 1;
   bool check_parity = false;
   std::string dump_init;
@@ -248,6 +252,7 @@ struct RunResult {
   double tokens_per_s = 0;
   int64_t peak_bytes = 0;
   int64_t peak_block_bytes = 0;  // the same in the caching allocator's block sizes (what a limit counts)
+  std::optional<int64_t> all_gather_bytes;  // per step, this rank's unshards (FSDP only)
 };
 
 using program::median;
@@ -287,6 +292,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   kernels::Tracer* const tracer = world.tracer();  // null: not traced
   const int me = world.global_rank();
   const bool bf16 = a.mp == "bf16";
+  const std::optional<fsdp::QuantConfig> quant = fsdp_train::parse_all_gather(a.all_gather);
   auto initialise = [&] {
     if (a.init_from.empty()) {
       nn::materialize(model, a.seed);
@@ -339,6 +345,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   auto unsharded_mem = std::make_shared<nn::TrackingAllocator>(cache, total_mem);
   auto buffer_mem = std::make_shared<nn::TrackingAllocator>(cache, total_mem);
   fsdp::FSDPModule* root = nullptr;
+  std::vector<fsdp::FSDPModule*> groups;  // every group (blocks, then the root)
   if (use_fsdp) {
     fsdp::FullyShardOptions o;
     if (a.reshard_after_forward == "true") o.reshard_after_forward = fsdp::ReshardAfterForward::yes();
@@ -352,11 +359,15 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     o.unsharded_allocator = unsharded_mem;
     o.buffer_allocator = buffer_mem;
     std::vector<fsdp::FSDPModule*> blocks;
+    if (quant) o.all_gather_extension_fn = fsdp_train::extension_fn(*quant);
     for (const auto& [name, block] : model.blocks().children()) blocks.push_back(&fsdp::fully_shard(*block, comms, o));
     fsdp::FullyShardOptions ro = o;
+    ro.all_gather_extension_fn = nullptr;  // embeddings, lm_head and the final norm stay bf16
     if (reshard_k > 0) ro.reshard_after_forward = fsdp::ReshardAfterForward::automatic();  // the root keeps its own
     root = &fsdp::fully_shard(model, comms, ro);
     root->set_prefetch_depth(a.prefetch >= 1 ? 1 : 0);
+    groups = blocks;
+    groups.push_back(root);
     if (a.prefetch == 2)  // explicit lists two groups ahead
       for (size_t i = 0; i < blocks.size(); ++i) {
         std::vector<fsdp::FSDPModule*> fwd, bwd;
@@ -387,6 +398,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
       m->set_data(p->data());
       master.emplace_back(name, m);
       p->set_dtype(DType::kBF16);
+      fsdp_train::set_compute(name, *p, p->data().to_local(), m->data().to_local(), quant);
     }
   }
   auto cast = [](const DTensor& d, DType dtype) {
@@ -438,8 +450,9 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
           first_step, a.steps));
     if (bf16)
       for (size_t i = 0; i < params.size(); ++i) {
-        Tensor compute = params[i].second->data().to_local();
-        compute.copy_(master[i].second->data().to_local());
+        if (use_fsdp) continue;  // the parameters are the master weights
+        fsdp_train::set_compute(params[i].first, *params[i].second, params[i].second->data().to_local(),
+                                master[i].second->data().to_local(), quant);
       }
     if (print && rank0) {
       fmt::print("resumed from {} at step {}\n", a.resume_from, first_step);
@@ -497,9 +510,11 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   result.first_step = first_step;
   std::vector<double> step_seconds;
   total_mem->reset_peak();  // the training's peak: initialisation and --dump-init left out
+  const int64_t ag_bytes_start = fsdp_train::all_gather_bytes(groups);
   cache->reset_peak();
   for (int step = first_step; step < a.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
+    const int64_t ag_bytes_before = fsdp_train::all_gather_bytes(groups);
     const std::string step_name = tracer != nullptr ? fmt::format("step {}", step + 1) : std::string();
     const kernels::TraceSpan step_span(tracer, me, "compute", step_name);
     double step_loss = 0;
@@ -555,8 +570,8 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     optimizer_span.reset();
     if (bf16 && !use_fsdp)
       for (size_t i = 0; i < params.size(); ++i) {
-        Tensor compute = params[i].second->data().to_local();
-        compute.copy_(master[i].second->data().to_local());  // rounds to bf16
+        fsdp_train::set_compute(params[i].first, *params[i].second, params[i].second->data().to_local(),
+                                master[i].second->data().to_local(), quant);  // rounds to bf16
       }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     step_seconds.push_back(seconds);
@@ -564,9 +579,10 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     if (print && rank0 && ((step + 1) % a.log_every == 0 || step + 1 == a.steps)) {
       fmt::print(
           "step {}/{} loss {:.9g} ms {:.3f} tokens/s {:.0f} peak_bytes {} param_bytes {} grad_bytes {} "
-          "optim_bytes {} buffer_bytes {}\n",
+          "optim_bytes {} buffer_bytes {} all_gather_bytes {}\n",
           step + 1, a.steps, step_loss, seconds * 1e3, static_cast<double>(a.batch * a.seq) / seconds,
-          total_mem->peak_bytes(), param_bytes + unsharded_mem->peak_bytes(), grad_bytes, optim_bytes, buffer_mem->peak_bytes());
+          total_mem->peak_bytes(), param_bytes + unsharded_mem->peak_bytes(), grad_bytes, optim_bytes, buffer_mem->peak_bytes(),
+          fsdp_train::all_gather_bytes(groups) - ag_bytes_before);
       std::fflush(stdout);
     }
     if (!a.save_dir.empty() && ((a.save_every > 0 && (step + 1) % a.save_every == 0) || step + 1 == a.steps))
@@ -577,6 +593,9 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   // Steady state: leave out the first step (allocations, plan caches) when there are others.
   std::vector<double> steady(step_seconds.begin() + (step_seconds.size() > 1 ? 1 : 0), step_seconds.end());
   const double med = median(steady);
+  if (use_fsdp && !result.losses.empty())
+    result.all_gather_bytes =
+        (fsdp_train::all_gather_bytes(groups) - ag_bytes_start) / static_cast<int64_t>(result.losses.size());
   result.tokens_per_s = med > 0 ? static_cast<double>(a.batch * a.seq) / med : 0;
   // The training's peak, before the full parameters are gathered for the parity check.
   const int64_t training_peak = total_mem->peak_bytes();
@@ -694,6 +713,17 @@ void validate(const Args& a) {
   kernels::checked_mul(a.steps, a.batch, "samples (--steps x --batch)");
   kernels::checked_mul(a.batch, a.seq, "tokens per step (--batch x --seq)");
   if (a.mp != "fp32" && a.mp != "bf16") bad(fmt::format("--mp {}: expected fp32 or bf16", a.mp));
+  if (!a.all_gather.empty()) {
+    fsdp_train::parse_all_gather(a.all_gather);  // InvalidArgument naming the value
+    if (a.mp != "bf16")
+      bad(fmt::format("--all-gather {} needs --mp bf16 (the weights are dequantised to bf16 for compute); got --mp {}",
+                      a.all_gather, a.mp));
+    if (!a.fsdp) bad(fmt::format("--all-gather {} needs FSDP (--dp-shard / --dp-replicate)", a.all_gather));
+    if (r != "auto" && r != "true" && r != "false" && r != "1" && r != std::to_string(a.dp_shard))
+      bad(fmt::format("--all-gather {} with --reshard-after-forward {}: expected true or false (the K buffer "
+                      "would hold bf16 weights, not the codes)",
+                      a.all_gather, r));
+  }
   if (a.log_every < 1) bad(fmt::format("--log-every {}: expected >= 1", a.log_every));
   if (a.optimizer != "adamw" && a.optimizer != "sgd")
     bad(fmt::format("--optimizer {}: expected adamw or sgd", a.optimizer));
@@ -910,11 +940,12 @@ int finish(const Args& a, const Outcome& o) {
   fmt::print(
       "{{\"steps\":{},\"first_loss\":{},\"last_loss\":{},\"parity\":\"{}\",\"max_rel_loss_diff\":{},"
       "\"max_param_diff\":{},\"tokens_per_s\":{},\"peak_bytes\":{},\"peak_block_bytes\":{},"
-      "\"estimated_peak_bytes\":{},\"estimated_peak_block_bytes\":{}}}\n",
+      "\"estimated_peak_bytes\":{},\"estimated_peak_block_bytes\":{},\"all_gather_bytes\":{}}}\n",
       a.steps, json_number(got.losses.front()), json_number(got.losses.back()), o.parity,
       o.cmp ? json_number(o.cmp->max_rel_loss_diff) : "null", o.cmp ? json_number(o.cmp->max_param_diff) : "null",
       json_number(std::round(got.tokens_per_s)), got.peak_bytes, got.peak_block_bytes,
-      o.estimate ? std::to_string(o.estimate->peak) : "null", o.estimate ? std::to_string(o.estimate->peak_blocks) : "null");
+      o.estimate ? std::to_string(o.estimate->peak) : "null", o.estimate ? std::to_string(o.estimate->peak_blocks) : "null",
+      got.all_gather_bytes ? std::to_string(*got.all_gather_bytes) : "null");
   std::fflush(stdout);
   return o.parity == "fail" ? program::kMismatch : program::kOk;
 }
@@ -1005,6 +1036,8 @@ int run(int argc, char** argv) {
   app.add_option("--lr", a.lr, "learning rate");
   app.add_option("--seed", a.seed, "seed of the initial weights and the data (0..2^64-1)")->check(program::kUint64);
   app.add_option("--mp", a.mp, "fp32 | bf16");
+  app.add_option("--all-gather", a.all_gather,
+                 "fp8 | int8: all-gather the blocks' linear weights as fp8 e4m3 or int8 blocks (needs --mp bf16)");
   app.add_option("--grad-accum", a.grad_accum, "microbatches per step");
   app.add_flag("--check-parity", a.check_parity,
                "also train on one rank and compare every loss and the final parameters");
