@@ -86,10 +86,11 @@ Dims ragged_view(const Dims& global_shape, const Placements& placements) {
     const std::optional<int> t = shard_dim(placements[m]);
     if (!t || *t < d) continue;
     if (*t == d && is_shard(placements[m]) && static_cast<int>(m) > r) continue;
+    const std::string before = d == 0 ? std::string() : fmt::format("S/_S of dims < {}, ", d);
     throw kernels::Unsupported(fmt::format(
         "placements [{}]: {} on mesh dim {} does not compose with {} on mesh dim {} (the ranks' sets would not "
-        "be ranges of the flattened dims {}..{}; allowed: R, P, S/_S of dims < {}, S({}) on a later mesh dim)",
-        to_string(placements), to_string(placements[m]), m, to_string(placements[r]), r, d, ndim - 1, d, d));
+        "be ranges of the flattened dims {}..{}; allowed: R, P, {}S({}) on a later mesh dim)",
+        to_string(placements), to_string(placements[m]), m, to_string(placements[r]), r, d, ndim - 1, before, d));
   }
   Dims view;
   int64_t flat = 1;

@@ -112,6 +112,10 @@ TEST_CASE("bad RaggedShards are refused naming the value", "[dtensor][placement]
     ++ran;
   }
   CHECK(ran == 4);
+  CHECK_THROWS_WITH(ragged_view({4, 4}, parse_placements("Rg(0,[1,1],1),S(1)")),
+                    Contains("allowed: R, P, S(0) on a later mesh dim"));
+  CHECK_THROWS_WITH(ragged_view({4, 4}, parse_placements("S(1),Rg(1,[1,1],1)")),
+                    Contains("allowed: R, P, S/_S of dims < 1, S(1) on a later mesh dim"));
   CHECK_THROWS_WITH(compute_layout({8}, {2}, {RaggedShard{0, {1}, 1}}, {0}), Contains("1 units for 2 ranks"));
   CHECK_THROWS_WITH(compute_layout({8}, {2}, {RaggedShard{0, {1, 1}, 1}}, {2}), Contains("outside mesh shape"));
 
