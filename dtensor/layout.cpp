@@ -239,6 +239,9 @@ ShardLayout compute_layout(const Dims& tensor_shape, const Dims& mesh_shape,
 int64_t common_elements(const ShardLayout& a, const ShardLayout& b) {
   // Held indices are increasing in local order (every split keeps an ordered sub-list), so the
   // runs of each dim are sorted and disjoint: a merge walk counts the overlap.
+  if (a.runs.size() != b.runs.size())
+    throw InvalidArgument(fmt::format("common_elements: layouts of {} and {} dims (a RaggedShard's view against "
+                                      "the tensor's shape?)", a.runs.size(), b.runs.size()));
   int64_t n = 1;
   for (size_t t = 0; t < a.runs.size() && n > 0; ++t) {
     const IndexRuns &x = a.runs[t], &y = b.runs[t];

@@ -91,7 +91,7 @@ std::optional<ShardLayout> layout_of_rank(const Dims& global_shape, const Device
                                           const Placements& placements, int rank);
 
 // Elements two layouts of the same tensor have in common (per tensor dim, the intersection of
-// the held index sets; the product over dims).
+// the held index sets; the product over dims). Throws InvalidArgument when their dims differ.
 int64_t common_elements(const ShardLayout& a, const ShardLayout& b);
 
 // Positions [offset, offset + size) of the index list `runs` describes (local order), as runs:

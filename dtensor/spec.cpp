@@ -157,6 +157,7 @@ std::string view_mismatch(const DTensorSpec& spec, const DeviceMesh& mesh, const
 }
 
 std::optional<Placements> equivalent_placements(const DTensorSpec& spec, const DeviceMesh& mesh) {
+  if (ragged_mesh_dim(spec.placements) >= 0) return std::nullopt;  // ragged views are not searched
   std::vector<Placement> options = {Replicate{}};
   for (const Placement& p : spec.placements)
     if (is_partial(p) && std::find(options.begin(), options.end(), p) == options.end()) options.push_back(p);

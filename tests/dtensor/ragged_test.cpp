@@ -192,6 +192,9 @@ TEST_CASE("RaggedShard layouts: uneven and empty ranges of the flattened view",
   CHECK(spec.is_sharded(0));
   CHECK(spec.is_sharded(1));
   CHECK(spec.is_sharded(2));
+  CHECK(!equivalent_placements(spec, *m));
+  CHECK_THROWS_WITH(common_elements(at({4, 3, 2}, {2}, "Rg(1,[1,1],1)", {0}), at({4, 3, 2}, {2}, "R", {0})),
+                    Contains("layouts of 2 and 3 dims"));
   const DTensorSpec rows = make_spec(m, parse_placements("R,Rg(1,[1,0],1)"), {4, 3, 2}, DType::kF32);
   CHECK(!rows.is_sharded(0));
 }
