@@ -6,6 +6,7 @@
 //   fsdp-train --backend local --dp-shard 4 --check-parity
 //   fsdp-train --backend local --dp-replicate 2 --dp-shard 2 --tp 2 --mp bf16 --check-parity
 //   mpirun -np 4 fsdp-train --backend mpi --dp-shard 4 --check-parity
+//   fsdp-train --moe-experts 8 --moe-top-k 2 --ep 4 --check-parity   (examples/fsdp_train_moe.h)
 //
 // FSDP (fsdp::fully_shard; applied when --dp-shard or --dp-replicate is given): every
 // transformer block is one group, the root (embeddings, final norm, head) another; the batch is
@@ -106,6 +107,7 @@
 #include "nn/tensor_parallel.h"
 #include "nn/transformer.h"
 #include "examples/fsdp_train_lowp.h"
+#include "examples/fsdp_train_moe.h"
 #include "program/cli.h"
 #include "program/main.h"
 #include "program/stats.h"
@@ -160,6 +162,7 @@ struct Args {
   int64_t memory_limit = 0;  // bytes per rank; 0: none
   bool activation_checkpointing = false;
   std::string trace;  // Chrome trace file; empty: none
+  fsdp_train::MoEArgs moe;  // --moe-* and --ep (examples/fsdp_train_moe.h)
 };
 
 // A byte count: 1..2^63-1, parsed exactly (CLI11 alone saturates values past int64).
@@ -186,7 +189,7 @@ struct Diverged : kernels::NonFiniteError {
 struct MeshPlan {
   Dims shape;
   std::vector<std::string> names;
-  int tp_dim = -1, shard_dim = -1, rep_dim = -1;
+  int tp_dim = -1, shard_dim = -1, rep_dim = -1, ep_dim = -1;
 };
 MeshPlan mesh_plan(const Args& a, bool parallel) {
   MeshPlan m;
@@ -198,6 +201,7 @@ MeshPlan mesh_plan(const Args& a, bool parallel) {
   };
   if (parallel && a.fsdp && a.dp_replicate > 1) m.rep_dim = add(a.dp_replicate, "dp_replicate");
   if (parallel && a.fsdp) m.shard_dim = add(a.dp_shard, "dp_shard");
+  if (parallel && a.moe.ep > 1) m.ep_dim = add(a.moe.ep, "ep");
   if (!parallel || !a.fsdp || a.tp > 1) m.tp_dim = add(parallel ? a.tp : 1, "tp");
   m.shape = Dims::filled(static_cast<int>(sizes.size()), 1);
   for (size_t i = 0; i < sizes.size(); ++i) m.shape[static_cast<int>(i)] = sizes[i];
@@ -242,6 +246,7 @@ nn::GPTConfig model_config(const Args& a) {
   c.pos_embedding = true;
   c.gelu = kernels::GeluApproximation::kTanh;
   c.checkpoint_blocks = a.activation_checkpointing;
+  fsdp_train::apply_moe(c, a.moe);
   return c;
 }
 
@@ -287,6 +292,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   // sharded before it is initialised (or loaded): every rank only ever allocates its shards.
   nn::GPT model(nn::ModuleOptions{comms, DType::kF32, device}, cfg);
   if (tp > 1) nn::parallelize_module(model, plan.tp_dim, nn::gpt_tensor_parallel_plan(cfg, a.sequence_parallel, true));
+  if (plan.ep_dim >= 0) fsdp_train::set_expert_parallel(model, plan.ep_dim);
   const nn::NamedParameters params = model.named_parameters();
   const bool rank0 = world.rank() == 0;
   kernels::Tracer* const tracer = world.tracer();  // null: not traced
@@ -497,6 +503,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   Placements batch_placements = replicated;
   if (plan.rep_dim >= 0) batch_placements[plan.rep_dim] = dtensor::Shard{0};
   if (plan.shard_dim >= 0) batch_placements[plan.shard_dim] = dtensor::Shard{0};
+  if (plan.ep_dim >= 0) batch_placements[plan.ep_dim] = dtensor::Shard{0};
   auto as_batch = [&](const Tensor& full) {
     return dtensor::distribute_tensor(full.to(device), comms, batch_placements, std::nullopt);
   };
@@ -518,6 +525,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     const std::string step_name = tracer != nullptr ? fmt::format("step {}", step + 1) : std::string();
     const kernels::TraceSpan step_span(tracer, me, "compute", step_name);
     double step_loss = 0;
+    fsdp_train::MoEStep moe_step;
     for (int m = 0; m < a.grad_accum; ++m) {
       auto [ids_full, targets_full] =
           make_batch(a, step, static_cast<int64_t>(step) * a.batch + m * micro, micro);
@@ -535,6 +543,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
                                    step + 1, a.steps, micro_loss,
                                    a.grad_accum > 1 ? fmt::format(" in microbatch {}", m + 1) : ""));
       step_loss += micro_loss / a.grad_accum;
+      if (a.moe.experts > 0) moe_step.add(ctx, a.grad_accum);
       span.emplace(tracer, me, "compute", "backward");
       DTensor dlogits = loss_fn.backward(lctx, dloss);
       model.backward(ctx, dlogits);
@@ -579,10 +588,10 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     if (print && rank0 && ((step + 1) % a.log_every == 0 || step + 1 == a.steps)) {
       fmt::print(
           "step {}/{} loss {:.9g} ms {:.3f} tokens/s {:.0f} peak_bytes {} param_bytes {} grad_bytes {} "
-          "optim_bytes {} buffer_bytes {} all_gather_bytes {}\n",
+          "optim_bytes {} buffer_bytes {} all_gather_bytes {}{}\n",
           step + 1, a.steps, step_loss, seconds * 1e3, static_cast<double>(a.batch * a.seq) / seconds,
           total_mem->peak_bytes(), param_bytes + unsharded_mem->peak_bytes(), grad_bytes, optim_bytes, buffer_mem->peak_bytes(),
-          fsdp_train::all_gather_bytes(groups) - ag_bytes_before);
+          fsdp_train::all_gather_bytes(groups) - ag_bytes_before, a.moe.experts > 0 ? moe_step.text() : "");
       std::fflush(stdout);
     }
     if (!a.save_dir.empty() && ((a.save_every > 0 && (step + 1) % a.save_every == 0) || step + 1 == a.steps))
@@ -670,8 +679,10 @@ void validate(const Args& a) {
   if (a.world < 0) bad(fmt::format("--world {}: expected >= 1 (or 0: the mesh's ranks)", a.world));
   // The rank count in checked arithmetic (65536 x 65536 must not wrap to 0), then the limits.
   const int64_t ranks = kernels::checked_mul(
-      kernels::checked_mul(a.dp_replicate, a.dp_shard, "mesh ranks (--dp-replicate x --dp-shard)"), a.tp,
-      "mesh ranks (--dp-replicate x --dp-shard x --tp)");
+      kernels::checked_mul(
+          kernels::checked_mul(a.dp_replicate, a.dp_shard, "mesh ranks (--dp-replicate x --dp-shard)"), a.tp,
+          "mesh ranks (--dp-replicate x --dp-shard x --tp)"),
+      a.moe.ep, "mesh ranks (x --ep)");
   const std::string mesh_text =
       fmt::format("--dp-replicate {} x --dp-shard {} x --tp {} = {} ranks", a.dp_replicate, a.dp_shard, a.tp, ranks);
   if (ranks > dtensor::kMaxMeshRanks)
@@ -709,6 +720,7 @@ void validate(const Args& a) {
   if (a.grad_accum < 1 || a.batch % a.grad_accum != 0)
     bad(fmt::format("--grad-accum {} must divide --batch {} (microbatches of equal size)", a.grad_accum,
                     a.batch));
+  fsdp_train::validate_moe(a.moe, a.fsdp, a.tp, a.batch, a.grad_accum);
   // Sample and token indices of the data (step * batch + g, batch * seq tokens per step).
   kernels::checked_mul(a.steps, a.batch, "samples (--steps x --batch)");
   kernels::checked_mul(a.batch, a.seq, "tokens per step (--batch x --seq)");
@@ -954,7 +966,7 @@ int finish(const Args& a, const Outcome& o) {
 // only, any other failure at once by the rank it happened on).
 int run_mpi_rank(const Args& a, collectives::MpiWorld& mpi) {
   validate(a);
-  const int64_t ranks = int64_t{a.dp_replicate} * a.dp_shard * a.tp;  // validated: no overflow
+  const int64_t ranks = int64_t{a.dp_replicate} * a.dp_shard * a.tp * a.moe.ep;  // validated: no overflow
   if (a.world != 0 && a.world != mpi.size())
     throw kernels::InvalidArgument(fmt::format("--world {} but mpirun started {} processes", a.world, mpi.size()));
   if (mpi.size() != ranks)
@@ -1026,6 +1038,7 @@ int run(int argc, char** argv) {
   app.add_flag("--no-sync", a.no_sync, "with --grad-accum: reduce gradients on the last microbatch only");
   app.add_option("--prefetch", a.prefetch, "FSDP prefetch depth 0 | 1 | 2 (forward and backward)");
   app.add_option("--tp", a.tp, "tensor-parallel ranks");
+  fsdp_train::add_moe_options(app, a.moe);
   app.add_option("--layers", a.layers, "transformer blocks");
   app.add_option("--dim", a.dim, "model dim");
   app.add_option("--heads", a.heads, "attention heads");
@@ -1094,7 +1107,7 @@ int run(int argc, char** argv) {
     return program::run_as_rank("fsdp-train", mpi.rank(), [&] { return run_mpi_rank(a, mpi); });
   }
   validate(a);
-  const int mesh_ranks = a.dp_replicate * a.dp_shard * a.tp;  // validated: at most kMaxLocalRanks
+  const int mesh_ranks = a.dp_replicate * a.dp_shard * a.tp * a.moe.ep;  // validated: at most kMaxLocalRanks
   const int world = a.world != 0 ? a.world : mesh_ranks;
   if (world != mesh_ranks)
     throw kernels::InvalidArgument(
