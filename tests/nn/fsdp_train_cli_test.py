@@ -71,6 +71,24 @@ last = json.loads(out[-1])
 check(last["parity"] == "ok" and last["max_rel_loss_diff"] <= 1e-5 and last["max_param_diff"] <= 1e-5,
       f"parity: {last}")
 
+# MoE: the progress line gains aux_loss and imbalance (>= 1: max over mean); EP 2 matches one rank;
+# combinations not built yet are refused with exit 2 naming them.
+r = run(SMALL + ["--moe-experts", "4", "--ep", "2", "--steps", "2", "--log-every", "1", "--check-parity"])
+check(r.returncode == 0, f"--ep 2 exit {r.returncode}: {r.stderr}")
+moe_pat = re.compile(r" all_gather_bytes \d+ aux_loss (\S+) imbalance (\S+)$")
+moe_lines = [moe_pat.search(l) for l in r.stdout.splitlines() if l.startswith("step ")]
+check(len(moe_lines) == 2 and all(m is not None and float(m.group(1)) > 0 and float(m.group(2)) >= 1
+                                  for m in moe_lines), f"MoE progress lines: {r.stdout[:300]}")
+moe_refusals = [(["--moe-experts", "4", "--ep", "2", "--dp-shard", "2"], "per-parameter meshes"),
+                (["--moe-experts", "4", "--tp", "2"], "tensor parallelism"),
+                (["--moe-experts", "6", "--ep", "4"], "--ep 4 does not divide --moe-experts 6"),
+                (["--moe-experts", "4", "--moe-top-k", "5"], "--moe-top-k 5"),
+                (["--ep", "2"], "need --moe-experts")]
+for args, text in moe_refusals:
+    r = run(SMALL + args + ["--steps", "1"])
+    check(r.returncode == 2 and text in r.stderr and len(r.stderr.strip().splitlines()) == 1,
+          f"{args}: exit {r.returncode}, stderr {r.stderr.strip()!r} (expected exit 2 naming {text!r})")
+
 # --dump-init: a safetensors file with every parameter.
 with tempfile.TemporaryDirectory() as d:
     path = os.path.join(d, "init.safetensors")
