@@ -366,7 +366,11 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     o.buffer_allocator = buffer_mem;
     std::vector<fsdp::FSDPModule*> blocks;
     if (quant) o.all_gather_extension_fn = fsdp_train::extension_fn(*quant);
-    for (const auto& [name, block] : model.blocks().children()) blocks.push_back(&fsdp::fully_shard(*block, comms, o));
+    for (const auto& [name, block] : model.blocks().children()) {
+      fsdp::FullyShardOptions bo = o;
+      if (plan.ep_dim >= 0) bo.ignored_params = fsdp_train::expert_parameters(*block);
+      blocks.push_back(&fsdp::fully_shard(*block, comms, bo));
+    }
     fsdp::FullyShardOptions ro = o;
     ro.all_gather_extension_fn = nullptr;  // embeddings, lm_head and the final norm stay bf16
     if (reshard_k > 0) ro.reshard_after_forward = fsdp::ReshardAfterForward::automatic();  // the root keeps its own
@@ -720,7 +724,7 @@ void validate(const Args& a) {
   if (a.grad_accum < 1 || a.batch % a.grad_accum != 0)
     bad(fmt::format("--grad-accum {} must divide --batch {} (microbatches of equal size)", a.grad_accum,
                     a.batch));
-  fsdp_train::validate_moe(a.moe, a.fsdp, a.tp, a.batch, a.grad_accum);
+  fsdp_train::validate_moe(a.moe, a.tp, a.batch, a.grad_accum);
   // Sample and token indices of the data (step * batch + g, batch * seq tokens per step).
   kernels::checked_mul(a.steps, a.batch, "samples (--steps x --batch)");
   kernels::checked_mul(a.batch, a.seq, "tokens per step (--batch x --seq)");

@@ -1,7 +1,8 @@
 // fsdp-train's mixture of experts: --moe-experts E --moe-top-k K [--moe-every N] [--moe-shared]
 // put nn::MoE blocks in the GPT (blocks i with (i + 1) % N == 0), and --ep R shards the experts
 // over an "ep" mesh dim of R ranks that also splits the batch (tokens reach their experts by
-// all-to-all-v; nn/moe.h). The progress line gains the aux loss (summed over MoE blocks,
+// all-to-all-v; nn/moe.h). With --dp-shard / --dp-replicate the mesh is (dp..., ep): the dense
+// parameters get FSDP over dp (Replicate over ep), the experts stay outside FSDP. The progress line gains the aux loss (summed over MoE blocks,
 // averaged over microbatches) and the token imbalance (max tokens per expert rank over the mean;
 // without EP, per expert), worst over blocks and microbatches.
 //
@@ -12,7 +13,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "kernels/error.h"
 #include "nn/moe.h"
@@ -37,7 +40,7 @@ inline void add_moe_options(CLI::App& app, MoEArgs& m) {
 }
 
 // InvalidArgument (exit 2) naming the flag; combinations not built yet are named as such.
-inline void validate_moe(const MoEArgs& m, bool fsdp, int tp, int64_t batch, int grad_accum) {
+inline void validate_moe(const MoEArgs& m, int tp, int64_t batch, int grad_accum) {
   auto bad = [](const std::string& what) { throw kernels::InvalidArgument(what); };
   if (m.experts < 0) bad(fmt::format("--moe-experts {}: expected >= 0 (0: dense MLPs)", m.experts));
   if (m.ep < 1) bad(fmt::format("--ep {}: expected >= 1", m.ep));
@@ -52,9 +55,6 @@ inline void validate_moe(const MoEArgs& m, bool fsdp, int tp, int64_t batch, int
     bad(fmt::format("--ep {} does not divide --moe-experts {} (each EP rank holds the same number of experts)",
                     m.ep, m.experts));
   if (tp > 1) bad(fmt::format("--moe-experts with --tp {}: MoE blocks under tensor parallelism are not supported", tp));
-  if (m.ep > 1 && fsdp)
-    bad("--ep with --dp-shard / --dp-replicate: FSDP beside expert parallelism needs per-parameter meshes in "
-        "fully_shard, not supported yet");
   if ((batch / grad_accum) % m.ep != 0)
     bad(fmt::format("--ep {} does not divide the microbatch (--batch {} / --grad-accum {}): the ep ranks split "
                     "the sequences",
@@ -66,6 +66,16 @@ inline void apply_moe(nn::GPTConfig& c, const MoEArgs& m) {
   c.moe.top_k = m.top_k;
   c.moe.shared_expert = m.shared;
   c.moe_every = m.every;
+}
+
+// The expert weights under `module` (FSDP leaves them out under EP: they stay S(0) over ep and
+// Replicate over dp, their gradients reduced over dp by nn::reduce_gradients; sharding them over
+// dp as well needs per-parameter meshes in fully_shard, issue 29 item 3).
+inline std::vector<std::shared_ptr<nn::Parameter>> expert_parameters(nn::Module& module) {
+  std::vector<std::shared_ptr<nn::Parameter>> out;
+  for (auto& [name, p] : module.named_parameters())
+    if (name.find("experts.") != std::string::npos) out.push_back(p);
+  return out;
 }
 
 // Shards every MoE block's experts over mesh dim `ep_dim`; returns how many blocks.
