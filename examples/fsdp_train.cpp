@@ -342,6 +342,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
                              {"pos_embedding", cfg.pos_embedding},
                              {"tie_embeddings", cfg.tie_embeddings},
                              {"mlp_hidden", 4 * a.dim}};
+      if (cfg.moe.experts > 0) meta["moe"] = fsdp_train::moe_metadata(cfg);
       nn::save_safetensors(a.dump_init, full, {{"format", "pt"}, {"config", meta.dump()}});
     }
   };

@@ -11,6 +11,7 @@
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <memory>
@@ -87,6 +88,18 @@ inline int set_expert_parallel(nn::Module& model, int ep_dim) {
       ++n;
     }
   return n;
+}
+
+// --dump-init's "moe" entry: what a PyTorch rebuild of the MoE blocks needs (nn/moe.h's maths).
+inline nlohmann::json moe_metadata(const nn::GPTConfig& c) {
+  return {{"experts", c.moe.experts},
+          {"top_k", c.moe.top_k},
+          {"every", c.moe_every},
+          {"shared_expert", c.moe.shared_expert},
+          {"score", c.moe.score == nn::RouterScore::kSoftmax ? "softmax" : "sigmoid"},
+          {"renormalize", c.moe.renormalize},
+          {"capacity_factor", c.moe.capacity_factor},
+          {"aux_loss_coef", c.moe.aux_loss_coef}};
 }
 
 // The step's MoE figures for the progress line.

@@ -83,6 +83,19 @@ moe_refusals = [(["--moe-experts", "4", "--tp", "2"], "tensor parallelism"),
                 (["--moe-experts", "6", "--ep", "4"], "--ep 4 does not divide --moe-experts 6"),
                 (["--moe-experts", "4", "--moe-top-k", "5"], "--moe-top-k 5"),
                 (["--ep", "2"], "need --moe-experts")]
+with tempfile.TemporaryDirectory() as d:  # --dump-init names the MoE weights and describes the blocks
+    path = os.path.join(d, "moe.safetensors")
+    r = run(SMALL + ["--layers", "2", "--moe-experts", "4", "--moe-every", "2", "--moe-shared", "--steps", "1",
+                     "--dump-init", path])
+    check(r.returncode == 0, f"MoE dump exit {r.returncode}: {r.stderr}")
+    with open(path, "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    moe_meta = json.loads(header["__metadata__"]["config"]).get("moe", {})
+    check(moe_meta.get("experts") == 4 and moe_meta.get("every") == 2 and moe_meta.get("shared_expert") is True,
+          f"MoE metadata {moe_meta}")
+    check(header.get("blocks.1.moe.experts.w1", {}).get("shape") == [4, 16, 64] and
+          "blocks.1.moe.router.weight" in header and "blocks.0.mlp.fc1.weight" in header and
+          "blocks.1.moe.shared.fc1.weight" in header, f"MoE names {sorted(header)}")
 for args, text in moe_refusals:
     r = run(SMALL + args + ["--steps", "1"])
     check(r.returncode == 2 and text in r.stderr and len(r.stderr.strip().splitlines()) == 1,
