@@ -41,7 +41,7 @@ inline void add_moe_options(CLI::App& app, MoEArgs& m) {
 }
 
 // InvalidArgument (exit 2) naming the flag; combinations not built yet are named as such.
-inline void validate_moe(const MoEArgs& m, int tp, int64_t batch, int grad_accum) {
+inline void validate_moe(const MoEArgs& m, int tp, int64_t batch, int grad_accum, bool estimated) {
   auto bad = [](const std::string& what) { throw kernels::InvalidArgument(what); };
   if (m.experts < 0) bad(fmt::format("--moe-experts {}: expected >= 0 (0: dense MLPs)", m.experts));
   if (m.ep < 1) bad(fmt::format("--ep {}: expected >= 1", m.ep));
@@ -49,6 +49,8 @@ inline void validate_moe(const MoEArgs& m, int tp, int64_t batch, int grad_accum
     if (m.ep > 1 || m.shared) bad("--ep and --moe-shared need --moe-experts");
     return;
   }
+  if (estimated)
+    bad("--estimate / --memory-limit with --moe-experts: the memory estimate does not model MoE blocks yet");
   if (m.top_k < 1 || m.top_k > m.experts)
     bad(fmt::format("--moe-top-k {}: expected 1..--moe-experts ({})", m.top_k, m.experts));
   if (m.every < 1) bad(fmt::format("--moe-every {}: expected >= 1", m.every));

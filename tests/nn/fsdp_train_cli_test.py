@@ -82,7 +82,8 @@ check(len(moe_lines) == 2 and all(m is not None and float(m.group(1)) > 0 and fl
 moe_refusals = [(["--moe-experts", "4", "--tp", "2"], "tensor parallelism"),
                 (["--moe-experts", "6", "--ep", "4"], "--ep 4 does not divide --moe-experts 6"),
                 (["--moe-experts", "4", "--moe-top-k", "5"], "--moe-top-k 5"),
-                (["--ep", "2"], "need --moe-experts")]
+                (["--ep", "2"], "need --moe-experts"),
+                (["--moe-experts", "4", "--estimate"], "does not model MoE")]
 with tempfile.TemporaryDirectory() as d:  # --dump-init names the MoE weights and describes the blocks
     path = os.path.join(d, "moe.safetensors")
     two_blocks = SMALL[:]
