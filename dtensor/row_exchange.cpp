@@ -60,13 +60,14 @@ RowExchange exchange_rows(const MeshComms& comms, int mesh_dim, const Tensor& ro
                           std::span<const int64_t> send_rows) {
   collectives::Communicator& comm = comms.dim(mesh_dim);
   checked_total(send_rows, comm.size(), "send row counts");
+  // The counts travel on the rows' device (a backend such as nccl moves device memory only).
   Tensor send = Tensor::from_vector(std::vector<double>(send_rows.begin(), send_rows.end()),
                                     {static_cast<int64_t>(send_rows.size())}, kernels::DType::kI64);
-  Tensor recv = Tensor::empty({static_cast<int64_t>(send_rows.size())}, kernels::DType::kI64);
+  if (!rows.device().is_cpu()) send = send.to(rows.device());
+  Tensor recv = Tensor::empty({static_cast<int64_t>(send_rows.size())}, kernels::DType::kI64, rows.device());
   comm.wait(comm.all_to_all(send, recv));
   RowExchange ex;
-  const int64_t* r = recv.data<int64_t>();
-  ex.recv_rows.assign(r, r + recv.numel());
+  for (double c : recv.to_vector()) ex.recv_rows.push_back(static_cast<int64_t>(c));
   ex.rows = exchange_rows_known(comms, mesh_dim, rows, send_rows, ex.recv_rows).wait();
   return ex;
 }

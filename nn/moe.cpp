@@ -43,6 +43,12 @@ double gelu_grad(double x, kernels::GeluApproximation a) {
 
 std::vector<double> local_values(const DTensor& t) { return t.to_local().contiguous().to_vector(); }
 
+// Host values as a tensor on `device` (the exchanges and results live where the input does).
+Tensor make(const std::vector<double>& v, const Dims& shape, DType dtype, kernels::Device device) {
+  Tensor t = Tensor::from_vector(v, shape, dtype);
+  return device.is_cpu() ? t : t.to(device);
+}
+
 // What the forward keeps for the backward.
 struct Saved {
   int64_t n = 0;                  // local tokens
@@ -204,7 +210,7 @@ DTensor MoE::do_forward(Ctx& ctx, const DTensor& x) {
     for (int m : token_dims) pp[m] = Partial{};
     const Dims shape{2 * E + 1};
     DTensor part(x.comms(), dtensor::make_spec(x.spec().mesh, pp, shape, DType::kF64),
-                 Tensor::from_vector(stat, shape, DType::kF64));
+                 make(stat, shape, DType::kF64, x.to_local().device()));
     stat = part.redistribute(Placements(mesh.ndim(), Replicate{}), {ctx.ops().choose.planner}).to_local().to_vector();
   }
   S.n_global = static_cast<int64_t>(std::llround(stat[2 * E]));
@@ -247,7 +253,7 @@ DTensor MoE::do_forward(Ctx& ctx, const DTensor& x) {
   const int64_t sent = static_cast<int64_t>(S.order.size());
   if (ep > 1) {
     dtensor::RowExchange ex = dtensor::exchange_rows(*x.comms(), *ep_dim_,
-                                                     Tensor::from_vector(send, {sent, D + 1}, DType::kF64),
+                                                     make(send, {sent, D + 1}, DType::kF64, x.to_local().device()),
                                                      S.send_rows);
     S.recv_rows = ex.recv_rows;
     S.recv_x = ex.rows.to_vector();
@@ -274,7 +280,7 @@ DTensor MoE::do_forward(Ctx& ctx, const DTensor& x) {
       for (int64_t d = 0; d < D; ++d) yr[d] += a[h] * W2[h * D + d];
   }
   if (ep > 1) {
-    S.y = dtensor::exchange_rows_known(*x.comms(), *ep_dim_, Tensor::from_vector(out_rows, {m, D}, DType::kF64),
+    S.y = dtensor::exchange_rows_known(*x.comms(), *ep_dim_, make(out_rows, {m, D}, DType::kF64, x.to_local().device()),
                                        S.recv_rows, S.send_rows)
               .wait()
               .to_vector();
@@ -288,7 +294,7 @@ DTensor MoE::do_forward(Ctx& ctx, const DTensor& x) {
     const int64_t a_ = S.order[i], t = a_ / K;
     for (int64_t d = 0; d < D; ++d) out[t * D + d] += S.g[a_] * S.y[i * D + d];
   }
-  DTensor y(x.comms(), x.spec(), Tensor::from_vector(out, x.to_local().shape(), x.dtype()));
+  DTensor y(x.comms(), x.spec(), make(out, x.to_local().shape(), x.dtype(), x.to_local().device()));
   if (shared_) y = ops::add(y, shared_->forward(ctx.child("shared"), x), 1.0, ctx.ops());
   ctx.values[kStatsKey] = stats;
   ctx.values[kSavedKey] = sv;
@@ -324,7 +330,7 @@ std::optional<DTensor> MoE::do_backward(Ctx& ctx, const DTensor& dy) {
   }
   const int64_t m = static_cast<int64_t>(S.recv_x.size()) / (D + 1);
   std::vector<double> drecv =
-      ep > 1 ? dtensor::exchange_rows_known(*x.comms(), *ep_dim_, Tensor::from_vector(dsend, {sent, D}, DType::kF64),
+      ep > 1 ? dtensor::exchange_rows_known(*x.comms(), *ep_dim_, make(dsend, {sent, D}, DType::kF64, x.to_local().device()),
                                             S.send_rows, S.recv_rows)
                    .wait()
                    .to_vector()
@@ -357,7 +363,7 @@ std::optional<DTensor> MoE::do_backward(Ctx& ctx, const DTensor& dy) {
     }
   }
   std::vector<double> dxback =
-      ep > 1 ? dtensor::exchange_rows_known(*x.comms(), *ep_dim_, Tensor::from_vector(dxr, {m, D}, DType::kF64),
+      ep > 1 ? dtensor::exchange_rows_known(*x.comms(), *ep_dim_, make(dxr, {m, D}, DType::kF64, x.to_local().device()),
                                             S.recv_rows, S.send_rows)
                    .wait()
                    .to_vector()
@@ -411,14 +417,14 @@ std::optional<DTensor> MoE::do_backward(Ctx& ctx, const DTensor& dy) {
     if (!p.requires_grad) return;
     const Dims local = expert ? Dims{El, p.shape()[1], p.shape()[2]} : p.shape();
     DTensor gd(x.comms(), dtensor::make_spec(x.spec().mesh, grad_placements(expert), p.shape(), DType::kF64),
-               Tensor::from_vector(g, local, DType::kF64));
+               make(g, local, DType::kF64, p.data().to_local().device()));
     ops::sink_grad(p.grad_sink(), gd, ctx.ops());
   };
   sink(*router_, dwr, false);
   sink(*w1_, dw1, true);
   sink(*w2_, dw2, true);
 
-  DTensor out(x.comms(), x.spec(), Tensor::from_vector(dx, x.to_local().shape(), x.dtype()));
+  DTensor out(x.comms(), x.spec(), make(dx, x.to_local().shape(), x.dtype(), x.to_local().device()));
   if (shared_) out = ops::add(out, *shared_->backward(ctx.child("shared"), dy), 1.0, ctx.ops());
   return out;
 }
