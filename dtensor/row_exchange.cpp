@@ -36,8 +36,10 @@ Tensor RowExchangeHandle::wait() {
 }
 
 RowExchangeHandle exchange_rows_known(const MeshComms& comms, int mesh_dim, const Tensor& rows,
-                                      std::span<const int64_t> send_rows, std::span<const int64_t> recv_rows) {
+                                      std::span<const int64_t> send_rows, std::span<const int64_t> recv_rows,
+                                      std::string_view label) {
   collectives::Communicator& comm = comms.dim(mesh_dim);
+  const collectives::TraceLabel trace_label(comm, [&] { return std::string(label); });
   if (rows.ndim() != 2 || !rows.is_contiguous())
     throw InvalidArgument(fmt::format("exchange_rows: rows of shape {} (expected a contiguous [n, width])",
                                       rows.shape()));
@@ -57,8 +59,9 @@ RowExchangeHandle exchange_rows_known(const MeshComms& comms, int mesh_dim, cons
 }
 
 RowExchange exchange_rows(const MeshComms& comms, int mesh_dim, const Tensor& rows,
-                          std::span<const int64_t> send_rows) {
+                          std::span<const int64_t> send_rows, std::string_view label) {
   collectives::Communicator& comm = comms.dim(mesh_dim);
+  const collectives::TraceLabel trace_label(comm, [&] { return std::string(label) + " counts"; });
   checked_total(send_rows, comm.size(), "send row counts");
   // The counts travel on the rows' device (a backend such as nccl moves device memory only).
   Tensor send = Tensor::from_vector(std::vector<double>(send_rows.begin(), send_rows.end()),
@@ -68,7 +71,7 @@ RowExchange exchange_rows(const MeshComms& comms, int mesh_dim, const Tensor& ro
   comm.wait(comm.all_to_all(send, recv));
   RowExchange ex;
   for (double c : recv.to_vector()) ex.recv_rows.push_back(static_cast<int64_t>(c));
-  ex.rows = exchange_rows_known(comms, mesh_dim, rows, send_rows, ex.recv_rows).wait();
+  ex.rows = exchange_rows_known(comms, mesh_dim, rows, send_rows, ex.recv_rows, label).wait();
   return ex;
 }
 

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "dtensor/mesh_comms.h"
@@ -45,10 +46,12 @@ class RowExchangeHandle {
 // REQUIRES: rows is a contiguous CPU/device tensor [n, width]; send_rows has one count >= 0 per
 // member of mesh dim `mesh_dim` summing to n; recv_rows likewise (what each member sends here).
 // Throws InvalidArgument naming the counts otherwise. Collective over the mesh dim.
+// `label` names the calls in a trace (Communicator::trace_label), e.g. "moe dispatch".
 RowExchangeHandle exchange_rows_known(const MeshComms& comms, int mesh_dim, const kernels::Tensor& rows,
-                                      std::span<const int64_t> send_rows, std::span<const int64_t> recv_rows);
+                                      std::span<const int64_t> send_rows, std::span<const int64_t> recv_rows,
+                                      std::string_view label = "exchange_rows");
 // The counts are exchanged first (blocking), then the rows (waited for here).
 RowExchange exchange_rows(const MeshComms& comms, int mesh_dim, const kernels::Tensor& rows,
-                          std::span<const int64_t> send_rows);
+                          std::span<const int64_t> send_rows, std::string_view label = "exchange_rows");
 
 }  // namespace dtensor

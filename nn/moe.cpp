@@ -254,7 +254,7 @@ DTensor MoE::do_forward(Ctx& ctx, const DTensor& x) {
   if (ep > 1) {
     dtensor::RowExchange ex = dtensor::exchange_rows(*x.comms(), *ep_dim_,
                                                      make(send, {sent, D + 1}, DType::kF64, x.to_local().device()),
-                                                     S.send_rows);
+                                                     S.send_rows, "moe dispatch");
     S.recv_rows = ex.recv_rows;
     S.recv_x = ex.rows.to_vector();
   } else {
@@ -281,7 +281,7 @@ DTensor MoE::do_forward(Ctx& ctx, const DTensor& x) {
   }
   if (ep > 1) {
     S.y = dtensor::exchange_rows_known(*x.comms(), *ep_dim_, make(out_rows, {m, D}, DType::kF64, x.to_local().device()),
-                                       S.recv_rows, S.send_rows)
+                                       S.recv_rows, S.send_rows, "moe combine")
               .wait()
               .to_vector();
   } else {
@@ -331,7 +331,7 @@ std::optional<DTensor> MoE::do_backward(Ctx& ctx, const DTensor& dy) {
   const int64_t m = static_cast<int64_t>(S.recv_x.size()) / (D + 1);
   std::vector<double> drecv =
       ep > 1 ? dtensor::exchange_rows_known(*x.comms(), *ep_dim_, make(dsend, {sent, D}, DType::kF64, x.to_local().device()),
-                                            S.send_rows, S.recv_rows)
+                                            S.send_rows, S.recv_rows, "moe combine backward")
                    .wait()
                    .to_vector()
              : std::move(dsend);
@@ -364,7 +364,7 @@ std::optional<DTensor> MoE::do_backward(Ctx& ctx, const DTensor& dy) {
   }
   std::vector<double> dxback =
       ep > 1 ? dtensor::exchange_rows_known(*x.comms(), *ep_dim_, make(dxr, {m, D}, DType::kF64, x.to_local().device()),
-                                            S.recv_rows, S.send_rows)
+                                            S.recv_rows, S.send_rows, "moe dispatch backward")
                    .wait()
                    .to_vector()
              : std::move(dxr);
