@@ -6,6 +6,7 @@
 //   fsdp-train --backend local --dp-shard 4 --check-parity
 //   fsdp-train --backend local --dp-replicate 2 --dp-shard 2 --tp 2 --mp bf16 --check-parity
 //   mpirun -np 4 fsdp-train --backend mpi --dp-shard 4 --check-parity
+//   fsdp-train --moe-experts 8 --moe-top-k 2 --ep 4 --check-parity   (examples/fsdp_train_moe.h)
 //
 // FSDP (fsdp::fully_shard; applied when --dp-shard or --dp-replicate is given): every
 // transformer block is one group, the root (embeddings, final norm, head) another; the batch is
@@ -109,6 +110,7 @@
 #include "nn/tensor_parallel.h"
 #include "nn/transformer.h"
 #include "examples/fsdp_train_lowp.h"
+#include "examples/fsdp_train_moe.h"
 #include "program/cli.h"
 #include "program/main.h"
 #include "program/stats.h"
@@ -165,6 +167,7 @@ struct Args {
   int64_t memory_limit = 0;  // bytes per rank; 0: none
   bool activation_checkpointing = false;
   std::string trace;  // Chrome trace file; empty: none
+  fsdp_train::MoEArgs moe;  // --moe-* and --ep (examples/fsdp_train_moe.h)
 };
 
 // A byte count: 1..2^63-1, parsed exactly (CLI11 alone saturates values past int64).
@@ -191,7 +194,7 @@ struct Diverged : kernels::NonFiniteError {
 struct MeshPlan {
   Dims shape;
   std::vector<std::string> names;
-  int tp_dim = -1, shard_dim = -1, rep_dim = -1;
+  int tp_dim = -1, shard_dim = -1, rep_dim = -1, ep_dim = -1;
 };
 MeshPlan mesh_plan(const Args& a, bool parallel) {
   MeshPlan m;
@@ -203,6 +206,7 @@ MeshPlan mesh_plan(const Args& a, bool parallel) {
   };
   if (parallel && a.fsdp && a.dp_replicate > 1) m.rep_dim = add(a.dp_replicate, "dp_replicate");
   if (parallel && a.fsdp) m.shard_dim = add(a.dp_shard, "dp_shard");
+  if (parallel && a.moe.ep > 1) m.ep_dim = add(a.moe.ep, "ep");
   if (!parallel || !a.fsdp || a.tp > 1) m.tp_dim = add(parallel ? a.tp : 1, "tp");
   m.shape = Dims::filled(static_cast<int>(sizes.size()), 1);
   for (size_t i = 0; i < sizes.size(); ++i) m.shape[static_cast<int>(i)] = sizes[i];
@@ -247,6 +251,7 @@ nn::GPTConfig model_config(const Args& a) {
   c.pos_embedding = true;
   c.gelu = kernels::GeluApproximation::kTanh;
   c.checkpoint_blocks = a.activation_checkpointing;
+  fsdp_train::apply_moe(c, a.moe);
   return c;
 }
 
@@ -293,6 +298,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   nn::GPT model(nn::ModuleOptions{comms, DType::kF32, device}, cfg);
   if (a.qlora > 0) nn::add_lora(model, a.qlora, a.lora_alpha);  // on meta, before sharding
   if (tp > 1) nn::parallelize_module(model, plan.tp_dim, nn::gpt_tensor_parallel_plan(cfg, a.sequence_parallel, true));
+  if (plan.ep_dim >= 0) fsdp_train::set_expert_parallel(model, plan.ep_dim);
   const nn::NamedParameters params = model.named_parameters();
   const bool rank0 = world.rank() == 0;
   kernels::Tracer* const tracer = world.tracer();  // null: not traced
@@ -344,6 +350,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
                              {"pos_embedding", cfg.pos_embedding},
                              {"tie_embeddings", cfg.tie_embeddings},
                              {"mlp_hidden", 4 * a.dim}};
+      if (cfg.moe.experts > 0) meta["moe"] = fsdp_train::moe_metadata(cfg);
       nn::save_safetensors(a.dump_init, full, {{"format", "pt"}, {"config", meta.dump()}});
     }
   };
@@ -368,7 +375,11 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     o.buffer_allocator = buffer_mem;
     std::vector<fsdp::FSDPModule*> blocks;
     if (quant) o.all_gather_extension_fn = fsdp_train::extension_fn(*quant);
-    for (const auto& [name, block] : model.blocks().children()) blocks.push_back(&fsdp::fully_shard(*block, comms, o));
+    for (const auto& [name, block] : model.blocks().children()) {
+      fsdp::FullyShardOptions bo = o;
+      if (plan.ep_dim >= 0) bo.ignored_params = fsdp_train::expert_parameters(*block);
+      blocks.push_back(&fsdp::fully_shard(*block, comms, bo));
+    }
     fsdp::FullyShardOptions ro = o;
     ro.all_gather_extension_fn = nullptr;  // embeddings, lm_head and the final norm stay bf16
     if (reshard_k > 0) ro.reshard_after_forward = fsdp::ReshardAfterForward::automatic();  // the root keeps its own
@@ -506,6 +517,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   Placements batch_placements = replicated;
   if (plan.rep_dim >= 0) batch_placements[plan.rep_dim] = dtensor::Shard{0};
   if (plan.shard_dim >= 0) batch_placements[plan.shard_dim] = dtensor::Shard{0};
+  if (plan.ep_dim >= 0) batch_placements[plan.ep_dim] = dtensor::Shard{0};
   auto as_batch = [&](const Tensor& full) {
     return dtensor::distribute_tensor(full.to(device), comms, batch_placements, std::nullopt);
   };
@@ -527,6 +539,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     const std::string step_name = tracer != nullptr ? fmt::format("step {}", step + 1) : std::string();
     const kernels::TraceSpan step_span(tracer, me, "compute", step_name);
     double step_loss = 0;
+    fsdp_train::MoEStep moe_step;
     for (int m = 0; m < a.grad_accum; ++m) {
       auto [ids_full, targets_full] =
           make_batch(a, step, static_cast<int64_t>(step) * a.batch + m * micro, micro);
@@ -544,6 +557,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
                                    step + 1, a.steps, micro_loss,
                                    a.grad_accum > 1 ? fmt::format(" in microbatch {}", m + 1) : ""));
       step_loss += micro_loss / a.grad_accum;
+      if (a.moe.experts > 0) moe_step.add(ctx, a.grad_accum);
       span.emplace(tracer, me, "compute", "backward");
       DTensor dlogits = loss_fn.backward(lctx, dloss);
       model.backward(ctx, dlogits);
@@ -588,10 +602,10 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     if (print && rank0 && ((step + 1) % a.log_every == 0 || step + 1 == a.steps)) {
       fmt::print(
           "step {}/{} loss {:.9g} ms {:.3f} tokens/s {:.0f} peak_bytes {} param_bytes {} grad_bytes {} "
-          "optim_bytes {} buffer_bytes {} all_gather_bytes {}\n",
+          "optim_bytes {} buffer_bytes {} all_gather_bytes {}{}\n",
           step + 1, a.steps, step_loss, seconds * 1e3, static_cast<double>(a.batch * a.seq) / seconds,
           total_mem->peak_bytes(), param_bytes + unsharded_mem->peak_bytes(), grad_bytes, optim_bytes, buffer_mem->peak_bytes(),
-          fsdp_train::all_gather_bytes(groups) - ag_bytes_before);
+          fsdp_train::all_gather_bytes(groups) - ag_bytes_before, a.moe.experts > 0 ? moe_step.text() : "");
       std::fflush(stdout);
     }
     if (!a.save_dir.empty() && ((a.save_every > 0 && (step + 1) % a.save_every == 0) || step + 1 == a.steps))
@@ -679,8 +693,10 @@ void validate(const Args& a) {
   if (a.world < 0) bad(fmt::format("--world {}: expected >= 1 (or 0: the mesh's ranks)", a.world));
   // The rank count in checked arithmetic (65536 x 65536 must not wrap to 0), then the limits.
   const int64_t ranks = kernels::checked_mul(
-      kernels::checked_mul(a.dp_replicate, a.dp_shard, "mesh ranks (--dp-replicate x --dp-shard)"), a.tp,
-      "mesh ranks (--dp-replicate x --dp-shard x --tp)");
+      kernels::checked_mul(
+          kernels::checked_mul(a.dp_replicate, a.dp_shard, "mesh ranks (--dp-replicate x --dp-shard)"), a.tp,
+          "mesh ranks (--dp-replicate x --dp-shard x --tp)"),
+      a.moe.ep, "mesh ranks (x --ep)");
   const std::string mesh_text =
       fmt::format("--dp-replicate {} x --dp-shard {} x --tp {} = {} ranks", a.dp_replicate, a.dp_shard, a.tp, ranks);
   if (ranks > dtensor::kMaxMeshRanks)
@@ -718,6 +734,7 @@ void validate(const Args& a) {
   if (a.grad_accum < 1 || a.batch % a.grad_accum != 0)
     bad(fmt::format("--grad-accum {} must divide --batch {} (microbatches of equal size)", a.grad_accum,
                     a.batch));
+  fsdp_train::validate_moe(a.moe, a.tp, a.batch, a.grad_accum, a.estimate || a.memory_limit > 0);
   // Sample and token indices of the data (step * batch + g, batch * seq tokens per step).
   kernels::checked_mul(a.steps, a.batch, "samples (--steps x --batch)");
   kernels::checked_mul(a.batch, a.seq, "tokens per step (--batch x --seq)");
@@ -965,7 +982,7 @@ int finish(const Args& a, const Outcome& o) {
 // only, any other failure at once by the rank it happened on).
 int run_mpi_rank(const Args& a, collectives::MpiWorld& mpi) {
   validate(a);
-  const int64_t ranks = int64_t{a.dp_replicate} * a.dp_shard * a.tp;  // validated: no overflow
+  const int64_t ranks = int64_t{a.dp_replicate} * a.dp_shard * a.tp * a.moe.ep;  // validated: no overflow
   if (a.world != 0 && a.world != mpi.size())
     throw kernels::InvalidArgument(fmt::format("--world {} but mpirun started {} processes", a.world, mpi.size()));
   if (mpi.size() != ranks)
@@ -1037,6 +1054,7 @@ int run(int argc, char** argv) {
   app.add_flag("--no-sync", a.no_sync, "with --grad-accum: reduce gradients on the last microbatch only");
   app.add_option("--prefetch", a.prefetch, "FSDP prefetch depth 0 | 1 | 2 (forward and backward)");
   app.add_option("--tp", a.tp, "tensor-parallel ranks");
+  fsdp_train::add_moe_options(app, a.moe);
   app.add_option("--layers", a.layers, "transformer blocks");
   app.add_option("--dim", a.dim, "model dim");
   app.add_option("--heads", a.heads, "attention heads");
@@ -1109,7 +1127,7 @@ int run(int argc, char** argv) {
     return program::run_as_rank("fsdp-train", mpi.rank(), [&] { return run_mpi_rank(a, mpi); });
   }
   validate(a);
-  const int mesh_ranks = a.dp_replicate * a.dp_shard * a.tp;  // validated: at most kMaxLocalRanks
+  const int mesh_ranks = a.dp_replicate * a.dp_shard * a.tp * a.moe.ep;  // validated: at most kMaxLocalRanks
   const int world = a.world != 0 ? a.world : mesh_ranks;
   if (world != mesh_ranks)
     throw kernels::InvalidArgument(

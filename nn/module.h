@@ -54,6 +54,11 @@ class Ctx {
   // The node of a submodule call, created on first use (children share the op options).
   Ctx& child(std::string_view key);
   bool has_child(std::string_view key) const { return children_.count(std::string(key)) > 0; }
+  // fn(key, node) for every child node, in key order.
+  template <class F>
+  void for_each_child(F&& fn) const {
+    for (const auto& [key, node] : children_) fn(key, *node);
+  }
 
   // Op records (ops::Saved) in call order: op(i) grows the list as needed.
   dtensor::ops::Saved& op(size_t i);

@@ -4,6 +4,7 @@
 
 #include "kernels/error.h"
 #include "kernels/format.h"
+#include "nn/moe.h"
 
 namespace nn {
 
@@ -93,22 +94,40 @@ std::shared_ptr<Module> make_norm(const ModuleOptions& options, const GPTConfig&
   return std::make_shared<LayerNorm>(options, config.dim, config.norm_eps);
 }
 
-TransformerBlock::TransformerBlock(const ModuleOptions& options, const GPTConfig& config)
+MoEConfig gpt_moe_config(const GPTConfig& config) {
+  MoEConfig m = config.moe;
+  m.dim = config.dim;
+  m.hidden = config.mlp_hidden > 0 ? config.mlp_hidden : 4 * config.dim;
+  m.gelu = config.gelu;
+  m.init_std = config.init_std;
+  return m;
+}
+
+bool gpt_block_is_moe(const GPTConfig& config, int64_t i) {
+  return config.moe.experts > 0 && config.moe_every >= 1 && (i + 1) % config.moe_every == 0;
+}
+
+TransformerBlock::TransformerBlock(const ModuleOptions& options, const GPTConfig& config, bool moe)
     : Module("TransformerBlock") {
   const int64_t hidden = config.mlp_hidden > 0 ? config.mlp_hidden : 4 * config.dim;
   ln1_ = add_module("ln1", make_norm(options, config));
   attn_ = add_module("attn", std::make_shared<CausalSelfAttention>(options, config.dim, config.heads,
                                                                    config.bias, config.init_std));
   ln2_ = add_module("ln2", make_norm(options, config));
-  mlp_ = add_module(
-      "mlp", std::make_shared<MLP>(options, config.dim, hidden, config.bias, config.gelu, config.init_std));
+  if (moe) {
+    ff_name_ = "moe";
+    mlp_ = add_module("moe", std::make_shared<MoE>(options, gpt_moe_config(config)));
+  } else {
+    mlp_ = add_module(
+        "mlp", std::make_shared<MLP>(options, config.dim, hidden, config.bias, config.gelu, config.init_std));
+  }
 }
 
 DTensor TransformerBlock::do_forward(Ctx& ctx, const DTensor& x) {
   const ops::OpOptions& o = ctx.ops();
   DTensor a = attn_->forward(ctx.child("attn"), ln1_->forward(ctx.child("ln1"), x));
   DTensor h = ops::add(x, a, 1.0, o, &ctx.op(0));
-  DTensor m = mlp_->forward(ctx.child("mlp"), ln2_->forward(ctx.child("ln2"), h));
+  DTensor m = mlp_->forward(ctx.child(ff_name_), ln2_->forward(ctx.child("ln2"), h));
   return ops::add(h, m, 1.0, o, &ctx.op(1));
 }
 
@@ -116,7 +135,7 @@ std::optional<DTensor> TransformerBlock::do_backward(Ctx& ctx, const DTensor& dy
   const ops::OpOptions& o = ctx.ops();
   const ops::GradSink both[2] = {};
   ops::Grads g1 = ops::add_backward(ctx.op(1), dy, both, o);
-  DTensor dh = *ln2_->backward(ctx.child("ln2"), *mlp_->backward(ctx.child("mlp"), *g1[1]));
+  DTensor dh = *ln2_->backward(ctx.child("ln2"), *mlp_->backward(ctx.child(ff_name_), *g1[1]));
   dh = sum_grads(*g1[0], dh, o);
   ops::Grads g0 = ops::add_backward(ctx.op(0), dh, both, o);
   DTensor dx = *ln1_->backward(ctx.child("ln1"), *attn_->backward(ctx.child("attn"), *g0[1]));
@@ -129,13 +148,15 @@ GPT::GPT(const ModuleOptions& options, const GPTConfig& config) : Module("GPT"),
   if (config.vocab <= 0 || config.dim <= 0 || config.layers < 0 || config.max_seq <= 0)
     throw InvalidArgument(fmt::format("GPT: vocab {}, dim {}, layers {} and max_seq {} must be positive",
                                       config.vocab, config.dim, config.layers, config.max_seq));
+  if (config.moe.experts > 0 && config.moe_every < 1)
+    throw InvalidArgument(fmt::format("GPT: moe_every {} must be >= 1", config.moe_every));
   const Init init = Init::normal(0, config.init_std);
   tok_emb_ = add_module("tok_emb", std::make_shared<Embedding>(options, config.vocab, config.dim, init));
   if (config.pos_embedding)
     pos_emb_ = add_module("pos_emb", std::make_shared<Embedding>(options, config.max_seq, config.dim, init));
   blocks_ = add_module("blocks", std::make_shared<Sequential>());
   for (int64_t i = 0; i < config.layers; ++i) {
-    std::shared_ptr<Module> block = std::make_shared<TransformerBlock>(options, config);
+    std::shared_ptr<Module> block = std::make_shared<TransformerBlock>(options, config, gpt_block_is_moe(config, i));
     if (config.checkpoint_blocks) block = std::make_shared<Checkpoint>(block);
     blocks_->append(block);
   }

@@ -10,7 +10,8 @@
 //
 // Parameter names (PyTorch-style FQNs): tok_emb.weight, pos_emb.weight,
 // blocks.<i>.ln1.{weight,bias}, blocks.<i>.attn.{wq,wk,wv,wo}.{weight,bias},
-// blocks.<i>.ln2.*, blocks.<i>.mlp.{fc1,fc2}.{weight,bias}, ln_f.*, lm_head.weight.
+// blocks.<i>.ln2.*, blocks.<i>.mlp.{fc1,fc2}.{weight,bias} (MoE blocks: blocks.<i>.moe.{router.weight,
+// experts.w1,experts.w2} and blocks.<i>.moe.shared.{fc1,fc2}.weight), ln_f.*, lm_head.weight.
 // bench/torch_train_compare.py builds the same model in PyTorch from these names.
 #pragma once
 
@@ -19,6 +20,7 @@
 #include <string>
 
 #include "nn/layers.h"
+#include "nn/moe_config.h"
 
 namespace nn {
 
@@ -39,6 +41,10 @@ struct GPTConfig {
   kernels::GeluApproximation gelu = kernels::GeluApproximation::kTanh;
   bool checkpoint_blocks = false;  // activation checkpointing around every block
   double init_std = 0.02;
+  // Mixture of experts (nn/moe.h) in place of the MLP of blocks i with (i + 1) % moe_every == 0
+  // when moe.experts > 0 (moe_every 1: every block; 2: blocks 1, 3, ...).
+  MoEConfig moe;
+  int64_t moe_every = 1;
 };
 
 // x -> fc2(gelu(fc1(x))).
@@ -84,7 +90,9 @@ class CausalSelfAttention : public Module {
 // Pre-norm block: x + attn(ln1(x)), then + mlp(ln2(.)).
 class TransformerBlock : public Module {
  public:
-  TransformerBlock(const ModuleOptions& options, const GPTConfig& config);
+  // moe: the feed-forward part is an nn::MoE ("moe") instead of the MLP ("mlp").
+  TransformerBlock(const ModuleOptions& options, const GPTConfig& config, bool moe = false);
+  Module& feed_forward() const { return *mlp_; }
 
  protected:
   DTensor do_forward(Ctx& ctx, const DTensor& input) override;
@@ -93,8 +101,14 @@ class TransformerBlock : public Module {
  private:
   std::shared_ptr<Module> ln1_, ln2_;
   std::shared_ptr<CausalSelfAttention> attn_;
-  std::shared_ptr<MLP> mlp_;
+  std::shared_ptr<Module> mlp_;
+  const char* ff_name_ = "mlp";
 };
+
+// The MoEConfig of a GPT's MoE blocks (dim, hidden, gelu and init_std from the GPT's config).
+MoEConfig gpt_moe_config(const GPTConfig& config);
+// Whether block i of a GPT is an MoE block.
+bool gpt_block_is_moe(const GPTConfig& config, int64_t i);
 
 std::shared_ptr<Module> make_norm(const ModuleOptions& options, const GPTConfig& config);
 

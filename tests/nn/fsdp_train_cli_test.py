@@ -71,6 +71,41 @@ last = json.loads(out[-1])
 check(last["parity"] == "ok" and last["max_rel_loss_diff"] <= 1e-5 and last["max_param_diff"] <= 1e-5,
       f"parity: {last}")
 
+# MoE: the progress line gains aux_loss and imbalance (>= 1: max over mean); EP 2 matches one rank;
+# combinations not built yet are refused with exit 2 naming them.
+r = run(SMALL + ["--moe-experts", "4", "--ep", "2", "--steps", "2", "--log-every", "1", "--check-parity"])
+check(r.returncode == 0, f"--ep 2 exit {r.returncode}: {r.stderr}")
+moe_pat = re.compile(r" all_gather_bytes \d+ aux_loss (\S+) imbalance (\S+)$")
+moe_lines = [moe_pat.search(l) for l in r.stdout.splitlines() if l.startswith("step ")]
+check(len(moe_lines) == 2 and all(m is not None and float(m.group(1)) > 0 and float(m.group(2)) >= 1
+                                  for m in moe_lines), f"MoE progress lines: {r.stdout[:300]}")
+moe_refusals = [(["--moe-experts", "4", "--tp", "2"], "tensor parallelism"),
+                (["--moe-experts", "6", "--ep", "4"], "--ep 4 does not divide --moe-experts 6"),
+                (["--moe-experts", "4", "--moe-top-k", "5"], "--moe-top-k 5"),
+                (["--ep", "2"], "need --moe-experts"),
+                (["--moe-experts", "4", "--estimate"], "does not model MoE")]
+with tempfile.TemporaryDirectory() as d:  # --dump-init names the MoE weights and describes the blocks
+    path = os.path.join(d, "moe.safetensors")
+    two_blocks = SMALL[:]
+    two_blocks[SMALL.index("--layers") + 1] = "2"
+    r = run(two_blocks + ["--moe-experts", "4", "--moe-every", "2", "--moe-shared", "--steps", "1",
+                     "--dump-init", path])
+    check(r.returncode == 0 and os.path.exists(path), f"MoE dump exit {r.returncode}: {r.stderr}")
+    header = {"__metadata__": {"config": "{}"}}
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    moe_meta = json.loads(header["__metadata__"]["config"]).get("moe", {})
+    check(moe_meta.get("experts") == 4 and moe_meta.get("every") == 2 and moe_meta.get("shared_expert") is True,
+          f"MoE metadata {moe_meta}")
+    check(header.get("blocks.1.moe.experts.w1", {}).get("shape") == [4, 16, 64] and
+          "blocks.1.moe.router.weight" in header and "blocks.0.mlp.fc1.weight" in header and
+          "blocks.1.moe.shared.fc1.weight" in header, f"MoE names {sorted(header)}")
+for args, text in moe_refusals:
+    r = run(SMALL + args + ["--steps", "1"])
+    check(r.returncode == 2 and text in r.stderr and len(r.stderr.strip().splitlines()) == 1,
+          f"{args}: exit {r.returncode}, stderr {r.stderr.strip()!r} (expected exit 2 naming {text!r})")
+
 # --dump-init: a safetensors file with every parameter.
 with tempfile.TemporaryDirectory() as d:
     path = os.path.join(d, "init.safetensors")

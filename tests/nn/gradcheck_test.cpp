@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include "nn/layers.h"
+#include "nn/moe.h"
 #include "nn/transformer.h"
 #include "nn_support.h"
 #include "support/checks.h"
@@ -333,4 +334,84 @@ TEST_CASE("gradcheck: GPT with the cross-entropy loss", "[nn][gradcheck]") {
       };
       return gradcheck(model, pb, "GPT", checks);
     });
+}
+
+// The MoE's backward returns d(outer loss + aux): the finite differences differentiate the same
+// sum. Top-k and capacity are piecewise constant; the values keep every score gap far above kEps.
+TEST_CASE("gradcheck: MoE (scores, renormalisation, capacity, shared expert) and a GPT of MoE blocks",
+          "[nn][gradcheck][moe]") {
+  struct Case {
+    RouterScore score;
+    bool renormalize;
+    double capacity;
+    bool shared;
+    int64_t top_k;
+  };
+  const Case cases[] = {{RouterScore::kSoftmax, true, 0.0, false, 2},
+                        {RouterScore::kSigmoid, true, 0.0, true, 2},
+                        {RouterScore::kSoftmax, false, 0.0, false, 1},
+                        {RouterScore::kSigmoid, false, 1.0, false, 2}};
+  int ran = 0;
+  for (const Case& c : cases) {
+    ++ran;
+    run_check(fmt::format("MoE case {}", ran), 24 + 40 + 40 + 40 + (c.shared ? 30 + 30 : 0), [&](auto comms, auto& checks) {
+      MoEConfig cfg{.dim = 6, .hidden = 5, .experts = 4, .top_k = c.top_k, .score = c.score,
+                    .renormalize = c.renormalize, .capacity_factor = c.capacity, .aux_loss_coef = 0.5,
+                    .shared_expert = c.shared};
+      MoE m(f64(comms), cfg);
+      materialize(m, 1);
+      randomize(m, 5, 1.0);
+      DTensor x = replicated(values({2, 5, 6}, 3), comms);
+      const Tensor r = values({2, 5, 6}, 4);
+      Problem pb;
+      pb.loss = [&] {
+        Ctx ctx;
+        const double main = dot(m.forward(ctx, x), r);
+        return main + moe_aux_loss(ctx);
+      };
+      pb.analytic = [&] {
+        Ctx ctx;
+        m.forward(ctx, x);
+        return m.backward(ctx, replicated(r, comms));
+      };
+      pb.input = &x;
+      return gradcheck(m, pb, "MoE", checks);
+    });
+  }
+  CHECK(ran == 4);
+  run_check("GPT with MoE blocks", 300, [&](auto comms, auto& checks) {
+    GPTConfig cfg;
+    cfg.vocab = 11;
+    cfg.dim = 8;
+    cfg.heads = 2;
+    cfg.layers = 2;
+    cfg.max_seq = 6;
+    cfg.moe.experts = 4;
+    cfg.moe.top_k = 2;
+    cfg.moe.aux_loss_coef = 0.5;
+    cfg.moe_every = 2;  // block 1 only
+    GPT model(f64(comms), cfg);
+    materialize(model, 1);
+    randomize(model, 5);
+    checks.check(model.named_parameters().size() > 0 &&
+                     model.module("blocks.1.moe").type() == "MoE" && model.module("blocks.0.mlp").type() == "MLP",
+                 "moe_every 2 makes block 1 (only) an MoE block");
+    DTensor x = replicated(ids({2, 5}, 11, 1), comms);
+    DTensor targets = replicated(ids({2, 5}, 11, 2), comms);
+    CrossEntropyLoss ce;
+    Problem pb;
+    pb.loss = [&] {
+      Ctx ctx, lctx;
+      const double l = ce.forward(lctx, model.forward(ctx, x), targets).full_tensor().item({});
+      return l + moe_aux_loss(ctx);
+    };
+    pb.analytic = [&]() -> std::optional<DTensor> {
+      Ctx ctx, lctx;
+      DTensor logits = model.forward(ctx, x);
+      ce.forward(lctx, logits, targets);
+      model.backward(ctx, ce.backward(lctx));
+      return std::nullopt;
+    };
+    return gradcheck(model, pb, "GPT(MoE)", checks);
+  });
 }

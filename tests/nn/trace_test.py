@@ -79,14 +79,15 @@ def check_rank(what, rank, evs, compute, copies):
     return len(colls)
 
 
-def check_file(what, path, ranks, compute, copies, lo, hi):
+def check_file(what, path, ranks, compute, copies, lo, hi, same_bytes=True):
+    """same_bytes=False: all-to-all-v moves different byte counts per rank (MoE token exchanges)."""
     by_rank = load(path, what)
     check(sorted(by_rank) == list(range(ranks)), f"{what}: ranks {sorted(by_rank)}, expected 0..{ranks - 1}")
     total = sum(len(v) for v in by_rank.values())
     check(lo <= total <= hi, f"{what}: {total} events, expected {lo}..{hi}")
     counts = [check_rank(what, r, by_rank[r], compute, copies) for r in sorted(by_rank)]
     check(len(set(counts)) == 1, f"{what}: collectives per rank {counts} differ")
-    sig = [[(e["name"], e["args"]["bytes"], e["args"]["group"]) for e in sorted(collectives(by_rank[r]),
+    sig = [[(e["name"], e["args"]["bytes"] if same_bytes else None, e["args"]["group"]) for e in sorted(collectives(by_rank[r]),
                                                                                  key=lambda e: e["ts"])
             if e["args"]["group"] != "world"] for r in sorted(by_rank)]
     check(all(s == sig[0] for s in sig), f"{what}: ranks issued different mesh collectives")
@@ -110,6 +111,22 @@ with tempfile.TemporaryDirectory() as d:
     strip = lambda out: {k: v for k, v in json.loads(out.strip().splitlines()[-1]).items() if k != "tokens_per_s"}
     check(r2.returncode == 0 and r.returncode == 0 and strip(r.stdout) == strip(r2.stdout),
           "fsdp-train: --trace changed the result")
+
+    # fsdp-train with MoE under EP 2: the token exchanges show with their labels (2 steps: forward
+    # counts, dispatch, combine; backward dispatch and combine), the same on both ranks.
+    p = os.path.join(d, "moe.json")
+    r = run([fsdp_train, "--moe-experts", "4", "--ep", "2", "--steps", "2", "--log-every", "2", "--trace", p] + SMALL)
+    check(r.returncode == 0, f"fsdp-train --ep 2 exit {r.returncode}: {r.stderr}")
+    if r.returncode == 0:
+        by_rank = check_file("fsdp-train --ep 2", p, 2, STEPS, False, 50, 5000, same_bytes=False)
+        layers = int(SMALL[SMALL.index("--layers") + 1])
+        for rank in (0, 1):
+            moe = collections.Counter(e["args"].get("label") for e in collectives(by_rank[rank])
+                                      if str(e["args"].get("label", "")).startswith("moe "))
+            want = {k: 2 * layers for k in ("moe dispatch counts", "moe dispatch", "moe combine",
+                                            "moe dispatch backward", "moe combine backward")}
+            check(dict(moe) == want, f"fsdp-train --ep 2 rank {rank}: MoE exchanges {dict(moe)}, expected {want}")
+        ran += 1
 
     # dtensor-bench: one transition, one size, 2 ranks.
     p = os.path.join(d, "bench.json")
@@ -150,7 +167,7 @@ with tempfile.TemporaryDirectory() as d:
               f"stderr {r.stderr!r}")
         ran += 1
 
-expected = 6 + (1 if mpirun else 0)
+expected = 7 + (1 if mpirun else 0)
 check(ran == expected, f"{ran} cases ran, expected {expected}")
 for f in failures:
     print("FAIL:", f)

@@ -1,0 +1,460 @@
+#include "nn/moe.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "dtensor/row_exchange.h"
+#include "kernels/checked.h"
+#include "kernels/error.h"
+#include "kernels/format.h"
+
+namespace nn {
+
+namespace ops = dtensor::ops;
+using dtensor::Partial;
+using dtensor::Replicate;
+using dtensor::Shard;
+using kernels::InvalidArgument;
+
+namespace {
+
+constexpr const char* kSavedKey = "moe";
+constexpr const char* kStatsKey = "moe.stats";
+
+double gelu(double x, kernels::GeluApproximation a) {
+  if (a == kernels::GeluApproximation::kNone) return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0)));
+  const double k = std::sqrt(2.0 / M_PI);
+  return 0.5 * x * (1.0 + std::tanh(k * (x + 0.044715 * x * x * x)));
+}
+
+double gelu_grad(double x, kernels::GeluApproximation a) {
+  if (a == kernels::GeluApproximation::kNone) {
+    const double cdf = 0.5 * (1.0 + std::erf(x / std::sqrt(2.0)));
+    return cdf + x * std::exp(-0.5 * x * x) / std::sqrt(2.0 * M_PI);
+  }
+  const double k = std::sqrt(2.0 / M_PI);
+  const double u = k * (x + 0.044715 * x * x * x);
+  const double t = std::tanh(u);
+  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * x * x);
+}
+
+std::vector<double> local_values(const DTensor& t) { return t.to_local().contiguous().to_vector(); }
+
+// Host values as a tensor on `device` (the exchanges and results live where the input does).
+Tensor make(const std::vector<double>& v, const Dims& shape, DType dtype, kernels::Device device) {
+  Tensor t = Tensor::from_vector(v, shape, dtype);
+  return device.is_cpu() ? t : t.to(device);
+}
+
+// What the forward keeps for the backward.
+struct Saved {
+  int64_t n = 0;                  // local tokens
+  std::vector<double> x;          // [n, D]
+  std::vector<double> s;          // [n, E] scores
+  std::vector<int64_t> sel;       // [n, k] experts
+  std::vector<double> g;          // [n, k] weights
+  std::vector<char> kept;         // [n, k] within capacity
+  std::vector<int64_t> order;     // kept assignments (t * k + j) in dispatch order
+  std::vector<int64_t> send_rows, recv_rows;  // per EP member (one entry without EP)
+  std::vector<double> recv_x;     // [m, D + 1]: rows at the experts, last column the local expert
+  std::vector<double> hpre;       // [m, H]
+  std::vector<double> y;          // [order.size(), D]: expert outputs back at the tokens
+  std::vector<double> f;          // [E] fraction of assignments
+  int64_t n_global = 0;
+  std::optional<DTensor> x_like;  // x (its spec, for dx)
+};
+
+// A parameter container ("router", "experts"): the MoE computes with its parameters itself.
+class Holder : public Module {
+ public:
+  explicit Holder(std::string type) : Module(std::move(type)) {}
+  std::shared_ptr<Parameter> add(std::string name, std::shared_ptr<Parameter> p) {
+    return add_parameter(std::move(name), std::move(p));
+  }
+
+ protected:
+  DTensor do_forward(Ctx&, const DTensor&) override {
+    throw InvalidArgument(fmt::format("{}: part of an MoE, not called on its own", type()));
+  }
+  std::optional<DTensor> do_backward(Ctx&, const DTensor&) override {
+    throw InvalidArgument(fmt::format("{}: part of an MoE, not called on its own", type()));
+  }
+};
+
+}  // namespace
+
+MoE::MoE(const ModuleOptions& options, const MoEConfig& config) : Module("MoE"), config_(config) {
+  if (!options.comms) throw InvalidArgument("MoE: ModuleOptions::comms is null");
+  if (config.dim <= 0 || config.experts <= 0 || config.top_k < 1 || config.top_k > config.experts)
+    throw InvalidArgument(fmt::format("MoE: dim {} and experts {} must be positive and top_k {} in 1..experts",
+                                      config.dim, config.experts, config.top_k));
+  if (config.capacity_factor < 0 || config.aux_loss_coef < 0)
+    throw InvalidArgument(fmt::format("MoE: capacity factor {} and aux loss coefficient {} must be >= 0",
+                                      config.capacity_factor, config.aux_loss_coef));
+  if (config_.hidden <= 0) config_.hidden = kernels::checked_mul(4, config.dim, "MoE hidden size");
+  const Init init = Init::normal(0, config.init_std);
+  const int64_t E = config.experts, D = config.dim, H = config_.hidden;
+  auto router = add_module("router", std::make_shared<Holder>("MoERouter"));
+  auto experts = add_module("experts", std::make_shared<Holder>("GroupedExperts"));
+  router_ = router->add("weight", std::make_shared<Parameter>(options.comms, Dims{E, D}, options.dtype,
+                                                                       init, std::nullopt, options.device));
+  w1_ = experts->add("w1", std::make_shared<Parameter>(options.comms, Dims{E, D, H}, options.dtype, init,
+                                                                std::nullopt, options.device));
+  w2_ = experts->add("w2", std::make_shared<Parameter>(options.comms, Dims{E, H, D}, options.dtype, init,
+                                                                std::nullopt, options.device));
+  if (config.shared_expert)
+    shared_ = add_module("shared", std::make_shared<MLP>(options, D, H, false, config.gelu, config.init_std));
+}
+
+void MoE::set_expert_parallel(int mesh_dim) {
+  const dtensor::DeviceMesh& mesh = w1_->comms()->mesh();
+  if (mesh_dim < 0 || mesh_dim >= mesh.ndim())
+    throw InvalidArgument(fmt::format("MoE::set_expert_parallel: mesh dim {} of a {}-d mesh", mesh_dim, mesh.ndim()));
+  const int64_t ep = mesh.shape()[mesh_dim];
+  if (config_.experts % ep != 0)
+    throw InvalidArgument(fmt::format("MoE::set_expert_parallel: {} experts do not split over {} ranks "
+                                      "(expected the EP size to divide the expert count)",
+                                      config_.experts, ep));
+  Placements pl(mesh.ndim(), Replicate{});
+  pl[mesh_dim] = Shard{0};
+  w1_->set_placements(pl);
+  w2_->set_placements(pl);
+  ep_dim_ = mesh_dim;
+}
+
+DTensor MoE::do_forward(Ctx& ctx, const DTensor& x) {
+  const int64_t D = config_.dim, H = config_.hidden, E = config_.experts, K = config_.top_k;
+  const int nd = x.spec().tensor_ndim();
+  if (nd < 1 || x.shape()[nd - 1] != D)
+    throw InvalidArgument(fmt::format("MoE: input of shape {} (expected [..., {}])", x.shape(), D));
+  const Placements& xp = x.placements();
+  const dtensor::DeviceMesh& mesh = *x.spec().mesh;
+  std::vector<int> token_dims;  // mesh dims that split the tokens
+  for (int m = 0; m < static_cast<int>(xp.size()); ++m) {
+    if (dtensor::is_partial(xp[m]) || dtensor::is_strided_shard(xp[m]) ||
+        (dtensor::is_shard(xp[m]) && std::get<Shard>(xp[m]).dim == nd - 1))
+      throw InvalidArgument(fmt::format("MoE: input placements {} (expected Replicate or Shard of a token dim "
+                                        "on every mesh dim)", dtensor::to_string(xp)));
+    if (dtensor::is_shard(xp[m]) && mesh.shape()[m] > 1) token_dims.push_back(m);
+  }
+  if (ep_dim_ && mesh.shape()[*ep_dim_] > 1 &&
+      std::find(token_dims.begin(), token_dims.end(), *ep_dim_) == token_dims.end())
+    throw InvalidArgument(fmt::format("MoE: expert parallel over mesh dim {} needs the tokens split over it "
+                                      "(input placements {})", *ep_dim_, dtensor::to_string(xp)));
+  const int64_t ep = ep_dim_ ? mesh.shape()[*ep_dim_] : 1;
+  const int64_t El = E / ep;
+
+  auto sv = std::make_shared<Saved>();
+  Saved& S = *sv;
+  S.x = local_values(x);
+  S.n = static_cast<int64_t>(S.x.size()) / D;
+  S.x_like = x;
+  const int64_t n = S.n;
+  const std::vector<double> wr = local_values(router_->data());
+  const std::vector<double> w1 = local_values(w1_->data()), w2 = local_values(w2_->data());
+
+  // Router scores and top-k.
+  S.s.assign(n * E, 0.0);
+  S.sel.assign(n * K, 0);
+  S.g.assign(n * K, 0.0);
+  S.kept.assign(n * K, 1);
+  std::vector<double> stat(2 * E + 1, 0.0);  // assignments per expert, score sums, tokens
+  std::vector<int64_t> idx(E);
+  for (int64_t t = 0; t < n; ++t) {
+    double* s = &S.s[t * E];
+    for (int64_t e = 0; e < E; ++e) {
+      double acc = 0;
+      for (int64_t d = 0; d < D; ++d) acc += S.x[t * D + d] * wr[e * D + d];
+      s[e] = acc;
+    }
+    if (config_.score == RouterScore::kSoftmax) {
+      const double mx = *std::max_element(s, s + E);
+      double z = 0;
+      for (int64_t e = 0; e < E; ++e) z += (s[e] = std::exp(s[e] - mx));
+      for (int64_t e = 0; e < E; ++e) s[e] /= z;
+    } else {
+      for (int64_t e = 0; e < E; ++e) s[e] = 1.0 / (1.0 + std::exp(-s[e]));
+    }
+    std::iota(idx.begin(), idx.end(), 0);
+    std::partial_sort(idx.begin(), idx.begin() + K, idx.end(),
+                      [&](int64_t a, int64_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
+    double sum = 0;
+    for (int64_t j = 0; j < K; ++j) sum += s[idx[j]];
+    for (int64_t j = 0; j < K; ++j) {
+      S.sel[t * K + j] = idx[j];
+      S.g[t * K + j] = config_.renormalize ? s[idx[j]] / sum : s[idx[j]];
+      stat[idx[j]] += 1;
+    }
+    for (int64_t e = 0; e < E; ++e) stat[E + e] += s[e];
+    stat[2 * E] += 1;
+  }
+  if (config_.capacity_factor > 0) {
+    const auto cap = static_cast<int64_t>(std::ceil(config_.capacity_factor * static_cast<double>(n * K) /
+                                                    static_cast<double>(E)));
+    std::vector<int64_t> used(E, 0);
+    int64_t dropped = 0;
+    for (int64_t a = 0; a < n * K; ++a)
+      if (used[S.sel[a]]++ >= cap) {
+        S.kept[a] = 0;
+        ++dropped;
+      }
+    ctx.values["moe.dropped"] = dropped;
+  }
+
+  // Global routing statistics: a Partial(sum) over the token-splitting dims, made Replicate.
+  if (!token_dims.empty()) {
+    Placements pp(mesh.ndim(), Replicate{});
+    for (int m : token_dims) pp[m] = Partial{};
+    const Dims shape{2 * E + 1};
+    DTensor part(x.comms(), dtensor::make_spec(x.spec().mesh, pp, shape, DType::kF64),
+                 make(stat, shape, DType::kF64, x.to_local().device()));
+    stat = part.redistribute(Placements(mesh.ndim(), Replicate{}), {ctx.ops().choose.planner}).to_local().to_vector();
+  }
+  S.n_global = static_cast<int64_t>(std::llround(stat[2 * E]));
+  MoEStats stats;
+  S.f.assign(E, 0.0);
+  double aux = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    stats.tokens_per_expert.push_back(static_cast<int64_t>(std::llround(stat[e])));
+    if (S.n_global > 0) {
+      S.f[e] = stat[e] / static_cast<double>(S.n_global * K);
+      aux += S.f[e] * stat[E + e] / static_cast<double>(S.n_global);
+    }
+  }
+  stats.aux_loss = config_.aux_loss_coef * static_cast<double>(E) * aux;
+  {
+    std::vector<double> per_rank(ep, 0.0);
+    const int64_t groups = ep > 1 ? ep : E;
+    per_rank.assign(groups, 0.0);
+    for (int64_t e = 0; e < E; ++e) per_rank[ep > 1 ? e / El : e] += stat[e];
+    const double mean = std::accumulate(per_rank.begin(), per_rank.end(), 0.0) / static_cast<double>(groups);
+    stats.imbalance = mean > 0 ? *std::max_element(per_rank.begin(), per_rank.end()) / mean : 1.0;
+  }
+  if (auto it = ctx.values.find("moe.dropped"); it != ctx.values.end())
+    stats.dropped = std::any_cast<int64_t>(it->second);
+
+  // Dispatch order: by destination rank, then expert, then token and slot.
+  std::vector<std::vector<int64_t>> by_expert(E);
+  for (int64_t a = 0; a < n * K; ++a)
+    if (S.kept[a]) by_expert[S.sel[a]].push_back(a);
+  S.send_rows.assign(ep, 0);
+  std::vector<double> send;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t a : by_expert[e]) {
+      S.order.push_back(a);
+      S.send_rows[e / El] += 1;
+      const int64_t t = a / K;
+      send.insert(send.end(), S.x.begin() + t * D, S.x.begin() + (t + 1) * D);
+      send.push_back(static_cast<double>(e % El));
+    }
+  const int64_t sent = static_cast<int64_t>(S.order.size());
+  if (ep > 1) {
+    dtensor::RowExchange ex = dtensor::exchange_rows(*x.comms(), *ep_dim_,
+                                                     make(send, {sent, D + 1}, DType::kF64, x.to_local().device()),
+                                                     S.send_rows, "moe dispatch");
+    S.recv_rows = ex.recv_rows;
+    S.recv_x = ex.rows.to_vector();
+  } else {
+    S.recv_rows = S.send_rows;
+    S.recv_x = std::move(send);
+  }
+
+  // The experts, on the rows they received.
+  const int64_t m = static_cast<int64_t>(S.recv_x.size()) / (D + 1);
+  S.hpre.assign(m * H, 0.0);
+  std::vector<double> out_rows(m * D, 0.0), a(H);
+  for (int64_t i = 0; i < m; ++i) {
+    const double* xr = &S.recv_x[i * (D + 1)];
+    const auto le = static_cast<int64_t>(xr[D]);
+    const double* W1 = &w1[le * D * H];
+    const double* W2 = &w2[le * H * D];
+    double* hp = &S.hpre[i * H];
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t h = 0; h < H; ++h) hp[h] += xr[d] * W1[d * H + h];
+    for (int64_t h = 0; h < H; ++h) a[h] = gelu(hp[h], config_.gelu);
+    double* yr = &out_rows[i * D];
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d) yr[d] += a[h] * W2[h * D + d];
+  }
+  if (ep > 1) {
+    S.y = dtensor::exchange_rows_known(*x.comms(), *ep_dim_, make(out_rows, {m, D}, DType::kF64, x.to_local().device()),
+                                       S.recv_rows, S.send_rows, "moe combine")
+              .wait()
+              .to_vector();
+  } else {
+    S.y = std::move(out_rows);
+  }
+
+  // Combine.
+  std::vector<double> out(n * D, 0.0);
+  for (int64_t i = 0; i < sent; ++i) {
+    const int64_t a_ = S.order[i], t = a_ / K;
+    for (int64_t d = 0; d < D; ++d) out[t * D + d] += S.g[a_] * S.y[i * D + d];
+  }
+  DTensor y(x.comms(), x.spec(), make(out, x.to_local().shape(), x.dtype(), x.to_local().device()));
+  if (shared_) y = ops::add(y, shared_->forward(ctx.child("shared"), x), 1.0, ctx.ops());
+  ctx.values[kStatsKey] = stats;
+  ctx.values[kSavedKey] = sv;
+  return y;
+}
+
+std::optional<DTensor> MoE::do_backward(Ctx& ctx, const DTensor& dy) {
+  auto it = ctx.values.find(kSavedKey);
+  if (it == ctx.values.end()) throw InvalidArgument("MoE: backward without a forward on this context");
+  const Saved& S = *std::any_cast<std::shared_ptr<Saved>>(it->second);
+  const int64_t D = config_.dim, H = config_.hidden, E = config_.experts, K = config_.top_k, n = S.n;
+  const DTensor& x = *S.x_like;
+  const dtensor::DeviceMesh& mesh = *x.spec().mesh;
+  const int64_t ep = ep_dim_ ? mesh.shape()[*ep_dim_] : 1;
+  const std::vector<double> dY = local_values(dy.placements() == x.placements() ? dy : dy.redistribute(x.placements(), {ctx.ops().choose.planner}));
+  if (static_cast<int64_t>(dY.size()) != n * D)
+    throw InvalidArgument(fmt::format("MoE: output gradient of shape {} for an input of shape {}", dy.shape(),
+                                      x.shape()));
+  const std::vector<double> wr = local_values(router_->data());
+  const std::vector<double> w1 = local_values(w1_->data()), w2 = local_values(w2_->data());
+
+  // Output gradients to the experts; the weights' gradients.
+  const int64_t sent = static_cast<int64_t>(S.order.size());
+  std::vector<double> dg(n * K, 0.0), dsend(sent * D);
+  for (int64_t i = 0; i < sent; ++i) {
+    const int64_t a = S.order[i], t = a / K;
+    double acc = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      acc += dY[t * D + d] * S.y[i * D + d];
+      dsend[i * D + d] = S.g[a] * dY[t * D + d];
+    }
+    dg[a] = acc;
+  }
+  const int64_t m = static_cast<int64_t>(S.recv_x.size()) / (D + 1);
+  std::vector<double> drecv =
+      ep > 1 ? dtensor::exchange_rows_known(*x.comms(), *ep_dim_, make(dsend, {sent, D}, DType::kF64, x.to_local().device()),
+                                            S.send_rows, S.recv_rows, "moe combine backward")
+                   .wait()
+                   .to_vector()
+             : std::move(dsend);
+  const int64_t El = E / ep;
+  std::vector<double> dw1(El * D * H, 0.0), dw2(El * H * D, 0.0), dxr(m * D, 0.0), a(H), dh(H);
+  for (int64_t i = 0; i < m; ++i) {
+    const double* xr = &S.recv_x[i * (D + 1)];
+    const auto le = static_cast<int64_t>(xr[D]);
+    const double* W1 = &w1[le * D * H];
+    const double* W2 = &w2[le * H * D];
+    const double* hp = &S.hpre[i * H];
+    const double* g = &drecv[i * D];
+    for (int64_t h = 0; h < H; ++h) {
+      a[h] = gelu(hp[h], config_.gelu);
+      double da = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        dw2[(le * H + h) * D + d] += a[h] * g[d];
+        da += W2[h * D + d] * g[d];
+      }
+      dh[h] = da * gelu_grad(hp[h], config_.gelu);
+    }
+    for (int64_t d = 0; d < D; ++d) {
+      double acc = 0;
+      for (int64_t h = 0; h < H; ++h) {
+        dw1[(le * D + d) * H + h] += xr[d] * dh[h];
+        acc += W1[d * H + h] * dh[h];
+      }
+      dxr[i * D + d] = acc;
+    }
+  }
+  std::vector<double> dxback =
+      ep > 1 ? dtensor::exchange_rows_known(*x.comms(), *ep_dim_, make(dxr, {m, D}, DType::kF64, x.to_local().device()),
+                                            S.recv_rows, S.send_rows, "moe dispatch backward")
+                   .wait()
+                   .to_vector()
+             : std::move(dxr);
+  std::vector<double> dx(n * D, 0.0);
+  for (int64_t i = 0; i < sent; ++i) {
+    const int64_t t = S.order[i] / K;
+    for (int64_t d = 0; d < D; ++d) dx[t * D + d] += dxback[i * D + d];
+  }
+
+  // Router: weights -> scores (+ the aux loss) -> logits -> router weight and input.
+  std::vector<double> dwr(E * D, 0.0), ds(E), dl(E);
+  const double aux_scale =
+      S.n_global > 0 ? config_.aux_loss_coef * static_cast<double>(E) / static_cast<double>(S.n_global) : 0.0;
+  for (int64_t t = 0; t < n; ++t) {
+    const double* s = &S.s[t * E];
+    for (int64_t e = 0; e < E; ++e) ds[e] = aux_scale * S.f[e];
+    if (config_.renormalize) {
+      double sum = 0, gdg = 0;
+      for (int64_t j = 0; j < K; ++j) {
+        sum += s[S.sel[t * K + j]];
+        gdg += S.g[t * K + j] * dg[t * K + j];
+      }
+      for (int64_t j = 0; j < K; ++j) ds[S.sel[t * K + j]] += (dg[t * K + j] - gdg) / sum;
+    } else {
+      for (int64_t j = 0; j < K; ++j) ds[S.sel[t * K + j]] += dg[t * K + j];
+    }
+    if (config_.score == RouterScore::kSoftmax) {
+      double sds = 0;
+      for (int64_t e = 0; e < E; ++e) sds += s[e] * ds[e];
+      for (int64_t e = 0; e < E; ++e) dl[e] = s[e] * (ds[e] - sds);
+    } else {
+      for (int64_t e = 0; e < E; ++e) dl[e] = ds[e] * s[e] * (1.0 - s[e]);
+    }
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t d = 0; d < D; ++d) {
+        dwr[e * D + d] += dl[e] * S.x[t * D + d];
+        dx[t * D + d] += dl[e] * wr[e * D + d];
+      }
+  }
+
+  // Parameter gradients: Partial(sum) over the token-splitting dims, S(0) on the EP dim.
+  auto grad_placements = [&](bool expert) {
+    Placements pl(mesh.ndim(), Replicate{});
+    for (int md = 0; md < mesh.ndim(); ++md)
+      if (dtensor::is_shard(x.placements()[md]) && mesh.shape()[md] > 1) pl[md] = Partial{};
+    if (expert && ep_dim_) pl[*ep_dim_] = Shard{0};
+    return pl;
+  };
+  auto sink = [&](Parameter& p, const std::vector<double>& g, bool expert) {
+    if (!p.requires_grad) return;
+    const Dims local = expert ? Dims{El, p.shape()[1], p.shape()[2]} : p.shape();
+    DTensor gd(x.comms(), dtensor::make_spec(x.spec().mesh, grad_placements(expert), p.shape(), DType::kF64),
+               make(g, local, DType::kF64, p.data().to_local().device()));
+    ops::sink_grad(p.grad_sink(), gd, ctx.ops());
+  };
+  sink(*router_, dwr, false);
+  sink(*w1_, dw1, true);
+  sink(*w2_, dw2, true);
+
+  DTensor out(x.comms(), x.spec(), make(dx, x.to_local().shape(), x.dtype(), x.to_local().device()));
+  if (shared_) out = ops::add(out, *shared_->backward(ctx.child("shared"), dy), 1.0, ctx.ops());
+  return out;
+}
+
+std::optional<MoEStats> moe_stats(const Ctx& ctx) {
+  auto it = ctx.values.find(kStatsKey);
+  if (it == ctx.values.end()) return std::nullopt;
+  return std::any_cast<MoEStats>(it->second);
+}
+
+namespace {
+void walk(const Ctx& ctx, double& aux, double& imbalance) {
+  if (auto s = moe_stats(ctx)) {
+    aux += s->aux_loss;
+    imbalance = std::max(imbalance, s->imbalance);
+  }
+  ctx.for_each_child([&](const std::string&, const Ctx& c) { walk(c, aux, imbalance); });
+}
+}  // namespace
+
+double moe_aux_loss(const Ctx& ctx) {
+  double aux = 0, imb = 0;
+  walk(ctx, aux, imb);
+  return aux;
+}
+
+double moe_max_imbalance(const Ctx& ctx) {
+  double aux = 0, imb = 0;
+  walk(ctx, aux, imb);
+  return imb;
+}
+
+}  // namespace nn
