@@ -313,7 +313,7 @@ DTensor::DTensor(std::shared_ptr<const MeshComms> comms, DTensorSpec spec, Tenso
 }
 
 const Plan& DTensor::plan_to(const Placements& placements, const RedistributeOptions& options) const {
-  return comms_->plans().plan(make_transition(spec_, placements, options.planner));
+  return comms_->plans().plan(make_transition(spec_, placements, options.planner, options.reduce_policy()));
 }
 
 DTensor DTensor::redistribute(const Placements& placements, const RedistributeOptions& options) const {

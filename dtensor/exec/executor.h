@@ -56,6 +56,26 @@
 //    dtype, before the cast back (force_sum without overflow risk: p = 1, all after).
 // A divide factor needs every reducing step to be a sum (P(sum)); a plan that reduces nothing
 // takes none.
+//
+// NOTE [wire dtype] policy.wire_dtype, a floating dtype narrower than the reduce dtype (bf16 or
+// f8e5m2 with f32), is what the reducing steps on groups of k > 1 move; the planner marks those
+// steps ("RS(0:0,sum,wire=bf16)", "AR(1,sum,wire=f8e5m2)") and costs them in wire bytes. Such a
+// step runs on every backend as exchanges plus a local sum, never as a reducing collective (NCCL
+// cannot reduce fp8, and sums bf16 in bf16 before 2.27):
+//  - P -> S(d) / _S(d,sf): member g's chunk of every member's contribution (the contribution in
+//    the reduce dtype, then rounded to the wire) goes to g in one send_recv; g sums the k pieces
+//    in the reduce dtype in member order 0..k-1 (exact f32 accumulation of bf16 / e5m2 values,
+//    the same on every rank and every run), then pre-multiplier / avg / post-scale as above;
+//  - P -> R: the same on k chunks of the flat tensor (the first N % k members take one element
+//    more), then each member's sum, post-scaled and rounded once to the wire, is sent to every
+//    member. R's result is therefore the reduce-dtype sum rounded to the wire dtype (then cast to
+//    the output dtype), identical on every member.
+// Bytes per rank: (k-1)/k of the reduce-scatter's and N + (k-2) ceil(N/k) for P -> R, times the
+// wire's item size: bf16 halves an f32 reduction. The cast is plain, round to nearest even: e5m2
+// keeps magnitudes from 2^-16 (subnormal; 2^-14 normal) to 57344 (above: inf), so gradients that
+// small flush to zero; scale them first (a loss scale) when that matters. A step on a group of
+// one moves nothing and is not rounded. make_transition refuses a wire wider than the reduce
+// dtype, a non-floating one, or one under a Partial other than sum / avg.
 #pragma once
 
 #include <boost/container/small_vector.hpp>

@@ -36,7 +36,7 @@ int64_t batch_bytes(const MeshComms& comms, const Plan& plan, std::span<const It
   std::vector<const DTensorSpec*> specs;
   std::vector<StepDTypes> dtypes;
   for (const Item& it : items) specs.push_back(it.spec);
-  for (const ExecStep& p : steps) dtypes.push_back({p.in, p.out, p.work, p.post_scale != 1.0});
+  for (const ExecStep& p : steps) dtypes.push_back({p.in, p.out, p.work, p.post_scale != 1.0, p.wire});
   return transition_bytes(plan, specs, comms, dtypes, outs);
 }
 
@@ -317,6 +317,7 @@ class Issuer {
   }
 
   TensorList run_step(const AllReduce&) {
+    if (sp().wire != sp().work) return wire_all_reduce();
     const ExecStep p = sp();
     Communicator& c = on(comm());
     int64_t total = 0;
@@ -372,6 +373,7 @@ class Issuer {
   }
 
   TensorList run_step(const ReduceScatter&) {
+    if (sp().wire != sp().work) return wire_reduce_scatter();
     const ExecStep p = sp();
     const int64_t k = k_, r = r_;
     std::vector<std::shared_ptr<const StepSchedule>> sc;
@@ -448,6 +450,160 @@ class Issuer {
       for (size_t j = 0; j < outs.size(); ++j) {
         unpack(mine, off, outs[j], sc[j]->post_whole);  // cast fused
         off += sc[j]->post_whole.numel();
+      }
+    });
+    return outs;
+  }
+
+  // ---- reductions through a wire dtype (NOTE [wire dtype] in executor.h) ----
+
+  // acc = the sum in member order of the k wire pieces, in acc's dtype (the work dtype), with the
+  // reduction's pre-multiplier and avg: the same arithmetic as the uneven reduce-scatter's.
+  // REQUIRES: in a task; pieces[g] holds acc.numel() wire elements.
+  static void sum_pieces(const Tensor& acc, const TensorList& pieces, const Reduction& red) {
+    const int64_t k = static_cast<int64_t>(pieces.size());
+    if (acc.numel() == 0) return;
+    const double m = red.pre_multiplier;
+    Tensor(acc).copy_(pieces[0]);  // exact: the wire is narrower
+    if (m != 1.0) kernels::scale_(acc, m);
+    Tensor tmp = Tensor::empty(acc.shape(), acc.dtype(), acc.device());
+    for (int64_t g = 1; g < k; ++g) {
+      tmp.copy_(pieces[g]);
+      kernels::reduce_into(acc, tmp, red.op, m);
+    }
+    if (red.op == ReduceOp::kAvg) kernels::scale_(acc, 1.0 / static_cast<double>(k));
+  }
+  // dst (wire, contiguous) <- src: through the work dtype when the input is wider than it, so the
+  // value is rounded to the reduce dtype first and then to the wire, as the contract states.
+  static void to_wire(const Tensor& src, Tensor dst, DType work) {
+    if (kernels::itemsize(src.dtype()) > kernels::itemsize(work)) dst.copy_(src.to(work));
+    else dst.copy_(src);
+  }
+
+  // P -> S/_S: every member's chunk, in the wire, goes to its member (one send_recv); each member
+  // sums the k pieces of its chunk in the work dtype.
+  TensorList wire_reduce_scatter() {
+    const ExecStep p = sp();
+    const int64_t k = k_, r = r_;
+    std::vector<std::shared_ptr<const StepSchedule>> sc;
+    for (size_t j = 0; j < items_.size(); ++j) sc.push_back(sched(j, Path::kReduceScatter, /*per_member=*/true));
+    TensorList ins;
+    for (const Item& it : items_) ins.push_back(it.local);
+    std::vector<int64_t> seg(k, 0), seg_off(k, 0);
+    int64_t total = 0;
+    for (int64_t g = 0; g < k; ++g) {
+      seg_off[g] = total;
+      for (const auto& s : sc) seg[g] += s->seg[g];
+      total += seg[g];
+    }
+    Communicator& c = on(comm());
+    Tensor send = alloc({total}, p.wire);
+    const DType work = p.work;
+    local([=] {
+      const bool via_work = ins.size() > 0 && kernels::itemsize(ins[0].dtype()) > kernels::itemsize(work);
+      for (int64_t g = 0; g < k; ++g) {
+        int64_t off = seg_off[g];
+        for (size_t j = 0; j < ins.size(); ++j) {
+          if (via_work) {
+            Tensor tmp = Tensor::empty({sc[j]->seg[g]}, work, ins[j].device());
+            pack(ins[j], sc[j]->chunk_blocks[g], tmp, 0);
+            send.narrow(0, off, sc[j]->seg[g]).copy_(tmp);
+          } else {
+            pack(ins[j], sc[j]->chunk_blocks[g], send, off);  // cast fused
+          }
+          off += sc[j]->seg[g];
+        }
+      }
+    });
+    TensorList got(k);
+    std::vector<P2POp> ops;
+    for (int64_t g = 0; g < k; ++g) {
+      if (g == r) continue;
+      got[g] = alloc({seg[r]}, p.wire);
+      if (seg[g] > 0) ops.push_back(P2POp::send(send.narrow(0, seg_off[g], seg[g]), static_cast<int>(g)));
+      if (seg[r] > 0) ops.push_back(P2POp::recv(got[g], static_cast<int>(g)));
+    }
+    call(c.send_recv(ops));
+    Tensor mine = alloc({seg[r]}, p.work);
+    const Reduction red = p.reduction;
+    local([=]() mutable {
+      got[r] = send.narrow(0, seg_off[r], seg[r]);
+      sum_pieces(mine, got, red);
+    });
+    TensorList outs;
+    for (size_t j = 0; j < items_.size(); ++j) outs.push_back(result(j, sc[j]->post_shape, p.out, false));
+    local([=] {
+      if (p.post_scale != 1.0) kernels::scale_(mine, p.post_scale);
+      int64_t off = 0;
+      for (size_t j = 0; j < outs.size(); ++j) {
+        unpack(mine, off, outs[j], sc[j]->post_whole);  // cast fused
+        off += sc[j]->post_whole.numel();
+      }
+    });
+    return outs;
+  }
+
+  // P -> R: the tensors flattened into one buffer of N elements, cut into k chunks (the first
+  // N % k members hold one element more); chunk g's pieces go to member g in the wire, g sums
+  // them in the work dtype (post-scaled), rounds the sum to the wire once and sends it to every
+  // member. So every member holds the same values: the sum rounded to the wire.
+  TensorList wire_all_reduce() {
+    const ExecStep p = sp();
+    const int64_t k = k_, r = r_;
+    TensorList ins;
+    int64_t n = 0;
+    for (const Item& it : items_) {
+      ins.push_back(it.local);
+      n += it.local.numel();
+    }
+    std::vector<int64_t> cnt(k), off(k);
+    for (int64_t g = 0, o = 0; g < k; ++g) {
+      cnt[g] = n / k + (g < n % k ? 1 : 0);
+      off[g] = o;
+      o += cnt[g];
+    }
+    Communicator& c = on(comm());
+    Tensor send = alloc({n}, p.wire), gathered = alloc({n}, p.wire);
+    const DType work = p.work;
+    local([=] {
+      int64_t o = 0;
+      for (const Tensor& t : ins) {
+        to_wire(t, send.narrow(0, o, t.numel()).view(t.shape()), work);
+        o += t.numel();
+      }
+    });
+    TensorList got(k);
+    std::vector<P2POp> ops;
+    for (int64_t g = 0; g < k; ++g) {
+      if (g == r) continue;
+      got[g] = alloc({cnt[r]}, p.wire);
+      if (cnt[g] > 0) ops.push_back(P2POp::send(send.narrow(0, off[g], cnt[g]), static_cast<int>(g)));
+      if (cnt[r] > 0) ops.push_back(P2POp::recv(got[g], static_cast<int>(g)));
+    }
+    call(c.send_recv(ops));
+    Tensor acc = alloc({cnt[r]}, p.work);
+    const Reduction red = p.reduction;
+    const Tensor own = gathered.narrow(0, off[r], cnt[r]);
+    local([=]() mutable {
+      got[r] = send.narrow(0, off[r], cnt[r]);
+      sum_pieces(acc, got, red);
+      if (p.post_scale != 1.0) kernels::scale_(acc, p.post_scale);
+      Tensor(own).copy_(acc);  // the one rounding of the sum to the wire
+    });
+    std::vector<P2POp> gather;
+    for (int64_t g = 0; g < k; ++g) {
+      if (g == r) continue;
+      if (cnt[r] > 0) gather.push_back(P2POp::send(own, static_cast<int>(g)));
+      if (cnt[g] > 0) gather.push_back(P2POp::recv(gathered.narrow(0, off[g], cnt[g]), static_cast<int>(g)));
+    }
+    call(c.send_recv(gather));
+    TensorList outs;
+    for (size_t j = 0; j < ins.size(); ++j) outs.push_back(result(j, ins[j].shape(), p.out, false));
+    local([=] {
+      int64_t o = 0;
+      for (size_t j = 0; j < ins.size(); ++j) {
+        Tensor(outs[j]).copy_(gathered.narrow(0, o, ins[j].numel()).view(ins[j].shape()));  // cast fused
+        o += ins[j].numel();
       }
     });
     return outs;
