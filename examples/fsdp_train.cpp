@@ -14,15 +14,19 @@
 // --grad-accum: gradients reduced on the last microbatch only), --prefetch 0|1|2 (implicit
 // prefetch depth in forward and backward; default 1). --mp bf16 under FSDP is the
 // MixedPrecisionPolicy (bf16 parameters, f32 reduction, f32 sharded master weights).
+// --reduce-wire bf16|e5m2 (FSDP only): the gradient reductions move that dtype and sum it in f32
+// (MixedPrecisionPolicy::reduce_wire; NOTE [wire dtype] in dtensor/exec/executor.h).
 //
 // Output: one progress line per --log-every steps on rank 0 (the step's wall time in ms too),
 //   step 3/30 loss 3.91234567 ms 6.21 tokens/s 41234 peak_bytes 1234567 param_bytes 123 grad_bytes 45
-//   optim_bytes 90 buffer_bytes 67
+//   optim_bytes 90 buffer_bytes 67 reduce_bytes 8192
 // (rank 0's peaks: parameters = sharded plus unsharded, gradients = sharded, optimizer state,
-// buffers = FSDP's reduce-scatter inputs and casts)
+// buffers = FSDP's reduce-scatter inputs and casts; reduce_bytes: what the step's gradient
+// reductions moved per rank, from their plans; 0 without FSDP)
 // and, last, one JSON object:
 //   {"steps":30,"first_loss":4.16,"last_loss":0.93,"parity":"ok","max_rel_loss_diff":2e-7,
-//    "max_param_diff":3e-8,"tokens_per_s":41234,"peak_bytes":1234567}
+//    "max_param_diff":3e-8,"tokens_per_s":41234,"peak_bytes":1234567,...,"reduce_bytes":8192}
+// (reduce_bytes: the progress lines' reduce_bytes averaged over the steps run)
 // parity: "skipped" without --check-parity (then the two diffs are null); max_rel_loss_diff is the
 // largest |loss - loss_ref| / |loss_ref| over the steps (limit 1e-5; bf16: 2e-2), max_param_diff
 // the relative L2 difference of all final parameters flattened together (limit 1e-5; bf16: 5e-2).
@@ -144,6 +148,7 @@ struct Args {
   bool offload = false;
   bool no_sync = false;
   int prefetch = 1;
+  std::string reduce_wire;  // --reduce-wire bf16 | e5m2 (empty: the reduce dtype itself)
   // checkpoints
   std::string save_dir;
   int save_every = 0;  // 0: only after the last step
@@ -248,7 +253,14 @@ struct RunResult {
   double tokens_per_s = 0;
   int64_t peak_bytes = 0;
   int64_t peak_block_bytes = 0;  // the same in the caching allocator's block sizes (what a limit counts)
+  int64_t reduce_bytes = 0;  // per step: what the gradient reductions' plans moved (busiest rank)
 };
+
+// --reduce-wire: MixedPrecisionPolicy::reduce_wire (validate() checked the text).
+std::optional<DType> reduce_wire(const Args& a) {
+  if (a.reduce_wire.empty()) return std::nullopt;
+  return a.reduce_wire == "bf16" ? DType::kBF16 : DType::kF8E5M2;
+}
 
 using program::median;
 
@@ -339,6 +351,12 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   auto unsharded_mem = std::make_shared<nn::TrackingAllocator>(cache, total_mem);
   auto buffer_mem = std::make_shared<nn::TrackingAllocator>(cache, total_mem);
   fsdp::FSDPModule* root = nullptr;
+  std::vector<fsdp::FSDPModule*> groups;  // every FSDP group (their reduce bytes)
+  auto reduce_total = [&] {
+    int64_t n = 0;
+    for (const fsdp::FSDPModule* g : groups) n += g->stats().reduce_bytes;
+    return n;
+  };
   if (use_fsdp) {
     fsdp::FullyShardOptions o;
     if (a.reshard_after_forward == "true") o.reshard_after_forward = fsdp::ReshardAfterForward::yes();
@@ -348,6 +366,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
       o.mp_policy.param_dtype = DType::kBF16;
       o.mp_policy.reduce_dtype = DType::kF32;
     }
+    o.mp_policy.reduce_wire = reduce_wire(a);
     o.offload_policy.offload_to_cpu = a.offload;
     o.unsharded_allocator = unsharded_mem;
     o.buffer_allocator = buffer_mem;
@@ -357,6 +376,8 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     if (reshard_k > 0) ro.reshard_after_forward = fsdp::ReshardAfterForward::automatic();  // the root keeps its own
     root = &fsdp::fully_shard(model, comms, ro);
     root->set_prefetch_depth(a.prefetch >= 1 ? 1 : 0);
+    groups = blocks;
+    groups.push_back(root);
     if (a.prefetch == 2)  // explicit lists two groups ahead
       for (size_t i = 0; i < blocks.size(); ++i) {
         std::vector<fsdp::FSDPModule*> fwd, bwd;
@@ -498,8 +519,10 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   std::vector<double> step_seconds;
   total_mem->reset_peak();  // the training's peak: initialisation and --dump-init left out
   cache->reset_peak();
+  const int64_t reduce_start = reduce_total();
   for (int step = first_step; step < a.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
+    const int64_t reduce_before = reduce_total();
     const std::string step_name = tracer != nullptr ? fmt::format("step {}", step + 1) : std::string();
     const kernels::TraceSpan step_span(tracer, me, "compute", step_name);
     double step_loss = 0;
@@ -564,9 +587,10 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     if (print && rank0 && ((step + 1) % a.log_every == 0 || step + 1 == a.steps)) {
       fmt::print(
           "step {}/{} loss {:.9g} ms {:.3f} tokens/s {:.0f} peak_bytes {} param_bytes {} grad_bytes {} "
-          "optim_bytes {} buffer_bytes {}\n",
+          "optim_bytes {} buffer_bytes {} reduce_bytes {}\n",
           step + 1, a.steps, step_loss, seconds * 1e3, static_cast<double>(a.batch * a.seq) / seconds,
-          total_mem->peak_bytes(), param_bytes + unsharded_mem->peak_bytes(), grad_bytes, optim_bytes, buffer_mem->peak_bytes());
+          total_mem->peak_bytes(), param_bytes + unsharded_mem->peak_bytes(), grad_bytes, optim_bytes, buffer_mem->peak_bytes(),
+          reduce_total() - reduce_before);
       std::fflush(stdout);
     }
     if (!a.save_dir.empty() && ((a.save_every > 0 && (step + 1) % a.save_every == 0) || step + 1 == a.steps))
@@ -577,6 +601,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   // Steady state: leave out the first step (allocations, plan caches) when there are others.
   std::vector<double> steady(step_seconds.begin() + (step_seconds.size() > 1 ? 1 : 0), step_seconds.end());
   const double med = median(steady);
+  if (a.steps > first_step) result.reduce_bytes = (reduce_total() - reduce_start) / (a.steps - first_step);
   result.tokens_per_s = med > 0 ? static_cast<double>(a.batch * a.seq) / med : 0;
   // The training's peak, before the full parameters are gathered for the parity check.
   const int64_t training_peak = total_mem->peak_bytes();
@@ -694,6 +719,15 @@ void validate(const Args& a) {
   kernels::checked_mul(a.steps, a.batch, "samples (--steps x --batch)");
   kernels::checked_mul(a.batch, a.seq, "tokens per step (--batch x --seq)");
   if (a.mp != "fp32" && a.mp != "bf16") bad(fmt::format("--mp {}: expected fp32 or bf16", a.mp));
+  if (!a.reduce_wire.empty()) {
+    if (a.reduce_wire != "bf16" && a.reduce_wire != "e5m2")
+      bad(fmt::format("--reduce-wire {}: expected bf16 or e5m2", kernels::clip(a.reduce_wire, 40)));
+    // FSDP reduces gradients in f32 under --mp fp32 and bf16 alike; without FSDP nothing is reduced.
+    if (!a.fsdp)
+      bad(fmt::format("--reduce-wire {}: needs FSDP's gradient reductions (--dp-shard or --dp-replicate), whose "
+                      "reduce dtype (f32) it must be narrower than",
+                      a.reduce_wire));
+  }
   if (a.log_every < 1) bad(fmt::format("--log-every {}: expected >= 1", a.log_every));
   if (a.optimizer != "adamw" && a.optimizer != "sgd")
     bad(fmt::format("--optimizer {}: expected adamw or sgd", a.optimizer));
@@ -910,11 +944,12 @@ int finish(const Args& a, const Outcome& o) {
   fmt::print(
       "{{\"steps\":{},\"first_loss\":{},\"last_loss\":{},\"parity\":\"{}\",\"max_rel_loss_diff\":{},"
       "\"max_param_diff\":{},\"tokens_per_s\":{},\"peak_bytes\":{},\"peak_block_bytes\":{},"
-      "\"estimated_peak_bytes\":{},\"estimated_peak_block_bytes\":{}}}\n",
+      "\"estimated_peak_bytes\":{},\"estimated_peak_block_bytes\":{},\"reduce_bytes\":{}}}\n",
       a.steps, json_number(got.losses.front()), json_number(got.losses.back()), o.parity,
       o.cmp ? json_number(o.cmp->max_rel_loss_diff) : "null", o.cmp ? json_number(o.cmp->max_param_diff) : "null",
       json_number(std::round(got.tokens_per_s)), got.peak_bytes, got.peak_block_bytes,
-      o.estimate ? std::to_string(o.estimate->peak) : "null", o.estimate ? std::to_string(o.estimate->peak_blocks) : "null");
+      o.estimate ? std::to_string(o.estimate->peak) : "null", o.estimate ? std::to_string(o.estimate->peak_blocks) : "null",
+      got.reduce_bytes);
   std::fflush(stdout);
   return o.parity == "fail" ? program::kMismatch : program::kOk;
 }
@@ -994,6 +1029,7 @@ int run(int argc, char** argv) {
   app.add_flag("--offload", a.offload, "FSDP CPU offload of the sharded parameters, gradients, optimizer state");
   app.add_flag("--no-sync", a.no_sync, "with --grad-accum: reduce gradients on the last microbatch only");
   app.add_option("--prefetch", a.prefetch, "FSDP prefetch depth 0 | 1 | 2 (forward and backward)");
+  app.add_option("--reduce-wire", a.reduce_wire, "bf16 | e5m2: what FSDP's gradient reductions move (summed in f32)");
   app.add_option("--tp", a.tp, "tensor-parallel ranks");
   app.add_option("--layers", a.layers, "transformer blocks");
   app.add_option("--dim", a.dim, "model dim");
