@@ -70,12 +70,18 @@
 //    more), then each member's sum, post-scaled and rounded once to the wire, is sent to every
 //    member. R's result is therefore the reduce-dtype sum rounded to the wire dtype (then cast to
 //    the output dtype), identical on every member.
+// fp8 wires (e5m2: 2 mantissa bits, normal range 2^-14 .. 57344) would flush small gradients to
+// zero and overflow large ones, so each sender scales what it sends by one power of two s = 2^e,
+// the largest with amax(its finite |values|) x s <= the format's max (e5m2 57344, e4m3 448;
+// |e| <= 120; 1 when all are zero), and sends s (one f32) with the payload; the receiver divides
+// by s (exact). A piece is then round(x s) / s: the format's 3 significant bits at the sender's
+// own exponent range, nothing lost to range unless a value is 2^-17 times smaller than the
+// sender's largest. bf16 / f16 wires are cast plainly (bf16 has f32's range).
 // Bytes per rank: (k-1)/k of the reduce-scatter's and N + (k-2) ceil(N/k) for P -> R, times the
-// wire's item size: bf16 halves an f32 reduction. The cast is plain, round to nearest even: e5m2
-// keeps magnitudes from 2^-16 (subnormal; 2^-14 normal) to 57344 (above: inf), so gradients that
-// small flush to zero; scale them first (a loss scale) when that matters. A step on a group of
-// one moves nothing and is not rounded. make_transition refuses a wire wider than the reduce
-// dtype, a non-floating one, or one under a Partial other than sum / avg.
+// wire's item size (bf16 halves an f32 reduction), plus for fp8 4 bytes of scale to and from each
+// peer per exchange. A step on a group of one moves nothing and is not rounded. make_transition
+// refuses a wire wider than the reduce dtype, a non-floating one, or one under a Partial other
+// than sum / avg.
 #pragma once
 
 #include <boost/container/small_vector.hpp>

@@ -70,7 +70,7 @@ int64_t transition_bytes(const Plan& plan, std::span<const DTensorSpec* const> s
           if constexpr (std::is_same_v<T, AllReduce>) {
             if (wire) {
               const int64_t chunk = pre / k + 1;
-              total = add_bytes(total, pre, wire_sz);                        // the packed input
+              total = add_bytes(total, pre, work_sz + wire_sz);              // the input staged, packed
               total = add_bytes(total, add_bytes(0, k - 1, chunk), wire_sz);  // the pieces received
               total = add_bytes(total, add_bytes(0, 2, chunk), work_sz);      // the sum, its staging
               total = add_bytes(total, post, wire_sz);                       // the gathered result
@@ -83,7 +83,7 @@ int64_t transition_bytes(const Plan& plan, std::span<const DTensorSpec* const> s
             if (!into_result && !result_is_out) total = add_bytes(total, post, out_sz);
           } else if constexpr (std::is_same_v<T, ReduceScatter>) {
             if (wire) {
-              total = add_bytes(total, pre, wire_sz);                 // the packed input
+              total = add_bytes(total, pre, work_sz + wire_sz);       // the input staged, packed
               total = add_bytes(total, k - 1, add_bytes(0, post, wire_sz));  // the pieces received
               total = add_bytes(total, add_bytes(0, 2, post), work_sz);  // the sum, its staging
               if (!result_is_out) total = add_bytes(total, post, out_sz);

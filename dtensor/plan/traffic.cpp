@@ -32,6 +32,7 @@ struct Term {
   int64_t k = 1;
   int64_t item = 4;       // bytes per element moved: the step's wire dtype, else the tensor's
   bool wire_ar = false;   // P -> R through a wire dtype: exchange of chunks + all-gather
+  int64_t scale_bytes = 0;  // an fp8 wire's scales: 4 bytes to and from each peer per exchange
   std::vector<int> a;  // chain of every tensor dim before the step
   int t = -1, t2 = -1;  // gather, reduce-scatter, same-dim regroup: t; pair: from t to t2
   int b = -1, b2 = -1;  // their chains after
@@ -52,6 +53,8 @@ Term make_term(const Step& step, const Placements& before, const Dims& shape, co
   if (const auto* r = std::get_if<ReduceScatter>(&step)) wire = r->wire;
   term.item = static_cast<int64_t>(kernels::itemsize(wire.value_or(dtype)));
   term.wire_ar = wire.has_value() && std::holds_alternative<AllReduce>(step);
+  if (wire && (*wire == DType::kF8E4M3 || *wire == DType::kF8E5M2))
+    term.scale_bytes = 4 * (term.k - 1) * (term.wire_ar ? 2 : 1);
   if (!communicates(step) || term.k == 1) return term;
   for (int t = 0; t < shape.size(); ++t) term.a.push_back(set.add(shape[t], chain_of(before, mesh, t)));
   const Placements after = apply_step(step, before);
@@ -140,8 +143,8 @@ Bytes class_elements(const Term& term, std::span<const int64_t> s) {
       break;
     }
   }
-  out.sent *= term.item;
-  out.received *= term.item;
+  out.sent = out.sent * term.item + term.scale_bytes;
+  out.received = out.received * term.item + term.scale_bytes;
   return out;
 }
 

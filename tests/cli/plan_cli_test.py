@@ -60,12 +60,14 @@ for mesh in ["16384", "1048576"]:
         check(j["collectives"] == colls and j["bytes_per_rank"] == j["lower_bound_bytes"], f"{mesh} {src}->{dst}: {j}")
 
 # --wire-dtype: the reductions print and count their wire (NOTE [wire dtype]): bf16 halves f32's
-# bytes, f8e5m2 quarters them; the lower bound stays f32's.
-for wire, factor in [("bf16", 2), ("f8e5m2", 4)]:
+# bytes, f8e5m2 quarters them plus 4 bytes of scale per peer and exchange (3 peers in the
+# reduce-scatter, 1 peer twice in the all-reduce); the lower bound stays f32's.
+for wire, factor, scales in [("bf16", 2, 0), ("f8e5m2", 4, 4 * 3 + 8 * 1)]:
     f32 = plan("--mesh", "2x4", "--shape", "16,4", "--from", "P,P", "--to", "R,S(0)")
     w = plan("--mesh", "2x4", "--shape", "16,4", "--from", "P,P", "--to", "R,S(0)", "--wire-dtype", wire)
     check(w["steps"] == f"[P,P] -RS(1:0,sum,wire={wire})-> [P,S(0)] -AR(0,sum,wire={wire})-> [R,S(0)]", f"{w}")
-    check(w["bytes_per_rank"] * factor == f32["bytes_per_rank"] and w["lower_bound_bytes"] == f32["lower_bound_bytes"],
+    check((w["bytes_per_rank"] - scales) * factor == f32["bytes_per_rank"] and
+          w["lower_bound_bytes"] == f32["lower_bound_bytes"],
           f"wire {wire}: {w} vs {f32}")
 
 # Invalid input: exit 2, nothing on stdout, one stderr line naming the value.
