@@ -512,6 +512,8 @@ class Issuer {
     return out;
   }
   Tensor scale_slot() const { return alloc({1}, DType::kF32); }
+  // The step's input is wider than its work dtype (f64 reduced in f32): rounded to it first.
+  static bool wider_than_work(const ExecStep& p) { return kernels::itemsize(p.in) > kernels::itemsize(p.work); }
 
   // P -> S/_S: every member's chunk, in the wire, goes to its member (one send_recv); each member
   // sums the k pieces of its chunk in the work dtype.
@@ -531,7 +533,10 @@ class Issuer {
       total += seg[g];
     }
     Communicator& c = on(comm());
-    Tensor stage = alloc({total}, p.work), send = alloc({total}, p.wire);
+    // Staged in the work dtype when a scale is computed or the input is wider than the work dtype
+    // (rounded to it first); otherwise packed straight into the wire (cast fused).
+    const bool staged = scaled || wider_than_work(p);
+    Tensor send = alloc({total}, p.wire), stage = staged ? alloc({total}, p.work) : send;
     TensorList scales(k);  // f32 [1] per member: the sender's scale (fp8 wires)
     if (scaled)
       for (int64_t g = 0; g < k; ++g) scales[g] = scale_slot();
@@ -539,10 +544,11 @@ class Issuer {
       for (int64_t g = 0; g < k; ++g) {
         int64_t off = seg_off[g];
         for (size_t j = 0; j < ins.size(); ++j) {
-          pack(ins[j], sc[j]->chunk_blocks[g], stage, off);  // in the reduce dtype first
+          pack(ins[j], sc[j]->chunk_blocks[g], stage, off);
           off += sc[j]->seg[g];
         }
       }
+      if (!staged) return;
       const double s = to_wire(stage, send);
       if (scaled) Tensor(scales[r]).fill_(s);
     });
@@ -599,7 +605,8 @@ class Issuer {
       o += cnt[g];
     }
     Communicator& c = on(comm());
-    Tensor stage = alloc({n}, p.work), send = alloc({n}, p.wire), gathered = alloc({n}, p.wire);
+    const bool staged = scaled || wider_than_work(p);  // as in wire_reduce_scatter
+    Tensor send = alloc({n}, p.wire), gathered = alloc({n}, p.wire), stage = staged ? alloc({n}, p.work) : send;
     TensorList scales(k), sum_scales(k);  // the senders' scales of the two exchanges (fp8 wires)
     if (scaled)
       for (int64_t g = 0; g < k; ++g) {
@@ -609,9 +616,10 @@ class Issuer {
     local([=] {
       int64_t o = 0;
       for (const Tensor& t : ins) {
-        stage.narrow(0, o, t.numel()).view(t.shape()).copy_(t);  // in the reduce dtype first
+        stage.narrow(0, o, t.numel()).view(t.shape()).copy_(t);  // cast fused
         o += t.numel();
       }
+      if (!staged) return;
       const double s = to_wire(stage, send);
       if (scaled) Tensor(scales[r]).fill_(s);
     });
@@ -654,7 +662,7 @@ class Issuer {
     local([=] {
       Tensor full = gathered;
       if (scaled) {  // each member's chunk divided by its scale, in the work dtype (exact)
-        full = Tensor::empty({n}, stage.dtype(), stage.device());
+        full = Tensor::empty({n}, p.work, gathered.device());
         const std::vector<double> unscale = read_scales(sum_scales);
         for (int64_t g = 0; g < k; ++g) {
           Tensor part = full.narrow(0, off[g], cnt[g]);

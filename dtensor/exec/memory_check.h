@@ -10,7 +10,8 @@
 // the input copy and the reduced buffer of an all-reduce, the packed input and the reduced chunk
 // of a reduce-scatter (plus one chunk per peer when the chunks are uneven), the send and receive
 // buffers of an exchange without strided views or of a batched all-gather; through a wire dtype
-// (NOTE [wire dtype] in executor.h) the input staged in the work dtype and packed in the wire,
+// (NOTE [wire dtype] in executor.h) the input packed in the wire (and staged in the work dtype
+// first for an fp8 wire's scale or an input wider than the work dtype),
 // every received piece in the wire, the sum and its one-piece staging in the work dtype, and for
 // P -> R the gathered result in the wire. The caller's `out`
 // buffers are not counted (they exist already), nor is the input.
