@@ -283,6 +283,33 @@ TEST_CASE("with bf16-representable contributions a bf16 wire equals the plain f3
   CHECK(ran == 4);
 }
 
+TEST_CASE("a batch through a bf16 wire equals each tensor's own wire reduction", "[dtensor][precision][wire]") {
+  // redistribute_batch packs the tensors of a step together: chunks and pieces change, the sums
+  // (and a P -> R's rounding of each sum to bf16) do not.
+  Checks checks;
+  int64_t ran = 0;
+  for (const char* dst : {"S(0)", "R"}) {
+    collectives::run_ranks(3, [&](Communicator& world) {
+      auto comms = std::make_shared<const MeshComms>(DeviceMesh::from_shape({3}), world);
+      auto m = std::make_shared<const DeviceMesh>(comms->mesh());
+      std::vector<DTensor> xs;
+      for (const Dims& shape : {Dims{13, 5}, Dims{7, 5}, Dims{2, 5}})
+        xs.emplace_back(comms, make_spec(m, parse_placements("P"), shape, DType::kF32),
+                        contribution(shape, world.rank(), false));
+      RedistributeOptions opt;
+      opt.wire_dtype = DType::kBF16;
+      const std::vector<DTensor> batch = redistribute_batch(xs, parse_placements(dst), opt);
+      checks.check(batch.size() == xs.size(), "batch size");
+      for (size_t i = 0; i < std::min(batch.size(), xs.size()); ++i)
+        checks.check(kernels::equal(batch[i].to_local(), xs[i].redistribute(parse_placements(dst), opt).to_local()),
+                     fmt::format("-> {} tensor {} rank {}: the batch differs", dst, i, world.rank()));
+    });
+    ++ran;
+  }
+  checks.report();
+  CHECK(ran == 2);
+}
+
 TEST_CASE("an fp8 wire's per-sender scale keeps values far outside e5m2's range", "[dtensor][precision][wire]") {
   // Contributions of 1e-9 .. 1e-6 (a plain e5m2 cast flushes everything below 2^-17 to zero) and
   // of 1e6 .. 1e9 (above 57344: a plain cast gives inf): every sum comes back finite, non-zero,
