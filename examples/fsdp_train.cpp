@@ -16,6 +16,9 @@
 // MixedPrecisionPolicy (bf16 parameters, f32 reduction, f32 sharded master weights).
 // --reduce-wire bf16|e5m2 (FSDP only): the gradient reductions move that dtype and sum it in f32
 // (MixedPrecisionPolicy::reduce_wire; NOTE [wire dtype] in dtensor/exec/executor.h).
+// --mp fp16: as bf16 with fp16 parameters and nn::GradScaler (a skipped step on every rank when
+// any rank's gradient overflows; a line "  loss_scale S skipped_steps N" after each progress
+// line); --inject-overflow K puts an inf into the last rank's gradient at step K.
 //
 // Output: one progress line per --log-every steps on rank 0 (the step's wall time in ms too),
 //   step 3/30 loss 3.91234567 ms 6.21 tokens/s 41234 peak_bytes 1234567 param_bytes 123 grad_bytes 45
@@ -92,6 +95,7 @@
 #include "collectives/nccl.h"
 #include "dtensor/dtensor.h"
 #include "fsdp/fully_shard.h"
+#include "nn/grad_scaler.h"
 #include "fsdp/memory_estimate.h"
 #include "kernels/allocator.h"
 #include "kernels/checked.h"
@@ -149,6 +153,7 @@ struct Args {
   bool no_sync = false;
   int prefetch = 1;
   std::string reduce_wire;  // --reduce-wire bf16 | e5m2 (empty: the reduce dtype itself)
+  int inject_overflow = 0;  // --inject-overflow STEP (1-based; 0: none)
   // checkpoints
   std::string save_dir;
   int save_every = 0;  // 0: only after the last step
@@ -298,7 +303,9 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   const bool rank0 = world.rank() == 0;
   kernels::Tracer* const tracer = world.tracer();  // null: not traced
   const int me = world.global_rank();
-  const bool bf16 = a.mp == "bf16";
+  // --mp bf16 | fp16: low-precision compute parameters (fp16 with a GradScaler).
+  const bool bf16 = a.mp != "fp32";
+  const DType low_dtype = a.mp == "fp16" ? DType::kF16 : DType::kBF16;
   auto initialise = [&] {
     if (a.init_from.empty()) {
       nn::materialize(model, a.seed);
@@ -363,7 +370,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     else if (a.reshard_after_forward == "false") o.reshard_after_forward = fsdp::ReshardAfterForward::no();
     else if (reshard_k > 0) o.reshard_after_forward = fsdp::ReshardAfterForward::to(reshard_k);
     if (bf16) {
-      o.mp_policy.param_dtype = DType::kBF16;
+      o.mp_policy.param_dtype = low_dtype;
       o.mp_policy.reduce_dtype = DType::kF32;
     }
     o.mp_policy.reduce_wire = reduce_wire(a);
@@ -407,7 +414,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
           std::make_shared<nn::Parameter>(comms, p->shape(), DType::kF32, p->init(), p->placements(), device);
       m->set_data(p->data());
       master.emplace_back(name, m);
-      p->set_dtype(DType::kBF16);
+      p->set_dtype(low_dtype);
     }
   }
   auto cast = [](const DTensor& d, DType dtype) {
@@ -512,7 +519,11 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   for (const auto& [name, p] : master) param_bytes += static_cast<int64_t>(p->data().to_local().nbytes());
   if (bf16 && !use_fsdp)
     for (const auto& [name, p] : params) param_bytes += static_cast<int64_t>(p->data().to_local().nbytes());
-  const DTensor dloss = as_dtensor(Tensor::full({}, 1.0 / a.grad_accum, DType::kF64));
+  // --mp fp16: the loss is scaled for backward (nn::GradScaler, PyTorch's constants); a step whose
+  // gradients hold an inf or NaN on any rank is skipped on every rank and the scale backs off.
+  std::optional<nn::GradScaler> scaler;
+  if (a.mp == "fp16") scaler.emplace();
+  int skipped_steps = 0;
 
   RunResult result;
   result.first_step = first_step;
@@ -544,7 +555,8 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
                                    a.grad_accum > 1 ? fmt::format(" in microbatch {}", m + 1) : ""));
       step_loss += micro_loss / a.grad_accum;
       span.emplace(tracer, me, "compute", "backward");
-      DTensor dlogits = loss_fn.backward(lctx, dloss);
+      const double seed = (scaler ? scaler->scale() : 1.0) / a.grad_accum;
+      DTensor dlogits = loss_fn.backward(lctx, as_dtensor(Tensor::full({}, seed, DType::kF64)));
       model.backward(ctx, dlogits);
     }
     std::optional<kernels::TraceSpan> optimizer_span(std::in_place, tracer, me, "compute", "optimizer");
@@ -554,20 +566,34 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
         params[i].second->zero_grad();
       }
     nn::reduce_gradients(master);
+    if (a.inject_overflow == step + 1 && world.rank() + 1 == world.size())  // the last rank only
+      for (const auto& [name, p] : master)
+        if (p->grad() && p->grad()->to_local().numel() > 0) {
+          Tensor g = p->grad()->to_local();
+          g.view({g.numel()}).narrow(0, 0, 1).fill_(std::numeric_limits<double>::infinity());
+          break;
+        }
     // Clipping (or, with --clip 0, only measuring) the global norm stops a diverged run: the norm
-    // is the same on every rank.
-    try {
-      nn::clip_grad_norm_(master, a.clip, 2.0, /*error_if_nonfinite=*/true);
-    } catch (const kernels::NonFiniteError& e) {
-      throw Diverged(fmt::format("step {}/{}: the gradient norm is not finite ({}); the training diverged (try a "
-                                 "smaller --lr)",
-                                 step + 1, a.steps, e.what()));
+    // is the same on every rank. With the scaler a non-finite gradient skips the step instead.
+    bool stepping = true;
+    const double loss_scale = scaler ? scaler->scale() : 1.0;
+    if (scaler) {
+      stepping = scaler->unscale_clip_(master, a.clip).stepped;
+      if (!stepping) ++skipped_steps;
+    } else {
+      try {
+        nn::clip_grad_norm_(master, a.clip, 2.0, /*error_if_nonfinite=*/true);
+      } catch (const kernels::NonFiniteError& e) {
+        throw Diverged(fmt::format("step {}/{}: the gradient norm is not finite ({}); the training diverged (try a "
+                                   "smaller --lr)",
+                                   step + 1, a.steps, e.what()));
+      }
     }
     int64_t gb = 0;
     for (const auto& [name, p] : master)
       if (p->grad()) gb += static_cast<int64_t>(p->grad()->to_local().nbytes());
     grad_bytes = std::max(grad_bytes, gb);
-    opt->step();
+    if (stepping) opt->step();
     if (step == 0)
       for (const auto& [name, p] : master)
         for (const char* key : {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"}) try {
@@ -591,6 +617,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
           step + 1, a.steps, step_loss, seconds * 1e3, static_cast<double>(a.batch * a.seq) / seconds,
           total_mem->peak_bytes(), param_bytes + unsharded_mem->peak_bytes(), grad_bytes, optim_bytes, buffer_mem->peak_bytes(),
           reduce_total() - reduce_before);
+      if (scaler) fmt::print("  loss_scale {} skipped_steps {}\n", loss_scale, skipped_steps);
       std::fflush(stdout);
     }
     if (!a.save_dir.empty() && ((a.save_every > 0 && (step + 1) % a.save_every == 0) || step + 1 == a.steps))
@@ -718,7 +745,12 @@ void validate(const Args& a) {
   // Sample and token indices of the data (step * batch + g, batch * seq tokens per step).
   kernels::checked_mul(a.steps, a.batch, "samples (--steps x --batch)");
   kernels::checked_mul(a.batch, a.seq, "tokens per step (--batch x --seq)");
-  if (a.mp != "fp32" && a.mp != "bf16") bad(fmt::format("--mp {}: expected fp32 or bf16", a.mp));
+  if (a.mp != "fp32" && a.mp != "bf16" && a.mp != "fp16")
+    bad(fmt::format("--mp {}: expected fp32, bf16 or fp16", kernels::clip(a.mp, 40)));
+  if (a.inject_overflow != 0 && (a.mp != "fp16" || a.inject_overflow < 1 || a.inject_overflow > a.steps))
+    bad(fmt::format("--inject-overflow {}: expected a step 1..--steps ({}) with --mp fp16 (the loss scaler skips "
+                    "it)",
+                    a.inject_overflow, a.steps));
   if (!a.reduce_wire.empty()) {
     if (a.reduce_wire != "bf16" && a.reduce_wire != "e5m2")
       bad(fmt::format("--reduce-wire {}: expected bf16 or e5m2", kernels::clip(a.reduce_wire, 40)));
@@ -786,8 +818,8 @@ fsdp::MemoryConfig memory_config(const Args& a) {
   if (r == "true") c.options.reshard_after_forward = fsdp::ReshardAfterForward::yes();
   else if (r == "false") c.options.reshard_after_forward = fsdp::ReshardAfterForward::no();
   else if (r != "auto") c.options.reshard_after_forward = fsdp::ReshardAfterForward::to(std::stoi(r));
-  if (a.mp == "bf16" && a.fsdp) {
-    c.options.mp_policy.param_dtype = DType::kBF16;
+  if (a.mp != "fp32" && a.fsdp) {
+    c.options.mp_policy.param_dtype = a.mp == "fp16" ? DType::kF16 : DType::kBF16;
     c.options.mp_policy.reduce_dtype = DType::kF32;
   }
   c.options.offload_policy.offload_to_cpu = a.offload;
@@ -911,7 +943,7 @@ struct Outcome {
 // --check-parity: the same training on one rank without parallelism, compared with `got`.
 Outcome check_parity(const Args& a, RunResult got) {
   Outcome o;
-  const double loss_tol = a.mp == "bf16" ? 2e-2 : 1e-5, param_tol = a.mp == "bf16" ? 5e-2 : 1e-5;
+  const double loss_tol = a.mp != "fp32" ? 2e-2 : 1e-5, param_tol = a.mp != "fp32" ? 5e-2 : 1e-5;
   std::optional<RunResult> ref;
   const int hw = std::max(1u, std::thread::hardware_concurrency());
   Args single = a;
@@ -1040,7 +1072,9 @@ int run(int argc, char** argv) {
   app.add_option("--steps", a.steps, "optimizer steps");
   app.add_option("--lr", a.lr, "learning rate");
   app.add_option("--seed", a.seed, "seed of the initial weights and the data (0..2^64-1)")->check(program::kUint64);
-  app.add_option("--mp", a.mp, "fp32 | bf16");
+  app.add_option("--mp", a.mp, "fp32 | bf16 | fp16 (with a loss scaler)");
+  app.add_option("--inject-overflow", a.inject_overflow,
+                 "--mp fp16: an inf in the last rank's gradient at this step (the scaler must skip it everywhere)");
   app.add_option("--grad-accum", a.grad_accum, "microbatches per step");
   app.add_flag("--check-parity", a.check_parity,
                "also train on one rank and compare every loss and the final parameters");

@@ -104,7 +104,7 @@ for args, text in [(["--dp-shard", "0"], "--dp-shard 0"), (["--tp", "3"], "3 ran
                    (["--dp-shard", "2", "--prefetch", "3"], "--prefetch 3"),
                    (["--no-sync"], "need FSDP"),
                    (["--heads", "5"], "--heads 5"), (["--grad-accum", "3"], "--grad-accum 3"),
-                   (["--mp", "fp16"], "fp16"), (["--backend", "gloo"], "gloo"), (["--world", "3"], "--world 3")]:
+                   (["--mp", "fp8"], "fp8"), (["--backend", "gloo"], "gloo"), (["--world", "3"], "--world 3")]:
     r = run(args + ["--steps", "2"])
     check(r.returncode == 2 and text in r.stderr, f"{args}: exit {r.returncode}, stderr {r.stderr.strip()}")
 
