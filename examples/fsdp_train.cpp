@@ -14,6 +14,8 @@
 // --grad-accum: gradients reduced on the last microbatch only), --prefetch 0|1|2 (implicit
 // prefetch depth in forward and backward; default 1). --mp bf16 under FSDP is the
 // MixedPrecisionPolicy (bf16 parameters, f32 reduction, f32 sharded master weights).
+// --all-gather fp8|int8 (with --mp bf16) gathers the blocks' linear weights as fp8 / int8 codes
+// (examples/fsdp_train_lowp.h); the one-rank reference computes with the same dequantised weights.
 // --reduce-wire bf16|e5m2 (FSDP only): the gradient reductions move that dtype and sum it in f32
 // (MixedPrecisionPolicy::reduce_wire; NOTE [wire dtype] in dtensor/exec/executor.h).
 // --mp fp16: as bf16 with fp16 parameters and nn::GradScaler (a skipped step on every rank when
@@ -22,13 +24,15 @@
 //
 // Output: one progress line per --log-every steps on rank 0 (the step's wall time in ms too),
 //   step 3/30 loss 3.91234567 ms 6.21 tokens/s 41234 peak_bytes 1234567 param_bytes 123 grad_bytes 45
-//   optim_bytes 90 buffer_bytes 67 reduce_bytes 8192
+//   optim_bytes 90 buffer_bytes 67 all_gather_bytes 89 reduce_bytes 8192
 // (rank 0's peaks: parameters = sharded plus unsharded, gradients = sharded, optimizer state,
-// buffers = FSDP's reduce-scatter inputs and casts; reduce_bytes: what the step's gradient
-// reductions moved per rank, from their plans; 0 without FSDP)
+// buffers = FSDP's reduce-scatter inputs and casts; the bytes rank 0's unshards sent this step;
+// reduce_bytes: what the step's gradient reductions moved per rank, from their plans; 0 without
+// FSDP)
 // and, last, one JSON object:
 //   {"steps":30,"first_loss":4.16,"last_loss":0.93,"parity":"ok","max_rel_loss_diff":2e-7,
-//    "max_param_diff":3e-8,"tokens_per_s":41234,"peak_bytes":1234567,...,"reduce_bytes":8192}
+//    "max_param_diff":3e-8,"tokens_per_s":41234,"peak_bytes":1234567,...,"all_gather_bytes":89,
+//    "reduce_bytes":8192}
 // (reduce_bytes: the progress lines' reduce_bytes averaged over the steps run)
 // parity: "skipped" without --check-parity (then the two diffs are null); max_rel_loss_diff is the
 // largest |loss - loss_ref| / |loss_ref| over the steps (limit 1e-5; bf16: 2e-2), max_param_diff
@@ -111,6 +115,7 @@
 #include "nn/safetensors.h"
 #include "nn/tensor_parallel.h"
 #include "nn/transformer.h"
+#include "examples/fsdp_train_lowp.h"
 #include "program/cli.h"
 #include "program/main.h"
 #include "program/stats.h"
@@ -134,6 +139,7 @@ struct Args {
   double lr = 3e-3;
   uint64_t seed = 0;
   std::string mp = "fp32";
+  std::string all_gather;  // --all-gather fp8 | int8 (empty: param dtype)
   int grad_accum = 1;
   bool check_parity = false;
   std::string dump_init;
@@ -258,7 +264,8 @@ struct RunResult {
   double tokens_per_s = 0;
   int64_t peak_bytes = 0;
   int64_t peak_block_bytes = 0;  // the same in the caching allocator's block sizes (what a limit counts)
-  int64_t reduce_bytes = 0;  // per step: what the gradient reductions' plans moved (busiest rank)
+  std::optional<int64_t> all_gather_bytes;  // per step, this rank's unshards (FSDP only)
+  std::optional<int64_t> reduce_bytes;  // per step: what the gradient reductions' plans moved (FSDP only)
 };
 
 // --reduce-wire: MixedPrecisionPolicy::reduce_wire (validate() checked the text).
@@ -306,6 +313,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   // --mp bf16 | fp16: low-precision compute parameters (fp16 with a GradScaler).
   const bool bf16 = a.mp != "fp32";
   const DType low_dtype = a.mp == "fp16" ? DType::kF16 : DType::kBF16;
+  const std::optional<fsdp::QuantConfig> quant = fsdp_train::parse_all_gather(a.all_gather);
   auto initialise = [&] {
     if (a.init_from.empty()) {
       nn::materialize(model, a.seed);
@@ -358,7 +366,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   auto unsharded_mem = std::make_shared<nn::TrackingAllocator>(cache, total_mem);
   auto buffer_mem = std::make_shared<nn::TrackingAllocator>(cache, total_mem);
   fsdp::FSDPModule* root = nullptr;
-  std::vector<fsdp::FSDPModule*> groups;  // every FSDP group (their reduce bytes)
+  std::vector<fsdp::FSDPModule*> groups;  // every group (blocks, then the root)
   auto reduce_total = [&] {
     int64_t n = 0;
     for (const fsdp::FSDPModule* g : groups) n += g->stats().reduce_bytes;
@@ -378,8 +386,10 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     o.unsharded_allocator = unsharded_mem;
     o.buffer_allocator = buffer_mem;
     std::vector<fsdp::FSDPModule*> blocks;
+    if (quant) o.all_gather_extension_fn = fsdp_train::extension_fn(*quant);
     for (const auto& [name, block] : model.blocks().children()) blocks.push_back(&fsdp::fully_shard(*block, comms, o));
     fsdp::FullyShardOptions ro = o;
+    ro.all_gather_extension_fn = nullptr;  // embeddings, lm_head and the final norm stay bf16
     if (reshard_k > 0) ro.reshard_after_forward = fsdp::ReshardAfterForward::automatic();  // the root keeps its own
     root = &fsdp::fully_shard(model, comms, ro);
     root->set_prefetch_depth(a.prefetch >= 1 ? 1 : 0);
@@ -415,6 +425,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
       m->set_data(p->data());
       master.emplace_back(name, m);
       p->set_dtype(low_dtype);
+      fsdp_train::set_compute(name, *p, p->data().to_local(), m->data().to_local(), quant);
     }
   }
   auto cast = [](const DTensor& d, DType dtype) {
@@ -466,8 +477,9 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
           first_step, a.steps));
     if (bf16)
       for (size_t i = 0; i < params.size(); ++i) {
-        Tensor compute = params[i].second->data().to_local();
-        compute.copy_(master[i].second->data().to_local());
+        if (use_fsdp) continue;  // the parameters are the master weights
+        fsdp_train::set_compute(params[i].first, *params[i].second, params[i].second->data().to_local(),
+                                master[i].second->data().to_local(), quant);
       }
     if (print && rank0) {
       fmt::print("resumed from {} at step {}\n", a.resume_from, first_step);
@@ -529,10 +541,12 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   result.first_step = first_step;
   std::vector<double> step_seconds;
   total_mem->reset_peak();  // the training's peak: initialisation and --dump-init left out
+  const int64_t ag_bytes_start = fsdp_train::all_gather_bytes(groups);
   cache->reset_peak();
   const int64_t reduce_start = reduce_total();
   for (int step = first_step; step < a.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
+    const int64_t ag_bytes_before = fsdp_train::all_gather_bytes(groups);
     const int64_t reduce_before = reduce_total();
     const std::string step_name = tracer != nullptr ? fmt::format("step {}", step + 1) : std::string();
     const kernels::TraceSpan step_span(tracer, me, "compute", step_name);
@@ -604,8 +618,8 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     optimizer_span.reset();
     if (bf16 && !use_fsdp)
       for (size_t i = 0; i < params.size(); ++i) {
-        Tensor compute = params[i].second->data().to_local();
-        compute.copy_(master[i].second->data().to_local());  // rounds to bf16
+        fsdp_train::set_compute(params[i].first, *params[i].second, params[i].second->data().to_local(),
+                                master[i].second->data().to_local(), quant);  // rounds to bf16
       }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     step_seconds.push_back(seconds);
@@ -613,10 +627,10 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     if (print && rank0 && ((step + 1) % a.log_every == 0 || step + 1 == a.steps)) {
       fmt::print(
           "step {}/{} loss {:.9g} ms {:.3f} tokens/s {:.0f} peak_bytes {} param_bytes {} grad_bytes {} "
-          "optim_bytes {} buffer_bytes {} reduce_bytes {}\n",
+          "optim_bytes {} buffer_bytes {} all_gather_bytes {} reduce_bytes {}\n",
           step + 1, a.steps, step_loss, seconds * 1e3, static_cast<double>(a.batch * a.seq) / seconds,
           total_mem->peak_bytes(), param_bytes + unsharded_mem->peak_bytes(), grad_bytes, optim_bytes, buffer_mem->peak_bytes(),
-          reduce_total() - reduce_before);
+          fsdp_train::all_gather_bytes(groups) - ag_bytes_before, reduce_total() - reduce_before);
       if (scaler) fmt::print("  loss_scale {} skipped_steps {}\n", loss_scale, skipped_steps);
       std::fflush(stdout);
     }
@@ -628,7 +642,11 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   // Steady state: leave out the first step (allocations, plan caches) when there are others.
   std::vector<double> steady(step_seconds.begin() + (step_seconds.size() > 1 ? 1 : 0), step_seconds.end());
   const double med = median(steady);
-  if (a.steps > first_step) result.reduce_bytes = (reduce_total() - reduce_start) / (a.steps - first_step);
+  if (use_fsdp && !result.losses.empty()) {
+    result.all_gather_bytes =
+        (fsdp_train::all_gather_bytes(groups) - ag_bytes_start) / static_cast<int64_t>(result.losses.size());
+    result.reduce_bytes = (reduce_total() - reduce_start) / static_cast<int64_t>(result.losses.size());
+  }
   result.tokens_per_s = med > 0 ? static_cast<double>(a.batch * a.seq) / med : 0;
   // The training's peak, before the full parameters are gathered for the parity check.
   const int64_t training_peak = total_mem->peak_bytes();
@@ -759,6 +777,17 @@ void validate(const Args& a) {
       bad(fmt::format("--reduce-wire {}: needs FSDP's gradient reductions (--dp-shard or --dp-replicate), whose "
                       "reduce dtype (f32) it must be narrower than",
                       a.reduce_wire));
+  }
+  if (!a.all_gather.empty()) {
+    fsdp_train::parse_all_gather(a.all_gather);  // InvalidArgument naming the value
+    if (a.mp != "bf16")
+      bad(fmt::format("--all-gather {} needs --mp bf16 (the weights are dequantised to bf16 for compute); got --mp {}",
+                      a.all_gather, a.mp));
+    if (!a.fsdp) bad(fmt::format("--all-gather {} needs FSDP (--dp-shard / --dp-replicate)", a.all_gather));
+    if (r != "auto" && r != "true" && r != "false" && r != "1" && r != std::to_string(a.dp_shard))
+      bad(fmt::format("--all-gather {} with --reshard-after-forward {}: expected true or false (the K buffer "
+                      "would hold bf16 weights, not the codes)",
+                      a.all_gather, r));
   }
   if (a.log_every < 1) bad(fmt::format("--log-every {}: expected >= 1", a.log_every));
   if (a.optimizer != "adamw" && a.optimizer != "sgd")
@@ -976,12 +1005,13 @@ int finish(const Args& a, const Outcome& o) {
   fmt::print(
       "{{\"steps\":{},\"first_loss\":{},\"last_loss\":{},\"parity\":\"{}\",\"max_rel_loss_diff\":{},"
       "\"max_param_diff\":{},\"tokens_per_s\":{},\"peak_bytes\":{},\"peak_block_bytes\":{},"
-      "\"estimated_peak_bytes\":{},\"estimated_peak_block_bytes\":{},\"reduce_bytes\":{}}}\n",
+      "\"estimated_peak_bytes\":{},\"estimated_peak_block_bytes\":{},\"all_gather_bytes\":{},\"reduce_bytes\":{}}}\n",
       a.steps, json_number(got.losses.front()), json_number(got.losses.back()), o.parity,
       o.cmp ? json_number(o.cmp->max_rel_loss_diff) : "null", o.cmp ? json_number(o.cmp->max_param_diff) : "null",
       json_number(std::round(got.tokens_per_s)), got.peak_bytes, got.peak_block_bytes,
       o.estimate ? std::to_string(o.estimate->peak) : "null", o.estimate ? std::to_string(o.estimate->peak_blocks) : "null",
-      got.reduce_bytes);
+      got.all_gather_bytes ? std::to_string(*got.all_gather_bytes) : "null",
+      got.reduce_bytes ? std::to_string(*got.reduce_bytes) : "null");
   std::fflush(stdout);
   return o.parity == "fail" ? program::kMismatch : program::kOk;
 }
@@ -1075,6 +1105,8 @@ int run(int argc, char** argv) {
   app.add_option("--mp", a.mp, "fp32 | bf16 | fp16 (with a loss scaler)");
   app.add_option("--inject-overflow", a.inject_overflow,
                  "--mp fp16: an inf in the last rank's gradient at this step (the scaler must skip it everywhere)");
+  app.add_option("--all-gather", a.all_gather,
+                 "fp8 | int8: all-gather the blocks' linear weights as fp8 e4m3 or int8 blocks (needs --mp bf16)");
   app.add_option("--grad-accum", a.grad_accum, "microbatches per step");
   app.add_flag("--check-parity", a.check_parity,
                "also train on one rank and compare every loss and the final parameters");

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "dtensor/layout.h"
+#include "fsdp/byte_pack.h"
 #include "fsdp/dp_chunks.h"
 #include "kernels/error.h"
 #include "kernels/format.h"
@@ -102,6 +103,10 @@ class Group {
   int64_t slot_numel = 0;  // P: one rank's flat elements
   kernels::ChunkCatLayout layout;  // the slots, rank-major: chunk_cat / split_copy copies
   int64_t unsharded_numel = 0;
+  // With all-gather extensions: one ByteSlot per slot and the bytes of one rank's u8 buffer
+  // (fsdp/byte_pack.h); empty otherwise.
+  std::vector<detail::ByteSlot> bslots;
+  int64_t rank_bytes = 0;
   std::optional<DTensor> sharded_flat;
   std::shared_ptr<Storage> flat_storage, param_storage;
   Tensor grad_flat;    // sharded gradients (orig dtype, storage device)
@@ -130,6 +135,7 @@ class Group {
   std::string note;
 
   bool is_root() const { return rt && rt->root == this; }
+  bool byte_mode() const { return !bslots.empty(); }
   bool hsdp() const { return rep_mesh_dim.has_value(); }
   int dp_ndim() const { return static_cast<int>(dp_dims.size()); }
 
@@ -155,6 +161,12 @@ class Group {
 
   // ---- storage ----
   Tensor flat_view() {
+    if (byte_mode()) {
+      if (!flat_storage) flat_storage = Storage::allocate(static_cast<size_t>(dp * rank_bytes), compute_device, unsharded_alloc);
+      else flat_storage->reallocate();
+      return Tensor::from_storage(flat_storage, DType::kU8, Dims{dp * rank_bytes},
+                                  Tensor::contiguous_strides(Dims{dp * rank_bytes}));
+    }
     if (!flat_storage)
       flat_storage = Storage::allocate(static_cast<size_t>(dp * slot_numel) * kernels::itemsize(param_dtype),
                                        compute_device, unsharded_alloc);
@@ -228,13 +240,26 @@ class Group {
     if (state == State::kSharded) require_materialized();
     Tensor out = flat_view();
     if (state == State::kResharded) {
+      stats.all_gather_bytes += k_buffer->plan_to(filled(k_comms->mesh().ndim(), dtensor::Replicate{})).bytes_per_rank();
       ag_handle = dtensor::redistribute_async(*k_buffer, filled(k_comms->mesh().ndim(), dtensor::Replicate{}), {}, out);
     } else {
       // Copy-in: the shard on the compute device, in the parameter dtype (so the all-gather
       // moves param_dtype bytes; FSDP2 casts before communicating).
       const Tensor& local = flat_shard();
       DTensor src = *sharded_flat;
-      if (local.dtype() != param_dtype || local.device() != compute_device) {
+      if (byte_mode()) {
+        // Every slot's gathered pieces (extensions' or the plain cast shard) packed by bytes.
+        ag_input = Tensor::empty(Dims{rank_bytes}, DType::kU8, compute_device, buffer_alloc);
+        ag_input.fill_(0.0);
+        std::vector<Tensor> padded;
+        padded.reserve(slots.size());
+        for (const Slot& s : slots) padded.push_back(local.narrow(0, s.offset, s.padded_numel).view(s.padded_shape));
+        const kernels::TraceSpan span(tracer(), trace_pid(), "copies", "FSDP copy-in (extensions)");
+        stats.extension_bytes += detail::pack(bslots, padded, ag_input);
+        src = DTensor(dp_comms,
+                      dtensor::make_spec(mesh_ptr(dp_comms), flat_sharded_placements(), Dims{dp * rank_bytes}, DType::kU8),
+                      ag_input);
+      } else if (local.dtype() != param_dtype || local.device() != compute_device) {
         ag_input = Tensor::empty(local.shape(), param_dtype, compute_device, buffer_alloc);
         const kernels::TraceSpan span(tracer(), trace_pid(), "copies", "FSDP copy-in");
         if (local.device() == compute_device)
@@ -243,6 +268,7 @@ class Group {
           ag_input.copy_(local);  // offload: host -> device (and cast)
         src = DTensor(dp_comms, flat_spec(flat_sharded_placements(), param_dtype), ag_input);
       }
+      stats.all_gather_bytes += src.plan_to(filled(dp_ndim(), dtensor::Replicate{})).bytes_per_rank();
       ag_handle = dtensor::redistribute_async(src, filled(dp_ndim(), dtensor::Replicate{}), {}, out);
     }
     ++stats.all_gathers;
@@ -264,7 +290,8 @@ class Group {
     std::vector<Tensor> outs;
     outs.reserve(slots.size());
     for (const Slot& s : slots) outs.push_back(unsharded_local(s));
-    kernels::split_copy(outs, flat, layout, opts.copy_threads);
+    if (byte_mode()) detail::unpack(bslots, flat, rank_bytes, dp, param_dtype, outs, buffer_alloc);
+    else kernels::split_copy(outs, flat, layout, opts.copy_threads);
     span.reset();
     flat_storage->free();
     for (const Slot& s : slots) {
@@ -727,6 +754,9 @@ std::vector<std::string> FSDPModule::parameter_names() const {
 }
 bool FSDPModule::is_unsharded() const { return group_->state == Group::State::kUnsharded; }
 int64_t FSDPModule::unsharded_bytes() const {
+  if (group_->byte_mode())
+    return group_->unsharded_numel * static_cast<int64_t>(kernels::itemsize(group_->param_dtype)) +
+           group_->dp * group_->rank_bytes;
   return (group_->unsharded_numel + group_->dp * group_->slot_numel) *
          static_cast<int64_t>(kernels::itemsize(group_->param_dtype));
 }
@@ -975,6 +1005,39 @@ FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr
                    "copy streams, so offload copies are synchronous (default stream)";
   g.unsharded_alloc = options.unsharded_allocator ? options.unsharded_allocator : comms->allocator();
   g.buffer_alloc = options.buffer_allocator ? options.buffer_allocator : comms->allocator();
+
+  // All-gather extensions: the group's buffer becomes bytes (fsdp/byte_pack.h).
+  if (options.all_gather_extension_fn) {
+    std::vector<detail::ByteSlot> bs;
+    bool any = false;
+    for (const Slot& s : g.slots) {
+      detail::ByteSlot b;
+      b.ext = options.all_gather_extension_fn(s.name, *s.param);
+      any = any || b.ext;
+      AllGatherContext& c = b.ctx;
+      c.name = s.name;
+      c.comms = comms;
+      c.sharded_spec = s.sharded_spec;
+      c.unsharded_spec = s.unsharded_spec;
+      c.replicate_mesh_dim = g.rep_mesh_dim;
+      c.shard_mesh_dim = g.shard_mesh_dim;
+      c.shard_dim = s.shard_dim;
+      c.local_shape = s.local_shape;
+      c.padded_shape = s.padded_shape;
+      c.chunks = s.chunks;
+      c.dp_coord = g.my_coord;
+      bs.push_back(std::move(b));
+    }
+    if (any) {
+      if (g.reshard_mode.kind == ReshardAfterForward::Kind::kInt && g.reshard_mode.k > 1 && g.reshard_mode.k < g.dp)
+        throw Unsupported(fmt::format(
+            "fully_shard({}): reshard_after_forward = {} with all-gather extensions: the k buffer would hold "
+            "compute-dtype parameters, not the extensions' inputs; use true or false",
+            g.name, g.reshard_mode.k));
+      g.rank_bytes = detail::lay_out(bs, g.param_dtype);
+      g.bslots = std::move(bs);
+    }
+  }
 
   // reshard_after_forward = k: 1 is false, the shard size true, otherwise the sub-mesh.
   if (g.reshard_mode.kind == ReshardAfterForward::Kind::kInt) {

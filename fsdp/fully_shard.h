@@ -39,6 +39,7 @@
 
 #include "dtensor/dtensor.h"
 #include "dtensor/mesh_comms.h"
+#include "fsdp/all_gather_extension.h"
 #include "kernels/allocator.h"
 #include "nn/module.h"
 
@@ -104,6 +105,10 @@ struct FullyShardOptions {
   std::optional<DataParallelMeshDims> mesh_dims;
   ReshardAfterForward reshard_after_forward;
   ShardPlacementFn shard_placement_fn;
+  // Per parameter, an all-gather extension (fsdp/all_gather_extension.h; e.g. fp8 or int8
+  // codes on the wire: fsdp/lowp.h) or nullptr. A group with one packs every parameter's
+  // gathered tensors by bytes into one u8 buffer: still one all-gather per unshard.
+  AllGatherExtensionFn all_gather_extension_fn;
   MixedPrecisionPolicy mp_policy;
   OffloadPolicy offload_policy;
   std::vector<std::shared_ptr<nn::Parameter>> ignored_params;  // neither sharded nor reduced
@@ -144,6 +149,8 @@ struct GroupStats {
   int64_t reduce_scatters = 0;   // P -> S(0) gradient reductions issued
   int64_t all_reduces = 0;       // HSDP replicate reductions (inside or after the reduce-scatter)
   int64_t prefetches = 0;        // unshards issued ahead by prefetch
+  int64_t all_gather_bytes = 0;  // this rank's bytes sent by the unshard plans (bytes_per_rank)
+  int64_t extension_bytes = 0;   // this rank's bytes sent by the extensions' own collectives
   int64_t reduce_bytes = 0;      // bytes the gradient reductions' plans moved (busiest rank)
 };
 

@@ -42,7 +42,7 @@ case $kind in
            kernels-gpu kernels-gpu-ops nn-gpu collectives-nccl-gpu  # "this build has no CUDA": skipped
            conformance cli-layout cli-redistribute fuzz bench-smoke
            bench-smoke-detects-wrong dtensor-bench-smoke dtensor-bench-odd-world dtensor-bench-host-cost
-           bad-inputs layout-example api-example dtensor-asan dtensor-asan-planner fsdp fsdp-meta fsdp-estimate
+           bad-inputs layout-example api-example dtensor-asan dtensor-asan-planner fsdp fsdp-meta fsdp-estimate fsdp-lowp
            fsdp-dp-chunks checkpoint-save-plan
            checkpoint fsdp-train-fsdp4
            fsdp-train-hsdp2x2xtp2-bf16 fsdp-train-checkpoint-resume)
