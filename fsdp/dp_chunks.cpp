@@ -62,7 +62,7 @@ std::optional<DpChunkVerdict> check_dp_chunks(const Dims& global_shape, const Di
   });
   const dtensor::SplitList tp = dtensor::chain_of(unsharded, mesh_shape, sd);
   if (sd > 0)
-    for (int64_t size : dtensor::distinct_sizes(n, tp, mesh_shape, work))
+    for (int64_t size : dtensor::distinct_sizes(n, dtensor::span_of(tp), mesh_shape, work))
       if (size % dp != 0) return DpChunkVerdict{DpChunkVerdict::kIndivisible, size};
   if (dp == 1) return std::nullopt;
   const dtensor::SplitList all = dtensor::chain_of(sharded, mesh_shape, sd);
@@ -87,7 +87,7 @@ std::optional<DpChunkVerdict> check_dp_chunks(const Dims& global_shape, const Di
   dtensor::SplitList with_dp;
   with_dp.push_back(*at);
   with_dp.insert(with_dp.end(), later.begin(), later.end());
-  for (int64_t m : dtensor::distinct_sizes(n, before, mesh_shape, work)) {
+  for (int64_t m : dtensor::distinct_sizes(n, dtensor::span_of(before), mesh_shape, work)) {
     // Even tp pieces: the strided split takes chunk c of each, which the later splits hand out whole.
     if (plain_later && sf == tp_group && m % sf == 0) continue;
     if (plain_later && later.size() == 1 && later[0].k == sf) {
@@ -104,14 +104,14 @@ std::optional<DpChunkVerdict> check_dp_chunks(const Dims& global_shape, const Di
         rest /= later[i].k;
       }
       const std::span<const int64_t> later_coords(coords.data() + 1, later.size());
-      const dtensor::IndexRuns local = dtensor::chain_positions(m, later, later_coords);
+      const dtensor::IndexRuns local = dtensor::chain_positions(m, dtensor::span_of(later), later_coords);
       int64_t local_size = 0;
       for (const dtensor::IndexRun& r : local) local_size += r.length;
       work.add(kernels::checked_mul(dp, static_cast<int64_t>(local.size()) + 1, "check work"));
       for (int64_t c = 0; c < dp; ++c) {
         coords[0] = c;
         const dtensor::Chunk piece = dtensor::chunk(local_size, dp, c);
-        if (dtensor::chain_positions(m, with_dp, coords) != dtensor::slice_runs(local, piece.offset, piece.size))
+        if (dtensor::chain_positions(m, dtensor::span_of(with_dp), coords) != dtensor::slice_runs(local, piece.offset, piece.size))
           return DpChunkVerdict{DpChunkVerdict::kNotChunks, n};
       }
     }

@@ -422,10 +422,10 @@ class Issuer {
     for (size_t j = 0; j < items_.size(); ++j)
       if (!sc[j]->per_member) sc[j] = sched(j, Path::kReduceScatter, /*per_member=*/true);
     std::vector<int64_t> seg(k, 0), seg_off(k, 0);
+    for (const auto& s : sc) s->chunk_blocks.add_numels(seg);
     int64_t total = 0;
     for (int64_t g = 0; g < k; ++g) {
       seg_off[g] = total;
-      for (const auto& s : sc) seg[g] += s->seg[g];
       total += seg[g];
     }
     const bool even = std::all_of(seg.begin(), seg.end(), [&](int64_t n) { return n == seg[0]; });
@@ -433,9 +433,11 @@ class Issuer {
     local([=] {
       for (int64_t g = 0; g < k; ++g) {
         int64_t off = seg_off[g];
+        if (seg[g] == 0) continue;
         for (size_t j = 0; j < ins.size(); ++j) {
-          pack(ins[j], sc[j]->chunk_blocks[g], send, off);
-          off += sc[j]->seg[g];
+          const Block b = sc[j]->chunk_blocks.at(g);
+          pack(ins[j], b, send, off);
+          off += b.numel();
         }
       }
     });
@@ -695,9 +697,10 @@ class Issuer {
         for (int d = 0; d < o.ndim(); ++d)
           if (o.stride(d) < 0) o = alloc(sc->post_shape, dt);  // views need non-negative strides
       out.push_back(o);
-      for (const StepSchedule::Message& msg : sc->messages)
+      sc->for_each_message([&](const StepSchedule::Message& msg) {
         ops.push_back(msg.send ? P2POp::send(at(items_[j].local, msg.view), msg.peer)
                                : P2POp::recv(at(o, msg.view), msg.peer));
+      });
     }
     call(on(comm()).send_recv(ops));
     return out;
@@ -714,10 +717,8 @@ class Issuer {
       sc.push_back(sched(j, Path::kPacked));
       out.push_back(result(j, sc.back()->post_shape, dt, false));
       ins.push_back(items_[j].local);
-      for (int64_t g = 0; g < k; ++g) {
-        send_n[g] += sc.back()->send_n[g];
-        recv_n[g] += sc.back()->recv_n[g];
-      }
+      sc.back()->send_blocks.add_numels(send_n);
+      sc.back()->recv_blocks.add_numels(recv_n);
     }
     TensorList send_buf(k), recv_buf(k);
     std::vector<P2POp> ops;
@@ -733,18 +734,20 @@ class Issuer {
       for (int64_t g = 0; g < k; ++g) {
         if (g == r) {
           for (size_t j = 0; j < ins.size(); ++j) {
-            const Block& from = sc[j]->send_blocks[g];
+            const Block from = sc[j]->send_blocks.at(g);
             if (from.numel() == 0) continue;
             Tensor tmp = Tensor::empty({from.numel()}, ins[j].dtype(), ins[j].device());
             pack(ins[j], from, tmp, 0);
-            unpack(tmp, 0, out[j], sc[j]->recv_blocks[g]);
+            unpack(tmp, 0, out[j], sc[j]->recv_blocks.at(g));
           }
           continue;
         }
+        if (send_n[g] == 0) continue;
         int64_t off = 0;
         for (size_t j = 0; j < ins.size(); ++j) {
-          pack(ins[j], sc[j]->send_blocks[g], send_buf[g], off);
-          off += sc[j]->send_n[g];
+          const Block b = sc[j]->send_blocks.at(g);
+          pack(ins[j], b, send_buf[g], off);
+          off += b.numel();
         }
       }
     });
@@ -752,10 +755,12 @@ class Issuer {
     local([=] {  // unpack
       for (int64_t g = 0; g < k; ++g) {
         if (g == r) continue;
+        if (recv_n[g] == 0) continue;
         int64_t off = 0;
         for (size_t j = 0; j < out.size(); ++j) {
-          unpack(recv_buf[g], off, out[j], sc[j]->recv_blocks[g]);
-          off += sc[j]->recv_n[g];
+          const Block b = sc[j]->recv_blocks.at(g);
+          unpack(recv_buf[g], off, out[j], b);
+          off += b.numel();
         }
       }
     });

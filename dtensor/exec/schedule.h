@@ -2,14 +2,17 @@
 // computed from its own coordinate only, in work proportional to its group (the peers it
 // exchanges with), never to the world: the layouts of its peers differ from its own only along
 // the tensor dims the step's mesh dim splits, and only from that split on, so each peer costs one
-// split of the common prefix; peers whose piece is empty (the trailing ones of an uneven split)
-// are not visited. Internal to dtensor/exec/.
+// split of the common prefix, and runs of peers whose pieces are translates of one another are
+// computed once (NOTE [peer runs]), so a 1-D exchange over 2^20 ranks is a few runs; peers whose
+// piece is empty (the trailing ones of an uneven split) are one run of nothing. Internal to
+// dtensor/exec/.
 //
-//   auto s = make_schedule(comms, spec.shape, before, after, m, Path::kViews, DType::kF32);
-//   for (const StepSchedule::Message& msg : s->messages) ...   // this rank's sends and receives
+//   auto s = make_schedule(rc, spec.shape, before, after, m, Path::kViews, DType::kF32);
+//   s->for_each_message([&](const StepSchedule::Message& msg) { ... });  // sends and receives
 #pragma once
 
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "dtensor/layout.h"
@@ -51,6 +54,25 @@ struct RankContext {
 // buffers, a reduce-scatter, a local chunk, or an all-gather straight into the result.
 enum class Path : int { kViews, kPacked, kReduceScatter, kLocalChunk, kAllGather, kCount };
 
+// Per-peer blocks in compact form (NOTE [peer runs]): a run of consecutive peers whose blocks are
+// translates of one another is one entry. Peers in no run have an empty block.
+//   runs = {{first 0, count 4, block rows [0,2), dim 0, step 2}}: peer 3's block is rows [6,8).
+struct BlockRun {
+  int64_t first = 0, count = 0;
+  Block block;  // the block of peer `first`
+  int dim = 0;  // peer first + i: block's positions along dim moved by i x step
+  int64_t step = 0;
+};
+struct PeerBlocks {
+  int64_t peers = 0;
+  std::vector<BlockRun> runs;  // increasing `first`, disjoint
+  // Peer g's block (expanded; allocates). REQUIRES: 0 <= g < peers.
+  Block at(int64_t g) const;
+  // out[g] += peer g's numel, for every peer. REQUIRES: out.size() == peers.
+  void add_numels(std::span<int64_t> out) const;
+  int64_t bytes() const;
+};
+
 struct StepSchedule {
   Dims post_shape;  // this rank's local shape after the step
   // Exchange through views: this rank's sends (views of its input) and receives (views of its
@@ -60,17 +82,44 @@ struct StepSchedule {
     int peer = 0;
     View view;
   };
-  std::vector<Message> messages;
+  // NOTE [peer runs] The messages as runs of consecutive peers: peer first + i sends and receives
+  // `pieces` in order, each view's start along its dim moved by i x step. Where a peer's layout
+  // along the split tensor dim is a translate of its neighbour's (full torch.chunk pieces of one
+  // contiguous list) and this rank's side holds all or none of it, the peers' pieces are
+  // translates too, so a 1-D all-to-all over 65,536 ranks is one run, not 131,072 messages.
+  struct Piece {
+    bool send = false;
+    View view;
+    int dim = 0;
+    int64_t step = 0;
+  };
+  struct MessageRun {
+    int64_t first = 0, count = 0;
+    std::vector<Piece> pieces;
+  };
+  std::vector<MessageRun> message_runs;
+  // Calls f(const Message&) for every message in order (expanding the runs).
+  template <class F>
+  void for_each_message(F f) const {
+    Message msg;
+    for (const MessageRun& run : message_runs)
+      for (int64_t i = 0; i < run.count; ++i)
+        for (const Piece& p : run.pieces) {
+          msg.send = p.send;
+          msg.peer = static_cast<int>(run.first + i);
+          msg.view = p.view;
+          if (p.step != 0) msg.view.start[p.dim] += i * p.step;
+          f(static_cast<const Message&>(msg));
+        }
+  }
+  std::vector<Message> messages() const;  // expanded (tests)
   // Packed exchange: per peer g, the block of the input sent to g and of the result received from
-  // g (g == this rank: what it keeps), and their sizes.
-  std::vector<Block> send_blocks, recv_blocks;
-  std::vector<int64_t> send_n, recv_n;
+  // g (g == this rank: what it keeps).
+  PeerBlocks send_blocks, recv_blocks;
   // Reduce-scatter: flat: the members' chunks are consecutive equal flat ranges of the input in
   // member order (reduce-scatter straight from it; nothing per member is kept). Otherwise per
-  // member g: the block of g's chunk in this rank's input, its size and offset in the packed send
-  // buffer; even: equal sizes.
-  std::vector<Block> chunk_blocks;
-  std::vector<int64_t> seg, seg_off;
+  // member g: the block of g's chunk in this rank's input; even: equal sizes.
+  PeerBlocks chunk_blocks;
   bool even = false, flat = false, per_member = false;
   Block post_whole;  // every element of the result (unpacking a flat result)
   // Local chunk: the block of the input this rank keeps.

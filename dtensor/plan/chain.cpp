@@ -46,7 +46,8 @@ Pieces pieces_of(int64_t n, const Split& s) {
 }
 
 // Coordinates in (0, k) where chunk(length, k, c).size changes.
-void chunk_breakpoints(int64_t length, int64_t k, std::vector<int64_t>& out) {
+template <class V>
+void chunk_breakpoints(int64_t length, int64_t k, V& out) {
   if (length <= 0) return;
   const int64_t cs = ceil_div(length, k);
   const int64_t q = length / cs;
@@ -54,13 +55,15 @@ void chunk_breakpoints(int64_t length, int64_t k, std::vector<int64_t>& out) {
     if (c > 0 && c < k) out.push_back(c);
 }
 
-void breakpoints(int64_t n, const Split& s, std::vector<int64_t>& out) {
+template <class V>
+void breakpoints(int64_t n, const Split& s, V& out) {
   const Pieces p = pieces_of(n, s);
   chunk_breakpoints(p.length, s.k, out);
   chunk_breakpoints(p.last, s.k, out);
 }
 
-void sort_unique(std::vector<int64_t>& v) {
+template <class V>
+void sort_unique(V& v) {
   std::sort(v.begin(), v.end());
   v.erase(std::unique(v.begin(), v.end()), v.end());
 }
@@ -115,44 +118,55 @@ int64_t SizeClass::count() const {
   return c;
 }
 
-void for_each_size_class(const ChainSet& chains, WorkBudget& work, const std::function<void(const SizeClass&)>& f) {
+void for_each_size_class(const ChainSet& chains, WorkBudget& work, void* f, void (*call)(void*, const SizeClass&)) {
   const Dims& mesh = chains.mesh_shape();
   const int ndim = mesh.size();
   const size_t n = chains.size();
-  // at[d]: the chains splitting at mesh dim d, with the split.
-  std::vector<std::vector<std::pair<size_t, Split>>> at(ndim);
-  for (size_t i = 0; i < n; ++i)
-    for (const Split& s : chains.splits(static_cast<int>(i))) at[s.mesh_dim].push_back({i, s});
-  std::vector<int64_t> sizes(n);
+  // The chains' splits by mesh dim: at[first[d] .. first[d + 1]) split at mesh dim d.
+  struct At {
+    size_t chain;
+    Split split;
+  };
+  boost::container::small_vector<At, 16> at;
+  boost::container::small_vector<size_t, 8> first(ndim + 1, 0);
+  for (int d = 0; d < ndim; ++d) {
+    first[d] = at.size();
+    for (size_t i = 0; i < n; ++i)
+      for (const Split& s : chains.splits(static_cast<int>(i)))
+        if (s.mesh_dim == d) at.push_back({i, s});
+  }
+  first[ndim] = at.size();
+  boost::container::small_vector<int64_t, 16> sizes(n);
   for (size_t i = 0; i < n; ++i) sizes[i] = chains.extent(static_cast<int>(i));
-  SizeClass cls{sizes, Dims::filled(ndim, 0), mesh};
-  std::vector<int64_t> points;
-  std::function<void(int)> rec = [&](int d) {
+  SizeClass cls{{sizes.data(), sizes.size()}, Dims::filled(ndim, 0), mesh};
+  auto rec = [&](auto& self, int d) -> void {
     if (d == ndim) {
       work.add(1);
-      f(cls);
+      call(f, cls);
       return;
     }
-    if (at[d].empty()) {
+    if (first[d] == first[d + 1]) {
       cls.lo[d] = 0;
       cls.hi[d] = mesh[d];
-      return rec(d + 1);
+      return self(self, d + 1);
     }
-    points.assign({0, mesh[d]});
-    for (const auto& [i, s] : at[d]) breakpoints(sizes[i], s, points);
-    sort_unique(points);
-    const std::vector<int64_t> cuts = points;  // `points` is reused deeper
-    std::vector<int64_t> saved;
-    for (const auto& [i, s] : at[d]) saved.push_back(sizes[i]);
+    boost::container::small_vector<int64_t, 16> cuts{0, mesh[d]};
+    boost::container::small_vector<int64_t, 8> saved;
+    for (size_t x = first[d]; x < first[d + 1]; ++x) {
+      breakpoints(sizes[at[x].chain], at[x].split, cuts);
+      saved.push_back(sizes[at[x].chain]);
+    }
+    sort_unique(cuts);
     for (size_t j = 0; j + 1 < cuts.size(); ++j) {
-      for (size_t x = 0; x < at[d].size(); ++x) sizes[at[d][x].first] = piece_size(saved[x], at[d][x].second, cuts[j]);
+      for (size_t x = first[d]; x < first[d + 1]; ++x)
+        sizes[at[x].chain] = piece_size(saved[x - first[d]], at[x].split, cuts[j]);
       cls.lo[d] = cuts[j];
       cls.hi[d] = cuts[j + 1];
-      rec(d + 1);
+      self(self, d + 1);
     }
-    for (size_t x = 0; x < at[d].size(); ++x) sizes[at[d][x].first] = saved[x];
+    for (size_t x = first[d]; x < first[d + 1]; ++x) sizes[at[x].chain] = saved[x - first[d]];
   };
-  rec(0);
+  rec(rec, 0);
 }
 
 std::vector<int64_t> distinct_sizes(int64_t n, std::span<const Split> splits, const Dims& mesh_shape, WorkBudget& work) {
@@ -301,10 +315,11 @@ bool same_later_owners(int64_t n, const std::optional<Split>& a, const std::opti
                        std::span<const Split> later, WorkBudget& work) {
   if (later.empty() || n == 0 || (!a && !b)) return true;
   // Symmetric in a and b: one key for both orders.
-  auto code = [](const std::optional<Split>& s) { return s ? std::vector<int64_t>{s->k, s->sf} : std::vector<int64_t>{-1}; };
-  std::vector<int64_t> ca = code(a), cb = code(b);
+  using Code = boost::container::small_vector<int64_t, 2>;
+  auto code = [](const std::optional<Split>& s) { return s ? Code{s->k, s->sf} : Code{-1}; };
+  Code ca = code(a), cb = code(b);
   if (cb < ca) std::swap(ca, cb);
-  std::vector<int64_t> key = {n};
+  WorkBudget::Key key = {n};
   key.insert(key.end(), ca.begin(), ca.end());
   key.insert(key.end(), cb.begin(), cb.end());
   for (const Split& s : later) key.insert(key.end(), {s.k, s.sf});

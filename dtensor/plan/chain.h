@@ -35,12 +35,15 @@
 // the transition (never a silently worse route).
 #pragma once
 
+#include <boost/container/small_vector.hpp>
+
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "dtensor/layout.h"
@@ -59,7 +62,10 @@ struct Split {
   int64_t sf = 0;
   friend bool operator==(const Split&, const Split&) = default;
 };
-using SplitList = std::vector<Split>;
+// Inline up to 4 splits (a chain has one per mesh dim that shards its tensor dim): the planner
+// builds chains on every search edge, and a heap allocation each was a third of its time.
+using SplitList = boost::container::small_vector<Split, 4>;
+inline std::span<const Split> span_of(const SplitList& s) { return {s.data(), s.size()}; }
 
 // The chain of tensor dim t under placements (mesh dims of size 1 split nothing and are left out).
 SplitList chain_of(const Placements& placements, const Dims& mesh_shape, int t);
@@ -82,9 +88,10 @@ class WorkBudget {
   }
   int64_t used() const { return limit_ - left_; }
   // Owner checks already decided in this planning call (same_later_owners), by their inputs.
-  std::map<std::vector<int64_t>, bool> owner_checks;
+  using Key = boost::container::small_vector<int64_t, 24>;
+  std::map<Key, bool> owner_checks;
   // The least a rank keeps through a same-dim regroup (traffic.cpp), by its inputs.
-  std::map<std::vector<int64_t>, int64_t> kept_checks;
+  std::map<Key, int64_t> kept_checks;
 
  private:
   [[noreturn]] void fail() const;
@@ -105,8 +112,8 @@ class ChainSet {
 
  private:
   Dims mesh_shape_;
-  std::vector<int64_t> n_;
-  std::vector<SplitList> splits_;
+  boost::container::small_vector<int64_t, 8> n_;
+  boost::container::small_vector<SplitList, 8> splits_;
 };
 
 // A box of coordinates (per mesh dim [lo, hi)) in which every chain of a set holds `sizes[i]`
@@ -118,7 +125,13 @@ struct SizeClass {
 };
 
 // Calls f for every size class of the set (NOTE [layout algebra]); the boxes partition the mesh.
-void for_each_size_class(const ChainSet& chains, WorkBudget& work, const std::function<void(const SizeClass&)>& f);
+void for_each_size_class(const ChainSet& chains, WorkBudget& work, void* f, void (*call)(void*, const SizeClass&));
+template <class F>
+void for_each_size_class(const ChainSet& chains, WorkBudget& work, F&& f) {
+  using Fn = std::remove_reference_t<F>;
+  for_each_size_class(chains, work, const_cast<void*>(static_cast<const void*>(&f)),
+                      [](void* p, const SizeClass& c) { (*static_cast<Fn*>(p))(c); });
+}
 
 // The distinct sizes a chain gives over every coordinate (of a list of n).
 std::vector<int64_t> distinct_sizes(int64_t n, std::span<const Split> splits, const Dims& mesh_shape, WorkBudget& work);

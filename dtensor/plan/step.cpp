@@ -209,8 +209,8 @@ bool is_valid_step(const Step& step, const Placements& before, const Dims& globa
     for (const Split& s : b_chain)
       if (s.mesh_dim == m) b = s;
     if (later.empty()) continue;
-    for (int64_t n : distinct_sizes(global_shape[t], prefix, mesh_shape, work))
-      if (!same_later_owners(n, a, b, later, work)) return false;
+    for (int64_t n : distinct_sizes(global_shape[t], span_of(prefix), mesh_shape, work))
+      if (!same_later_owners(n, a, b, span_of(later), work)) return false;
   }
   return true;
 }

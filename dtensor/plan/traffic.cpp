@@ -166,7 +166,7 @@ Bytes same_dim_elements(const Term& term, std::span<const int64_t> s, const Dims
   std::vector<int64_t> c;
   for (int d : term.dims) c.push_back(coord[d]);
   const int64_t n = s[term.prefix];
-  const int64_t kept = common(chain_positions(n, term.ca, c), chain_positions(n, term.cb, c));
+  const int64_t kept = common(chain_positions(n, span_of(term.ca), c), chain_positions(n, span_of(term.cb), c));
   const Wide others = product_except(term, s, term.t, -1);
   return {(Wide{s[term.a[term.t]]} - kept) * others * term.item, (Wide{s[term.b]} - kept) * others * term.item};
 }
@@ -218,8 +218,11 @@ Wide least_kept(const Term& term, int64_t n, int64_t c, const SizeClass& cls, Wo
   int64_t box = 1;
   for (size_t i = 1; i < term.dims.size(); ++i) box *= cls.hi[term.dims[i]] - cls.lo[term.dims[i]];
   if (kept < box) return 0;  // fewer kept positions than later coordinates
-  // Per later owner (through b's list: the owners agree), the kept positions.
-  std::vector<std::pair<int64_t, int64_t>> per_owner;  // (code, count), merged below
+  // Per later owner (through b's list: the owners agree), the kept positions: counted in place
+  // per coordinate of the box when it is small, else as (code, count) pairs merged below.
+  constexpr int64_t kDenseBox = int64_t{1} << 16;
+  std::vector<int64_t> dense(box <= kDenseBox ? static_cast<size_t>(box) : 0, 0);
+  std::vector<std::pair<int64_t, int64_t>> per_owner;
   int64_t base = 0;
   size_t j = 0;
   std::vector<OwnerRun> runs;
@@ -230,16 +233,24 @@ Wide least_kept(const Term& term, int64_t n, int64_t c, const SizeClass& cls, Wo
     owner_runs(piece_size(n, term.cb.front(), c), later, pos, pos + r.length, runs, work);
     for (const OwnerRun& o : runs) {
       // Inside the class's box along every later dim?
-      int64_t code = o.code;
+      int64_t code = o.code, index = 0, stride = 1;
       bool inside = true;
       for (size_t i = later.size(); i-- > 0;) {
         const int64_t digit = code % later[i].k;
         code /= later[i].k;
         const int d = later[i].mesh_dim;
         inside = inside && digit >= cls.lo[d] && digit < cls.hi[d];
+        index += (digit - cls.lo[d]) * stride;
+        stride *= cls.hi[d] - cls.lo[d];
       }
-      if (inside) per_owner.push_back({o.code, o.end - o.begin});
+      if (!inside) continue;
+      if (dense.empty()) per_owner.push_back({o.code, o.end - o.begin});
+      else dense[static_cast<size_t>(index)] += o.end - o.begin;
     }
+  }
+  if (!dense.empty()) {
+    const int64_t least = *std::min_element(dense.begin(), dense.end());  // 0: an owner keeps none
+    return least;
   }
   std::sort(per_owner.begin(), per_owner.end());
   int64_t owners = 0, least = kernels::kInt64Max;
@@ -309,11 +320,16 @@ Traffic busiest(const std::vector<Term>& terms, const ChainSet& set, const Dims&
     Wide least = 0;  // the least a rank of the class keeps
     if (covered == cls.hi[m] - cls.lo[m]) {
       // The same regroup recurs across a search's edges: its least, by everything it reads.
-      std::vector<int64_t> key = {n};
-      for (const SplitList* chain : {&term.ca, &term.cb}) {
-        key.push_back(static_cast<int64_t>(chain->size()));
-        for (const Split& sp : *chain) key.insert(key.end(), {sp.mesh_dim, sp.k, sp.sf});
+      // Symmetric in the two chains (the step is valid: the later owners agree, so each owner
+      // keeps the same positions either way): one key for both orders.
+      WorkBudget::Key key = {n}, ka, kb;
+      for (auto [chain, k] : {std::pair{&term.ca, &ka}, std::pair{&term.cb, &kb}}) {
+        k->push_back(static_cast<int64_t>(chain->size()));
+        for (const Split& sp : *chain) k->insert(k->end(), {sp.mesh_dim, sp.k, sp.sf});
       }
+      if (kb < ka) std::swap(ka, kb);
+      key.insert(key.end(), ka.begin(), ka.end());
+      key.insert(key.end(), kb.begin(), kb.end());
       for (int d : term.dims) key.insert(key.end(), {d, cls.lo[d], cls.hi[d]});
       if (auto hit = work.kept_checks.find(key); hit != work.kept_checks.end()) {
         least = hit->second;
@@ -413,7 +429,7 @@ Traffic lower_bound_traffic(const DTensorSpec& src, const Placements& dst_in) {
       if (shorter.empty()) return true;
       if (longer.size() != shorter.size() + 1 || !std::equal(shorter.begin(), shorter.end(), longer.begin() + 1))
         return false;
-      for (int64_t n : distinct_sizes(shape[t], prefix, mesh_shape, work))
+      for (int64_t n : distinct_sizes(shape[t], span_of(prefix), mesh_shape, work))
         if (!same_later_owners(n, longer.front(), std::nullopt, shorter, work)) return false;
       return true;
     };
@@ -451,7 +467,7 @@ Traffic lower_bound_traffic(const DTensorSpec& src, const Placements& dst_in) {
         for (int d : e.a_dims) ca.push_back(coord[d]);
         for (int d : e.b_dims) cb.push_back(coord[d]);
         const int64_t n = c.sizes[e.prefix];
-        overlap *= common(chain_positions(n, e.a, ca), chain_positions(n, e.b, cb));
+        overlap *= common(chain_positions(n, span_of(e.a), ca), chain_positions(n, span_of(e.b), cb));
       }
       received = std::max(received, need - overlap);
     });

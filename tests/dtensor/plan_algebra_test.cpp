@@ -210,7 +210,7 @@ std::vector<StepSchedule::Message> reference_messages(const Dims& shape, const D
 }  // namespace
 
 TEST_CASE("every rank's exchange schedule equals the reference's", "[dtensor][planner][algebra][schedule][exhaustive]") {
-  int64_t schedules = 0, messages = 0;
+  int64_t schedules = 0, messages = 0, compact_runs = 0;
   for (const Setup& setup : kSetups) {
     if (setup.mesh.product() > 16) continue;
     const std::vector<Placements> lists = testing_support::placement_lists(setup.mesh.size(), kOptions);
@@ -224,23 +224,172 @@ TEST_CASE("every rank's exchange schedule equals the reference's", "[dtensor][pl
           for (int64_t p = 0; p < setup.mesh.product(); ++p) {
             RankContext rc{setup.mesh, unravel_index(p, setup.mesh), static_cast<int>(p),
                            std::vector<char>(setup.mesh.size(), 1), std::vector<int64_t>(setup.mesh.size(), 0)};
-            const auto got = make_schedule(rc, shape, before, after, m, Path::kViews, DType::kF32);
+            const auto sched = make_schedule(rc, shape, before, after, m, Path::kViews, DType::kF32);
+            const std::vector<StepSchedule::Message> got = sched->messages();
+            for (const StepSchedule::MessageRun& run : sched->message_runs) compact_runs += run.count > 1;
             const auto want = reference_messages(shape, setup.mesh, before, after, m, rc.coord);
-            bool same = got->messages.size() == want.size();
+            bool same = got.size() == want.size();
             for (size_t i = 0; same && i < want.size(); ++i)
-              same = got->messages[i].send == want[i].send && got->messages[i].peer == want[i].peer &&
-                     got->messages[i].view.start == want[i].view.start && got->messages[i].view.length == want[i].view.length;
+              same = got[i].send == want[i].send && got[i].peer == want[i].peer &&
+                     got[i].view.start == want[i].view.start && got[i].view.length == want[i].view.length;
             if (!same)
               FAIL_CHECK(to_string(step) << " from [" << to_string(before) << "] shape ["
                                          << fmt::format("{}", fmt::join(shape, ",")) << "] rank " << p << ": "
-                                         << got->messages.size() << " messages, reference " << want.size());
+                                         << got.size() << " messages, reference " << want.size());
             ++schedules;
             messages += static_cast<int64_t>(want.size());
           }
         }
   }
-  INFO(schedules << " schedules, " << messages << " messages");
+  INFO(schedules << " schedules, " << messages << " messages, " << compact_runs << " runs of several peers");
   CHECK(schedules > 20000);
+  CHECK(compact_runs > 5000);  // the compact form (NOTE [peer runs]) is what was compared
+}
+
+namespace {
+
+// The flat offsets (row-major in a contiguous tensor of `shape`) of a block's elements, in the
+// block's row-major order.
+std::vector<int64_t> flat_offsets(const Block& b, const Dims& shape) {
+  std::vector<int64_t> out{0};
+  for (int t = 0; t < shape.size(); ++t) {
+    std::vector<int64_t> next;
+    for (int64_t base : out)
+      for (const IndexRun& r : b.pos[t])
+        for (int64_t i = 0; i < r.length; ++i) next.push_back(base * shape[t] + r.start + i);
+    out = std::move(next);
+  }
+  return out;
+}
+
+bool same_block(const Block& a, const Block& b) {
+  if (!(a.shape == b.shape) || a.pos.size() != b.pos.size()) return false;
+  for (size_t t = 0; t < a.pos.size(); ++t) {
+    if (a.pos[t].size() != b.pos[t].size()) return false;
+    for (size_t i = 0; i < a.pos[t].size(); ++i)
+      if (a.pos[t][i].start != b.pos[t][i].start || a.pos[t][i].length != b.pos[t][i].length) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+// The packed exchange's per-peer blocks and a reduce-scatter's per-member chunks, expanded from
+// their runs (NOTE [peer runs]), against the blocks computed from every peer's full layout; a
+// reduce-scatter's even and flat against their definitions.
+TEST_CASE("every rank's packed and reduce-scatter blocks equal the reference's",
+          "[dtensor][planner][algebra][schedule][exhaustive]") {
+  int64_t packed = 0, scatters = 0, flat = 0, compact_runs = 0;
+  for (const Setup& setup : kSetups) {
+    if (setup.mesh.product() > 16) continue;
+    const std::vector<Placements> lists = testing_support::placement_lists(setup.mesh.size(), kOptions);
+    for (const Dims& shape : setup.shapes)
+      for (const Placements& before : lists)
+        for (const auto& [m, step] : steps_from(before)) {
+          const bool rs = std::holds_alternative<ReduceScatter>(step);
+          if (!rs && (std::holds_alternative<LocalChunk>(step) || std::holds_alternative<LocalEmbed>(step) ||
+                      !communicates(step) || is_partial(before[m])))
+            continue;
+          const Placements after = apply_step(step, before);
+          if (!shards_within(after, shape.size()) || !reference_valid_step(step, before, shape, setup.mesh)) continue;
+          const int64_t k = setup.mesh[m];
+          for (int64_t p = 0; p < setup.mesh.product(); ++p) {
+            RankContext rc{setup.mesh, unravel_index(p, setup.mesh), static_cast<int>(p),
+                           std::vector<char>(setup.mesh.size(), 0), std::vector<int64_t>(setup.mesh.size(), 0)};
+            auto layout = [&](const Placements& ps, int64_t g) {
+              Dims c = rc.coord;
+              c[m] = g;
+              return compute_layout(shape, setup.mesh, ps, c);
+            };
+            const ShardLayout pre_r = layout(before, rc.coord[m]), post_r = layout(after, rc.coord[m]);
+            const std::string what = fmt::format("{} from [{}] shape [{}] rank {}", to_string(step), to_string(before),
+                                                 fmt::join(shape, ","), p);
+            INFO(what);
+            const auto sched = make_schedule(rc, shape, before, after, m, rs ? Path::kReduceScatter : Path::kPacked,
+                                             DType::kF32, /*per_member=*/true);
+            for (const PeerBlocks* bs : {&sched->send_blocks, &sched->recv_blocks, &sched->chunk_blocks})
+              for (const BlockRun& b : bs->runs) compact_runs += b.count > 1;
+            if (!rs) {
+              for (int64_t g = 0; g < k; ++g) {
+                if (!same_block(sched->send_blocks.at(g), block_in(pre_r, intersect_layouts(pre_r, layout(after, g)))))
+                  FAIL_CHECK("send block of peer " << g);
+                if (!same_block(sched->recv_blocks.at(g), block_in(post_r, intersect_layouts(layout(before, g), post_r))))
+                  FAIL_CHECK("receive block of peer " << g);
+              }
+              ++packed;
+              continue;
+            }
+            std::vector<int64_t> offsets;
+            int64_t off = 0;
+            bool even = true, is_flat = true;
+            const int64_t n0 = block_in(pre_r, intersect_layouts(pre_r, layout(after, 0))).numel();
+            for (int64_t g = 0; g < k; ++g) {
+              const Block want = block_in(pre_r, intersect_layouts(pre_r, layout(after, g)));
+              if (!same_block(sched->chunk_blocks.at(g), want)) FAIL_CHECK("chunk of member " << g);
+              even = even && want.numel() == n0;
+              const std::vector<int64_t> at = flat_offsets(want, pre_r.local_shape);
+              for (size_t i = 0; i < at.size(); ++i) is_flat = is_flat && at[i] == off + static_cast<int64_t>(i);
+              off += want.numel();
+            }
+            is_flat = is_flat && even && post_r.local_shape.product() == n0;
+            CHECK(sched->even == even);
+            CHECK(sched->flat == is_flat);
+            flat += is_flat;
+            ++scatters;
+          }
+        }
+  }
+  INFO(packed << " packed exchanges, " << scatters << " reduce-scatters (" << flat << " flat), " << compact_runs
+              << " runs of several peers");
+  CHECK(packed > 20000);
+  CHECK(scatters > 1000);
+  CHECK(flat > 100);
+  CHECK(scatters - flat > 100);
+  CHECK(compact_runs > 10000);
+}
+
+// At scale a schedule is a few runs of peers (NOTE [peer runs]), not an entry per peer: rank 0's
+// exchanges on 1-D meshes of up to 2^20 ranks, counted without expanding them.
+TEST_CASE("schedules of 1-D exchanges over many peers are a few runs", "[dtensor][planner][algebra][schedule]") {
+  struct Case {
+    int64_t ranks, rows;
+    Placements before, after;
+    Path path;
+    int64_t sends, receives;  // messages rank 0 sends and receives
+  };
+  const std::vector<Case> cases = {
+      {int64_t{1} << 16, 65536, {Shard{0}}, {Shard{1}}, Path::kViews, 4096, 65536},  // all-to-all: 4,096 columns
+      {int64_t{1} << 20, 65536, {Shard{0}}, {Replicate{}}, Path::kViews, 1 << 20, 65536},   // uneven all-gather
+      {int64_t{1} << 17, 65536, {Shard{0}}, {Shard{1}}, Path::kViews, 4096, 65536},  // rows for half the ranks
+      {int64_t{1} << 17, 65536, {Partial{}}, {Shard{0}}, Path::kReduceScatter, 0, 0},       // uneven reduce-scatter
+      {int64_t{1} << 16, 65536, {Shard{0}}, {Shard{1}}, Path::kPacked, 4096, 65536},
+  };
+  int ran = 0;
+  for (const Case& c : cases) {
+    const Dims shape{c.rows, 4096}, mesh{c.ranks};
+    RankContext rc{mesh, Dims{0}, 0, {c.path == Path::kViews}, {0}};
+    INFO(c.ranks << " ranks, [" << to_string(c.before) << "] -> [" << to_string(c.after) << "]");
+    const auto s = make_schedule(rc, shape, c.before, c.after, 0, c.path, DType::kBF16, /*per_member=*/true);
+    int64_t sends = 0, receives = 0;
+    for (const StepSchedule::MessageRun& run : s->message_runs)
+      for (const StepSchedule::Piece& p : run.pieces) (p.send ? sends : receives) += run.count;
+    for (const BlockRun& b : s->send_blocks.runs) sends += b.block.numel() > 0 ? b.count : 0;
+    for (const BlockRun& b : s->recv_blocks.runs) receives += b.block.numel() > 0 ? b.count : 0;
+    CHECK(sends == c.sends);
+    CHECK(receives == c.receives);
+    CHECK(s->message_runs.size() + s->send_blocks.runs.size() + s->recv_blocks.runs.size() +
+              s->chunk_blocks.runs.size() <= 6);
+    CHECK(s->bytes() < 8192);
+    if (c.path == Path::kReduceScatter) {
+      CHECK(!s->even);  // 65,536 members hold a row, the others nothing
+      const Block last = s->chunk_blocks.at(65535), empty = s->chunk_blocks.at(65536);
+      CHECK(last.numel() == 4096);
+      CHECK(last.pos[0].front().start == 65535);
+      CHECK(empty.numel() == 0);
+    }
+    ++ran;
+  }
+  CHECK(ran == 5);
 }
 
 // same_later_owners (chain.h) against positions owner by owner: random lists and chains, uneven
@@ -262,7 +411,7 @@ TEST_CASE("owner equality of two chains equals the position-by-position check", 
     for (;;) {
       int64_t later_code = 0;
       for (size_t i = x ? 1 : 0; i < chain.size(); ++i) later_code = later_code * chain[i].k + coords[i];
-      for (const IndexRun& r : chain_positions(n, chain, coords))
+      for (const IndexRun& r : chain_positions(n, span_of(chain), coords))
         for (int64_t q = r.start; q < r.start + r.length; ++q) code[static_cast<size_t>(q)] = later_code;
       size_t i = 0;
       while (i < chain.size() && ++coords[i] == chain[i].k) coords[i++] = 0;
@@ -289,7 +438,7 @@ TEST_CASE("owner equality of two chains equals the position-by-position check", 
                                                 return fmt::format("{}/{}", s.k, s.sf);
                                               }),
                                               ",")));
-    REQUIRE(same_later_owners(n, a, b, later, work) == expected);
+    REQUIRE(same_later_owners(n, a, b, span_of(later), work) == expected);
     ++cases;
     same += expected ? 1 : 0;
   }
