@@ -528,10 +528,10 @@ class Issuer {
     TensorList ins;
     for (const Item& it : items_) ins.push_back(it.local);
     std::vector<int64_t> seg(k, 0), seg_off(k, 0);
+    for (const auto& s : sc) s->chunk_blocks.add_numels(seg);
     int64_t total = 0;
     for (int64_t g = 0; g < k; ++g) {
       seg_off[g] = total;
-      for (const auto& s : sc) seg[g] += s->seg[g];
       total += seg[g];
     }
     Communicator& c = on(comm());
@@ -545,9 +545,11 @@ class Issuer {
     local([=] {
       for (int64_t g = 0; g < k; ++g) {
         int64_t off = seg_off[g];
+        if (seg[g] == 0) continue;
         for (size_t j = 0; j < ins.size(); ++j) {
-          pack(ins[j], sc[j]->chunk_blocks[g], stage, off);
-          off += sc[j]->seg[g];
+          const Block b = sc[j]->chunk_blocks.at(g);
+          pack(ins[j], b, stage, off);
+          off += b.numel();
         }
       }
       if (!staged) return;
