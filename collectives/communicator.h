@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "kernels/reduce_op.h"
+#include "kernels/stream.h"
 #include "kernels/tensor.h"
 #include "kernels/trace.h"
 
@@ -82,6 +83,15 @@ class Work {
   // given up), on a mismatch between ranks, or when another rank failed; a host task rethrows
   // its exception.
   virtual void wait(Milliseconds timeout) = 0;
+  // Work queued on `stream` after this returns runs after this rank's part of the call. Default
+  // (the local and mpi backends, whose results are in host-visible memory once wait() returns):
+  // wait(timeout). nccl: device-side, no host wait, when `stream` is on the communicator's GPU
+  // (the stream waits for the call's event); otherwise wait(timeout). Throws as wait().
+  //   work->wait_on(Stream::legacy(Device::cuda(0)), 60s);  // kernels after it see the result
+  virtual void wait_on(const kernels::Stream& stream, Milliseconds timeout) {
+    (void)stream;
+    wait(timeout);
+  }
   // Non-blocking (it may advance the call a little): true once wait() would return at once.
   virtual bool completed() = 0;
   // Blocks until the call has finished (completed, or failed: wait() then throws) or `timeout`
@@ -265,7 +275,7 @@ class Communicator {
   // later calls start after fn returned. An exception from fn fails the returned Work (wait()
   // rethrows it) and nothing else. fn runs on whichever thread progresses the communicator (its
   // worker, or one waiting on it), never at the same time as another entry of this
-  // communicator. nccl: fn runs at once on the calling thread after the legacy default stream
+  // communicator. nccl: fn runs at once on the calling thread after the device's compute stream
   // was made to wait for this communicator's stream, so fn must only enqueue device work (the
   // kernels layer's copies do).
   virtual WorkPtr host_task(std::function<void()> fn) = 0;

@@ -15,13 +15,14 @@
 // another GPU raises InvalidArgument naming both devices).
 //
 // NOTE [nccl streams] Each communicator owns one CUDA stream (created non-blocking, so compute
-// on the legacy default stream and communication overlap). Every call first makes that stream
-// wait, through an event, for the work already queued on the legacy default stream, where the
-// kernels layer runs its copies and kernels (NOTE [cuda ordering] in kernels/cuda/cuda_ops.h):
-// an input written just before the call is complete when NCCL reads it. The call's Work holds an
-// event recorded on the communicator's stream after the NCCL operation; wait() returns once that
-// event has completed, so results are visible to anything issued after wait(). Without wait(),
-// nothing orders later default-stream work after the collective. A Work keeps its buffers alive
+// on the device's compute stream and communication overlap). Every call first makes that stream
+// wait, through an event, for the work already queued on the compute stream, where the kernels
+// layer runs its copies and kernels (NOTE [cuda ordering] in kernels/cuda/cuda_ops.h): an input
+// written just before the call is complete when NCCL reads it. The call's Work holds an event
+// recorded on the communicator's stream after the NCCL operation; wait() returns once that
+// event has completed, so results are visible to anything issued after wait(); wait_on(stream)
+// makes a stream wait for it instead, without the host waiting. Without either, nothing orders
+// later compute-stream work after the collective. A Work keeps its buffers alive
 // until the operation has completed, even when the Work itself is dropped.
 //
 // NOTE [nccl timeouts] Communicators are created non-blocking (ncclConfig_t::blocking = 0), so no

@@ -11,6 +11,8 @@
 #include <string>
 
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/cuda_stream.h"
+#include "kernels/detail/stream_pool.h"
 #include "kernels/error.h"
 
 namespace kernels {
@@ -68,7 +70,88 @@ int64_t machine_available_bytes(Device device) {
 
 int64_t Allocator::available_bytes(Device device) const { return machine_available_bytes(device); }
 
+struct CachingAllocator::CudaPool {
+  std::unique_ptr<detail::EventOps> events;  // declared first: outlives the pool
+  std::unique_ptr<detail::StreamBlockPool> pool;
+};
+
+CachingAllocator::CachingAllocator() : CachingAllocator(Options{}) {}
+CachingAllocator::CachingAllocator(Options options) : options_(options) {}
 CachingAllocator::~CachingAllocator() { release_cached(); }
+
+CachingAllocator::CudaPool& CachingAllocator::cuda_pool_locked(int device) {
+  std::unique_ptr<CudaPool>& slot = cuda_[device];
+  if (!slot) {
+    auto p = std::make_unique<CudaPool>();
+    p->events = detail::cuda_event_ops(device);
+    p->pool = std::make_unique<detail::StreamBlockPool>(
+        *p->events, detail::StreamBlockPool::Options{.small_limit = options_.min_block,
+                                                     .max_small_bytes = options_.max_small_cached_bytes,
+                                                     .max_cached_bytes = options_.max_cached_bytes});
+    slot = std::move(p);
+  }
+  return *slot;
+}
+
+void* CachingAllocator::allocate_on(size_t nbytes, const Stream& stream) {
+  const Device device = stream.device();
+  if (!device.is_cuda()) return allocate(nbytes, device);
+  const size_t size = block_size(nbytes);
+  bool make_room = false;
+  {
+    std::lock_guard lk(mu_);
+    detail::StreamBlockPool& pool = *cuda_pool_locked(device.index).pool;
+    reserve_locked(size, device, nbytes);  // throws past the limit
+    const size_t before = pool.stats().cached_bytes;
+    if (void* p = pool.take(size, stream.id())) {
+      stats_.cached_bytes -= before - pool.stats().cached_bytes;
+      ++stats_.hits;
+      return p;
+    }
+    ++stats_.misses;
+    make_room = options_.limit_bytes > 0 && stats_.in_use_bytes + stats_.cached_bytes > options_.limit_bytes;
+  }
+  if (make_room) release_cached();
+  try {
+    try {
+      return system_allocate(size, device);
+    } catch (const Error&) {
+      release_cached();  // out of memory: give the cache back and try once more
+      return system_allocate(size, device);
+    }
+  } catch (...) {
+    std::lock_guard lk(mu_);
+    in_use_locked(device) -= size;
+    stats_.in_use_bytes -= size;
+    throw;
+  }
+}
+
+void CachingAllocator::deallocate_on(void* p, size_t nbytes, const Stream& stream,
+                                     std::span<const Stream> also_used_on) noexcept {
+  if (p == nullptr) return;
+  const Device device = stream.device();
+  if (!device.is_cuda()) return deallocate(p, nbytes, device);
+  const size_t size = block_size(nbytes);
+  std::vector<detail::StreamBlockPool::Block> to_free;
+  {
+    std::lock_guard lk(mu_);
+    in_use_locked(device) -= size;
+    stats_.in_use_bytes -= size;
+    try {
+      detail::StreamBlockPool& pool = *cuda_pool_locked(device.index).pool;
+      std::vector<detail::StreamId> others;
+      for (const Stream& s : also_used_on)
+        if (s.device() == device) others.push_back(s.id());
+      const size_t before = pool.stats().cached_bytes;
+      to_free = pool.give({p, size}, stream.id(), others);
+      stats_.cached_bytes = stats_.cached_bytes + pool.stats().cached_bytes - before;
+    } catch (...) {  // no event or no room for the entry: the block goes back (cudaFree waits)
+      to_free = {{p, size}};
+    }
+  }
+  for (const auto& b : to_free) system_deallocate(b.ptr, b.size, device);
+}
 
 int64_t CachingAllocator::available_bytes(Device device) const {
   size_t in_use = 0, cached = 0;
@@ -113,6 +196,10 @@ int CachingAllocator::small_class(size_t size, Device device) const {
 }
 
 void* CachingAllocator::allocate(size_t nbytes, Device device) {
+  if (device.is_cuda()) {
+    detail::cuda_check_device(device.index);  // the usual refusal without CUDA or that GPU
+    return allocate_on(nbytes, Stream::compute(device));
+  }
   const size_t size = block_size(nbytes);
   bool make_room = false;
   const int cls = small_class(size, device);
@@ -176,6 +263,16 @@ void CachingAllocator::evict_oldest_locked(std::vector<std::pair<Key, void*>>& o
 
 void CachingAllocator::deallocate(void* p, size_t nbytes, Device device) noexcept {
   if (p == nullptr) return;
+  if (device.is_cuda()) {
+    Stream compute;
+    try {
+      compute = Stream::compute(device);
+    } catch (...) {  // cannot happen for a block this device gave; give it back uncached
+      system_deallocate(p, block_size(nbytes), device);
+      return;
+    }
+    return deallocate_on(p, nbytes, compute);
+  }
   const size_t size = block_size(nbytes);
   std::vector<std::pair<Key, void*>> evicted;
   bool cached = false;
@@ -213,8 +310,11 @@ void CachingAllocator::deallocate(void* p, size_t nbytes, Device device) noexcep
 void CachingAllocator::release_cached() {
   std::multimap<Key, std::pair<uint64_t, void*>> blocks;
   std::vector<std::vector<void*>> small;
+  std::vector<std::pair<int, detail::StreamBlockPool::Block>> cuda_blocks;
   {
     std::lock_guard lk(mu_);
+    for (auto& [device, pool] : cuda_)
+      for (const auto& b : pool->pool->drain()) cuda_blocks.emplace_back(device, b);
     blocks.swap(free_);
     small.swap(small_);
     age_.clear();
@@ -224,6 +324,8 @@ void CachingAllocator::release_cached() {
   for (const auto& [key, entry] : blocks)
     system_deallocate(entry.second, std::get<2>(key),
                       Device{static_cast<DeviceType>(std::get<0>(key)), std::get<1>(key)});
+  // cudaFree waits for the device, so blocks still used by queued work are freed safely.
+  for (const auto& [device, b] : cuda_blocks) system_deallocate(b.ptr, b.size, Device::cuda(device));
   // Small lists hold CPU blocks only, which system_deallocate frees without their size.
   for (const std::vector<void*>& list : small)
     for (void* q : list) system_deallocate(q, 0, Device::cpu());

@@ -28,19 +28,30 @@
 //   cache->available_bytes(Device::cpu());                   // 4 GiB minus the blocks in use
 //
 // and then refuses (ResourceError) any allocation that would take its blocks in use past it.
-// Thread-safe. Blocks are cached per device; CUDA blocks are reused without stream tracking, so
-// a CUDA caller must have finished with a block (synchronised) before freeing it.
+// Thread-safe. Blocks are cached per device. CUDA blocks, small ones included, are stream-aware
+// (NOTE [stream-aware reuse] in kernels/detail/stream_pool.h): allocate / deallocate use the
+// device's compute stream, where the kernels run (kernels/stream.h); allocate_on / deallocate_on
+// name another stream. A block freed on one stream is handed out on another only once an event
+// recorded on the freeing stream (and on the other streams it was used on) has completed.
+//
+//   Stream side = Stream::create(Device::cuda(0));
+//   void* p = cache->allocate_on(1 << 20, side);   // used by work queued on `side`
+//   cache->deallocate_on(p, 1 << 20, side);        // reused on `side` at once, on the compute
+//                                                  // stream once `side` has passed this point
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <span>
 #include <tuple>
 #include <utility>
 #include <vector>
 
 #include "kernels/device.h"
+#include "kernels/stream.h"
 
 namespace kernels {
 
@@ -91,14 +102,20 @@ class CachingAllocator final : public Allocator {
     size_t peak_in_use_bytes = 0;  // the most in_use_bytes since creation or reset_peak()
   };
 
-  CachingAllocator() : CachingAllocator(Options{}) {}
-  explicit CachingAllocator(Options options) : options_(options) {}
-  ~CachingAllocator() override;
+  CachingAllocator();
+  explicit CachingAllocator(Options options);
+  ~CachingAllocator() override;  // gives every cached block back
   CachingAllocator(const CachingAllocator&) = delete;
   CachingAllocator& operator=(const CachingAllocator&) = delete;
 
   void* allocate(size_t nbytes, Device device) override;
   void deallocate(void* p, size_t nbytes, Device device) noexcept override;
+  // On `stream`'s device, for work queued on `stream` (CPU: allocate / deallocate). A block
+  // given back is reusable on `stream` at once and elsewhere after the events above;
+  // `also_used_on` names the other streams that used it.
+  void* allocate_on(size_t nbytes, const Stream& stream);
+  void deallocate_on(void* p, size_t nbytes, const Stream& stream,
+                     std::span<const Stream> also_used_on = {}) noexcept;
 
   // With a limit: the limit minus the bytes in use on `device` (cached free blocks are
   // available). Without: the machine's available bytes plus the cached free blocks (-1 unknown).
@@ -138,6 +155,10 @@ class CachingAllocator final : public Allocator {
   std::map<std::pair<int, int>, size_t> in_use_;  // (device type, index) -> bytes handed out
   std::vector<std::vector<void*>> small_;          // per small_class: free CPU blocks
   size_t small_cached_bytes_ = 0;
+  // Per CUDA device index: its stream-aware pool, created on first use (kernels/detail/stream_pool.h).
+  struct CudaPool;
+  std::map<int, std::unique_ptr<CudaPool>> cuda_;
+  CudaPool& cuda_pool_locked(int device);
 };
 
 }  // namespace kernels

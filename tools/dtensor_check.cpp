@@ -8,7 +8,7 @@
 //     a tour of the layout rules on a few meshes (the README's main job for now).
 //   dtensor-check redistribute --mesh 2x2 --shape 7,5 --from 'S(0),R' --to 'R,S(1)'
 //                [--dtype f32] [--backend local|mpi|nccl] [--planner greedy|search] [--names ..]
-//                [--timeout-ms 60000]
+//                [--device cpu|cuda] [--timeout-ms 60000]
 //     distributes a tensor whose values are a function of the global index (Partial sources:
 //     per-rank integer contributions whose reduction is that value), redistributes it and checks
 //     every rank's local tensor against the expected slice (a Partial kept from the source is
@@ -19,6 +19,8 @@
 //     --backend local: one thread per mesh rank (an explicit mesh must use ranks 0..n-1);
 //     mpi: one process per rank under mpirun, each prints its own line (rank 0 the plan line;
 //     world ranks outside the mesh print nothing); nccl: one GPU and one thread per mesh rank.
+//     --device cuda (local backend): every rank's tensors live on GPU 0 (the local backend over
+//     CUDA memory); the check copies them back (exit 2 without a usable GPU).
 //   dtensor-check plan --mesh 4096x8 --shape 65536,4096 --from '_S(0,8),S(0)' --to 'R,S(0)'
 //                [--dtype bf16] [--planner search|greedy] [--wire-dtype bf16|f8e5m2] [--rank R]
 //     plans the transition (no communication, any mesh up to the 2^20-rank limit) and prints one
@@ -29,7 +31,7 @@
 //     from its own coordinate (views backends: local, mpi). --wire-dtype: the reductions move that
 //     dtype and sum in --dtype (the steps print it, B counts it; L stays --dtype's bound).
 //   dtensor-check fuzz --cases N --seed S [--max-ranks 8] [--backend local|mpi]
-//                [--planner greedy|search|both] [--timeout-ms 30000]
+//                [--planner greedy|search|both] [--device cpu|cuda] [--timeout-ms 30000]
 //     random meshes, shapes, dtypes and placement pairs (invalid ones included: they must raise
 //     the right error); last line "fuzz: N cases, N passed, N failed", the first failures
 //     before it, each with a `dtensor-check redistribute ...` command line that reproduces it.
@@ -256,6 +258,24 @@ Backend parse_backend(const std::string& text, bool allow_nccl) {
                                              allow_nccl ? "local, mpi or nccl" : "local or mpi"));
 }
 
+// --device: where the local backend's ranks keep their tensors ("cuda": all on GPU 0). The nccl
+// backend always uses one GPU per rank, mpi the CPU.
+kernels::Device parse_device(const std::string& text, Backend backend) {
+  if (text == "cpu") {
+    if (backend == Backend::kNccl)
+      throw kernels::InvalidArgument("--device cpu with --backend nccl: the nccl backend moves CUDA tensors only");
+    return kernels::Device::cpu();
+  }
+  if (text != "cuda")
+    throw kernels::InvalidArgument(fmt::format("unknown device '{}': expected cpu or cuda", kernels::clip(text)));
+  if (backend == Backend::kMpi)
+    throw kernels::InvalidArgument("--device cuda with --backend mpi: use --backend local (one GPU) or nccl");
+  if (kernels::cuda_device_count() < 1)
+    throw kernels::Unsupported(fmt::format(
+        "--device cuda: {}", kernels::cuda_built() ? "no usable GPU on this machine" : "this build has no CUDA"));
+  return kernels::Device::cuda(0);
+}
+
 constexpr DType kCliDTypes[] = {DType::kF32, DType::kF64, DType::kBF16, DType::kF16,
                                 DType::kI32, DType::kI64, DType::kU8};
 
@@ -322,6 +342,7 @@ std::string rank_line(const RankResult& r) {
 
 struct RedistributeArgs {
   std::string mesh, shape, from, to, dtype = "f32", backend = "local", planner = "search", names;
+  std::string device;  // "" : the backend's (cpu; nccl: cuda)
   int64_t timeout_ms = 60'000;
   int64_t memory_limit = 0;  // bytes the redistribute may allocate per rank (0: the machine's memory)
   int inject_failure = -1;  // test of the failure path: this rank fails before redistributing
@@ -391,7 +412,8 @@ int report(const std::vector<RankResult>& results) {
 
 // One thread per mesh rank; with `nccl`, each drives the GPU of its rank. A rank that throws
 // fails the run naming itself (the others' waits end at once, naming it: run_ranks).
-std::vector<RankResult> run_threads(const Prepared& p, bool nccl, Millis timeout) {
+std::vector<RankResult> run_threads(const Prepared& p, bool nccl, Millis timeout,
+                                    kernels::Device device = {}) {
   const int n = static_cast<int>(p.mesh->size());
   std::vector<RankResult> results(n);
   collectives::run_ranks(
@@ -402,7 +424,7 @@ std::vector<RankResult> run_threads(const Prepared& p, bool nccl, Millis timeout
           if (nccl) gpu = collectives::nccl_communicator(world, world.rank(), timeout);
           MeshComms comms(*p.mesh, nccl ? *gpu : world, {}, p.allocator());
           results[world.rank()] =
-              run_rank(p, comms, nccl ? kernels::Device::cuda(world.rank()) : kernels::Device{});
+              run_rank(p, comms, nccl ? kernels::Device::cuda(world.rank()) : device);
         });
       },
       timeout);
@@ -469,6 +491,8 @@ int run_mpi(collectives::MpiWorld& mpi, const Prepared& p, const std::string& me
 
 int cmd_redistribute(const RedistributeArgs& a) {
   const Backend backend = parse_backend(a.backend, /*allow_nccl=*/true);
+  const kernels::Device device =
+      a.device.empty() ? kernels::Device{} : parse_device(a.device, backend);  // nccl: its own GPUs
   const Millis timeout{a.timeout_ms};
   std::unique_ptr<collectives::MpiWorld> mpi;
   if (backend == Backend::kMpi) {
@@ -493,7 +517,7 @@ int cmd_redistribute(const RedistributeArgs& a) {
       require_dense_ranks(*p.mesh, a.mesh, "local");
       fmt::print("{}\n", plan_line(p.plan));
       std::fflush(stdout);
-      return report(run_threads(p, false, timeout));
+      return report(run_threads(p, false, timeout, device));
     }
     case Backend::kNccl: {
       require_dense_ranks(*p.mesh, a.mesh, "nccl");
@@ -557,7 +581,7 @@ struct FuzzArgs {
   int64_t cases = 100;
   uint64_t seed = 1;
   int max_ranks = 8;
-  std::string backend = "local", planner = "both";
+  std::string backend = "local", planner = "both", device = "cpu";
   int show = 10;  // failures printed in full
   int64_t timeout_ms = 30'000;  // per collective (a case's wait)
 };
@@ -675,12 +699,12 @@ std::shared_ptr<const DeviceMesh> random_mesh(Rng& g, int max_ranks, int world, 
 }
 
 std::string repro_line(const std::string& prog, const FuzzCase& c, const DeviceMesh& mesh,
-                       Backend backend, int world) {
+                       Backend backend, int world, kernels::Device device) {
   const std::string cmd = fmt::format(
-      "{} redistribute --mesh '{}' --shape {} --from '{}' --to '{}' --dtype {} --planner {} --backend {}",
+      "{} redistribute --mesh '{}' --shape {} --from '{}' --to '{}' --dtype {} --planner {} --backend {}{}",
       prog, mesh_arg(mesh), fmt::join(c.shape, ","), dtensor::to_string(c.src), dtensor::to_string(c.dst),
       kernels::to_string(c.dtype), dtensor::to_string(c.failure_planner),
-      backend == Backend::kMpi ? "mpi" : "local");
+      backend == Backend::kMpi ? "mpi" : "local", device.is_cuda() ? " --device cuda" : "");
   if (backend != Backend::kMpi) return cmd;
   return fmt::format("mpirun --allow-run-as-root --oversubscribe -np {} {}", world, cmd);
 }
@@ -767,12 +791,13 @@ void plan_case(FuzzCase& c, const std::shared_ptr<const DeviceMesh>& mesh,
 }
 
 // Runs one valid case on this rank with each of its routes; the first mismatch goes to `fail`.
-void run_case(FuzzCase& c, const MeshComms& comms, int64_t modulus,
+void run_case(FuzzCase& c, const MeshComms& comms, int64_t modulus, kernels::Device device,
               const std::function<void(FuzzCase&, PlannerKind, std::string)>& fail) {
   const int rank = comms.rank();
   for (size_t i = 0; i < c.plans.size(); ++i) {
-    Tensor out = dtensor::execute(*c.plans[i], *c.src_spec,
-                                  testing_support::make_local(*c.src_spec, rank, modulus), comms);
+    Tensor local = testing_support::make_local(*c.src_spec, rank, modulus);
+    if (!device.is_cpu()) local = local.to(device);
+    Tensor out = dtensor::execute(*c.plans[i], *c.src_spec, local, comms);
     std::string err = testing_support::check_redistributed(
         *c.dst_spec, out, comms, modulus, testing_support::avg_tolerance(*c.src_spec));
     if (!err.empty()) fail(c, c.plan_kinds[i], fmt::format("rank {}: {}", rank, err));
@@ -789,6 +814,7 @@ int cmd_fuzz(const FuzzArgs& a, const std::string& prog) {
   const auto start = std::chrono::steady_clock::now();
   std::vector<PlannerKind> planners;
   const Backend backend = parse_backend(a.backend, /*allow_nccl=*/false);
+  const kernels::Device device = parse_device(a.device, backend);
   if (a.planner == "both") planners = {PlannerKind::kGreedy, PlannerKind::kSearch};
   else if (a.planner == "greedy" || a.planner == "search") planners = {dtensor::parse_planner(a.planner)};
   else
@@ -866,7 +892,7 @@ int cmd_fuzz(const FuzzArgs& a, const std::string& prog) {
         if (!comms.in_mesh()) continue;
         for (; current < group.size(); ++current) {
           FuzzCase& c = cases[group[current]];
-          run_case(c, comms, testing_support::exact_modulus(c.dtype, mesh.size()), fail);
+          run_case(c, comms, testing_support::exact_modulus(c.dtype, mesh.size()), device, fail);
         }
       } catch (const std::exception& e) {
         fail(cases[group[std::min(current, group.size() - 1)]], cases[group[std::min(current, group.size() - 1)]].plan_kinds.front(),
@@ -884,7 +910,7 @@ int cmd_fuzz(const FuzzArgs& a, const std::string& prog) {
             MeshComms comms(mesh, w);
             for (; i < group.size(); ++i) {
               FuzzCase& c = cases[group[i]];
-              run_case(c, comms, testing_support::exact_modulus(c.dtype, mesh.size()), fail);
+              run_case(c, comms, testing_support::exact_modulus(c.dtype, mesh.size()), device, fail);
             }
           } catch (const std::exception& e) {
             throw CaseCrash(i, fmt::format("rank {} threw: {}", w.rank(), e.what()));
@@ -922,9 +948,9 @@ int cmd_fuzz(const FuzzArgs& a, const std::string& prog) {
   if (my_rank == 0) {
     const double plan_s = std::chrono::duration<double>(planned - start).count();
     const double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    fmt::print("fuzz: seed {}, backend {}, planner {}, up to {} ranks, {} meshes: {} cases executed ({} routes), "
+    fmt::print("fuzz: seed {}, backend {}{}, planner {}, up to {} ranks, {} meshes: {} cases executed ({} routes), "
                "{} expected errors raised (InvalidArgument {}, Unsupported {}); planned in {:.2f} s, total {:.2f} s\n",
-               a.seed, a.backend, a.planner, max_ranks, pool_size, executed, routes,
+               a.seed, a.backend, device.is_cuda() ? " on cuda" : "", a.planner, max_ranks, pool_size, executed, routes,
                expected_errors[Outcome::kInvalidArgument] + expected_errors[Outcome::kUnsupported],
                expected_errors[Outcome::kInvalidArgument], expected_errors[Outcome::kUnsupported], plan_s, total_s);
     int shown = 0;
@@ -934,7 +960,7 @@ int cmd_fuzz(const FuzzArgs& a, const std::string& prog) {
       const FuzzCase& c = cases[i];
       fmt::print("FAIL case {} ({} planner): {}\n  reproduce: {}\n", i, dtensor::to_string(c.failure_planner),
                  c.failure.empty() ? "failed on another rank (see its stderr)" : c.failure,
-                 repro_line(prog, c, *meshes[c.mesh], backend, world_size));
+                 repro_line(prog, c, *meshes[c.mesh], backend, world_size, device));
     }
     fmt::print("fuzz: {} cases, {} passed, {} failed\n", cases.size(), static_cast<int64_t>(cases.size()) - n_failed,
                n_failed);
@@ -969,6 +995,7 @@ int main(int argc, char** argv) {
     redistribute->add_option("--backend", rargs.backend, "local (default: one thread per rank), mpi (under mpirun) or nccl (one GPU per rank)");
     redistribute->add_option("--planner", rargs.planner, "search (default) or greedy (PyTorch's)");
     redistribute->add_option("--names", rargs.names, "mesh dim names, comma-separated (dp,tp)");
+    redistribute->add_option("--device", rargs.device, "cpu or cuda (local backend: every rank's tensors on GPU 0)");
     program::add_timeout(*redistribute, rargs.timeout_ms);
     redistribute->add_option("--memory-limit", rargs.memory_limit,
                              "bytes the redistribute may allocate per rank (default: the machine's available memory)")
@@ -996,6 +1023,7 @@ int main(int argc, char** argv) {
     fuzz->add_option("--backend", fargs.backend, "local (default) or mpi (under mpirun)");
     fuzz->add_option("--planner", fargs.planner, "greedy, search or both (default)");
     fuzz->add_option("--show", fargs.show, "failures printed with a reproducer (default 10)");
+    fuzz->add_option("--device", fargs.device, "cpu (default) or cuda (local backend: every rank's tensors on GPU 0)");
     program::add_timeout(*fuzz, fargs.timeout_ms);
     program::parse(app, argc, argv);
 

@@ -5,10 +5,10 @@
 //
 // NOTE [nccl call life] Every call goes through NcclCommunicator::enqueue_call(), under CommState::mu:
 //  1. arguments were checked by detail::validate and check_backend (InvalidArgument, nothing
-//     touched yet); an all_to_all in place has its input copied first (on the legacy default stream);
+//     touched yet); an all_to_all in place has its input copied first (on the compute stream);
 //  2. the previous call's enqueue is finished (a non-blocking communicator may still be setting
 //     it up: NCCL forbids the next call until ncclCommGetAsyncError says ncclSuccess);
-//  3. the communicator's stream waits for the legacy default stream (NOTE [nccl streams]);
+//  3. the communicator's stream waits for the compute stream (NOTE [nccl streams]);
 //  4. the NCCL calls are made; ncclInProgress means NCCL finishes the enqueue in the background;
 //  5. once enqueued (at once, or when polled later), the pre-multiplied-sum operators are
 //     destroyed and the Completion's event is recorded on the stream.
@@ -246,9 +246,9 @@ class NcclCommunicator final : public Communicator {
                                   work->describe(), timeout().count()));
   }
 
-  // Runs fn now on this thread, after making the legacy default stream (where the kernels layer
-  // runs its copies) wait for everything queued on this communicator's stream; the Work
-  // completes when what fn queued on the default stream has run.
+  // Runs fn now on this thread, after making the compute stream (where the kernels layer runs
+  // its copies) wait for everything queued on this communicator's stream; the Work completes
+  // when what fn queued on the compute stream has run.
   WorkPtr host_task(std::function<void()> fn) override {
     if (!fn) throw InvalidArgument(fmt::format("host_task on group '{}': the function is empty", name()));
     CommState& s = *state_;
@@ -266,7 +266,7 @@ class NcclCommunicator final : public Communicator {
       c->host_task = true;
       c->calls.emplace_back(s.next_call++, CollectiveKind::kBarrier);
       cuda_check(cudaEventRecord(s.ready, s.stream), "cudaEventRecord", s.context(*c));
-      cuda_check(cudaStreamWaitEvent(cudaStreamLegacy, s.ready, 0), "cudaStreamWaitEvent(legacy default stream)",
+      cuda_check(cudaStreamWaitEvent(s.compute, s.ready, 0), "cudaStreamWaitEvent(compute stream)",
                  s.context(*c));
     }
     std::exception_ptr error;
@@ -289,7 +289,7 @@ class NcclCommunicator final : public Communicator {
       }
       return std::make_shared<NcclWork>(state_, std::move(c));
     }
-    cuda_check(cudaEventRecord(c->done, cudaStreamLegacy), "cudaEventRecord(legacy default stream)", s.context(*c));
+    cuda_check(cudaEventRecord(c->done, s.compute), "cudaEventRecord(compute stream)", s.context(*c));
     c->state = Completion::State::kEnqueued;
     s.in_flight.push_back(c);
     return std::make_shared<NcclWork>(state_, std::move(c));

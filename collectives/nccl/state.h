@@ -31,6 +31,7 @@
 #include "collectives/communicator.h"
 #include "collectives/nccl/nccl_check.h"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/cuda_stream.h"
 #include "kernels/cuda/device_guard.h"
 #include "kernels/dtype.h"
 #include "kernels/error.h"
@@ -220,7 +221,7 @@ struct Completion {
   std::vector<Tensor> keep_alive;    // buffers NCCL reads or writes, staged copies
   std::vector<ncclRedOp_t> red_ops;  // pre-multiplied sums, destroyed once enqueued
   std::string error;                 // kFailed: the CommError message
-  bool host_task = false;            // a host_task(): `done` is recorded on the legacy stream
+  bool host_task = false;            // a host_task(): `done` is recorded on the compute stream
   std::exception_ptr exception;      // a host task's own exception, rethrown by wait()
 
   Completion() = default;
@@ -278,6 +279,7 @@ class CommState {
                "cudaStreamCreateWithFlags", where());
     cuda_check(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreateWithFlags",
                where());
+    compute = static_cast<cudaStream_t>(kernels::detail::cuda_compute_stream(device));
   }
 
   // "group 'world' [0,1] (rank 0 of 2, cuda:0)"
@@ -320,11 +322,10 @@ class CommState {
     return c;
   }
 
-  // The communicator's stream waits for everything queued so far on the legacy default stream.
-  // REQUIRES: `device` current.
+  // The communicator's stream waits for everything queued so far on the compute stream (where
+  // the kernels layer produced the inputs). REQUIRES: `device` current.
   void order_after_default_stream(const Completion& c) {
-    cuda_check(cudaEventRecord(ready, cudaStreamLegacy), "cudaEventRecord(legacy default stream)",
-               context(c));
+    cuda_check(cudaEventRecord(ready, compute), "cudaEventRecord(compute stream)", context(c));
     cuda_check(cudaStreamWaitEvent(stream, ready, 0), "cudaStreamWaitEvent", context(c));
   }
 
@@ -495,6 +496,7 @@ class CommState {
   const std::string name;
   Milliseconds teardown_timeout;
   cudaStream_t stream = nullptr;
+  cudaStream_t compute = nullptr;  // the kernels layer's stream on `device` (not owned)
   cudaEvent_t ready = nullptr;
   bool broken = false;
   std::string broken_reason;
@@ -578,6 +580,23 @@ class NcclWork final : public Work {
       if (c.exception) std::rethrow_exception(c.exception);
       throw CommError(c.error);
     }
+  }
+
+  // Device-side when `stream` is on this communicator's GPU and the call's event is recorded
+  // (a failed call has none: wait() then throws); otherwise the host waits.
+  void wait_on(const kernels::Stream& stream, Milliseconds timeout) override {
+    if (stream.device().is_cuda() && same_device(stream.device().index)) {
+      (void)completed();  // finishes its enqueue when NCCL reported it in progress
+      if (cudaEvent_t ev = recorded_event()) {
+        CommState& s = *state_;
+        std::lock_guard lk(s.mu);
+        const auto guard = device_guard(s.device, s.where());
+        cudaStream_t st = reinterpret_cast<cudaStream_t>(stream.id());  // a CUDA stream's id is its handle
+        cuda_check(cudaStreamWaitEvent(st, ev, 0), "cudaStreamWaitEvent", s.where());
+        return;
+      }
+    }
+    wait(timeout);
   }
 
   bool settle(Milliseconds timeout) override {

@@ -3,7 +3,7 @@
 // or one thread per column (parameter gradients, the deterministic embedding scatter), with the
 // same formulas as the CPU code (kernels/cpu/vec_impl.h, rowwise.cpp). Sums accumulate in f64.
 // No fmt here (nvcc 13 cannot compile fmt 9): messages are built with std::string.
-// Ordering: NOTE [cuda ordering] in cuda_ops.h (legacy default stream, cuBLAS included).
+// Ordering: NOTE [cuda ordering] in cuda_ops.h (the compute stream, cuBLAS included).
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -11,12 +11,14 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <string>
 #include <type_traits>
 
 #include "kernels/cuda/cuda_compute.h"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/cuda_stream.h"
 #include "kernels/cuda/device_guard.h"
 #include "kernels/detail/convert.h"
 #include "kernels/detail/layout.h"
@@ -46,9 +48,12 @@ void check_launch(const char* kernel, int device) {
   check(cudaGetLastError(), std::string("launching ") + kernel + " on " + device_name(device));
 }
 
+// The device's compute stream (NOTE [compute stream] in cuda_ops.cu).
+cudaStream_t stream_of(int device) { return static_cast<cudaStream_t>(cuda_compute_stream(device)); }
+
 // One cuBLAS handle per (thread, device), created on first use and destroyed with the thread
 // (handles are not meant to be shared between threads that issue work concurrently). Handles use
-// the legacy default stream, like every other kernel here.
+// the device's compute stream, like every other kernel here.
 cublasHandle_t blas_handle(int device) {
   struct Handles {
     std::map<int, cublasHandle_t> by_device;
@@ -61,6 +66,10 @@ cublasHandle_t blas_handle(int device) {
   if (it != handles.by_device.end()) return it->second;
   cublasHandle_t h = nullptr;
   check_blas(cublasCreate(&h), "cublasCreate on " + device_name(device));
+  if (const cublasStatus_t st = cublasSetStream(h, stream_of(device)); st != CUBLAS_STATUS_SUCCESS) {
+    (void)cublasDestroy(h);
+    check_blas(st, "cublasSetStream on " + device_name(device));
+  }
   handles.by_device[device] = h;
   return h;
 }
@@ -810,7 +819,7 @@ void launch_optim(const OptimPlan& p, int device) {
                                  p.param_strides};
   for (int k = 0; k < a.nstate; ++k) strides[2 + k] = p.state_strides[k];
   const int64_t n = p.shape.product();
-  optim_kernel<T><<<blocks_for(n), kThreads>>>(a, make_layout<5>(p.shape, strides), n);
+  optim_kernel<T><<<blocks_for(n), kThreads, 0, stream_of(device)>>>(a, make_layout<5>(p.shape, strides), n);
   check_launch("optim_kernel", device);
 }
 
@@ -829,6 +838,22 @@ cudaDataType_t blas_type(DType d) {
     default:
       throw InternalError("cuda_gemm: unexpected dtype");
   }
+}
+
+// When every batch offset of an operand is index * stride over the flattened batch (its batch
+// dims collapse into one: attention's [B, H] batches of contiguous or permuted activations,
+// or a stride-0 broadcast of the whole batch), sets `stride` and returns true.
+bool collapses(const Dims& shape, const Dims& strides, int64_t& stride) {
+  bool first = true;
+  int64_t outer = 0;  // the stride the next outer dim must have
+  stride = 0;
+  for (int d = shape.size() - 1; d >= 0; --d) {
+    if (shape[d] == 1) continue;
+    if (first) stride = strides[d], first = false;
+    else if (strides[d] != outer) return false;
+    outer = strides[d] * shape[d];
+  }
+  return true;
 }
 
 }  // namespace
@@ -877,6 +902,18 @@ void cuda_gemm(const GemmPlan& plan, int device) {
   const int64_t out_size = static_cast<int64_t>(itemsize(p.out_dtype));
   cublasHandle_t h = blas_handle(device);
   const int64_t batches = p.batch_shape.product();
+  // bf16 / f16 inputs with f32 accumulation run on the tensor cores (CUBLAS_COMPUTE_32F). A
+  // batch whose offsets collapse is one strided-batched call instead of one call per matrix.
+  int64_t sa = 0, sb = 0, sc = 0;
+  if (batches > 1 && batches <= std::numeric_limits<int>::max() && collapses(p.batch_shape, p.a_batch_strides, sa) &&
+      collapses(p.batch_shape, p.b_batch_strides, sb) && collapses(p.batch_shape, p.c_batch_strides, sc)) {
+    check_blas(cublasGemmStridedBatchedEx(h, op_b, op_a, static_cast<int>(p.n), static_cast<int>(p.m),
+                                          static_cast<int>(p.k), alpha, p.b, in_t, static_cast<int>(ldb), sb, p.a,
+                                          in_t, static_cast<int>(lda), sa, beta, p.c, out_t, static_cast<int>(ldc),
+                                          sc, static_cast<int>(batches), compute, CUBLAS_GEMM_DEFAULT),
+               "cublasGemmStridedBatchedEx on " + device_name(device));
+    return;
+  }
   auto one = [&](const void* a, const void* b, void* c) {
     check_blas(cublasGemmEx(h, op_b, op_a, static_cast<int>(p.n), static_cast<int>(p.m),
                             static_cast<int>(p.k), alpha, b, in_t, static_cast<int>(ldb), a, in_t,
@@ -914,9 +951,9 @@ void cuda_map(MapOp op, double alpha, void* out, DType out_dtype, const Dims& ou
             in1 != nullptr ? in1->dtype : in0.dtype};
   const bool f64 = in0.dtype == DType::kF64 || (in1 != nullptr && in1->dtype == DType::kF64);
   if (f64) {
-    map_kernel<double><<<blocks_for(n), kThreads>>>(op, alpha, a, l, n);
+    map_kernel<double><<<blocks_for(n), kThreads, 0, stream_of(device)>>>(op, alpha, a, l, n);
   } else {
-    map_kernel<float><<<blocks_for(n), kThreads>>>(op, static_cast<float>(alpha), a, l, n);
+    map_kernel<float><<<blocks_for(n), kThreads, 0, stream_of(device)>>>(op, static_cast<float>(alpha), a, l, n);
   }
   check_launch("map_kernel", device);
 }
@@ -930,7 +967,7 @@ void cuda_reduce(const ReducePlan& p, int device) {
                p.square,    outputs,   p.reduced_shape.product()};
   const Layout<2> kept = make_layout<2>(p.kept_shape, {p.kept_x_strides, p.out_strides});
   const Layout<1> reduced = make_layout<1>(p.reduced_shape, {p.reduced_x_strides});
-  reduce_kernel<<<grid_for_rows(outputs), kThreads>>>(a, kept, reduced);
+  reduce_kernel<<<grid_for_rows(outputs), kThreads, 0, stream_of(device)>>>(a, kept, reduced);
   check_launch("reduce_kernel", device);
 }
 
@@ -942,7 +979,7 @@ void cuda_max_dim(const DimPlan& p, int device) {
   a.outputs = outputs, a.len = p.len, a.x = p.x, a.x_dtype = p.x_dtype,
   a.x_dim_stride = p.x_dim_stride;
   a.values = p.values, a.indices = p.indices;
-  max_dim_kernel<<<blocks_for(outputs), kThreads>>>(
+  max_dim_kernel<<<blocks_for(outputs), kThreads, 0, stream_of(device)>>>(
       a, make_layout<1>(p.outer_shape, {p.x_outer_strides}));
   check_launch("max_dim_kernel", device);
 }
@@ -955,7 +992,7 @@ void cuda_scatter_dim(const DimPlan& p, int device) {
   a.outputs = outputs, a.len = p.len;
   a.dx = p.dx, a.dx_dtype = p.dx_dtype, a.dx_dim_stride = p.dx_dim_stride;
   a.dy = p.dy, a.dy_dtype = p.dy_dtype, a.index = p.index;
-  scatter_dim_kernel<<<blocks_for(outputs), kThreads>>>(
+  scatter_dim_kernel<<<blocks_for(outputs), kThreads, 0, stream_of(device)>>>(
       a, make_layout<3>(p.outer_shape,
                         {p.dx_outer_strides, p.dy_outer_strides, p.index_outer_strides}));
   check_launch("scatter_dim_kernel", device);
@@ -972,9 +1009,9 @@ void cuda_softmax(const SoftmaxPlan& p, int device) {
   if (p.backward) a.dy = row_ref(p.dy);
   if (p.lse.defined()) a.lse = row_ref(p.lse);
   if (p.x.dtype == DType::kF64) {
-    softmax_kernel<double><<<grid_for_rows(rows), kThreads>>>(a, rows_of(p.outer_shape));
+    softmax_kernel<double><<<grid_for_rows(rows), kThreads, 0, stream_of(device)>>>(a, rows_of(p.outer_shape));
   } else {
-    softmax_kernel<float><<<grid_for_rows(rows), kThreads>>>(a, rows_of(p.outer_shape));
+    softmax_kernel<float><<<grid_for_rows(rows), kThreads, 0, stream_of(device)>>>(a, rows_of(p.outer_shape));
   }
   check_launch("softmax_kernel", device);
 }
@@ -1000,9 +1037,9 @@ void cuda_norm_forward(const NormPlan& p, int device) {
   DeviceGuard guard(device);
   const NormArgs a = norm_args(p);
   if (p.x.dtype == DType::kF64) {
-    norm_forward_kernel<double><<<grid_for_rows(rows), kThreads>>>(a, rows_of(p.outer_shape));
+    norm_forward_kernel<double><<<grid_for_rows(rows), kThreads, 0, stream_of(device)>>>(a, rows_of(p.outer_shape));
   } else {
-    norm_forward_kernel<float><<<grid_for_rows(rows), kThreads>>>(a, rows_of(p.outer_shape));
+    norm_forward_kernel<float><<<grid_for_rows(rows), kThreads, 0, stream_of(device)>>>(a, rows_of(p.outer_shape));
   }
   check_launch("norm_forward_kernel", device);
 }
@@ -1015,19 +1052,19 @@ void cuda_norm_backward(const NormPlan& p, int device) {
   const bool f64 = p.x.dtype == DType::kF64;
   if (p.dx.defined()) {
     if (f64) {
-      norm_backward_dx_kernel<double><<<grid_for_rows(rows), kThreads>>>(a, rows_of(p.outer_shape));
+      norm_backward_dx_kernel<double><<<grid_for_rows(rows), kThreads, 0, stream_of(device)>>>(a, rows_of(p.outer_shape));
     } else {
-      norm_backward_dx_kernel<float><<<grid_for_rows(rows), kThreads>>>(a, rows_of(p.outer_shape));
+      norm_backward_dx_kernel<float><<<grid_for_rows(rows), kThreads, 0, stream_of(device)>>>(a, rows_of(p.outer_shape));
     }
     check_launch("norm_backward_dx_kernel", device);
   }
   if (p.dweight.defined() || p.dbias.defined()) {
     if (f64) {
       norm_backward_params_kernel<double>
-          <<<blocks_for(p.len), kThreads>>>(a, rows_of(p.outer_shape));
+          <<<blocks_for(p.len), kThreads, 0, stream_of(device)>>>(a, rows_of(p.outer_shape));
     } else {
       norm_backward_params_kernel<float>
-          <<<blocks_for(p.len), kThreads>>>(a, rows_of(p.outer_shape));
+          <<<blocks_for(p.len), kThreads, 0, stream_of(device)>>>(a, rows_of(p.outer_shape));
     }
     check_launch("norm_backward_params_kernel", device);
   }
@@ -1046,9 +1083,9 @@ void cuda_cross_entropy(const CrossEntropyPlan& p, int device) {
   a.global_max = p.global_max, a.global_sum_exp = p.global_sum_exp;
   const Rows shape = rows_of(Dims{p.n});
   if (p.logits.dtype == DType::kF64) {
-    cross_entropy_kernel<double><<<grid_for_rows(p.n), kThreads>>>(a, shape);
+    cross_entropy_kernel<double><<<grid_for_rows(p.n), kThreads, 0, stream_of(device)>>>(a, shape);
   } else {
-    cross_entropy_kernel<float><<<grid_for_rows(p.n), kThreads>>>(a, shape);
+    cross_entropy_kernel<float><<<grid_for_rows(p.n), kThreads, 0, stream_of(device)>>>(a, shape);
   }
   check_launch("cross_entropy_kernel", device);
 }
@@ -1058,7 +1095,7 @@ void cuda_rescale_sum_exp(void* sum_exp, int64_t sum_exp_stride, const void* loc
                           int64_t global_max_stride, DType dtype, int64_t n, int device) {
   if (n == 0) return;
   DeviceGuard guard(device);
-  rescale_kernel<<<blocks_for(n), kThreads>>>(sum_exp, sum_exp_stride, local_max, local_max_stride,
+  rescale_kernel<<<blocks_for(n), kThreads, 0, stream_of(device)>>>(sum_exp, sum_exp_stride, local_max, local_max_stride,
                                               global_max, global_max_stride, dtype, n);
   check_launch("rescale_kernel", device);
 }
@@ -1079,7 +1116,7 @@ void cuda_embedding_forward(const EmbeddingPlan& p, int device) {
   const int64_t n = p.ids_shape.product() * p.dim;
   if (n == 0) return;
   DeviceGuard guard(device);
-  embedding_forward_kernel<<<blocks_for(n), kThreads>>>(
+  embedding_forward_kernel<<<blocks_for(n), kThreads, 0, stream_of(device)>>>(
       emb_args(p), make_layout<1>(p.ids_shape, {p.ids_strides}), rows_of(p.ids_shape));
   check_launch("embedding_forward_kernel", device);
 }
@@ -1090,10 +1127,10 @@ void cuda_embedding_backward(const EmbeddingPlan& p, int device) {
   const auto ids = make_layout<1>(p.ids_shape, {p.ids_strides});
   if (p.dw_dtype == DType::kF64) {
     embedding_backward_kernel<double>
-        <<<blocks_for(p.dim), kThreads>>>(emb_args(p), ids, rows_of(p.ids_shape));
+        <<<blocks_for(p.dim), kThreads, 0, stream_of(device)>>>(emb_args(p), ids, rows_of(p.ids_shape));
   } else {
     embedding_backward_kernel<float>
-        <<<blocks_for(p.dim), kThreads>>>(emb_args(p), ids, rows_of(p.ids_shape));
+        <<<blocks_for(p.dim), kThreads, 0, stream_of(device)>>>(emb_args(p), ids, rows_of(p.ids_shape));
   }
   check_launch("embedding_backward_kernel", device);
 }

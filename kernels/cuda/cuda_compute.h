@@ -2,7 +2,7 @@
 // headers). Implemented by cuda_compute.cu (+ cuBLAS) in CUDA builds and by
 // cuda_compute_absent.cpp otherwise (every entry throws Unsupported). The front ends
 // (kernels/ops/*.cpp) have checked every argument; `device` is the CUDA device index.
-// Ordering: NOTE [cuda ordering] in cuda_ops.h (legacy default stream).
+// Ordering: NOTE [cuda ordering] in cuda_ops.h (the device's compute stream).
 #pragma once
 
 #include <cstdint>

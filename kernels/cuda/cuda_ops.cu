@@ -5,9 +5,12 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <string>
 
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/cuda_stream.h"
 #include "kernels/cuda/device_guard.h"
 #include "kernels/detail/convert.h"
 #include "kernels/detail/dispatch.h"
@@ -158,6 +161,27 @@ Layout2 make_layout(const Dims& shape, const Dims& dst_strides, const Dims& src_
   return l;
 }
 
+// NOTE [compute stream] The kernels layer queues all its work on one stream per device, created
+// non-blocking on first use (so it never waits for, nor holds up, the legacy default stream or
+// the communicators' streams) and kept until the process exits, as the cuBLAS handles are. One
+// stream per device keeps every kernel and copy in issue order across the threads that use the
+// device, exactly as the legacy default stream did.
+cudaStream_t compute_stream(int device) {
+  static auto* const streams = new std::pair<std::mutex, std::map<int, cudaStream_t>>();  // never freed
+  std::lock_guard lk(streams->first);
+  auto it = streams->second.find(device);
+  if (it != streams->second.end()) return it->second;
+  int previous = -1;
+  check(cudaGetDevice(&previous), "cudaGetDevice");
+  if (previous != device) check(cudaSetDevice(device), "cudaSetDevice(" + device_name(device) + ")");
+  cudaStream_t s = nullptr;
+  const cudaError_t err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  if (previous != device) (void)cudaSetDevice(previous);
+  check(err, "cudaStreamCreateWithFlags (the compute stream of " + device_name(device) + ")");
+  streams->second.emplace(device, s);
+  return s;
+}
+
 void check_launch(const char* kernel, int device) {
   check(cudaGetLastError(), std::string("launching ") + kernel + " on " + device_name(device));
 }
@@ -245,9 +269,19 @@ void cuda_memcpy(void* dst, Device dst_device, const void* src, Device src_devic
   }
   const int device = dst_device.is_cuda() ? dst_device.index : src_device.index;
   DeviceGuard guard(device);  // checks the device
-  check(cudaMemcpy(dst, src, nbytes, cudaMemcpyDefault), "cudaMemcpy of " + std::to_string(nbytes) +
-                                                             " bytes " + to_string(src_device) +
-                                                             " -> " + to_string(dst_device));
+  const std::string what =
+      "cudaMemcpyAsync of " + std::to_string(nbytes) + " bytes " + to_string(src_device) + " -> " + to_string(dst_device);
+  // Between two GPUs: the source's queued work first (it runs on its own compute stream).
+  const bool two_gpus = dst_device.is_cuda() && src_device.is_cuda() && dst_device.index != src_device.index;
+  if (two_gpus) {
+    DeviceGuard src_guard(src_device.index);
+    check(cudaStreamSynchronize(compute_stream(src_device.index)), what + " (waiting for the source)");
+  }
+  const cudaStream_t s = compute_stream(device);
+  check(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, s), what);
+  // A copy that involves the host, or another GPU, is complete on return; device-to-device
+  // copies on one GPU are ordered by its compute stream like any kernel.
+  if (dst_device.is_cpu() || src_device.is_cpu() || two_gpus) check(cudaStreamSynchronize(s), what);
 }
 
 void cuda_copy_cast(void* dst, DType dst_dtype, const Dims& dst_strides, const void* src,
@@ -260,26 +294,26 @@ void cuda_copy_cast(void* dst, DType dst_dtype, const Dims& dst_strides, const v
   if (dst_dtype == src_dtype) {
     switch (itemsize(dst_dtype)) {
       case 1:
-        move_kernel<<<blocks, kThreads>>>(static_cast<uint8_t*>(dst),
+        move_kernel<<<blocks, kThreads, 0, compute_stream(device)>>>(static_cast<uint8_t*>(dst),
                                           static_cast<const uint8_t*>(src), l, n);
         break;
       case 2:
-        move_kernel<<<blocks, kThreads>>>(static_cast<uint16_t*>(dst),
+        move_kernel<<<blocks, kThreads, 0, compute_stream(device)>>>(static_cast<uint16_t*>(dst),
                                           static_cast<const uint16_t*>(src), l, n);
         break;
       case 4:
-        move_kernel<<<blocks, kThreads>>>(static_cast<uint32_t*>(dst),
+        move_kernel<<<blocks, kThreads, 0, compute_stream(device)>>>(static_cast<uint32_t*>(dst),
                                           static_cast<const uint32_t*>(src), l, n);
         break;
       default:
-        move_kernel<<<blocks, kThreads>>>(static_cast<uint64_t*>(dst),
+        move_kernel<<<blocks, kThreads, 0, compute_stream(device)>>>(static_cast<uint64_t*>(dst),
                                           static_cast<const uint64_t*>(src), l, n);
         break;
     }
     check_launch("move_kernel", device);
     return;
   }
-  cast_kernel<<<blocks, kThreads>>>(
+  cast_kernel<<<blocks, kThreads, 0, compute_stream(device)>>>(
       static_cast<char*>(dst), dst_dtype, static_cast<int>(itemsize(dst_dtype)),
       static_cast<const char*>(src), src_dtype, static_cast<int>(itemsize(src_dtype)), l, n);
   check_launch("cast_kernel", device);
@@ -294,18 +328,18 @@ void cuda_fill(void* dst, size_t itemsize, const Dims& strides, const Dims& shap
   const unsigned blocks = blocks_for(n);
   switch (itemsize) {
     case 1:
-      fill_kernel<<<blocks, kThreads>>>(static_cast<uint8_t*>(dst), static_cast<uint8_t>(pattern),
+      fill_kernel<<<blocks, kThreads, 0, compute_stream(device)>>>(static_cast<uint8_t*>(dst), static_cast<uint8_t>(pattern),
                                         l, n);
       break;
     case 2:
-      fill_kernel<<<blocks, kThreads>>>(static_cast<uint16_t*>(dst), static_cast<uint16_t>(pattern),
+      fill_kernel<<<blocks, kThreads, 0, compute_stream(device)>>>(static_cast<uint16_t*>(dst), static_cast<uint16_t>(pattern),
                                         l, n);
       break;
     case 4:
-      fill_kernel<<<blocks, kThreads>>>(static_cast<uint32_t*>(dst), static_cast<uint32_t>(pattern),
+      fill_kernel<<<blocks, kThreads, 0, compute_stream(device)>>>(static_cast<uint32_t*>(dst), static_cast<uint32_t>(pattern),
                                         l, n);
       break;
-    default: fill_kernel<<<blocks, kThreads>>>(static_cast<uint64_t*>(dst), pattern, l, n); break;
+    default: fill_kernel<<<blocks, kThreads, 0, compute_stream(device)>>>(static_cast<uint64_t*>(dst), pattern, l, n); break;
   }
   check_launch("fill_kernel", device);
 }
@@ -364,7 +398,7 @@ void cuda_reduce_into(void* acc, const void* src, DType dtype, int64_t n, Reduce
   DeviceGuard guard(device);  // checks the device
   detail::dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    reduce_kernel<T><<<blocks_for(n), kThreads>>>(static_cast<T*>(acc), static_cast<const T*>(src), n, op,
+    reduce_kernel<T><<<blocks_for(n), kThreads, 0, compute_stream(device)>>>(static_cast<T*>(acc), static_cast<const T*>(src), n, op,
                                                   src_scale);
   });
   check_launch("reduce_kernel", device);
@@ -374,7 +408,7 @@ void cuda_scale(void* data, DType dtype, int64_t n, double factor, int device) {
   DeviceGuard guard(device);  // checks the device
   detail::dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    scale_kernel<T><<<blocks_for(n), kThreads>>>(static_cast<T*>(data), n, factor);
+    scale_kernel<T><<<blocks_for(n), kThreads, 0, compute_stream(device)>>>(static_cast<T*>(data), n, factor);
   });
   check_launch("scale_kernel", device);
 }
@@ -469,16 +503,22 @@ void cuda_copy_batch(const std::vector<CopyItem>& items, int device) {
   }
   if (n == 0) return;
   DeviceGuard guard(device);  // checks the device
-  // The descriptors travel in stream-ordered memory on the legacy default stream (NOTE [cuda
+  // The descriptors travel in stream-ordered memory on the compute stream (NOTE [cuda
   // ordering]): allocated, filled, used and freed in order without a device-wide sync.
   const size_t bytes = batch.size() * sizeof(BatchItem);
   void* table = nullptr;
-  check(cudaMallocAsync(&table, bytes, 0), "cudaMallocAsync of the copy batch table");
-  check(cudaMemcpyAsync(table, batch.data(), bytes, cudaMemcpyHostToDevice, 0), "copying the copy batch table");
-  batch_kernel<<<blocks_for(n), kThreads>>>(static_cast<const BatchItem*>(table), static_cast<int>(batch.size()),
+  const cudaStream_t s = compute_stream(device);
+  check(cudaMallocAsync(&table, bytes, s), "cudaMallocAsync of the copy batch table");
+  check(cudaMemcpyAsync(table, batch.data(), bytes, cudaMemcpyHostToDevice, s), "copying the copy batch table");
+  batch_kernel<<<blocks_for(n), kThreads, 0, compute_stream(device)>>>(static_cast<const BatchItem*>(table), static_cast<int>(batch.size()),
                                             n);
   check_launch("batch_kernel", device);
-  check(cudaFreeAsync(table, 0), "cudaFreeAsync of the copy batch table");
+  check(cudaFreeAsync(table, s), "cudaFreeAsync of the copy batch table");
+}
+
+void* cuda_compute_stream(int device) {
+  cuda_check_device(device);
+  return compute_stream(device);
 }
 
 }  // namespace detail

@@ -3,9 +3,11 @@
 // Unsupported). `device` is a CUDA device index; data pointers point at element [0,...,0]; strides
 // are in elements.
 //
-// NOTE [cuda ordering] Kernels run on the legacy default stream, so they are ordered with every
-// cudaMemcpy and with each other; host-visible results are obtained through cuda_memcpy, which
-// waits for them. Nothing here synchronises otherwise.
+// NOTE [cuda ordering] Every kernel and copy here (cuBLAS included) runs on the device's compute
+// stream (one non-blocking stream per device, NOTE [compute stream] in cuda_ops.cu; never the
+// legacy default stream), so they are ordered with each other; host-visible results are obtained
+// through cuda_memcpy, which waits for them. Other streams order themselves against it with
+// events (kernels/stream.h; the nccl backend does). Nothing here synchronises otherwise.
 #pragma once
 
 #include <cstddef>

@@ -104,6 +104,14 @@ Tensor compute_copy(const Tensor& t, DType compute) {
   return t.dtype() == compute ? t : t.to(compute);
 }
 
+// On a GPU, a product of two bf16 (or two f16) operands into the f32 scores runs on the tensor
+// cores with f32 accumulation straight from the inputs: the same products (exact in f32) as
+// after a cast to f32, without the cast's copies. The CPU keeps its f32 path.
+bool tensor_core_scores(const Tensor& a, const Tensor& b, DType compute) {
+  return a.device().is_cuda() && a.dtype() == b.dtype() && a.dtype() != compute &&
+         (a.dtype() == DType::kBF16 || a.dtype() == DType::kF16);
+}
+
 // In place on scores [g, T, S]: the causal (or full) softmax with lse out, or (from_lse) the
 // probabilities recomputed from the saved lse.
 void softmax_rows(const Tensor& scores, const Tensor& lse, int64_t t, bool causal, bool from_lse) {
@@ -175,8 +183,9 @@ void attention_out(const Tensor& out, const Tensor& lse, const Tensor& q, const 
   const double scale = scale_of(options, s.e);
   const MatmulOptions mm{.num_threads = options.num_threads};
   const int64_t group = std::max<int64_t>(1, kScratchElements / std::max<int64_t>(1, s.t * s.s));
+  const bool lowp = tensor_core_scores(q, k, compute);
   for_each_group(s.lead, group, {q, k, v, out, lse}, [&](const std::vector<Tensor>& g) {
-    const Tensor qg = compute_copy(g[0], compute), kg = compute_copy(g[1], compute),
+    const Tensor qg = lowp ? g[0] : compute_copy(g[0], compute), kg = lowp ? g[1] : compute_copy(g[1], compute),
                  vg = compute_copy(g[2], compute);
     const int64_t n = qg.size(0);
     Tensor scores = Tensor::empty({n, s.t, s.s}, compute, q.device());
@@ -263,14 +272,18 @@ void attention_backward_out(const Tensor& dq, const Tensor& dk, const Tensor& dv
   for_each_group(
       s.lead, group, {q, k, v, dout, lse, dq, dk, dv}, [&](const std::vector<Tensor>& g) {
         const Tensor qg = compute_copy(g[0], compute), kg = compute_copy(g[1], compute),
-                     vg = compute_copy(g[2], compute), dog = compute_copy(g[3], compute);
+                     dog = compute_copy(g[3], compute);
         const int64_t n = qg.size(0);
         Tensor p = Tensor::empty({n, s.t, s.s}, compute, q.device());
-        matmul_out(p, qg, kg.transpose(1, 2), {.alpha = scale, .num_threads = options.num_threads});
+        const bool qk_lowp = tensor_core_scores(g[0], g[1], compute);
+        matmul_out(p, qk_lowp ? g[0] : qg, (qk_lowp ? g[1] : kg).transpose(1, 2),
+                   {.alpha = scale, .num_threads = options.num_threads});
         softmax_rows(p, g[4], s.t, options.causal, true);
         product_into(g[7], p.transpose(1, 2), dog, 1.0);  // dv = P^T dout
         Tensor dp = Tensor::empty({n, s.t, s.s}, compute, q.device());
-        matmul_out(dp, dog, vg.transpose(1, 2), mm);        // dP = dout v^T
+        const bool dv_lowp = tensor_core_scores(g[3], g[2], compute);
+        matmul_out(dp, dv_lowp ? g[3] : dog, (dv_lowp ? g[2] : compute_copy(g[2], compute)).transpose(1, 2),
+                   mm);                                     // dP = dout v^T
         softmax_backward_out(dp, dp, p, -1);                // dS, in place
         product_into(g[5], dp, kg, scale);                  // dq = scale dS k
         product_into(g[6], dp.transpose(1, 2), qg, scale);  // dk = scale dS^T q

@@ -154,6 +154,19 @@ TEST_CASE("completed() makes progress without wait() and never blocks", "[collec
   check_logs(logs);
 }
 
+TEST_CASE("wait_on a stream: the CPU stream waits on the host", "[collectives][local]") {
+  const int n = GENERATE(1, 3);
+  auto logs = run_logged(n, [&](Communicator& world, RankLog& log) {
+    Tensor x = Tensor::full({5}, world.rank() + 1, DType::kF64);
+    WorkPtr w = world.all_reduce(x, x, ReduceOp::kSum);
+    w->wait_on(kernels::Stream(), 30'000ms);
+    log.expect(w->completed(), "completed() after wait_on");
+    const int size = world.size();
+    expect_elements(log, x, 5, [&](int64_t) { return size * (size + 1) / 2.0; }, "all_reduce after wait_on");
+  });
+  check_logs(logs);
+}
+
 
 // ---- split ----
 

@@ -19,14 +19,17 @@
 #include <functional>
 #include <mutex>
 #include <stdexcept>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "collectives/local.h"
 #include "contract.h"
+#include "kernels/cuda/cuda_stream.h"
 #include "kernels/device.h"
 #include "kernels/error.h"
+#include "kernels/stream.h"
 #include "kernels/tensor.h"
 
 using namespace collectives;
@@ -492,4 +495,29 @@ TEST_CASE("nccl: a rank that skips a collective makes the others fail within the
       expect(failed, "rank 1's all_reduce with an aborted rank 0 did not fail");
     }
   }));
+}
+
+TEST_CASE("nccl: a stream waits for a call's Work without the host waiting", "[collectives][nccl][gpu][stream]") {
+  const kernels::Device gpu = kernels::Device::cuda(0);
+  const int64_t n = int64_t{1} << 22;
+  int rounds = 0;
+  collectives::run_ranks(1, [&](Communicator& world) {
+    std::unique_ptr<Communicator> comm = nccl_communicator(world, 0, kNcclTimeout);
+    Tensor x = Tensor::empty({n}, DType::kF32);
+    x.fill_index_([](std::span<const int64_t> i) { return static_cast<double>(i[0] % 977); });
+    const Tensor gx = x.to(gpu);
+    Tensor y = Tensor::empty({n}, DType::kF32, gpu), z = Tensor::empty({n}, DType::kF32, gpu);
+    const kernels::Stream s = kernels::Stream::create(gpu);
+    for (int r = 0; r < 3; ++r, ++rounds) {
+      z.fill_(-1.0);
+      kernels::Stream::compute(gpu).synchronize();
+      WorkPtr w = comm->all_reduce(gx, y, kernels::ReduceOp::kSum);
+      w->wait_on(s, kNcclTimeout);  // device-side: s runs the copy after the all_reduce
+      kernels::detail::cuda_memcpy_async(z.data_ptr(), y.data_ptr(), y.nbytes(), reinterpret_cast<void*>(s.id()), 0);
+      s.synchronize();
+      if (!kernels::equal(z.to(kernels::Device::cpu()), x)) throw std::runtime_error("z != x after wait_on");
+      w->wait(kNcclTimeout);
+    }
+  });
+  REQUIRE(rounds == 3);
 }

@@ -48,6 +48,8 @@ TEST_CASE("CUDA matmul matches the CPU", "[kernels][ops][gpu]") {
     for (auto [a_shape, b_shape] : std::vector<std::pair<Dims, Dims>>{{{33, 17}, {17, 9}},
                                                                       {{2, 3, 5, 4}, {3, 4, 6}},
                                                                       {{4, 7, 16}, {16, 9}},
+                                                                      // one strided-batched call
+                                                                      {{3, 2, 9, 8}, {3, 2, 8, 5}},
                                                                       {{1, 1}, {1, 1}}}) {
       const Tensor a = random_tensor(a_shape, dt, 1), b = random_tensor(b_shape, dt, 2);
       const Tensor ref = matmul(a, b);
@@ -67,7 +69,7 @@ TEST_CASE("CUDA matmul matches the CPU", "[kernels][ops][gpu]") {
       same(cg, cc, tol.rtol, tol.atol, "matmul_out beta 1");
     }
   }
-  REQUIRE(cases == 4 * 4 * kLayouts * kLayouts);
+  REQUIRE(cases == 4 * 5 * kLayouts * kLayouts);
   // Broadcast rows (stride 0: below cuBLAS's minimum leading dimension, so copied first).
   const Tensor row = random_tensor({1, 6}, DType::kF32, 4),
                w = random_tensor({6, 5}, DType::kF32, 5);

@@ -4,8 +4,15 @@
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <span>
 
+#include "kernels/allocator.h"
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/cuda_stream.h"
+#include "kernels/detail/stream_pool.h"
 #include "kernels/format.h"
+#include "kernels/stream.h"
 #include "kernels/tensor.h"
 
 using namespace kernels;
@@ -131,4 +138,102 @@ TEST_CASE("CUDA fills and views", "[kernels][gpu]") {
     back.copy_(other.transpose(0, 1));
     CHECK(equal(back, Tensor::arange({3, 3}, DType::kF32).transpose(0, 1)));
   }
+}
+
+// Streams and events (kernels/stream.h) and the stream-aware block pool over real CUDA events
+// (kernels/detail/stream_pool.h, NOTE [stream-aware reuse]).
+TEST_CASE("CUDA streams and events order copies across streams", "[kernels][gpu][stream]") {
+  const Device gpu = Device::cuda(0);
+  const int64_t n = int64_t{1} << 24;  // 64 MiB of f32: long enough to be in flight
+  Tensor a = Tensor::empty({n}, DType::kF32);
+  a.fill_index_([](std::span<const int64_t> i) { return static_cast<double>(i[0] % 1021); });
+  const Tensor ga = a.to(gpu);
+  Tensor b = Tensor::empty({n}, DType::kF32, gpu), c = Tensor::empty({n}, DType::kF32, gpu);
+  const Stream s1 = Stream::create(gpu), s2 = Stream::create(gpu);
+  REQUIRE(s1.id() != 0);
+  REQUIRE(s1.id() != s2.id());
+  REQUIRE(Stream::compute(gpu).id() != 0);
+  REQUIRE(Stream::compute(gpu) == Stream::compute(gpu));
+  int rounds = 0;
+  for (int r = 0; r < 3; ++r, ++rounds) {
+    c.fill_(-1.0);
+    Stream::compute(gpu).synchronize();  // the fill (compute stream) is done before s1 and s2 run
+    detail::cuda_memcpy_async(b.data_ptr(), ga.data_ptr(), a.nbytes(), reinterpret_cast<void*>(s1.id()), 0);
+    const Event e = Event::record(s1);
+    s2.wait(e);  // without it the second copy could read b before the first wrote it
+    detail::cuda_memcpy_async(c.data_ptr(), b.data_ptr(), a.nbytes(), reinterpret_cast<void*>(s2.id()), 0);
+    const Event done = Event::record(s2);
+    done.synchronize();
+    CHECK(done.query());
+    CHECK(e.query());
+    CHECK(same_bits(c, ga));
+  }
+  REQUIRE(rounds == 3);
+  // The compute stream waits for an event of a stream of one's own.
+  detail::cuda_memcpy_async(b.data_ptr(), ga.data_ptr(), a.nbytes(), reinterpret_cast<void*>(s1.id()), 0);
+  Stream::compute(gpu).wait(Event::record(s1));
+  c.copy_(b);  // a kernel on the compute stream
+  CHECK(same_bits(c, ga));
+  CHECK_THROWS_AS(Stream::create(Device::cuda(1 << 20)), Unsupported);
+}
+
+TEST_CASE("stream-aware block pool over CUDA events", "[kernels][gpu][stream]") {
+  const Device gpu = Device::cuda(0);
+  const int64_t n = int64_t{1} << 24;
+  const Tensor src = Tensor::full({n}, 3.0, DType::kF32, gpu);
+  void* block = detail::cuda_malloc(src.nbytes(), 0);
+  const Stream s1 = Stream::create(gpu), s2 = Stream::create(gpu);
+  s1.wait(Event::record(Stream::compute(gpu)));  // src's fill ran on the compute stream
+  auto ops = detail::cuda_event_ops(0);
+  {
+    detail::StreamBlockPool pool(*ops, {});
+    int rounds = 0;
+    for (int r = 0; r < 3; ++r, ++rounds) {
+      // The block's last use: a copy into it queued on s1.
+      detail::cuda_memcpy_async(block, src.data_ptr(), src.nbytes(), reinterpret_cast<void*>(s1.id()), 0);
+      REQUIRE(pool.give({block, src.nbytes()}, s1.id()).empty());
+      CHECK(pool.take(src.nbytes(), s1.id()) == block);  // s1 orders it: no wait
+      REQUIRE(pool.give({block, src.nbytes()}, s1.id()).empty());
+      s1.synchronize();  // now the freeing stream's event has completed
+      CHECK(pool.take(src.nbytes(), s2.id()) == block);
+    }
+    REQUIRE(rounds == 3);
+    CHECK(pool.stats().pending_events == 0);
+    CHECK(pool.stats().reused == 6);
+  }
+  detail::cuda_free(block, 0);
+}
+
+TEST_CASE("CachingAllocator: CUDA blocks, small ones too, reused by stream", "[kernels][gpu][stream]") {
+  const Device gpu = Device::cuda(0);
+  CachingAllocator cache;
+  int sizes = 0;
+  for (size_t nbytes : {size_t{1000}, size_t{4} << 20}) {  // a small and a large block
+    ++sizes;
+    void* p = cache.allocate(nbytes, gpu);  // the compute stream
+    cache.deallocate(p, nbytes, gpu);
+    CHECK(cache.allocate(nbytes, gpu) == p);  // same stream: at once
+    const Stream side = Stream::create(gpu);
+    cache.deallocate(p, nbytes, gpu);
+    Stream::compute(gpu).synchronize();  // the compute stream passed the free
+    CHECK(cache.allocate_on(nbytes, side) == p);
+    cache.deallocate_on(p, nbytes, side);
+    side.synchronize();
+    CHECK(cache.allocate(nbytes, gpu) == p);
+    cache.deallocate(p, nbytes, gpu);
+  }
+  REQUIRE(sizes == 2);
+  CHECK(cache.stats().hits == 6);
+  CHECK(cache.stats().in_use_bytes == 0);
+  CHECK(cache.stats().cached_bytes == CachingAllocator::rounded_size(1000) + CachingAllocator::rounded_size(4 << 20));
+  // Tensors through the cache: the values survive reuse across streams.
+  auto shared = std::make_shared<CachingAllocator>();
+  for (int r = 0; r < 3; ++r) {
+    Tensor a = Tensor::empty({1 << 16}, DType::kF32, gpu, shared);
+    a.fill_(r + 2.0);
+    CHECK(a.to(Device::cpu()).item({123}) == r + 2.0);
+  }
+  CHECK(shared->stats().hits == 2);
+  cache.release_cached();
+  CHECK(cache.stats().cached_bytes == 0);
 }
