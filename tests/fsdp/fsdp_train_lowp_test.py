@@ -41,7 +41,7 @@ for ag in ("bf16", "fp8", "int8"):
     if last is None:
         continue
     runs[ag] = last
-    progress = [int(m.group(1)) for m in (re.search(r" all_gather_bytes (\d+)$", l) for l in lines) if m]
+    progress = [int(m.group(1)) for m in (re.search(r" all_gather_bytes (\d+) reduce_bytes \d+$", l) for l in lines) if m]
     check(len(progress) == 4 and all(p == last["all_gather_bytes"] for p in progress),
           f"{ag}: progress all_gather_bytes {progress} vs JSON {last['all_gather_bytes']}")
 
