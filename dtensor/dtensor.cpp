@@ -317,7 +317,7 @@ DTensor::DTensor(std::shared_ptr<const MeshComms> comms, DTensorSpec spec, Tenso
 }
 
 const Plan& DTensor::plan_to(const Placements& placements, const RedistributeOptions& options) const {
-  return comms_->plans().plan(make_transition(spec_, placements, options.planner));
+  return comms_->plans().plan(make_transition(spec_, placements, options.planner, options.reduce_policy()));
 }
 
 DTensor DTensor::redistribute(const Placements& placements, const RedistributeOptions& options) const {
@@ -563,7 +563,8 @@ std::vector<DTensor> redistribute_batch(std::span<const DTensor> tensors, const 
   // (NOTE [step validity]: validity can depend on the shape when sizes are uneven).
   std::vector<Dims> shapes;
   for (const DTensor& t : tensors) shapes.push_back(t.spec().shape);
-  const Plan& plan = first.comms()->plans().get(tensors[largest].spec(), dst, options.planner, {}, false, shapes);
+  const Plan& plan = first.comms()->plans().plan(make_transition(tensors[largest].spec(), dst, options.planner,
+                                                                 options.reduce_policy(), std::nullopt, {}, false, shapes));
   std::vector<DTensorSpec> specs;
   std::vector<Tensor> locals;
   for (const DTensor& t : tensors) {

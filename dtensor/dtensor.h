@@ -41,8 +41,12 @@ struct RedistributeOptions {
   std::optional<kernels::DType> reduce_dtype;
   double divide_factor = 1.0;
   bool force_sum = false;
+  // What the reductions move (NOTE [wire dtype] in dtensor/exec/executor.h): a floating dtype
+  // narrower than the reduce dtype (bf16 or f8e5m2 with f32) travels instead of it and is summed
+  // locally in the reduce dtype; nullopt moves the reduce dtype.
+  std::optional<kernels::DType> wire_dtype;
 
-  ReducePolicy reduce_policy() const { return {reduce_dtype, divide_factor, force_sum}; }
+  ReducePolicy reduce_policy() const { return {reduce_dtype, divide_factor, force_sum, wire_dtype}; }
 };
 
 class DTensor {

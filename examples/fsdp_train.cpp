@@ -20,15 +20,24 @@
 // --qlora RANK (with --mp bf16; --lora-alpha, default 16): QLoRA, LoRA adapters of that rank on
 // every attention and MLP projection, everything else frozen, the frozen linear weights gathered
 // as NF4 (fsdp/lowp.h); only the adapters get gradients and optimizer state.
+// --reduce-wire bf16|e5m2 (FSDP only): the gradient reductions move that dtype and sum it in f32
+// (MixedPrecisionPolicy::reduce_wire; NOTE [wire dtype] in dtensor/exec/executor.h).
+// --mp fp16: as bf16 with fp16 parameters and nn::GradScaler (a skipped step on every rank when
+// any rank's gradient overflows; a line "  loss_scale S skipped_steps N" after each progress
+// line); --inject-overflow K puts an inf into the last rank's gradient at step K.
 //
 // Output: one progress line per --log-every steps on rank 0 (the step's wall time in ms too),
 //   step 3/30 loss 3.91234567 ms 6.21 tokens/s 41234 peak_bytes 1234567 param_bytes 123 grad_bytes 45
-//   optim_bytes 90 buffer_bytes 67 all_gather_bytes 89
+//   optim_bytes 90 buffer_bytes 67 all_gather_bytes 89 reduce_bytes 8192
 // (rank 0's peaks: parameters = sharded plus unsharded, gradients = sharded, optimizer state,
-// buffers = FSDP's reduce-scatter inputs and casts; the bytes rank 0's unshards sent this step)
+// buffers = FSDP's reduce-scatter inputs and casts; the bytes rank 0's unshards sent this step;
+// reduce_bytes: what the step's gradient reductions moved per rank, from their plans; 0 without
+// FSDP)
 // and, last, one JSON object:
 //   {"steps":30,"first_loss":4.16,"last_loss":0.93,"parity":"ok","max_rel_loss_diff":2e-7,
-//    "max_param_diff":3e-8,"tokens_per_s":41234,"peak_bytes":1234567,...,"all_gather_bytes":89}
+//    "max_param_diff":3e-8,"tokens_per_s":41234,"peak_bytes":1234567,...,"all_gather_bytes":89,
+//    "reduce_bytes":8192}
+// (reduce_bytes: the progress lines' reduce_bytes averaged over the steps run)
 // parity: "skipped" without --check-parity (then the two diffs are null); max_rel_loss_diff is the
 // largest |loss - loss_ref| / |loss_ref| over the steps (limit 1e-5; bf16: 2e-2), max_param_diff
 // the relative L2 difference of all final parameters flattened together (limit 1e-5; bf16: 5e-2).
@@ -94,6 +103,7 @@
 #include "collectives/nccl.h"
 #include "dtensor/dtensor.h"
 #include "fsdp/fully_shard.h"
+#include "nn/grad_scaler.h"
 #include "fsdp/memory_estimate.h"
 #include "kernels/allocator.h"
 #include "kernels/checked.h"
@@ -155,6 +165,8 @@ struct Args {
   bool offload = false;
   bool no_sync = false;
   int prefetch = 1;
+  std::string reduce_wire;  // --reduce-wire bf16 | e5m2 (empty: the reduce dtype itself)
+  int inject_overflow = 0;  // --inject-overflow STEP (1-based; 0: none)
   // checkpoints
   std::string save_dir;
   int save_every = 0;  // 0: only after the last step
@@ -263,7 +275,14 @@ struct RunResult {
   int64_t peak_bytes = 0;
   int64_t peak_block_bytes = 0;  // the same in the caching allocator's block sizes (what a limit counts)
   std::optional<int64_t> all_gather_bytes;  // per step, this rank's unshards (FSDP only)
+  std::optional<int64_t> reduce_bytes;  // per step: what the gradient reductions' plans moved (FSDP only)
 };
+
+// --reduce-wire: MixedPrecisionPolicy::reduce_wire (validate() checked the text).
+std::optional<DType> reduce_wire(const Args& a) {
+  if (a.reduce_wire.empty()) return std::nullopt;
+  return a.reduce_wire == "bf16" ? DType::kBF16 : DType::kF8E5M2;
+}
 
 using program::median;
 
@@ -303,7 +322,9 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   const bool rank0 = world.rank() == 0;
   kernels::Tracer* const tracer = world.tracer();  // null: not traced
   const int me = world.global_rank();
-  const bool bf16 = a.mp == "bf16";
+  // --mp bf16 | fp16: low-precision compute parameters (fp16 with a GradScaler).
+  const bool bf16 = a.mp != "fp32";
+  const DType low_dtype = a.mp == "fp16" ? DType::kF16 : DType::kBF16;
   const std::optional<fsdp::QuantConfig> quant =
       a.qlora > 0 ? std::optional<fsdp::QuantConfig>(fsdp_train::kQloraBase)
                   : fsdp_train::parse_all_gather(a.all_gather);
@@ -361,15 +382,21 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   auto buffer_mem = std::make_shared<nn::TrackingAllocator>(cache, total_mem);
   fsdp::FSDPModule* root = nullptr;
   std::vector<fsdp::FSDPModule*> groups;  // every group (blocks, then the root)
+  auto reduce_total = [&] {
+    int64_t n = 0;
+    for (const fsdp::FSDPModule* g : groups) n += g->stats().reduce_bytes;
+    return n;
+  };
   if (use_fsdp) {
     fsdp::FullyShardOptions o;
     if (a.reshard_after_forward == "true") o.reshard_after_forward = fsdp::ReshardAfterForward::yes();
     else if (a.reshard_after_forward == "false") o.reshard_after_forward = fsdp::ReshardAfterForward::no();
     else if (reshard_k > 0) o.reshard_after_forward = fsdp::ReshardAfterForward::to(reshard_k);
     if (bf16) {
-      o.mp_policy.param_dtype = DType::kBF16;
+      o.mp_policy.param_dtype = low_dtype;
       o.mp_policy.reduce_dtype = DType::kF32;
     }
+    o.mp_policy.reduce_wire = reduce_wire(a);
     o.offload_policy.offload_to_cpu = a.offload;
     o.unsharded_allocator = unsharded_mem;
     o.buffer_allocator = buffer_mem;
@@ -417,7 +444,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
       m->set_data(p->data());
       m->requires_grad = p->requires_grad;  // --qlora: the frozen base stays frozen
       master.emplace_back(name, m);
-      p->set_dtype(DType::kBF16);
+      p->set_dtype(low_dtype);
       fsdp_train::set_compute(name, *p, p->data().to_local(), m->data().to_local(), quant);
     }
   }
@@ -525,7 +552,11 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   for (const auto& [name, p] : master) param_bytes += static_cast<int64_t>(p->data().to_local().nbytes());
   if (bf16 && !use_fsdp)
     for (const auto& [name, p] : params) param_bytes += static_cast<int64_t>(p->data().to_local().nbytes());
-  const DTensor dloss = as_dtensor(Tensor::full({}, 1.0 / a.grad_accum, DType::kF64));
+  // --mp fp16: the loss is scaled for backward (nn::GradScaler, PyTorch's constants); a step whose
+  // gradients hold an inf or NaN on any rank is skipped on every rank and the scale backs off.
+  std::optional<nn::GradScaler> scaler;
+  if (a.mp == "fp16") scaler.emplace();
+  int skipped_steps = 0;
 
   RunResult result;
   result.first_step = first_step;
@@ -533,9 +564,11 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   total_mem->reset_peak();  // the training's peak: initialisation and --dump-init left out
   const int64_t ag_bytes_start = fsdp_train::all_gather_bytes(groups);
   cache->reset_peak();
+  const int64_t reduce_start = reduce_total();
   for (int step = first_step; step < a.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t ag_bytes_before = fsdp_train::all_gather_bytes(groups);
+    const int64_t reduce_before = reduce_total();
     const std::string step_name = tracer != nullptr ? fmt::format("step {}", step + 1) : std::string();
     const kernels::TraceSpan step_span(tracer, me, "compute", step_name);
     double step_loss = 0;
@@ -559,7 +592,8 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
       step_loss += micro_loss / a.grad_accum;
       if (a.moe.experts > 0) moe_step.add(ctx, a.grad_accum);
       span.emplace(tracer, me, "compute", "backward");
-      DTensor dlogits = loss_fn.backward(lctx, dloss);
+      const double seed = (scaler ? scaler->scale() : 1.0) / a.grad_accum;
+      DTensor dlogits = loss_fn.backward(lctx, as_dtensor(Tensor::full({}, seed, DType::kF64)));
       model.backward(ctx, dlogits);
     }
     std::optional<kernels::TraceSpan> optimizer_span(std::in_place, tracer, me, "compute", "optimizer");
@@ -569,20 +603,34 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
         params[i].second->zero_grad();
       }
     nn::reduce_gradients(master);
+    if (a.inject_overflow == step + 1 && world.rank() + 1 == world.size())  // the last rank only
+      for (const auto& [name, p] : master)
+        if (p->grad() && p->grad()->to_local().numel() > 0) {
+          Tensor g = p->grad()->to_local();
+          g.view({g.numel()}).narrow(0, 0, 1).fill_(std::numeric_limits<double>::infinity());
+          break;
+        }
     // Clipping (or, with --clip 0, only measuring) the global norm stops a diverged run: the norm
-    // is the same on every rank.
-    try {
-      nn::clip_grad_norm_(master, a.clip, 2.0, /*error_if_nonfinite=*/true);
-    } catch (const kernels::NonFiniteError& e) {
-      throw Diverged(fmt::format("step {}/{}: the gradient norm is not finite ({}); the training diverged (try a "
-                                 "smaller --lr)",
-                                 step + 1, a.steps, e.what()));
+    // is the same on every rank. With the scaler a non-finite gradient skips the step instead.
+    bool stepping = true;
+    const double loss_scale = scaler ? scaler->scale() : 1.0;
+    if (scaler) {
+      stepping = scaler->unscale_clip_(master, a.clip).stepped;
+      if (!stepping) ++skipped_steps;
+    } else {
+      try {
+        nn::clip_grad_norm_(master, a.clip, 2.0, /*error_if_nonfinite=*/true);
+      } catch (const kernels::NonFiniteError& e) {
+        throw Diverged(fmt::format("step {}/{}: the gradient norm is not finite ({}); the training diverged (try a "
+                                   "smaller --lr)",
+                                   step + 1, a.steps, e.what()));
+      }
     }
     int64_t gb = 0;
     for (const auto& [name, p] : master)
       if (p->grad()) gb += static_cast<int64_t>(p->grad()->to_local().nbytes());
     grad_bytes = std::max(grad_bytes, gb);
-    opt->step();
+    if (stepping) opt->step();
     if (step == 0)
       for (const auto& [name, p] : master)
         for (const char* key : {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"}) try {
@@ -602,10 +650,12 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     if (print && rank0 && ((step + 1) % a.log_every == 0 || step + 1 == a.steps)) {
       fmt::print(
           "step {}/{} loss {:.9g} ms {:.3f} tokens/s {:.0f} peak_bytes {} param_bytes {} grad_bytes {} "
-          "optim_bytes {} buffer_bytes {} all_gather_bytes {}{}\n",
+          "optim_bytes {} buffer_bytes {} all_gather_bytes {} reduce_bytes {}{}\n",
           step + 1, a.steps, step_loss, seconds * 1e3, static_cast<double>(a.batch * a.seq) / seconds,
           total_mem->peak_bytes(), param_bytes + unsharded_mem->peak_bytes(), grad_bytes, optim_bytes, buffer_mem->peak_bytes(),
-          fsdp_train::all_gather_bytes(groups) - ag_bytes_before, a.moe.experts > 0 ? moe_step.text() : "");
+          fsdp_train::all_gather_bytes(groups) - ag_bytes_before, reduce_total() - reduce_before,
+          a.moe.experts > 0 ? moe_step.text() : "");
+      if (scaler) fmt::print("  loss_scale {} skipped_steps {}\n", loss_scale, skipped_steps);
       std::fflush(stdout);
     }
     if (!a.save_dir.empty() && ((a.save_every > 0 && (step + 1) % a.save_every == 0) || step + 1 == a.steps))
@@ -616,9 +666,11 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   // Steady state: leave out the first step (allocations, plan caches) when there are others.
   std::vector<double> steady(step_seconds.begin() + (step_seconds.size() > 1 ? 1 : 0), step_seconds.end());
   const double med = median(steady);
-  if (use_fsdp && !result.losses.empty())
+  if (use_fsdp && !result.losses.empty()) {
     result.all_gather_bytes =
         (fsdp_train::all_gather_bytes(groups) - ag_bytes_start) / static_cast<int64_t>(result.losses.size());
+    result.reduce_bytes = (reduce_total() - reduce_start) / static_cast<int64_t>(result.losses.size());
+  }
   result.tokens_per_s = med > 0 ? static_cast<double>(a.batch * a.seq) / med : 0;
   // The training's peak, before the full parameters are gathered for the parity check.
   const int64_t training_peak = total_mem->peak_bytes();
@@ -738,7 +790,21 @@ void validate(const Args& a) {
   // Sample and token indices of the data (step * batch + g, batch * seq tokens per step).
   kernels::checked_mul(a.steps, a.batch, "samples (--steps x --batch)");
   kernels::checked_mul(a.batch, a.seq, "tokens per step (--batch x --seq)");
-  if (a.mp != "fp32" && a.mp != "bf16") bad(fmt::format("--mp {}: expected fp32 or bf16", a.mp));
+  if (a.mp != "fp32" && a.mp != "bf16" && a.mp != "fp16")
+    bad(fmt::format("--mp {}: expected fp32, bf16 or fp16", kernels::clip(a.mp, 40)));
+  if (a.inject_overflow != 0 && (a.mp != "fp16" || a.inject_overflow < 1 || a.inject_overflow > a.steps))
+    bad(fmt::format("--inject-overflow {}: expected a step 1..--steps ({}) with --mp fp16 (the loss scaler skips "
+                    "it)",
+                    a.inject_overflow, a.steps));
+  if (!a.reduce_wire.empty()) {
+    if (a.reduce_wire != "bf16" && a.reduce_wire != "e5m2")
+      bad(fmt::format("--reduce-wire {}: expected bf16 or e5m2", kernels::clip(a.reduce_wire, 40)));
+    // FSDP reduces gradients in f32 under --mp fp32 and bf16 alike; without FSDP nothing is reduced.
+    if (!a.fsdp)
+      bad(fmt::format("--reduce-wire {}: needs FSDP's gradient reductions (--dp-shard or --dp-replicate), whose "
+                      "reduce dtype (f32) it must be narrower than",
+                      a.reduce_wire));
+  }
   if (!a.all_gather.empty()) {
     fsdp_train::parse_all_gather(a.all_gather);  // InvalidArgument naming the value
     if (a.mp != "bf16")
@@ -810,8 +876,8 @@ fsdp::MemoryConfig memory_config(const Args& a) {
   if (r == "true") c.options.reshard_after_forward = fsdp::ReshardAfterForward::yes();
   else if (r == "false") c.options.reshard_after_forward = fsdp::ReshardAfterForward::no();
   else if (r != "auto") c.options.reshard_after_forward = fsdp::ReshardAfterForward::to(std::stoi(r));
-  if (a.mp == "bf16" && a.fsdp) {
-    c.options.mp_policy.param_dtype = DType::kBF16;
+  if (a.mp != "fp32" && a.fsdp) {
+    c.options.mp_policy.param_dtype = a.mp == "fp16" ? DType::kF16 : DType::kBF16;
     c.options.mp_policy.reduce_dtype = DType::kF32;
   }
   c.options.offload_policy.offload_to_cpu = a.offload;
@@ -935,7 +1001,7 @@ struct Outcome {
 // --check-parity: the same training on one rank without parallelism, compared with `got`.
 Outcome check_parity(const Args& a, RunResult got) {
   Outcome o;
-  const double loss_tol = a.mp == "bf16" ? 2e-2 : 1e-5, param_tol = a.mp == "bf16" ? 5e-2 : 1e-5;
+  const double loss_tol = a.mp != "fp32" ? 2e-2 : 1e-5, param_tol = a.mp != "fp32" ? 5e-2 : 1e-5;
   std::optional<RunResult> ref;
   const int hw = std::max(1u, std::thread::hardware_concurrency());
   Args single = a;
@@ -968,12 +1034,13 @@ int finish(const Args& a, const Outcome& o) {
   fmt::print(
       "{{\"steps\":{},\"first_loss\":{},\"last_loss\":{},\"parity\":\"{}\",\"max_rel_loss_diff\":{},"
       "\"max_param_diff\":{},\"tokens_per_s\":{},\"peak_bytes\":{},\"peak_block_bytes\":{},"
-      "\"estimated_peak_bytes\":{},\"estimated_peak_block_bytes\":{},\"all_gather_bytes\":{}}}\n",
+      "\"estimated_peak_bytes\":{},\"estimated_peak_block_bytes\":{},\"all_gather_bytes\":{},\"reduce_bytes\":{}}}\n",
       a.steps, json_number(got.losses.front()), json_number(got.losses.back()), o.parity,
       o.cmp ? json_number(o.cmp->max_rel_loss_diff) : "null", o.cmp ? json_number(o.cmp->max_param_diff) : "null",
       json_number(std::round(got.tokens_per_s)), got.peak_bytes, got.peak_block_bytes,
       o.estimate ? std::to_string(o.estimate->peak) : "null", o.estimate ? std::to_string(o.estimate->peak_blocks) : "null",
-      got.all_gather_bytes ? std::to_string(*got.all_gather_bytes) : "null");
+      got.all_gather_bytes ? std::to_string(*got.all_gather_bytes) : "null",
+      got.reduce_bytes ? std::to_string(*got.reduce_bytes) : "null");
   std::fflush(stdout);
   return o.parity == "fail" ? program::kMismatch : program::kOk;
 }
@@ -1053,6 +1120,7 @@ int run(int argc, char** argv) {
   app.add_flag("--offload", a.offload, "FSDP CPU offload of the sharded parameters, gradients, optimizer state");
   app.add_flag("--no-sync", a.no_sync, "with --grad-accum: reduce gradients on the last microbatch only");
   app.add_option("--prefetch", a.prefetch, "FSDP prefetch depth 0 | 1 | 2 (forward and backward)");
+  app.add_option("--reduce-wire", a.reduce_wire, "bf16 | e5m2: what FSDP's gradient reductions move (summed in f32)");
   app.add_option("--tp", a.tp, "tensor-parallel ranks");
   fsdp_train::add_moe_options(app, a.moe);
   app.add_option("--layers", a.layers, "transformer blocks");
@@ -1064,7 +1132,9 @@ int run(int argc, char** argv) {
   app.add_option("--steps", a.steps, "optimizer steps");
   app.add_option("--lr", a.lr, "learning rate");
   app.add_option("--seed", a.seed, "seed of the initial weights and the data (0..2^64-1)")->check(program::kUint64);
-  app.add_option("--mp", a.mp, "fp32 | bf16");
+  app.add_option("--mp", a.mp, "fp32 | bf16 | fp16 (with a loss scaler)");
+  app.add_option("--inject-overflow", a.inject_overflow,
+                 "--mp fp16: an inf in the last rank's gradient at this step (the scaler must skip it everywhere)");
   app.add_option("--all-gather", a.all_gather,
                  "fp8 | int8: all-gather the blocks' linear weights as fp8 e4m3 or int8 blocks (needs --mp bf16)");
   app.add_option("--qlora", a.qlora,

@@ -96,6 +96,7 @@ class Group {
   FullyShardOptions opts;
   ReshardAfterForward reshard_mode;
   DType orig_dtype = DType::kF32, param_dtype = DType::kF32, reduce_dtype = DType::kF32;
+  std::optional<DType> reduce_wire;  // MixedPrecisionPolicy::reduce_wire
   kernels::Device compute_device, storage_device;
   std::shared_ptr<kernels::Allocator> unsharded_alloc, buffer_alloc;
   std::vector<Slot> slots;
@@ -517,6 +518,7 @@ class Group {
     dtensor::RedistributeOptions ro;
     ro.reduce_dtype = reduce_dtype;
     ro.divide_factor = divide_factor;
+    ro.wire_dtype = reduce_wire;
     p.into_grad = !has_sharded_grad && !p.to_partial && !p.all_reduce_after && storage_device == compute_device;
     if (p.into_grad) {
       if (!grad_flat.defined()) allocate_grad_flat();
@@ -526,6 +528,7 @@ class Group {
     }
     p.input = in;
     p.handle = dtensor::redistribute_async(flat_in, target, ro, p.out);
+    stats.reduce_bytes += flat_in.plan_to(target, ro).bytes_per_rank();
     ++stats.reduce_scatters;
     if (hsdp() && !p.to_partial && !p.all_reduce_after) ++stats.all_reduces;
     pending = std::move(p);
@@ -558,7 +561,9 @@ class Group {
       DTensor part(dp_comms, grad_flat_spec(from, reduce_dtype), result);
       dtensor::RedistributeOptions ro;
       ro.reduce_dtype = reduce_dtype;
+      ro.wire_dtype = reduce_wire;
       result = part.redistribute(flat_sharded_placements(), ro).to_local();
+      stats.reduce_bytes += part.plan_to(flat_sharded_placements(), ro).bytes_per_rank();
       ++stats.all_reduces;
     }
     if (!p.into_grad) {
@@ -1015,6 +1020,13 @@ FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr
   }
   g.param_dtype = mp.param_dtype.value_or(g.orig_dtype);
   g.reduce_dtype = mp.reduce_dtype.value_or(g.param_dtype);
+  if (mp.reduce_wire && *mp.reduce_wire != g.reduce_dtype &&
+      (!kernels::is_floating_point(*mp.reduce_wire) || !kernels::is_floating_point(g.reduce_dtype) ||
+       kernels::itemsize(*mp.reduce_wire) >= kernels::itemsize(g.reduce_dtype)))
+    throw InvalidArgument(fmt::format("fully_shard({}): reduce_wire {} must be a floating dtype narrower than the "
+                                      "reduce dtype {}",
+                                      g.name, kernels::to_string(*mp.reduce_wire), kernels::to_string(g.reduce_dtype)));
+  g.reduce_wire = mp.reduce_wire;
   g.storage_device = options.offload_policy.offload_to_cpu ? kernels::Device{} : g.compute_device;
   if (options.offload_policy.offload_to_cpu && options.offload_policy.pin_memory)
     g.note = g.compute_device.is_cpu()

@@ -53,9 +53,14 @@ using kernels::DType;
 // param_dtype, gradients reduced in reduce_dtype, floating outputs cast to output_dtype,
 // floating inputs cast to param_dtype. The optimizer sees the sharded parameters in their
 // original dtype (the master weights).
+// reduce_wire: what the gradient reductions (the reduce-scatter, HSDP's all-reduce) move when it
+// is narrower than reduce_dtype, e.g. bf16 or f8e5m2 with reduce_dtype f32: summed locally in
+// reduce_dtype (NOTE [wire dtype] in dtensor/exec/executor.h). fully_shard refuses a wire that is
+// not a floating dtype narrower than the reduce dtype.
 struct MixedPrecisionPolicy {
   std::optional<DType> param_dtype;
   std::optional<DType> reduce_dtype;
+  std::optional<DType> reduce_wire;
   std::optional<DType> output_dtype;
   bool cast_forward_inputs = true;
 };
@@ -146,6 +151,7 @@ struct GroupStats {
   int64_t prefetches = 0;        // unshards issued ahead by prefetch
   int64_t all_gather_bytes = 0;  // this rank's bytes sent by the unshard plans (bytes_per_rank)
   int64_t extension_bytes = 0;   // this rank's bytes sent by the extensions' own collectives
+  int64_t reduce_bytes = 0;      // bytes the gradient reductions' plans moved (busiest rank)
 };
 
 // The FSDP state of one fully_shard call (FSDP2's FSDPModule methods).

@@ -22,13 +22,14 @@
 //     --device cuda (local backend): every rank's tensors live on GPU 0 (the local backend over
 //     CUDA memory); the check copies them back (exit 2 without a usable GPU).
 //   dtensor-check plan --mesh 4096x8 --shape 65536,4096 --from '_S(0,8),S(0)' --to 'R,S(0)'
-//                [--dtype bf16] [--planner search|greedy] [--rank R]
+//                [--dtype bf16] [--planner search|greedy] [--wire-dtype bf16|f8e5m2] [--rank R]
 //     plans the transition (no communication, any mesh up to the 2^20-rank limit) and prints one
 //     JSON object: {"steps":"<route>","collectives":N,"bytes_per_rank":B,"lower_bound_bytes":L,
 //     "plan_us":T,"schedule_us":S,"schedule_bytes":M} where B is the bytes the busiest rank
 //     receives, L what no plan can go below, T the cold planning time in this process, and S, M
 //     the time and memory of the schedule rank R (default: the mesh's first rank) computes
-//     from its own coordinate (views backends: local, mpi).
+//     from its own coordinate (views backends: local, mpi). --wire-dtype: the reductions move that
+//     dtype and sum in --dtype (the steps print it, B counts it; L stays --dtype's bound).
 //   dtensor-check fuzz --cases N --seed S [--max-ranks 8] [--backend local|mpi]
 //                [--planner greedy|search|both] [--device cpu|cuda] [--timeout-ms 30000]
 //     random meshes, shapes, dtypes and placement pairs (invalid ones included: they must raise
@@ -196,6 +197,7 @@ void demo() {
 
 struct PlanArgs {
   std::string mesh, shape, from, to, dtype = "f32", planner = "search";
+  std::optional<std::string> wire_dtype;
   std::optional<int64_t> rank;
 };
 
@@ -212,7 +214,9 @@ int cmd_plan(const PlanArgs& a) {
   if (a.rank && (*a.rank < 0 || *a.rank > dtensor::kMaxRank || !mesh->contains(rank)))
     throw kernels::InvalidArgument(fmt::format("--rank {} is not a rank of mesh '{}'", *a.rank, kernels::clip(a.mesh)));
   const dtensor::DTensorSpec src = dtensor::make_spec(mesh, from, shape, dtype);
-  const dtensor::Transition t = dtensor::make_transition(src, to, planner);
+  dtensor::ReducePolicy policy;
+  if (a.wire_dtype) policy.wire_dtype = kernels::parse_dtype(*a.wire_dtype);
+  const dtensor::Transition t = dtensor::make_transition(src, to, planner, policy);
   const auto start = std::chrono::steady_clock::now();
   const dtensor::Plan plan = dtensor::plan_transition(t);
   const double plan_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
@@ -1007,6 +1011,8 @@ int main(int argc, char** argv) {
     plan->add_option("--to", pargs.to, "target placements, one per mesh dim")->required();
     plan->add_option("--dtype", pargs.dtype, "f32 (default), f64, bf16, f16, i32, i64 or u8");
     plan->add_option("--planner", pargs.planner, "search (default) or greedy (PyTorch's)");
+    plan->add_option("--wire-dtype", pargs.wire_dtype,
+                     "what the reductions move when narrower than --dtype (bf16, f8e5m2; NOTE [wire dtype])");
     plan->add_option("--rank", pargs.rank, "the rank whose schedule is timed (default: the mesh's first)");
 
     FuzzArgs fargs;

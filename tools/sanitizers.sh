@@ -45,7 +45,7 @@ case $kind in
            bad-inputs layout-example api-example dtensor-asan dtensor-asan-planner fsdp fsdp-meta fsdp-estimate fsdp-lowp
            fsdp-dp-chunks checkpoint-save-plan
            checkpoint fsdp-train-fsdp4
-           fsdp-train-hsdp2x2xtp2-bf16 fsdp-train-checkpoint-resume)
+           fsdp-train-hsdp2x2xtp2-bf16 fsdp-train-checkpoint-resume fsdp-train-fp16)
     ;;
   tsan)
     dir=build-tsan

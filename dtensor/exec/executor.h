@@ -56,6 +56,32 @@
 //    dtype, before the cast back (force_sum without overflow risk: p = 1, all after).
 // A divide factor needs every reducing step to be a sum (P(sum)); a plan that reduces nothing
 // takes none.
+//
+// NOTE [wire dtype] policy.wire_dtype, a floating dtype narrower than the reduce dtype (bf16 or
+// f8e5m2 with f32), is what the reducing steps on groups of k > 1 move; the planner marks those
+// steps ("RS(0:0,sum,wire=bf16)", "AR(1,sum,wire=f8e5m2)") and costs them in wire bytes. Such a
+// step runs on every backend as exchanges plus a local sum, never as a reducing collective (NCCL
+// cannot reduce fp8, and sums bf16 in bf16 before 2.27):
+//  - P -> S(d) / _S(d,sf): member g's chunk of every member's contribution (the contribution in
+//    the reduce dtype, then rounded to the wire) goes to g in one send_recv; g sums the k pieces
+//    in the reduce dtype in member order 0..k-1 (exact f32 accumulation of bf16 / e5m2 values,
+//    the same on every rank and every run), then pre-multiplier / avg / post-scale as above;
+//  - P -> R: the same on k chunks of the flat tensor (the first N % k members take one element
+//    more), then each member's sum, post-scaled and rounded once to the wire, is sent to every
+//    member. R's result is therefore the reduce-dtype sum rounded to the wire dtype (then cast to
+//    the output dtype), identical on every member.
+// fp8 wires (e5m2: 2 mantissa bits, normal range 2^-14 .. 57344) would flush small gradients to
+// zero and overflow large ones, so each sender scales what it sends by one power of two s = 2^e,
+// the largest with amax(its finite |values|) x s <= the format's max (e5m2 57344, e4m3 448;
+// |e| <= 120; 1 when all are zero), and sends s (one f32) with the payload; the receiver divides
+// by s (exact). A piece is then round(x s) / s: the format's 3 significant bits at the sender's
+// own exponent range, nothing lost to range unless a value is 2^-17 times smaller than the
+// sender's largest. bf16 / f16 wires are cast plainly (bf16 has f32's range).
+// Bytes per rank: (k-1)/k of the reduce-scatter's and N + (k-2) ceil(N/k) for P -> R, times the
+// wire's item size (bf16 halves an f32 reduction), plus for fp8 4 bytes of scale to and from each
+// peer per exchange. A step on a group of one moves nothing and is not rounded. make_transition
+// refuses a wire wider than the reduce dtype, a non-floating one, or one under a Partial other
+// than sum / avg.
 #pragma once
 
 #include <boost/container/small_vector.hpp>

@@ -7,6 +7,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 
 #include "dtensor/exec/memory_check.h"
@@ -30,13 +31,33 @@ bool same_view(const Tensor& a, const Tensor& b) {
          a.storage_offset() == b.storage_offset() && a.shape() == b.shape() && a.strides() == b.strides();
 }
 
+// NOTE [wire dtype]: an fp8 wire carries each sender's power-of-two scale; bf16 / f16 need none.
+bool wire_scaled(DType wire) { return wire == DType::kF8E4M3 || wire == DType::kF8E5M2; }
+
+// The scale an fp8 wire sends `t` (contiguous, any floating dtype) with: the largest power of two
+// 2^e, |e| <= 120, with amax(finite |t|) x 2^e <= the wire's largest finite value (e5m2 57344,
+// e4m3 448); 1 for another wire, or when t holds no finite non-zero value.
+double wire_scale(const Tensor& t, DType wire) {
+  if (!wire_scaled(wire) || t.numel() == 0) return 1.0;
+  const Tensor h = t.device().is_cpu() && t.dtype() == DType::kF32 ? t : t.to(kernels::Device{}).to(DType::kF32);
+  const float* x = h.data<float>();
+  float amax = 0;
+  for (int64_t i = 0; i < h.numel(); ++i)
+    if (std::isfinite(x[i])) amax = std::max(amax, std::fabs(x[i]));
+  if (amax == 0) return 1.0;
+  const double top = wire == DType::kF8E4M3 ? 448.0 : 57344.0;
+  int e = std::ilogb(top) - std::ilogb(static_cast<double>(amax));
+  if (std::ldexp(static_cast<double>(amax), e) > top) --e;
+  return std::ldexp(1.0, std::clamp(e, -120, 120));
+}
+
 // The bytes a transition allocates (memory_check.h), from the executor's step dtypes.
 int64_t batch_bytes(const MeshComms& comms, const Plan& plan, std::span<const Item> items,
                     const std::vector<ExecStep>& steps, bool outs) {
   std::vector<const DTensorSpec*> specs;
   std::vector<StepDTypes> dtypes;
   for (const Item& it : items) specs.push_back(it.spec);
-  for (const ExecStep& p : steps) dtypes.push_back({p.in, p.out, p.work, p.post_scale != 1.0});
+  for (const ExecStep& p : steps) dtypes.push_back({p.in, p.out, p.work, p.post_scale != 1.0, p.wire});
   return transition_bytes(plan, specs, comms, dtypes, outs);
 }
 
@@ -317,6 +338,7 @@ class Issuer {
   }
 
   TensorList run_step(const AllReduce&) {
+    if (sp().wire != sp().work) return wire_all_reduce();
     const ExecStep p = sp();
     Communicator& c = on(comm());
     int64_t total = 0;
@@ -372,6 +394,7 @@ class Issuer {
   }
 
   TensorList run_step(const ReduceScatter&) {
+    if (sp().wire != sp().work) return wire_reduce_scatter();
     const ExecStep p = sp();
     const int64_t k = k_, r = r_;
     std::vector<std::shared_ptr<const StepSchedule>> sc;
@@ -450,6 +473,211 @@ class Issuer {
       for (size_t j = 0; j < outs.size(); ++j) {
         unpack(mine, off, outs[j], sc[j]->post_whole);  // cast fused
         off += sc[j]->post_whole.numel();
+      }
+    });
+    return outs;
+  }
+
+  // ---- reductions through a wire dtype (NOTE [wire dtype] in executor.h) ----
+
+  // acc = the sum in member order of the k wire pieces, each divided by its sender's scale, in
+  // acc's dtype (the work dtype), with the reduction's pre-multiplier and avg: the arithmetic of
+  // the uneven reduce-scatter. REQUIRES: in a task; pieces[g] holds acc.numel() wire elements.
+  static void sum_pieces(const Tensor& acc, const TensorList& pieces, const std::vector<double>& unscale,
+                         const Reduction& red) {
+    const int64_t k = static_cast<int64_t>(pieces.size());
+    if (acc.numel() == 0) return;
+    const double m = red.pre_multiplier;
+    Tensor(acc).copy_(pieces[0]);  // exact: the wire is narrower
+    if (unscale[0] != 1.0) kernels::scale_(acc, unscale[0]);  // a power of two: exact
+    if (m != 1.0) kernels::scale_(acc, m);
+    Tensor tmp = Tensor::empty(acc.shape(), acc.dtype(), acc.device());
+    for (int64_t g = 1; g < k; ++g) {
+      tmp.copy_(pieces[g]);
+      if (unscale[g] != 1.0) kernels::scale_(tmp, unscale[g]);
+      kernels::reduce_into(acc, tmp, red.op, m);
+    }
+    if (red.op == ReduceOp::kAvg) kernels::scale_(acc, 1.0 / static_cast<double>(k));
+  }
+  // wire (contiguous) <- work-dtype data, scaled by this sender's power of two for an fp8 wire;
+  // returns the scale. REQUIRES: in a task.
+  static double to_wire(const Tensor& work, Tensor wire) {
+    const double s = wire_scale(work, wire.dtype());
+    if (s != 1.0) kernels::scale_(work, s);
+    wire.copy_(work);
+    return s;
+  }
+  // The scales travel as one f32 each, next to the payload (one more message per peer).
+  static std::vector<double> read_scales(const TensorList& scales) {
+    std::vector<double> out;
+    for (const Tensor& t : scales) out.push_back(t.defined() ? 1.0 / t.to(kernels::Device{}).item({0}) : 1.0);
+    return out;
+  }
+  Tensor scale_slot() const { return alloc({1}, DType::kF32); }
+  // The step's input is wider than its work dtype (f64 reduced in f32): rounded to it first.
+  static bool wider_than_work(const ExecStep& p) { return kernels::itemsize(p.in) > kernels::itemsize(p.work); }
+
+  // P -> S/_S: every member's chunk, in the wire, goes to its member (one send_recv); each member
+  // sums the k pieces of its chunk in the work dtype.
+  TensorList wire_reduce_scatter() {
+    const ExecStep p = sp();
+    const int64_t k = k_, r = r_;
+    const bool scaled = wire_scaled(p.wire);
+    std::vector<std::shared_ptr<const StepSchedule>> sc;
+    for (size_t j = 0; j < items_.size(); ++j) sc.push_back(sched(j, Path::kReduceScatter, /*per_member=*/true));
+    TensorList ins;
+    for (const Item& it : items_) ins.push_back(it.local);
+    std::vector<int64_t> seg(k, 0), seg_off(k, 0);
+    for (const auto& s : sc) s->chunk_blocks.add_numels(seg);
+    int64_t total = 0;
+    for (int64_t g = 0; g < k; ++g) {
+      seg_off[g] = total;
+      total += seg[g];
+    }
+    Communicator& c = on(comm());
+    // Staged in the work dtype when a scale is computed or the input is wider than the work dtype
+    // (rounded to it first); otherwise packed straight into the wire (cast fused).
+    const bool staged = scaled || wider_than_work(p);
+    Tensor send = alloc({total}, p.wire), stage = staged ? alloc({total}, p.work) : send;
+    TensorList scales(k);  // f32 [1] per member: the sender's scale (fp8 wires)
+    if (scaled)
+      for (int64_t g = 0; g < k; ++g) scales[g] = scale_slot();
+    local([=] {
+      for (int64_t g = 0; g < k; ++g) {
+        int64_t off = seg_off[g];
+        if (seg[g] == 0) continue;
+        for (size_t j = 0; j < ins.size(); ++j) {
+          const Block b = sc[j]->chunk_blocks.at(g);
+          pack(ins[j], b, stage, off);
+          off += b.numel();
+        }
+      }
+      if (!staged) return;
+      const double s = to_wire(stage, send);
+      if (scaled) Tensor(scales[r]).fill_(s);
+    });
+    TensorList got(k);
+    std::vector<P2POp> ops;
+    for (int64_t g = 0; g < k; ++g) {
+      if (g == r) continue;
+      got[g] = alloc({seg[r]}, p.wire);
+      if (seg[g] > 0) ops.push_back(P2POp::send(send.narrow(0, seg_off[g], seg[g]), static_cast<int>(g)));
+      if (seg[r] > 0) ops.push_back(P2POp::recv(got[g], static_cast<int>(g)));
+      if (scaled) {
+        ops.push_back(P2POp::send(scales[r], static_cast<int>(g)));
+        ops.push_back(P2POp::recv(scales[g], static_cast<int>(g)));
+      }
+    }
+    call(c.send_recv(ops));
+    Tensor mine = alloc({seg[r]}, p.work);
+    const Reduction red = p.reduction;
+    local([=]() mutable {
+      got[r] = send.narrow(0, seg_off[r], seg[r]);
+      sum_pieces(mine, got, read_scales(scales), red);
+    });
+    TensorList outs;
+    for (size_t j = 0; j < items_.size(); ++j) outs.push_back(result(j, sc[j]->post_shape, p.out, false));
+    local([=] {
+      if (p.post_scale != 1.0) kernels::scale_(mine, p.post_scale);
+      int64_t off = 0;
+      for (size_t j = 0; j < outs.size(); ++j) {
+        unpack(mine, off, outs[j], sc[j]->post_whole);  // cast fused
+        off += sc[j]->post_whole.numel();
+      }
+    });
+    return outs;
+  }
+
+  // P -> R: the tensors flattened into one buffer of N elements, cut into k chunks (the first
+  // N % k members hold one element more); chunk g's pieces go to member g in the wire, g sums
+  // them in the work dtype (post-scaled), rounds the sum to the wire once and sends it to every
+  // member. So every member holds the same values: the sum rounded to the wire.
+  TensorList wire_all_reduce() {
+    const ExecStep p = sp();
+    const int64_t k = k_, r = r_;
+    const bool scaled = wire_scaled(p.wire);
+    TensorList ins;
+    int64_t n = 0;
+    for (const Item& it : items_) {
+      ins.push_back(it.local);
+      n += it.local.numel();
+    }
+    std::vector<int64_t> cnt(k), off(k);
+    for (int64_t g = 0, o = 0; g < k; ++g) {
+      cnt[g] = n / k + (g < n % k ? 1 : 0);
+      off[g] = o;
+      o += cnt[g];
+    }
+    Communicator& c = on(comm());
+    const bool staged = scaled || wider_than_work(p);  // as in wire_reduce_scatter
+    Tensor send = alloc({n}, p.wire), gathered = alloc({n}, p.wire), stage = staged ? alloc({n}, p.work) : send;
+    TensorList scales(k), sum_scales(k);  // the senders' scales of the two exchanges (fp8 wires)
+    if (scaled)
+      for (int64_t g = 0; g < k; ++g) {
+        scales[g] = scale_slot();
+        sum_scales[g] = scale_slot();
+      }
+    local([=] {
+      int64_t o = 0;
+      for (const Tensor& t : ins) {
+        stage.narrow(0, o, t.numel()).view(t.shape()).copy_(t);  // cast fused
+        o += t.numel();
+      }
+      if (!staged) return;
+      const double s = to_wire(stage, send);
+      if (scaled) Tensor(scales[r]).fill_(s);
+    });
+    TensorList got(k);
+    std::vector<P2POp> ops;
+    for (int64_t g = 0; g < k; ++g) {
+      if (g == r) continue;
+      got[g] = alloc({cnt[r]}, p.wire);
+      if (cnt[g] > 0) ops.push_back(P2POp::send(send.narrow(0, off[g], cnt[g]), static_cast<int>(g)));
+      if (cnt[r] > 0) ops.push_back(P2POp::recv(got[g], static_cast<int>(g)));
+      if (scaled) {
+        ops.push_back(P2POp::send(scales[r], static_cast<int>(g)));
+        ops.push_back(P2POp::recv(scales[g], static_cast<int>(g)));
+      }
+    }
+    call(c.send_recv(ops));
+    Tensor acc = alloc({cnt[r]}, p.work);
+    const Reduction red = p.reduction;
+    const Tensor own = gathered.narrow(0, off[r], cnt[r]);
+    local([=]() mutable {
+      got[r] = send.narrow(0, off[r], cnt[r]);
+      sum_pieces(acc, got, read_scales(scales), red);
+      if (p.post_scale != 1.0) kernels::scale_(acc, p.post_scale);
+      const double s = to_wire(acc, own);  // the one rounding of the sum to the wire
+      if (scaled) Tensor(sum_scales[r]).fill_(s);
+    });
+    std::vector<P2POp> gather;
+    for (int64_t g = 0; g < k; ++g) {
+      if (g == r) continue;
+      if (cnt[r] > 0) gather.push_back(P2POp::send(own, static_cast<int>(g)));
+      if (cnt[g] > 0) gather.push_back(P2POp::recv(gathered.narrow(0, off[g], cnt[g]), static_cast<int>(g)));
+      if (scaled) {
+        gather.push_back(P2POp::send(sum_scales[r], static_cast<int>(g)));
+        gather.push_back(P2POp::recv(sum_scales[g], static_cast<int>(g)));
+      }
+    }
+    call(c.send_recv(gather));
+    TensorList outs;
+    for (size_t j = 0; j < ins.size(); ++j) outs.push_back(result(j, ins[j].shape(), p.out, false));
+    local([=] {
+      Tensor full = gathered;
+      if (scaled) {  // each member's chunk divided by its scale, in the work dtype (exact)
+        full = Tensor::empty({n}, p.work, gathered.device());
+        const std::vector<double> unscale = read_scales(sum_scales);
+        for (int64_t g = 0; g < k; ++g) {
+          Tensor part = full.narrow(0, off[g], cnt[g]);
+          part.copy_(gathered.narrow(0, off[g], cnt[g]));
+          if (unscale[g] != 1.0 && cnt[g] > 0) kernels::scale_(part, unscale[g]);
+        }
+      }
+      int64_t o = 0;
+      for (size_t j = 0; j < ins.size(); ++j) {
+        Tensor(outs[j]).copy_(full.narrow(0, o, ins[j].numel()).view(ins[j].shape()));  // cast fused
+        o += ins[j].numel();
       }
     });
     return outs;

@@ -65,12 +65,34 @@ int64_t transition_bytes(const Plan& plan, std::span<const DTensorSpec* const> s
     std::visit(
         [&](const auto& s) {
           using T = std::decay_t<decltype(s)>;
+          const bool wire = d.wire && *d.wire != d.work;
+          const int64_t wire_sz = wire ? size_of(*d.wire) : 0;
+          // Staged in the work dtype for an fp8 wire's scale or an input wider than the work dtype.
+          const bool staged = wire && (*d.wire == kernels::DType::kF8E4M3 || *d.wire == kernels::DType::kF8E5M2 ||
+                                       in_sz > work_sz);
+          const int64_t stage_sz = staged ? work_sz : 0;
           if constexpr (std::is_same_v<T, AllReduce>) {
+            if (wire) {
+              const int64_t chunk = pre / k + 1;
+              total = add_bytes(total, pre, stage_sz + wire_sz);             // the input (staged), packed
+              total = add_bytes(total, add_bytes(0, k - 1, chunk), wire_sz);  // the pieces received
+              total = add_bytes(total, add_bytes(0, 2, chunk), work_sz);      // the sum, its staging
+              total = add_bytes(total, post, wire_sz);                       // the gathered result
+              if (!result_is_out) total = add_bytes(total, post, out_sz);
+              return;
+            }
             if (d.in != d.work || batch) total = add_bytes(total, pre, work_sz);  // the input copy
             const bool into_result = !batch && d.out == d.work && !d.scaled;
             total = add_bytes(total, post, work_sz);  // the reduced buffer (the result when into_result)
             if (!into_result && !result_is_out) total = add_bytes(total, post, out_sz);
           } else if constexpr (std::is_same_v<T, ReduceScatter>) {
+            if (wire) {
+              total = add_bytes(total, pre, stage_sz + wire_sz);      // the input (staged), packed
+              total = add_bytes(total, k - 1, add_bytes(0, post, wire_sz));  // the pieces received
+              total = add_bytes(total, add_bytes(0, 2, post), work_sz);  // the sum, its staging
+              if (!result_is_out) total = add_bytes(total, post, out_sz);
+              return;
+            }
             total = add_bytes(total, pre, work_sz);   // the packed (or cast) input
             total = add_bytes(total, post, work_sz);  // the reduced chunk
             if (pre != k * post) total = add_bytes(total, k - 1, add_bytes(0, post, work_sz));  // uneven: per peer

@@ -9,12 +9,17 @@
 // produces (the reduce dtype inside a reduction), and its staging buffers in the dtype it moves:
 // the input copy and the reduced buffer of an all-reduce, the packed input and the reduced chunk
 // of a reduce-scatter (plus one chunk per peer when the chunks are uneven), the send and receive
-// buffers of an exchange without strided views or of a batched all-gather. The caller's `out`
+// buffers of an exchange without strided views or of a batched all-gather; through a wire dtype
+// (NOTE [wire dtype] in executor.h) the input packed in the wire (and staged in the work dtype
+// first for an fp8 wire's scale or an input wider than the work dtype),
+// every received piece in the wire, the sum and its one-piece staging in the work dtype, and for
+// P -> R the gathered result in the wire. The caller's `out`
 // buffers are not counted (they exist already), nor is the input.
 //
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 
 #include "dtensor/exec/schedule.h"
@@ -30,6 +35,7 @@ namespace dtensor {
 struct StepDTypes {
   kernels::DType in = kernels::DType::kF32, out = kernels::DType::kF32, work = kernels::DType::kF32;
   bool scaled = false;
+  std::optional<kernels::DType> wire;  // a reducing step's narrower wire dtype (NOTE [wire dtype])
 };
 
 // The bytes issuing `plan` for the tensors `specs` (one batch, one dtype) allocates on this rank

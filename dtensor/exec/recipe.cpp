@@ -20,6 +20,12 @@ ReduceOp op_of(const Step& step) {
   return std::get<ReduceScatter>(step).op;
 }
 
+std::optional<DType> wire_of(const Step& step) {
+  if (const auto* a = std::get_if<AllReduce>(&step)) return a->wire;
+  if (const auto* r = std::get_if<ReduceScatter>(&step)) return r->wire;
+  return std::nullopt;
+}
+
 std::string shape_text(const Dims& d) { return fmt::format("[{}]", fmt::join(d, ",")); }
 
 }  // namespace
@@ -68,6 +74,15 @@ std::vector<ExecStep> plan_dtypes(const Plan& plan, const Dims& mesh_shape, DTyp
       p.work = red;
     }
     if (is_reducing(plan.steps[i])) p.reduction = Reduction(op_of(plan.steps[i]));
+    p.wire = p.work;
+    if (const std::optional<DType> wire = wire_of(plan.steps[i]); wire && *wire != p.work) {
+      if (!kernels::is_floating_point(p.work) || kernels::itemsize(*wire) >= kernels::itemsize(p.work))
+        throw InvalidArgument(fmt::format("redistribute: step {} moves wire dtype {}, which is not narrower than "
+                                          "its reduce dtype {}",
+                                          to_string(plan.steps[i]), kernels::to_string(*wire),
+                                          kernels::to_string(p.work)));
+      p.wire = *wire;
+    }
   }
   if (reducing.empty() || !divides) return out;
   const double f = policy.divide_factor;
@@ -145,7 +160,11 @@ std::shared_ptr<const Recipe> make_recipe(const RankContext& rc, const Plan& pla
                                  std::is_same_v<T, Regroup>) {
               add(exchange);
             } else if constexpr (std::is_same_v<T, ReduceScatter>) {
-              add(Path::kReduceScatter);
+              if (r->steps[i].wire != moved)  // NOTE [wire dtype]: the per-member pieces
+                ps.by_path[static_cast<size_t>(Path::kReduceScatter)] =
+                    make_schedule(rc, spec.shape, before, ps.after, m, Path::kReduceScatter, moved, true);
+              else
+                add(Path::kReduceScatter);
             } else if constexpr (std::is_same_v<T, LocalChunk>) {
               add(Path::kLocalChunk);
             }
@@ -156,7 +175,7 @@ std::shared_ptr<const Recipe> make_recipe(const RankContext& rc, const Plan& pla
   }
   std::vector<const DTensorSpec*> specs{&spec};
   std::vector<StepDTypes> dtypes;
-  for (const ExecStep& p : r->steps) dtypes.push_back({p.in, p.out, p.work, p.post_scale != 1.0});
+  for (const ExecStep& p : r->steps) dtypes.push_back({p.in, p.out, p.work, p.post_scale != 1.0, p.wire});
   r->bytes = transition_bytes(plan, specs, rc, dtypes, false);
   r->bytes_with_out = transition_bytes(plan, specs, rc, dtypes, true);
   return r;

@@ -18,6 +18,7 @@ namespace dtensor {
 // Per step: the dtypes in and out, and for reducing steps the reduction and a post-scale.
 struct ExecStep {
   DType in = DType::kF32, out = DType::kF32, work = DType::kF32;  // work: what the step moves / reduces in
+  DType wire = DType::kF32;  // what a reducing step moves: work, or the step's narrower wire dtype
   collectives::Reduction reduction;
   double post_scale = 1.0;
 };

@@ -41,6 +41,17 @@ class Context {
     for (const Dims& s : t.also_valid_for) shapes_.push_back(s);
   }
 
+  // The transition's wire dtype on a reducing step of a group of k > 1 (NOTE [wire dtype] in
+  // dtensor/exec/executor.h), when it is narrower than the reduce dtype (make_transition checked).
+  Step with_wire(Step step) const {
+    const std::optional<DType>& wire = t_.policy.wire_dtype;
+    if (!wire || *wire == t_.policy.reduce_dtype.value_or(t_.dtype) || t_.mesh_shape[mesh_dim_of(step)] == 1)
+      return step;
+    if (auto* a = std::get_if<AllReduce>(&step)) a->wire = wire;
+    if (auto* r = std::get_if<ReduceScatter>(&step)) r->wire = wire;
+    return step;
+  }
+
   bool valid(const Step& step, const Placements& before) {
     const Placements after = apply_step(step, before);
     for (const Dims& s : shapes_)
@@ -92,13 +103,13 @@ class Builder {
   void move(int m, const Placement& to) {
     const Placement from = current()[m];
     if (from == to) return;
-    if (auto step = step_between(m, from, to, /*direct=*/false)) return add(*step);
+    if (auto step = step_between(m, from, to, /*direct=*/false)) return add(ctx_.with_wire(*step));
     auto up = step_between(m, from, Replicate{}, false);
     auto down = step_between(m, Replicate{}, to, false);
     if (!up || !down)
       throw Unsupported(fmt::format("no route for mesh dim {}: {} -> {}", m, to_string(from), to_string(to)));
-    add(*up);
-    add(*down);
+    add(ctx_.with_wire(*up));
+    add(ctx_.with_wire(*down));
   }
 
   Plan finish() {
@@ -220,6 +231,7 @@ Plan search(Context& ctx) {
         // A shard whose ranks already hold the new layout moves nothing: a local step.
         if (shard_dim(state[m]) && !is_partial(c) && ctx.valid(LocalChunk{m, c}, state)) step = LocalChunk{m, c};
         if (!step || !ctx.valid(*step, state)) continue;
+        step = ctx.with_wire(*step);
         Placements next = apply_step(*step, state);
         const double total = e.cost + ctx.cost(*step, state);
         std::string key = to_string(next);

@@ -80,7 +80,11 @@ RankTraffic reference_step_traffic(const Step& step, const Placements& before, c
   const int64_t n = mesh_shape.product();
   const int m = mesh_dim_of(step);
   const int64_t k = mesh_shape[m];
-  const int64_t item = static_cast<int64_t>(kernels::itemsize(dtype));
+  std::optional<DType> wire;
+  if (const auto* a = std::get_if<AllReduce>(&step)) wire = a->wire;
+  if (const auto* rs = std::get_if<ReduceScatter>(&step)) wire = rs->wire;
+  const int64_t item = static_cast<int64_t>(kernels::itemsize(wire.value_or(dtype)));
+  const bool fp8 = wire && (*wire == DType::kF8E4M3 || *wire == DType::kF8E5M2);
   RankTraffic t;
   t.sent.assign(n, 0);
   t.received.assign(n, 0);
@@ -92,12 +96,19 @@ RankTraffic reference_step_traffic(const Step& step, const Placements& before, c
     const int64_t r = coord[m];
     if (std::holds_alternative<AllReduce>(step)) {
       const int64_t N = numel(pre[p]);
+      if (wire) {  // chunks of the flat tensor: the first N % k members hold one more element
+        const Wide chunk = N / k + (r < N % k ? 1 : 0);
+        t.sent[p] = t.received[p] =
+            to_bytes((Wide{N} - chunk + Wide{k - 1} * chunk) * item + (fp8 ? 8 * (k - 1) : 0), global_shape, dtype);
+        continue;
+      }
       t.sent[p] = t.received[p] = to_bytes((Wide{2} * (k - 1) * N + k - 1) / k * item, global_shape, dtype);
       continue;
     }
     if (std::holds_alternative<ReduceScatter>(step)) {
-      t.sent[p] = to_bytes(Wide{numel(pre[p]) - numel(post[p])} * item, global_shape, dtype);
-      t.received[p] = to_bytes(Wide{k - 1} * numel(post[p]) * item, global_shape, dtype);
+      const int64_t scales = fp8 ? 4 * (k - 1) : 0;  // an fp8 wire's per-sender scales
+      t.sent[p] = to_bytes(Wide{numel(pre[p]) - numel(post[p])} * item + scales, global_shape, dtype);
+      t.received[p] = to_bytes(Wide{k - 1} * numel(post[p]) * item + scales, global_shape, dtype);
       continue;
     }
     Wide sent = 0, received = 0;

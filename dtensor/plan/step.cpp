@@ -12,6 +12,10 @@ namespace {
 
 using kernels::Overloaded;
 
+std::string wire_text(const std::optional<kernels::DType>& wire) {
+  return wire ? fmt::format(",wire={}", kernels::to_string(*wire)) : std::string();
+}
+
 // The step starts from the placement it converts.
 bool starts_right(const Step& step, const Placements& before) {
   const int m = mesh_dim_of(step);
@@ -83,14 +87,14 @@ std::string to_string(const Step& step) {
             return fmt::format("A2A({}:{}->{})", s.mesh_dim, s.from_dim, s.to_dim);
           },
           [](const AllReduce& s) {
-            return fmt::format("AR({},{})", s.mesh_dim, kernels::to_string(s.op));
+            return fmt::format("AR({},{}{})", s.mesh_dim, kernels::to_string(s.op), wire_text(s.wire));
           },
           [](const ReduceScatter& s) {
             if (s.split_factor > 0)
-              return fmt::format("RS({}:{},{})", s.mesh_dim,
+              return fmt::format("RS({}:{},{}{})", s.mesh_dim,
                                  to_string(Placement{StridedShard{s.tensor_dim, s.split_factor}}),
-                                 kernels::to_string(s.op));
-            return fmt::format("RS({}:{},{})", s.mesh_dim, s.tensor_dim, kernels::to_string(s.op));
+                                 kernels::to_string(s.op), wire_text(s.wire));
+            return fmt::format("RS({}:{},{}{})", s.mesh_dim, s.tensor_dim, kernels::to_string(s.op), wire_text(s.wire));
           },
           [](const LocalChunk& s) { return fmt::format("chunk({}->{})", s.mesh_dim, to_string(s.to)); },
           [](const LocalPartial& s) {

@@ -36,6 +36,7 @@
 #include "dtensor/placement.h"
 #include "dtensor/plan/chain.h"
 #include "kernels/dims.h"
+#include "kernels/dtype.h"
 
 namespace dtensor {
 
@@ -54,9 +55,13 @@ struct StridedAllGather {  // _S(d,sf) -> R: an exchange (each piece straight to
 struct AllToAll {          // S(i) -> S(j): an exchange of exactly the elements each peer needs
   int mesh_dim, from_dim, to_dim;
 };
+// The reducing steps carry the wire dtype the planner gave them (nullopt: they move the reduce
+// dtype; NOTE [wire dtype] in dtensor/exec/executor.h): with one, the step is an exchange of
+// wire-dtype pieces, a local sum in the reduce dtype and, for P -> R, an all-gather in the wire.
 struct AllReduce {         // P(op) -> R
   int mesh_dim;
   ReduceOp op;
+  std::optional<kernels::DType> wire = std::nullopt;
 };
 // P(op) -> S(d) (split_factor 0) or _S(d,split_factor): a reduce_scatter (uneven chunks: an
 // exchange, then a local reduce)
@@ -64,6 +69,7 @@ struct ReduceScatter {
   int mesh_dim, tensor_dim;
   ReduceOp op;
   int split_factor = 0;
+  std::optional<kernels::DType> wire = std::nullopt;
 };
 // R -> S(d) or _S(d,sf): keep this rank's piece, no communication. Also from a shard when every
 // rank already holds its new layout (e.g. _S(0,1) -> S(0): the same layout; never plain).
@@ -96,7 +102,7 @@ bool communicates(const Step& step);
 // The placements after the step. REQUIRES: the step starts from placements[mesh_dim].
 Placements apply_step(const Step& step, const Placements& placements);
 // "AG(1)", "_AG(0,sf=2)", "A2A(0:0->1)", "AR(1,sum)", "RS(0:0,sum)", "RS(0:_S(0,4),sum)",
-// "chunk(1->S(0))", "partial(1,sum)", "regroup(0:_S(0,2)->S(0))", "embed(0:S(0)->P(sum))".
+// "RS(0:0,sum,wire=bf16)", "AR(1,avg,wire=f8e5m2)", "chunk(1->S(0))", "partial(1,sum)", "regroup(0:_S(0,2)->S(0))", "embed(0:S(0)->P(sum))".
 std::string to_string(const Step& step);
 
 // The single step that moves mesh dim m from `from` to `to` with everything else fixed, or

@@ -30,6 +30,9 @@ int64_t to_bytes(Wide v, const Dims& shape, DType dtype) {
 struct Term {
   enum Kind { kNone, kGather, kPair, kSameDim, kAllReduce, kReduceScatter } kind = kNone;
   int64_t k = 1;
+  int64_t item = 4;       // bytes per element moved: the step's wire dtype, else the tensor's
+  bool wire_ar = false;   // P -> R through a wire dtype: exchange of chunks + all-gather
+  int64_t scale_bytes = 0;  // an fp8 wire's scales: 4 bytes to and from each peer per exchange
   std::vector<int> a;  // chain of every tensor dim before the step
   int t = -1, t2 = -1;  // gather, reduce-scatter, same-dim regroup: t; pair: from t to t2
   int b = -1, b2 = -1;  // their chains after
@@ -40,10 +43,18 @@ struct Term {
   std::vector<int> dims;
 };
 
-Term make_term(const Step& step, const Placements& before, const Dims& shape, const Dims& mesh, ChainSet& set) {
+Term make_term(const Step& step, const Placements& before, const Dims& shape, const Dims& mesh, ChainSet& set,
+               DType dtype) {
   Term term;
   const int m = mesh_dim_of(step);
   term.k = mesh[m];
+  std::optional<DType> wire;
+  if (const auto* a = std::get_if<AllReduce>(&step)) wire = a->wire;
+  if (const auto* r = std::get_if<ReduceScatter>(&step)) wire = r->wire;
+  term.item = static_cast<int64_t>(kernels::itemsize(wire.value_or(dtype)));
+  term.wire_ar = wire.has_value() && std::holds_alternative<AllReduce>(step);
+  if (wire && (*wire == DType::kF8E4M3 || *wire == DType::kF8E5M2))
+    term.scale_bytes = 4 * (term.k - 1) * (term.wire_ar ? 2 : 1);
   if (!communicates(step) || term.k == 1) return term;
   for (int t = 0; t < shape.size(); ++t) term.a.push_back(set.add(shape[t], chain_of(before, mesh, t)));
   const Placements after = apply_step(step, before);
@@ -118,7 +129,10 @@ Bytes class_elements(const Term& term, std::span<const int64_t> s) {
     }
     case Term::kAllReduce: {
       const Wide n = product_except(term, s, -1, -1);
-      out.sent = out.received = (Wide{2} * (term.k - 1) * n + term.k - 1) / term.k;
+      // Through a wire: member g gets chunk g of ceil/floor(n/k) elements from the k-1 others and
+      // sends its reduced chunk to them: n + (k-2) x chunk, the largest chunk the busiest.
+      if (term.wire_ar) out.sent = out.received = n + Wide{term.k - 2} * ((n + term.k - 1) / term.k);
+      else out.sent = out.received = (Wide{2} * (term.k - 1) * n + term.k - 1) / term.k;
       break;
     }
     case Term::kReduceScatter: {
@@ -129,6 +143,8 @@ Bytes class_elements(const Term& term, std::span<const int64_t> s) {
       break;
     }
   }
+  out.sent = out.sent * term.item + term.scale_bytes;
+  out.received = out.received * term.item + term.scale_bytes;
   return out;
 }
 
@@ -152,7 +168,7 @@ Bytes same_dim_elements(const Term& term, std::span<const int64_t> s, const Dims
   const int64_t n = s[term.prefix];
   const int64_t kept = common(chain_positions(n, span_of(term.ca), c), chain_positions(n, span_of(term.cb), c));
   const Wide others = product_except(term, s, term.t, -1);
-  return {(Wide{s[term.a[term.t]]} - kept) * others, (Wide{s[term.b]} - kept) * others};
+  return {(Wide{s[term.a[term.t]]} - kept) * others * term.item, (Wide{s[term.b]} - kept) * others * term.item};
 }
 
 // Calls f(coord) for every coordinate of `dims` inside the class's box (others at lo).
@@ -249,7 +265,6 @@ Wide least_kept(const Term& term, int64_t n, int64_t c, const SizeClass& cls, Wo
 }
 
 Traffic busiest(const std::vector<Term>& terms, const ChainSet& set, const Dims& shape, DType dtype, WorkBudget& work) {
-  const int64_t item = static_cast<int64_t>(kernels::itemsize(dtype));
   std::vector<int> same_dims;
   std::vector<const Term*> same;
   bool any_term = false;
@@ -328,10 +343,10 @@ Traffic busiest(const std::vector<Term>& terms, const ChainSet& set, const Dims&
       }
     }
     const Wide others = product_except(term, cls.sizes, term.t, -1);
-    take({fixed.sent + (Wide{cls.sizes[term.a[term.t]]} - least) * others,
-          fixed.received + (Wide{cls.sizes[term.b]} - least) * others});
+    take({fixed.sent + (Wide{cls.sizes[term.a[term.t]]} - least) * others * term.item,
+          fixed.received + (Wide{cls.sizes[term.b]} - least) * others * term.item});
   });
-  return {to_bytes(sent * item, shape, dtype), to_bytes(received * item, shape, dtype)};
+  return {to_bytes(sent, shape, dtype), to_bytes(received, shape, dtype)};
 }
 
 }  // namespace
@@ -339,7 +354,7 @@ Traffic busiest(const std::vector<Term>& terms, const ChainSet& set, const Dims&
 Traffic step_traffic(const Step& step, const Placements& before, const Dims& global_shape, const Dims& mesh_shape,
                      DType dtype, WorkBudget& work) {
   ChainSet set(mesh_shape);
-  const std::vector<Term> terms = {make_term(step, before, global_shape, mesh_shape, set)};
+  const std::vector<Term> terms = {make_term(step, before, global_shape, mesh_shape, set, dtype)};
   return busiest(terms, set, global_shape, dtype, work);
 }
 
@@ -347,7 +362,7 @@ Traffic route_traffic(std::span<const Step> steps, std::span<const Placements> s
                       const Dims& mesh_shape, DType dtype, WorkBudget& work) {
   ChainSet set(mesh_shape);
   std::vector<Term> terms;
-  for (size_t i = 0; i < steps.size(); ++i) terms.push_back(make_term(steps[i], states[i], global_shape, mesh_shape, set));
+  for (size_t i = 0; i < steps.size(); ++i) terms.push_back(make_term(steps[i], states[i], global_shape, mesh_shape, set, dtype));
   return busiest(terms, set, global_shape, dtype, work);
 }
 

@@ -65,6 +65,24 @@ void mix_dims(size_t& h, const Dims& d) {
   for (int64_t v : d) mix(h, static_cast<uint64_t>(v));
 }
 
+// NOTE [wire dtype] in dtensor/exec/executor.h: the wire must be a floating dtype no wider than
+// the reduce dtype, and the reductions it carries linear (a local sum of the wire values).
+void check_wire(const DTensorSpec& src, const ReducePolicy& policy) {
+  if (!policy.wire_dtype) return;
+  const DType wire = *policy.wire_dtype, red = policy.reduce_dtype.value_or(src.dtype);
+  const std::string what = fmt::format("wire dtype {} with reduce dtype {}", kernels::to_string(wire),
+                                       kernels::to_string(red));
+  if (!kernels::is_floating_point(wire) || !kernels::is_floating_point(red))
+    throw InvalidArgument(fmt::format("{}: both must be floating point (expected e.g. wire bf16 or f8e5m2 with reduce f32)", what));
+  if (wire == red) return;
+  if (kernels::itemsize(wire) >= kernels::itemsize(red))
+    throw InvalidArgument(fmt::format("{}: the wire must be narrower than the reduce dtype (or the same dtype)", what));
+  for (const Placement& p : src.placements)
+    if (const auto* q = std::get_if<Partial>(&p); q && q->op != ReduceOp::kSum && q->op != ReduceOp::kAvg)
+      throw InvalidArgument(fmt::format("{}: a narrower wire carries sum and avg reductions only, not {} ({})", what,
+                                        kernels::to_string(q->op), to_string(src.placements)));
+}
+
 }  // namespace
 
 std::string_view to_string(PlannerKind kind) { return kind == PlannerKind::kGreedy ? "greedy" : "search"; }
@@ -92,6 +110,7 @@ size_t TransitionHash::operator()(const Transition& t) const {
   mix(h, t.policy.reduce_dtype ? static_cast<uint64_t>(*t.policy.reduce_dtype) : ~0ull);
   mix(h, std::bit_cast<uint64_t>(t.policy.divide_factor));
   mix(h, static_cast<uint64_t>(t.policy.force_sum));
+  mix(h, t.policy.wire_dtype ? static_cast<uint64_t>(*t.policy.wire_dtype) : ~0ull);
   mix(h, t.out_dtype ? static_cast<uint64_t>(*t.out_dtype) : ~0ull);
   return h;
 }
@@ -127,6 +146,7 @@ Transition make_transition(const DTensorSpec& src, const Placements& dst, Planne
         throw Unsupported(fmt::format("cannot redistribute [{}] -> [{}]: {} transitions are not planned yet",
                                       text(t.src), text(t.dst), to_string(p)));
   check_pair(t.src, t.dst, allow_partial_target);
+  check_wire(src, policy);
   t.planner = planner;
   t.cost = cost;
   t.allow_partial_target = allow_partial_target;

@@ -45,6 +45,10 @@ struct ReducePolicy {
   std::optional<kernels::DType> reduce_dtype;  // nullopt: the tensor's dtype
   double divide_factor = 1.0;                  // the reduced result is divided by it
   bool force_sum = false;                      // FSDP2's force_sum_reduction_for_comms
+  // What the reducing steps move (NOTE [wire dtype] in dtensor/exec/executor.h): nullopt, or the
+  // reduce dtype itself, moves the reduce dtype; a narrower floating dtype makes every reducing
+  // step an exchange of wire-dtype pieces summed locally in the reduce dtype.
+  std::optional<kernels::DType> wire_dtype;
   friend bool operator==(const ReducePolicy&, const ReducePolicy&) = default;
 };
 
@@ -75,7 +79,8 @@ struct TransitionHash {
 // dims, mixed Partial ops) and Unsupported for what PyTorch also rejects (a StridedShard source
 // turning Partial, a Shard turning P(avg/min/max/prod), P(a) -> P(b), a new Partial target from
 // Replicate unless allow_partial_target). S(d) -> P(sum) is allowed (PyTorch 2.15: a local
-// zero-fill). also_valid_for: more global shapes (any ndim) the plan must be valid for (a batch
+// zero-fill). A wire dtype (policy.wire_dtype) that is not floating point, is wider than the reduce
+// dtype, or applies to a Partial other than sum / avg is InvalidArgument naming both. also_valid_for: more global shapes (any ndim) the plan must be valid for (a batch
 // moving tensors of several shapes with one plan; the cost is src.shape's).
 Transition make_transition(const DTensorSpec& src, const Placements& dst, PlannerKind planner = PlannerKind::kSearch,
                            const ReducePolicy& policy = {}, std::optional<DType> out_dtype = std::nullopt,

@@ -59,12 +59,25 @@ for mesh in ["16384", "1048576"]:
         j = plan("--mesh", mesh, "--shape", "65536,4096", "--from", src, "--to", dst, "--dtype", "bf16")
         check(j["collectives"] == colls and j["bytes_per_rank"] == j["lower_bound_bytes"], f"{mesh} {src}->{dst}: {j}")
 
+# --wire-dtype: the reductions print and count their wire (NOTE [wire dtype]): bf16 halves f32's
+# bytes, f8e5m2 quarters them plus 4 bytes of scale per peer and exchange (3 peers in the
+# reduce-scatter, 1 peer twice in the all-reduce); the lower bound stays f32's.
+for wire, factor, scales in [("bf16", 2, 0), ("f8e5m2", 4, 4 * 3 + 8 * 1)]:
+    f32 = plan("--mesh", "2x4", "--shape", "16,4", "--from", "P,P", "--to", "R,S(0)")
+    w = plan("--mesh", "2x4", "--shape", "16,4", "--from", "P,P", "--to", "R,S(0)", "--wire-dtype", wire)
+    check(w["steps"] == f"[P,P] -RS(1:0,sum,wire={wire})-> [P,S(0)] -AR(0,sum,wire={wire})-> [R,S(0)]", f"{w}")
+    check((w["bytes_per_rank"] - scales) * factor == f32["bytes_per_rank"] and
+          w["lower_bound_bytes"] == f32["lower_bound_bytes"],
+          f"wire {wire}: {w} vs {f32}")
+
 # Invalid input: exit 2, nothing on stdout, one stderr line naming the value.
 bad = [
     (["--mesh", "1048577", "--shape", "4", "--from", "S(0)", "--to", "R"], "1048577"),
     (["--mesh", "4", "--shape", "8", "--from", "S(0)", "--to", "R", "--rank", "4"], "--rank 4"),
     (["--mesh", "4", "--shape", "8", "--from", "S(0)", "--to", "R", "--planner", "x"], "'x'"),
     (["--mesh", "4", "--shape", "8", "--from", "S(0)", "--to", "S(1)"], "S(1)"),
+    (["--mesh", "4", "--shape", "8", "--from", "P", "--to", "R", "--wire-dtype", "f64"], "wire dtype f64"),
+    (["--mesh", "4", "--shape", "8", "--from", "P(max)", "--to", "R", "--wire-dtype", "bf16"], "not max"),
 ]
 for args, needle in bad:
     ran += 1
@@ -72,7 +85,7 @@ for args, needle in bad:
     check(r.returncode == 2 and r.stdout == "" and needle in r.stderr and r.stderr.count("\n") == 1,
           f"{args}: exit {r.returncode}, stdout {r.stdout!r}, stderr {r.stderr!r}")
 
-check(ran == 17, f"{ran} runs, expected 17")
+check(ran == 23, f"{ran} runs, expected 23")
 if failures:
     print("\n".join(failures))
     sys.exit(1)

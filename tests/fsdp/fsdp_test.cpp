@@ -317,6 +317,15 @@ TEST_CASE("fsdp: reshard_after_forward = 2 on 4 ranks keeps a half-size slice be
     o.reshard_after_forward = fsdp::ReshardAfterForward::to(2);  // sub-mesh not requested
     checks.throws<kernels::InvalidArgument>([&] { fsdp::fully_shard(model.blocks()[1], comms, o); },
                                             "not requested", "k without the unflattening");
+    // A reduce wire must be a floating dtype narrower than the reduce dtype (f32 here).
+    fsdp::FullyShardOptions w;
+    w.mp_policy.reduce_wire = DType::kF64;
+    checks.throws<kernels::InvalidArgument>([&] { fsdp::fully_shard(model.blocks()[0], comms, w); },
+                                            "reduce_wire f64 must be a floating dtype narrower than the reduce dtype f32",
+                                            "a wider wire");
+    w.mp_policy.reduce_wire = DType::kI32;
+    checks.throws<kernels::InvalidArgument>([&] { fsdp::fully_shard(model.blocks()[0], comms, w); }, "reduce_wire i32",
+                                            "an integer wire");
   });
   checks.report();
 }
