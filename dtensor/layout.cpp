@@ -57,6 +57,51 @@ Chunk chunk(int64_t n, int64_t k, int64_t index) {
   return {start, std::min(n - start, c)};
 }
 
+Chunk ragged_chunk(int64_t n, const std::vector<int64_t>& units, int64_t align, int64_t index) {
+  __extension__ typedef __int128 Wide;
+  Wide total = 0, before = 0;
+  for (size_t i = 0; i < units.size(); ++i) {
+    if (static_cast<int64_t>(i) == index) before = total;
+    total += units[i];
+  }
+  const int64_t k = static_cast<int64_t>(units.size());
+  auto boundary = [&](int64_t i, Wide prefix) -> int64_t {
+    if (i == k) return n;
+    const int64_t b = static_cast<int64_t>(Wide{n} * prefix / total);  // <= n
+    return b / align * align;
+  };
+  const int64_t lo = boundary(index, before), hi = boundary(index + 1, before + units[index]);
+  return {lo, hi - lo};
+}
+
+Dims ragged_view(const Dims& global_shape, const Placements& placements) {
+  const int r = ragged_mesh_dim(placements);
+  if (r < 0) return global_shape;
+  const int d = *ragged_dim(placements[r]);
+  const int ndim = global_shape.size();
+  if (d < 0 || d >= ndim)
+    throw InvalidArgument(fmt::format("ragged dim {} of {} out of range for a {}-d tensor", d,
+                                      to_string(placements[r]), ndim));
+  for (size_t m = 0; m < placements.size(); ++m) {
+    const std::optional<int> t = shard_dim(placements[m]);
+    if (!t || *t < d) continue;
+    if (*t == d && is_shard(placements[m]) && static_cast<int>(m) > r) continue;
+    const std::string before = d == 0 ? std::string() : fmt::format("S/_S of dims < {}, ", d);
+    throw kernels::Unsupported(fmt::format(
+        "placements [{}]: {} on mesh dim {} does not compose with {} on mesh dim {} (the ranks' sets would not "
+        "be ranges of the flattened dims {}..{}; allowed: R, P, {}S({}) on a later mesh dim)",
+        to_string(placements), to_string(placements[m]), m, to_string(placements[r]), r, d, ndim - 1, before, d));
+  }
+  Dims view;
+  int64_t flat = 1;
+  for (int t = 0; t < ndim; ++t) {
+    if (t < d) view.push_back(global_shape[t]);
+    else flat = kernels::checked_mul(flat, global_shape[t], "the flattened size of a RaggedShard");
+  }
+  view.push_back(flat);
+  return view;
+}
+
 IndexRuns split_positions(int64_t n, int64_t k, int64_t index, int split_factor) {
   IndexRuns out;
   if (split_factor == 0) {
@@ -111,13 +156,17 @@ size_t HeldIndices::run_of(int64_t pos) const {
   return static_cast<size_t>(std::upper_bound(first_.begin(), first_.end(), pos) - first_.begin()) - 1;
 }
 
-ShardLayout compute_layout(const Dims& global_shape, const Dims& mesh_shape,
+ShardLayout compute_layout(const Dims& tensor_shape, const Dims& mesh_shape,
                            const Placements& placements, const Dims& coord) {
-  const int ndim = global_shape.size();
   if (static_cast<int>(placements.size()) != mesh_shape.size())
     throw InvalidArgument(fmt::format("{} placements ({}) for a {}-d mesh (expected {})",
                                       placements.size(), to_string(placements),
                                       mesh_shape.size(), mesh_shape.size()));
+  for (int t = 0; t < tensor_shape.size(); ++t)
+    if (tensor_shape[t] < 0)
+      throw InvalidArgument(fmt::format("global shape [{}] has a negative size", fmt::join(tensor_shape, ",")));
+  const Dims global_shape = ragged_view(tensor_shape, placements);
+  const int ndim = global_shape.size();
   if (coord.size() != mesh_shape.size())
     throw InvalidArgument(fmt::format("coordinate [{}] does not match mesh shape [{}]",
                                       fmt::join(coord, ","), fmt::join(mesh_shape, ",")));
@@ -131,6 +180,20 @@ ShardLayout compute_layout(const Dims& global_shape, const Dims& mesh_shape,
     if (global_shape[t] > 0) layout.runs[t].push_back({0, global_shape[t]});
   }
   for (int m = 0; m < mesh_shape.size(); ++m) {
+    if (const auto* r = std::get_if<RaggedShard>(&placements[m])) {
+      if (static_cast<int64_t>(r->units.size()) != mesh_shape[m])
+        throw InvalidArgument(fmt::format("{} on mesh dim {} has {} units for {} ranks (expected one per rank)",
+                                          to_string(placements[m]), m, r->units.size(), mesh_shape[m]));
+      if (coord[m] < 0 || coord[m] >= mesh_shape[m])
+        throw InvalidArgument(fmt::format("coordinate [{}] outside mesh shape [{}]", fmt::join(coord, ","),
+                                          fmt::join(mesh_shape, ",")));
+      const int t = ndim - 1;  // the flattened dim; nothing before this mesh dim split it
+      sharded[t] = true;
+      const Chunk c = ragged_chunk(global_shape[t], r->units, r->align, coord[m]);
+      layout.runs[t].clear();
+      append_range(layout.runs[t], c.offset, c.offset + c.size);
+      continue;
+    }
     std::optional<int> t = shard_dim(placements[m]);
     if (!t) continue;
     if (*t < 0 || *t >= ndim)
@@ -176,6 +239,9 @@ ShardLayout compute_layout(const Dims& global_shape, const Dims& mesh_shape,
 int64_t common_elements(const ShardLayout& a, const ShardLayout& b) {
   // Held indices are increasing in local order (every split keeps an ordered sub-list), so the
   // runs of each dim are sorted and disjoint: a merge walk counts the overlap.
+  if (a.runs.size() != b.runs.size())
+    throw InvalidArgument(fmt::format("common_elements: layouts of {} and {} dims (a RaggedShard's view against "
+                                      "the tensor's shape?)", a.runs.size(), b.runs.size()));
   int64_t n = 1;
   for (size_t t = 0; t < a.runs.size() && n > 0; ++t) {
     const IndexRuns &x = a.runs[t], &y = b.runs[t];

@@ -7,6 +7,11 @@
 // NOTE [nested sharding] Placements apply left to right over mesh dims; each Shard splits what
 // the earlier mesh dims left of that tensor dim (5 rows on (2,2) [S(0),S(0)] -> 2,1,1,1).
 // NOTE [sentinel offset] A rank holding nothing of a sharded dim reports offset = global size.
+// NOTE [ragged view] With a RaggedShard(d) (placement.h), layouts are of the view
+// [s_0, ..., s_{d-1}, s_d x ... x s_{n-1}] (ragged_view): d + 1 dims, the last one the flattened
+// index. It composes where every rank's set stays a product of ranges: R and P anywhere, S/_S of
+// dims < d anywhere, and S(d) on a LATER mesh dim (it chunks the rank's range, torch.chunk of
+// elements). Anything else is refused (Unsupported, naming both placements).
 //
 // Example: shape (13,2), mesh (4,2), [S(0),S(0)], coord (3,1): local_shape (0,2),
 //   global_offset (13,0), indices {[], [0,1]}.
@@ -36,6 +41,20 @@ struct Chunk {
 // empty piece that starts past the end reports offset n. REQUIRES: n >= 0, k >= 1, 0 <= index < k.
 Chunk chunk(int64_t n, int64_t k, int64_t index);
 
+// Piece `index` of a list of n cut by a RaggedShard's units and alignment: with U the units' sum
+// and P_i the sum of units[0..i), boundary i is floor(floor(n x P_i / U) / align) x align for
+// i < k and n for i == k; piece i is [boundary i, boundary i+1). Empty pieces report their
+// boundary (compute_layout turns them into the sentinel offset).
+//   ragged_chunk(10, {1,2,0,1}, 4, i): {0,0} {0,4} {4,0} {4,6}
+//   ragged_chunk(n x r, chunk sizes of n over k, r, i) == S(0)'s rows of [n, r] times r
+// REQUIRES: n >= 0, units valid (normalize), 0 <= index < units.size().
+Chunk ragged_chunk(int64_t n, const std::vector<int64_t>& units, int64_t align, int64_t index);
+
+// The shape layouts use for `placements` (NOTE [ragged view]): global_shape itself without a
+// RaggedShard. Throws Unsupported for several ragged mesh dims or a placement that does not
+// compose with the RaggedShard, InvalidArgument for a ragged dim out of range or an overflow.
+Dims ragged_view(const Dims& global_shape, const Placements& placements);
+
 // A run of consecutive global indices [start, start + length).
 struct IndexRun {
   int64_t start = 0;
@@ -58,9 +77,12 @@ struct ShardLayout {
   bool contiguous(int tensor_dim) const { return runs[tensor_dim].size() <= 1; }
 };
 
-// The layout of the rank at `coord` of a mesh of shape `mesh_shape`.
+// The layout of the rank at `coord` of a mesh of shape `mesh_shape` (of ragged_view(global_shape,
+// placements) when a mesh dim is ragged: one unit per coordinate of it).
 // REQUIRES: placements normalised (non-negative shard dims < global_shape.size()), one per mesh
 // dim, split factors >= 1, coord inside mesh_shape. Throws InvalidArgument otherwise.
+//   Example: shape (3,4), mesh (2,2), [Rg(0,[1,2],1),S(0)], coord (1,0): the view is (12),
+//   rank (1,*) holds [4,12), tp rank 0 its first half: local_shape (4), offset (4), runs {[4,8)}.
 ShardLayout compute_layout(const Dims& global_shape, const Dims& mesh_shape,
                            const Placements& placements, const Dims& coord);
 
@@ -69,7 +91,7 @@ std::optional<ShardLayout> layout_of_rank(const Dims& global_shape, const Device
                                           const Placements& placements, int rank);
 
 // Elements two layouts of the same tensor have in common (per tensor dim, the intersection of
-// the held index sets; the product over dims).
+// the held index sets; the product over dims). Throws InvalidArgument when their dims differ.
 int64_t common_elements(const ShardLayout& a, const ShardLayout& b);
 
 // Positions [offset, offset + size) of the index list `runs` describes (local order), as runs:

@@ -1,6 +1,7 @@
 #include "dtensor/placement.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cctype>
 #include <charconv>
@@ -18,7 +19,7 @@ namespace {
 using kernels::Overloaded;
 
 constexpr std::string_view kNotation =
-    "expected S(d), _S(d,split_factor), R, P or P(sum|avg|min|max|prod)";
+    "expected S(d), _S(d,split_factor), R, P, P(sum|avg|min|max|prod) or Rg(d,[u0,u1,...],align)";
 
 std::string_view trim(std::string_view s) {
   while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
@@ -41,6 +42,43 @@ int parse_int(std::string_view whole, std::string_view s, std::string_view what)
   if (s.empty() || ec != std::errc() || end != s.data() + s.size())
     bad_placement(whole, fmt::format("{} '{}' is not an integer", what, kernels::clip(s, 40)));
   return value;
+}
+
+// An int64 argument (RaggedShard units and alignment).
+int64_t parse_i64(std::string_view whole, std::string_view s, std::string_view what) {
+  s = trim(s);
+  int64_t value = 0;
+  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
+  if (ec == std::errc::result_out_of_range && end == s.data() + s.size())
+    bad_placement(whole, fmt::format("{} {} is out of range", what, kernels::clip(s, 40)));
+  if (s.empty() || ec != std::errc() || end != s.data() + s.size())
+    bad_placement(whole, fmt::format("{} '{}' is not an integer", what, kernels::clip(s, 40)));
+  return value;
+}
+
+std::string_view drop_key(std::string_view s, std::string_view key) {
+  s = trim(s);
+  if (s.substr(0, key.size()) == key) s.remove_prefix(key.size());
+  return trim(s);
+}
+
+void check_ragged(const RaggedShard& r, std::string_view whole) {
+  const std::string text(kernels::clip(trim(whole), 60));
+  if (r.units.empty()) throw InvalidArgument(fmt::format("RaggedShard '{}' has no units (expected one per rank)", text));
+  if (static_cast<int64_t>(r.units.size()) > kMaxRaggedUnits)
+    throw InvalidArgument(fmt::format("RaggedShard '{}' has {} units, more than the limit of {}", text,
+                                      r.units.size(), kMaxRaggedUnits));
+  int64_t sum = 0;
+  for (size_t i = 0; i < r.units.size(); ++i) {
+    if (r.units[i] < 0 || r.units[i] > kMaxRaggedValue)
+      throw InvalidArgument(fmt::format("unit {} (index {}) of RaggedShard '{}' must be in 0..{}", r.units[i], i,
+                                        text, kMaxRaggedValue));
+    sum += r.units[i];  // <= 2^20 x 2^40: no overflow
+  }
+  if (sum == 0) throw InvalidArgument(fmt::format("the units of RaggedShard '{}' sum to 0 (expected > 0)", text));
+  if (r.align < 1 || r.align > kMaxRaggedValue)
+    throw InvalidArgument(
+        fmt::format("alignment {} of RaggedShard '{}' must be in 1..{}", r.align, text, kMaxRaggedValue));
 }
 
 void check_split_factor(int split_factor, std::string_view whole) {
@@ -77,6 +115,24 @@ std::optional<int> shard_dim(const Placement& p) {
   return std::nullopt;
 }
 
+std::optional<int> ragged_dim(const Placement& p) {
+  if (const auto* r = std::get_if<RaggedShard>(&p)) return r->dim;
+  return std::nullopt;
+}
+
+int ragged_mesh_dim(const Placements& ps) {
+  int found = -1;
+  for (size_t m = 0; m < ps.size(); ++m) {
+    if (!is_ragged(ps[m])) continue;
+    if (found >= 0)
+      throw kernels::Unsupported(fmt::format(
+          "placements [{}] have RaggedShards on mesh dims {} and {}: at most one mesh dim may be ragged",
+          to_string(ps), found, m));
+    found = static_cast<int>(m);
+  }
+  return found;
+}
+
 Placement normalize(const Placement& p, int tensor_ndim) {
   auto fix_dim = [&](int dim) {
     if (dim < -tensor_ndim || dim >= tensor_ndim)
@@ -95,6 +151,12 @@ Placement normalize(const Placement& p, int tensor_ndim) {
                                         to_string(p), kMaxSplitFactor));
     return StridedShard{fix_dim(s->dim), s->split_factor};
   }
+  if (const auto* r = std::get_if<RaggedShard>(&p)) {
+    check_ragged(*r, to_string(p));
+    RaggedShard out = *r;
+    out.dim = fix_dim(r->dim);
+    return out;
+  }
   return p;
 }
 
@@ -108,6 +170,7 @@ std::string to_string(const Placement& p) {
             return s.op == ReduceOp::kSum ? std::string("P")
                                           : fmt::format("P({})", kernels::to_string(s.op));
           },
+          [](const RaggedShard& s) { return fmt::format("Rg({},[{}],{})", s.dim, fmt::join(s.units, ","), s.align); },
       },
       p);
 }
@@ -148,6 +211,25 @@ Placement parse_placement(std::string_view whole) {
     StridedShard s{parse_int(whole, args[0], "shard dim"), parse_int(whole, sf, "split factor")};
     check_split_factor(s.split_factor, whole);
     return s;
+  }
+  if (head == "Rg" || head == "RaggedShard") {
+    if (args.size() != 2 && args.size() != 3)
+      bad_placement(whole, fmt::format("2 or 3 arguments expected, got {}", args.size()));
+    RaggedShard r;
+    r.dim = parse_int(whole, args[0], "ragged dim");
+    std::string_view units = drop_key(args[1], "units=");
+    if (units.size() < 2 || units.front() != '[' || units.back() != ']')
+      bad_placement(whole, "units must be a bracketed list [u0,u1,...]");
+    units = trim(units.substr(1, units.size() - 2));
+    if (!units.empty())
+      for (std::string_view u : split_top_level(units)) {
+        if (static_cast<int64_t>(r.units.size()) == kMaxRaggedUnits)
+          bad_placement(whole, fmt::format("more than {} units", kMaxRaggedUnits));
+        r.units.push_back(parse_i64(whole, u, "unit"));
+      }
+    if (args.size() == 3) r.align = parse_i64(whole, drop_key(args[2], "align="), "alignment");
+    check_ragged(r, whole);
+    return r;
   }
   if (head == "R" || head == "Replicate") {
     want_args(0);

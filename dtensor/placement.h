@@ -1,11 +1,13 @@
 // Placements: how a tensor is laid out over one mesh dim. A closed variant, compared as in
 // PyTorch: StridedShard(d, 1) != Shard(d) (different kinds), Partial compares its op.
 //
-// Notation (parse_placement / to_string): S(0)  _S(0,2)  R  P  P(avg) P(min) P(max) P(prod).
-// The parser also accepts Shard(0), _S(0,sf=2), SS(0,2), Replicate(), Partial(sum) and spaces.
+// Notation (parse_placement / to_string): S(0)  _S(0,2)  R  P  P(avg) P(min) P(max) P(prod)
+// Rg(0,[1,2,0,1],4). The parser also accepts Shard(0), _S(0,sf=2), SS(0,2), Replicate(),
+// Partial(sum), RaggedShard(0,units=[1,2],align=4) and spaces.
 // Shard dims may be negative until normalised against a tensor's ndim.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -35,6 +37,23 @@ struct StridedShard {
   int split_factor = 1;
   friend bool operator==(const StridedShard&, const StridedShard&) = default;
 };
+// RaggedShard: the flattening of tensor dims dim..end (of what earlier mesh dims left) cut into
+// one contiguous range per coordinate of the mesh dim, range i proportional to units[i] (zeros
+// allowed), every boundary but the end a multiple of `align` (ragged_chunk in layout.h). Its
+// layouts are of the view [s_0, ..., s_{dim-1}, s_dim x ... x s_{n-1}] (layout.h, NOTE [ragged
+// view]); S(0) of an [n, r] tensor over k ranks is Rg(0,[chunk sizes],r) of its view.
+//   Rg(0,[1,2,0,1],4) of 10 elements: ranges [0,0) [0,4) [4,4) [4,10).
+struct RaggedShard {
+  int dim = 0;
+  std::vector<int64_t> units;
+  int64_t align = 1;
+  friend bool operator==(const RaggedShard&, const RaggedShard&) = default;
+};
+// The most units a RaggedShard takes (one per rank of a mesh dim: kMaxMeshRanks) and the
+// largest unit and alignment.
+inline constexpr int64_t kMaxRaggedUnits = int64_t{1} << 20;
+inline constexpr int64_t kMaxRaggedValue = int64_t{1} << 40;
+
 struct Replicate {
   friend bool operator==(const Replicate&, const Replicate&) = default;
 };
@@ -43,19 +62,24 @@ struct Partial {
   friend bool operator==(const Partial&, const Partial&) = default;
 };
 
-using Placement = std::variant<Shard, StridedShard, Replicate, Partial>;
+using Placement = std::variant<Shard, StridedShard, Replicate, Partial, RaggedShard>;
 using Placements = std::vector<Placement>;
 
 inline bool is_shard(const Placement& p) { return std::holds_alternative<Shard>(p); }
 inline bool is_strided_shard(const Placement& p) { return std::holds_alternative<StridedShard>(p); }
 inline bool is_replicate(const Placement& p) { return std::holds_alternative<Replicate>(p); }
 inline bool is_partial(const Placement& p) { return std::holds_alternative<Partial>(p); }
-// The tensor dim split by a Shard or StridedShard, nullopt otherwise.
+inline bool is_ragged(const Placement& p) { return std::holds_alternative<RaggedShard>(p); }
+// The tensor dim split by a Shard or StridedShard, nullopt otherwise (RaggedShard: ragged_dim).
 std::optional<int> shard_dim(const Placement& p);
+// The first flattened dim of a RaggedShard, nullopt otherwise.
+std::optional<int> ragged_dim(const Placement& p);
+// The mesh dim of the RaggedShard in `ps` (-1: none). Throws Unsupported when there are several.
+int ragged_mesh_dim(const Placements& ps);
 
 // Normalises a negative shard dim against tensor_ndim; throws InvalidArgument when the dim is
-// out of range ("shard dim 2 of S(2) out of range for a 2-d tensor (expected -2..1)") or the
-// split factor is < 1.
+// out of range ("shard dim 2 of S(2) out of range for a 2-d tensor (expected -2..1)"), the
+// split factor is < 1, or a RaggedShard's units are negative, sum to 0 or its align is < 1.
 Placement normalize(const Placement& p, int tensor_ndim);
 
 std::string to_string(const Placement& p);

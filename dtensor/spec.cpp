@@ -50,6 +50,13 @@ DTensorSpec make_spec(std::shared_ptr<const DeviceMesh> mesh, const Placements& 
                                       fmt::join(shape, ","), kernels::to_string(dtype), numel));
   DTensorSpec spec;
   spec.placements = normalize_placements(placements, mesh->ndim(), shape.size());
+  if (const int r = ragged_mesh_dim(spec.placements); r >= 0) {
+    const auto& ragged = std::get<RaggedShard>(spec.placements[r]);
+    if (static_cast<int64_t>(ragged.units.size()) != mesh->size(r))
+      throw InvalidArgument(fmt::format("{} on mesh dim {} has {} units for {} ranks (expected one per rank)",
+                                        to_string(spec.placements[r]), r, ragged.units.size(), mesh->size(r)));
+    ragged_view(shape, spec.placements);  // refuses what does not compose (NOTE [ragged view])
+  }
   spec.mesh = std::move(mesh);
   spec.shape = shape;
   spec.dtype = dtype;
@@ -74,7 +81,9 @@ std::optional<ShardLayout> DTensorSpec::layout(int rank) const {
 
 bool DTensorSpec::is_sharded(int tensor_dim) const {
   for (int m = 0; m < mesh->ndim(); ++m)
-    if (shard_dim(placements[m]) == tensor_dim && mesh->shape()[m] > 1) return true;
+    if (mesh->shape()[m] > 1 && (shard_dim(placements[m]) == tensor_dim ||
+                                 ragged_dim(placements[m]).value_or(tensor_dim + 1) <= tensor_dim))
+      return true;
   return false;
 }
 
@@ -148,6 +157,7 @@ std::string view_mismatch(const DTensorSpec& spec, const DeviceMesh& mesh, const
 }
 
 std::optional<Placements> equivalent_placements(const DTensorSpec& spec, const DeviceMesh& mesh) {
+  if (ragged_mesh_dim(spec.placements) >= 0) return std::nullopt;  // ragged views are not searched
   std::vector<Placement> options = {Replicate{}};
   for (const Placement& p : spec.placements)
     if (is_partial(p) && std::find(options.begin(), options.end(), p) == options.end()) options.push_back(p);

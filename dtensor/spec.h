@@ -55,7 +55,7 @@ Placements normalize_placements(const Placements& placements, int mesh_ndim, int
 std::string view_mismatch(const DTensorSpec& spec, const DeviceMesh& mesh, const Placements& placements);
 // Placements on `mesh` that view spec as NOTE [mesh view] allows, or nullopt. Tries, per mesh
 // dim, R, the source's Partial op, S(t) and _S(t, sf) for the split factors that products of
-// the mesh sizes give, first match in that order.
+// the mesh sizes give, first match in that order; nullopt for a RaggedShard spec (not searched).
 std::optional<Placements> equivalent_placements(const DTensorSpec& spec, const DeviceMesh& mesh);
 
 // "DTensorSpec(mesh=[[0,1],[2,3]], placements=[S(0),R], shape=[8,6], dtype=f32)".

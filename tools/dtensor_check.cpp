@@ -135,7 +135,7 @@ void print_layout(const Problem& p, bool runs) {
     for (int rank : ranks) {
       const dtensor::ShardLayout layout = *p.spec.layout(rank);
       int64_t held = 0;
-      for (int t = 0; t < p.spec.tensor_ndim(); ++t) held = kernels::checked_add(held, layout.local_shape[t], "held indices");
+      for (int t = 0; t < layout.local_shape.size(); ++t) held = kernels::checked_add(held, layout.local_shape[t], "held indices");
       if (held > kMaxPrintedIndices)
         throw kernels::InvalidArgument(fmt::format(
             "layout: rank {} holds {} indices (local shape [{}]), more than the {} the index lists print; "
@@ -151,14 +151,14 @@ void print_layout(const Problem& p, bool runs) {
     j["global_offset"] = layout.global_offset.vec();
     nlohmann::ordered_json indices = nlohmann::ordered_json::array();
     if (runs) {
-      for (int t = 0; t < p.spec.tensor_ndim(); ++t) {
+      for (int t = 0; t < layout.local_shape.size(); ++t) {
         nlohmann::ordered_json dim = nlohmann::ordered_json::array();
         for (const dtensor::IndexRun& r : layout.runs[t]) dim.push_back({r.start, r.length});
         indices.push_back(std::move(dim));
       }
       j["runs"] = std::move(indices);
     } else {
-      for (int t = 0; t < p.spec.tensor_ndim(); ++t) indices.push_back(layout.indices(t));
+      for (int t = 0; t < layout.local_shape.size(); ++t) indices.push_back(layout.indices(t));
       j["indices"] = std::move(indices);
     }
     fmt::print("{}\n", j.dump());

@@ -52,6 +52,12 @@ void mix_placement(size_t& h, const Placement& p) {
   mix(h, static_cast<uint64_t>(shard_dim(p).value_or(-1)));
   if (const auto* s = std::get_if<StridedShard>(&p)) mix(h, static_cast<uint64_t>(s->split_factor));
   if (const auto* q = std::get_if<Partial>(&p)) mix(h, static_cast<uint64_t>(q->op));
+  if (const auto* r = std::get_if<RaggedShard>(&p)) {
+    mix(h, static_cast<uint64_t>(r->dim));
+    mix(h, static_cast<uint64_t>(r->align));
+    mix(h, r->units.size());
+    for (int64_t u : r->units) mix(h, static_cast<uint64_t>(u));
+  }
 }
 
 void mix_dims(size_t& h, const Dims& d) {
@@ -115,6 +121,11 @@ Transition make_transition(const DTensorSpec& src, const Placements& dst, Planne
       partial_op = partial->op;
     }
   }
+  for (const PlacementList* ps : {&t.src, &t.dst})
+    for (const Placement& p : *ps)
+      if (is_ragged(p))
+        throw Unsupported(fmt::format("cannot redistribute [{}] -> [{}]: {} transitions are not planned yet",
+                                      text(t.src), text(t.dst), to_string(p)));
   check_pair(t.src, t.dst, allow_partial_target);
   t.planner = planner;
   t.cost = cost;

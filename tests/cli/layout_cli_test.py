@@ -52,6 +52,14 @@ lines = [json.loads(l) for l in r.stdout.splitlines()]
 check([l["local_shape"] for l in lines] == [[3, 0]] * 4, f"partial/empty: {lines}")
 check([l["global_offset"] for l in lines] == [[0, 0]] * 4, f"empty dim offset sentinel: {lines}")
 
+# RaggedShard: layouts of the flattened view, uneven and empty ranges (sentinel offset).
+r = run("layout", "--mesh", "4", "--shape", "5,2", "--placements", "Rg(0,[1,2,0,1],4)")
+lines = [json.loads(l) for l in r.stdout.splitlines()]
+check(r.returncode == 0, f"ragged exit: {r}")
+check([l["indices"][0] for l in lines] == [[], [0, 1, 2, 3], [], [4, 5, 6, 7, 8, 9]], f"ragged: {lines}")
+check([l["local_shape"] for l in lines] == [[0], [4], [0], [6]], f"ragged 1-d local shapes: {lines}")
+check([l["global_offset"] for l in lines] == [[10], [0], [10], [4]], f"ragged offsets: {lines}")
+
 # Invalid input: exit 2, nothing on stdout, one line on stderr naming the bad value.
 bad = [
     (["--mesh", "4x2", "--shape", "13,2", "--placements", "S(0)"], "1 placements"),
@@ -72,6 +80,9 @@ bad = [
     (["--mesh", "2x2", "--shape", "4,-1", "--placements", "R,R"], "'-1'"),
     (["--mesh", "2x2", "--shape", "4", "--placements", "P(max),P(sum)"], "mix Partial ops"),
     (["--mesh", "2x2", "--shape", "4"], "--placements"),
+    (["--mesh", "2", "--shape", "4", "--placements", "Rg(0,[0,0],1)"], "sum to 0"),
+    (["--mesh", "2", "--shape", "4", "--placements", "Rg(0,[1,1,1],1)"], "3 units for 2 ranks"),
+    (["--mesh", "2x2", "--shape", "4,4", "--placements", "Rg(0,[1,1],1),S(1)"], "does not compose"),
 ]
 for args, needle in bad:
     r = run("layout", *args)

@@ -68,10 +68,37 @@ std::vector<int64_t> chunk_of(const std::vector<int64_t>& list, int64_t k, int64
   return {list.begin() + begin, list.begin() + end};
 }
 
+// A RaggedShard's boundary i of a list of n (NOTE [ragged view]: floor(n x P_i / U) rounded down
+// to a multiple of align; the last boundary is n).
+int64_t ragged_boundary(int64_t n, const std::vector<int64_t>& units, int64_t align, size_t i) {
+  if (i == units.size()) return n;
+  __extension__ typedef __int128 Wide;
+  Wide before = 0, total = 0;
+  for (size_t j = 0; j < units.size(); ++j) (j < i ? before : total) += units[j];
+  total += before;
+  const int64_t b = static_cast<int64_t>(Wide{n} * before / total);
+  return b - b % align;
+}
+
+// The shape layouts use (NOTE [ragged view]): dims before a RaggedShard's dim, then the product
+// of the rest.
+Dims view_of(const Dims& shape, const Placements& ps) {
+  for (const auto& p : ps)
+    if (const auto* r = std::get_if<dtensor::RaggedShard>(&p)) {
+      Dims view;
+      int64_t flat = 1;
+      for (int t = 0; t < shape.size(); ++t) (t < r->dim ? view.push_back(shape[t]) : void(flat *= shape[t]));
+      view.push_back(flat);
+      return view;
+    }
+  return shape;
+}
+
 // The held index lists of the rank at coord, by the definitions (docs/pytorch-semantics.md
-// 2.1-2.3).
-std::vector<std::vector<int64_t>> reference_layout(const Dims& shape, const Dims& mesh_shape,
+// 2.1-2.3), of the view when a mesh dim is ragged.
+std::vector<std::vector<int64_t>> reference_layout(const Dims& global_shape, const Dims& mesh_shape,
                                                    const Placements& ps, const Dims& coord) {
+  const Dims shape = view_of(global_shape, ps);
   std::vector<std::vector<int64_t>> held(shape.size());
   for (int t = 0; t < shape.size(); ++t)
     for (int64_t i = 0; i < shape[t]; ++i) held[t].push_back(i);
@@ -87,6 +114,12 @@ std::vector<std::vector<int64_t>> reference_layout(const Dims& shape, const Dims
         out.insert(out.end(), sub.begin(), sub.end());
       }
       held[s->dim] = std::move(out);
+    } else if (const auto* r = std::get_if<dtensor::RaggedShard>(&ps[m])) {
+      std::vector<int64_t>& list = held[shape.size() - 1];
+      const int64_t n = static_cast<int64_t>(list.size());
+      const size_t c = static_cast<size_t>(coord[m]);
+      list = {list.begin() + ragged_boundary(n, r->units, r->align, c),
+              list.begin() + ragged_boundary(n, r->units, r->align, c + 1)};
     }
   }
   return held;
@@ -94,22 +127,25 @@ std::vector<std::vector<int64_t>> reference_layout(const Dims& shape, const Dims
 
 void check_layouts(const dtensor::DTensorSpec& spec) {
   const DeviceMesh& mesh = *spec.mesh;
-  const Dims& shape = spec.shape;
+  const Dims shape = view_of(spec.shape, spec.placements);
   int64_t copies = 1;  // how many ranks hold each element
   for (int m = 0; m < mesh.ndim(); ++m)
-    if (!dtensor::shard_dim(spec.placements[m])) copies *= mesh.size(m);
+    if (dtensor::is_replicate(spec.placements[m]) || dtensor::is_partial(spec.placements[m])) copies *= mesh.size(m);
   std::map<std::vector<int64_t>, int64_t> count;
   for (int rank : mesh.ranks()) {
     const Dims coord = *mesh.coord_of(rank);
     const dtensor::ShardLayout l = *spec.layout(rank);
-    const auto want = reference_layout(shape, mesh.shape(), spec.placements, coord);
+    const auto want = reference_layout(spec.shape, mesh.shape(), spec.placements, coord);
+    if (l.local_shape.size() != shape.size()) fail("layout has the wrong number of dims: " + dtensor::to_string(spec));
     for (int t = 0; t < shape.size(); ++t) {
       if (l.indices(t) != want[t]) fail("layout differs from the reference: " + dtensor::to_string(spec));
       if (l.local_shape[t] != static_cast<int64_t>(want[t].size())) fail("local_shape differs: " + dtensor::to_string(spec));
       // NOTE [sentinel offset]: a sharded dim's offset is its first held index, or the global
       // size when the rank holds none of it; an unsharded dim's offset is 0.
       bool sharded = false;
-      for (int m = 0; m < mesh.ndim(); ++m) sharded = sharded || dtensor::shard_dim(spec.placements[m]) == t;
+      for (int m = 0; m < mesh.ndim(); ++m)
+        sharded = sharded || dtensor::shard_dim(spec.placements[m]) == t ||
+                  (dtensor::is_ragged(spec.placements[m]) && t == shape.size() - 1);
       const int64_t offset = !sharded ? 0 : want[t].empty() ? shape[t] : want[t].front();
       if (l.global_offset[t] != offset) fail("global_offset differs: " + dtensor::to_string(spec));
     }
