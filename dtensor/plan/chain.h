@@ -146,6 +146,17 @@ struct OwnerRun {
 void owner_runs(int64_t n, std::span<const Split> splits, int64_t lo, int64_t hi, std::vector<OwnerRun>& out,
                 WorkBudget& work);
 
+// Positions [lo, hi) of a list of n under `splits` as affine owner segments, in increasing
+// order: position q of a segment lies in window (q - h) / w (windows of w positions from h) and
+// has code code0 + that window's index x step. step 0: one owner; otherwise step is the product
+// of the k of the splits after one split, whose piece index the windows step through (no carry
+// into earlier splits). Work: about the chain's families, not its runs. REQUIRES: 0 <= lo <= hi <= n.
+struct OwnerSegment {
+  int64_t lo = 0, hi = 0, h = 0, w = 1, code0 = 0, step = 0;
+};
+void owner_segments(int64_t n, std::span<const Split> splits, int64_t lo, int64_t hi, std::vector<OwnerSegment>& out,
+                    WorkBudget& work);
+
 // The positions of a list of n a chain gives one coordinate (coords[i]: the piece at splits[i]),
 // as runs in increasing order.
 IndexRuns chain_positions(int64_t n, std::span<const Split> splits, std::span<const int64_t> coords);

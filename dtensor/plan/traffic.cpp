@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 
 #include "kernels/checked.h"
 #include "kernels/error.h"
@@ -202,24 +203,11 @@ IndexRuns intersect_runs(const IndexRuns& x, const IndexRuns& y) {
   return out;
 }
 
-// The least a rank at coordinate c of the step's mesh dim keeps through a valid same-dim
-// regroup, over the later coordinates of the class: the positions both splits give c, counted per
-// later owner (0 as soon as some later coordinate of the class gets none).
-Wide least_kept(const Term& term, int64_t n, int64_t c, const SizeClass& cls, WorkBudget& work) {
-  const std::span<const Split> later(term.cb.data() + 1, term.cb.size() - 1);
-  const int64_t ci[] = {c};
-  const IndexRuns pa = chain_positions(n, std::span<const Split>(term.ca.data(), 1), ci);
-  const IndexRuns pb = chain_positions(n, std::span<const Split>(term.cb.data(), 1), ci);
-  const IndexRuns both = intersect_runs(pa, pb);
-  work.add(1 + static_cast<int64_t>(pa.size() + pb.size()));
-  int64_t kept = 0;
-  for (const IndexRun& r : both) kept += r.length;
-  if (later.empty()) return kept;
-  int64_t box = 1;
-  for (size_t i = 1; i < term.dims.size(); ++i) box *= cls.hi[term.dims[i]] - cls.lo[term.dims[i]];
-  if (kept < box) return 0;  // fewer kept positions than later coordinates
-  // Per later owner (through b's list: the owners agree), the kept positions: counted in place
-  // per coordinate of the box when it is small, else as (code, count) pairs merged below.
+// Per later owner (through b's list: the owners agree) the kept positions, owner run by owner run:
+// the reference least_kept_in_box is checked against (tests), and its fallback.
+int64_t least_kept_by_runs(int64_t list, std::span<const Split> later, const IndexRuns& pb, const IndexRuns& both,
+                           std::span<const int64_t> lo, std::span<const int64_t> hi, int64_t box, WorkBudget& work) {
+  // Counted in place per coordinate of the box when it is small, else as (code, count) pairs.
   constexpr int64_t kDenseBox = int64_t{1} << 16;
   std::vector<int64_t> dense(box <= kDenseBox ? static_cast<size_t>(box) : 0, 0);
   std::vector<std::pair<int64_t, int64_t>> per_owner;
@@ -230,28 +218,24 @@ Wide least_kept(const Term& term, int64_t n, int64_t c, const SizeClass& cls, Wo
     while (pb[j].start + pb[j].length <= r.start) base += pb[j++].length;
     const int64_t pos = base + (r.start - pb[j].start);
     runs.clear();
-    owner_runs(piece_size(n, term.cb.front(), c), later, pos, pos + r.length, runs, work);
+    owner_runs(list, later, pos, pos + r.length, runs, work);
     for (const OwnerRun& o : runs) {
-      // Inside the class's box along every later dim?
+      // Inside the box along every later split?
       int64_t code = o.code, index = 0, stride = 1;
       bool inside = true;
       for (size_t i = later.size(); i-- > 0;) {
         const int64_t digit = code % later[i].k;
         code /= later[i].k;
-        const int d = later[i].mesh_dim;
-        inside = inside && digit >= cls.lo[d] && digit < cls.hi[d];
-        index += (digit - cls.lo[d]) * stride;
-        stride *= cls.hi[d] - cls.lo[d];
+        inside = inside && digit >= lo[i] && digit < hi[i];
+        index += (digit - lo[i]) * stride;
+        stride *= hi[i] - lo[i];
       }
       if (!inside) continue;
       if (dense.empty()) per_owner.push_back({o.code, o.end - o.begin});
       else dense[static_cast<size_t>(index)] += o.end - o.begin;
     }
   }
-  if (!dense.empty()) {
-    const int64_t least = *std::min_element(dense.begin(), dense.end());  // 0: an owner keeps none
-    return least;
-  }
+  if (!dense.empty()) return *std::min_element(dense.begin(), dense.end());  // 0: an owner keeps none
   std::sort(per_owner.begin(), per_owner.end());
   int64_t owners = 0, least = kernels::kInt64Max;
   for (size_t i = 0; i < per_owner.size();) {
@@ -262,6 +246,140 @@ Wide least_kept(const Term& term, int64_t n, int64_t c, const SizeClass& cls, Wo
     least = std::min(least, count);
   }
   return owners < box ? 0 : least;
+}
+
+// The same from owner segments (owner_segments): each whole-window segment gives w positions to
+// every owner of a slice of the box (one later split's piece index over an interval, the others
+// fixed), a clipped window one owner. Slices that cover fewer owners than the box leave one with
+// none; pairwise disjoint slices that cover it give each owner one slice's count. nullopt when
+// slices overlap (or are too many to compare): the caller counts by runs.
+std::optional<int64_t> least_by_slices(int64_t list, std::span<const Split> later, const IndexRuns& pb,
+                                       const IndexRuns& both, std::span<const int64_t> lo, std::span<const int64_t> hi,
+                                       int64_t box, WorkBudget& work) {
+  const size_t levels = later.size();
+  std::vector<int64_t> rest(levels, 1);  // rest[i]: the product of the k after split i
+  for (size_t i = levels - 1; i-- > 0;) rest[i] = kernels::checked_mul(rest[i + 1], later[i + 1].k, "owner code");
+  // A box of owners: per later split the piece indices [u[i], v[i]).
+  struct Slice {
+    boost::container::small_vector<int64_t, 4> u, v;
+    int64_t count;
+  };
+  std::vector<Slice> slices;
+  constexpr size_t kMaxSlices = 128;
+  int64_t covered = 0;
+  // The slice of owners code, code + step, ... (count windows) at `level`, each keeping `count`.
+  auto add = [&](int64_t code, int level, int64_t windows, int64_t count) {
+    Slice s{boost::container::small_vector<int64_t, 4>(levels), boost::container::small_vector<int64_t, 4>(levels), count};
+    for (size_t i = levels; i-- > 0;) {
+      s.u[i] = code % later[i].k;
+      s.v[i] = s.u[i] + 1;
+      code /= later[i].k;
+    }
+    if (level >= 0) {
+      if (s.u[static_cast<size_t>(level)] + windows > later[static_cast<size_t>(level)].k) return false;  // a carry
+      s.v[static_cast<size_t>(level)] = s.u[static_cast<size_t>(level)] + windows;
+    }
+    int64_t size = 1;
+    for (size_t i = 0; i < levels; ++i) {
+      s.u[i] = std::max(s.u[i], lo[i]);
+      s.v[i] = std::min(s.v[i], hi[i]);
+      if (s.u[i] >= s.v[i]) return true;  // outside the box
+      size *= s.v[i] - s.u[i];
+    }
+    covered += size;
+    // Adjacent to the last slice along one split, equal along the others, same count: one box.
+    if (!slices.empty() && slices.back().count == count) {
+      Slice& b = slices.back();
+      int differ = -1, differing = 0;
+      for (size_t i = 0; i < levels; ++i)
+        if (b.u[i] != s.u[i] || b.v[i] != s.v[i]) differ = static_cast<int>(i), ++differing;
+      if (differing == 1 && b.v[static_cast<size_t>(differ)] == s.u[static_cast<size_t>(differ)]) {
+        b.v[static_cast<size_t>(differ)] = s.v[static_cast<size_t>(differ)];
+        return true;
+      }
+    }
+    slices.push_back(std::move(s));
+    return slices.size() <= kMaxSlices;
+  };
+  int64_t base = 0;
+  size_t j = 0;
+  std::vector<OwnerSegment> segs;
+  for (const IndexRun& r : both) {
+    while (pb[j].start + pb[j].length <= r.start) base += pb[j++].length;
+    const int64_t pos = base + (r.start - pb[j].start);
+    segs.clear();
+    owner_segments(list, later, pos, pos + r.length, segs, work);
+    for (const OwnerSegment& g : segs) {
+      if (g.step == 0) {
+        if (!add(g.code0, -1, 1, g.hi - g.lo)) return std::nullopt;
+        continue;
+      }
+      int level = -1;
+      for (size_t i = 0; i < levels; ++i)
+        if (rest[i] == g.step) level = static_cast<int>(i);
+      if (level < 0) return std::nullopt;
+      int64_t i0 = (g.lo - g.h) / g.w, i1 = (g.hi - 1 - g.h) / g.w;  // windows i0..i1
+      if (g.lo > g.h + i0 * g.w) {  // clipped first window
+        if (!add(g.code0 + i0 * g.step, -1, 1, std::min(g.hi, g.h + (i0 + 1) * g.w) - g.lo)) return std::nullopt;
+        ++i0;
+      }
+      if (i1 >= i0 && g.hi < g.h + (i1 + 1) * g.w) {  // clipped last window
+        if (!add(g.code0 + i1 * g.step, -1, 1, g.hi - (g.h + i1 * g.w))) return std::nullopt;
+        --i1;
+      }
+      if (i1 >= i0 && !add(g.code0 + i0 * g.step, level, i1 - i0 + 1, g.w)) return std::nullopt;
+    }
+  }
+  if (covered < box) return 0;  // some owner of the box keeps nothing
+  work.add(static_cast<int64_t>(slices.size() * slices.size()));
+  auto meets = [&](const Slice& x, const Slice& y) {
+    for (size_t i = 0; i < levels; ++i)
+      if (std::max(x.u[i], y.u[i]) >= std::min(x.v[i], y.v[i])) return false;
+    return true;
+  };
+  int64_t least = kernels::kInt64Max;
+  for (size_t x = 0; x < slices.size(); ++x) {
+    least = std::min(least, slices[x].count);
+    for (size_t y = x + 1; y < slices.size(); ++y)
+      if (meets(slices[x], slices[y])) return std::nullopt;
+  }
+  return least;  // disjoint, inside the box, covering as many owners as it has: every owner once
+}
+
+}  // namespace
+
+int64_t least_kept_in_box(int64_t n, std::span<const Split> ca, std::span<const Split> cb, int64_t c,
+                          std::span<const int64_t> lo, std::span<const int64_t> hi, WorkBudget& work, bool by_runs) {
+  const std::span<const Split> later = cb.subspan(1);
+  const int64_t ci[] = {c};
+  const IndexRuns pa = chain_positions(n, ca.first(1), ci);
+  const IndexRuns pb = chain_positions(n, cb.first(1), ci);
+  const IndexRuns both = intersect_runs(pa, pb);
+  work.add(1 + static_cast<int64_t>(pa.size() + pb.size()));
+  int64_t kept = 0;
+  for (const IndexRun& r : both) kept += r.length;
+  if (later.empty()) return kept;
+  int64_t box = 1;
+  for (size_t i = 0; i < later.size(); ++i) box *= hi[i] - lo[i];
+  if (kept < box) return 0;  // fewer kept positions than later coordinates
+  const int64_t list = piece_size(n, cb.front(), c);
+  if (!by_runs)
+    if (const auto least = least_by_slices(list, later, pb, both, lo, hi, box, work)) return *least;
+  return least_kept_by_runs(list, later, pb, both, lo, hi, box, work);
+}
+
+namespace {
+
+// The least a rank at coordinate c of the step's mesh dim keeps through a valid same-dim
+// regroup, over the later coordinates of the class: the positions both splits give c, counted per
+// later owner (0 as soon as some later coordinate of the class gets none).
+Wide least_kept(const Term& term, int64_t n, int64_t c, const SizeClass& cls, WorkBudget& work) {
+  std::vector<int64_t> lo, hi;  // the class's box along the later splits
+  for (size_t i = 1; i < term.dims.size(); ++i) {
+    lo.push_back(cls.lo[term.dims[i]]);
+    hi.push_back(cls.hi[term.dims[i]]);
+  }
+  return least_kept_in_box(n, span_of(term.ca), span_of(term.cb), c, lo, hi, work);
 }
 
 Traffic busiest(const std::vector<Term>& terms, const ChainSet& set, const Dims& shape, DType dtype, WorkBudget& work) {

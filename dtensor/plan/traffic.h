@@ -46,6 +46,17 @@ Traffic step_traffic(const Step& step, const Placements& before, const Dims& glo
 Traffic route_traffic(std::span<const Step> steps, std::span<const Placements> states, const Dims& global_shape,
                       const Dims& mesh_shape, DType dtype, WorkBudget& work);
 
+// The least any later owner keeps through a same-dim regroup at coordinate c of its mesh dim:
+// ca and cb are the chains from that mesh dim on (their first splits at it, the same later ones),
+// lo/hi the box of later coordinates per later split; the positions both first splits give c,
+// counted per later owner through cb's list (0 when some owner of the box keeps none). by_runs:
+// owner run by owner run (the reference; otherwise by owner segments, falling back to runs).
+// Worked example: n 16, ca {_S(0,2) k 2}, cb {S(0) k 2}, c 0: pieces {0..3, 8..11} and {0..7}
+// share 0..3 -> 4. REQUIRES: ca, cb non-empty; lo[i] < hi[i] <= cb[i + 1].k.
+int64_t least_kept_in_box(int64_t n, std::span<const Split> ca, std::span<const Split> cb, int64_t c,
+                          std::span<const int64_t> lo, std::span<const int64_t> hi, WorkBudget& work,
+                          bool by_runs = false);
+
 // The transition's lower bound: what no plan can go below (the busiest rank's bytes received;
 // see plan_redistribute in planner.h for the model).
 Traffic lower_bound_traffic(const DTensorSpec& src, const Placements& dst);

@@ -23,6 +23,7 @@
 #include "dtensor/plan/chain.h"
 #include "dtensor/plan/planner.h"
 #include "dtensor/plan/reference.h"
+#include "dtensor/plan/traffic.h"
 #include "kernels/error.h"
 
 using namespace dtensor;
@@ -445,6 +446,49 @@ TEST_CASE("owner equality of two chains equals the position-by-position check", 
   CHECK(cases == test_support::sampled_count(3000));
   CHECK(same > cases / 30);  // both answers occur
   CHECK(same < cases - cases / 30);
+}
+
+// least_kept_in_box (traffic.h) by owner segments against the owner-run reference: random lists,
+// first splits, later chains and boxes, uneven and strided splits included.
+TEST_CASE("least kept by owner segments equals the count by owner runs", "[dtensor][planner][algebra]") {
+  std::mt19937 rng(2525);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  auto random_split = [&](int mesh_dim, int64_t k) {
+    const int64_t sfs[] = {0, 0, 2, 3, 4, 8};
+    return Split{mesh_dim, k, sfs[pick(0, 5)]};
+  };
+  int cases = 0, positive = 0;
+  for (int iter = 0; iter < 4000; ++iter) {
+    const int64_t n = iter % 4 == 0 ? pick(1, 64) : pick(1, 5000);
+    const int64_t k = pick(2, 9);
+    SplitList ca = {random_split(0, k)}, cb = {random_split(0, k)};
+    std::vector<int64_t> lo, hi;
+    for (int i = 0, count = static_cast<int>(pick(1, 3)); i < count; ++i) {
+      const Split s = random_split(i + 1, iter % 3 == 0 ? pick(2, 40) : pick(2, 6));
+      ca.push_back(s);
+      cb.push_back(s);
+      lo.push_back(pick(0, s.k - 1));
+      hi.push_back(iter % 2 == 0 ? s.k : pick(lo.back() + 1, s.k));
+      if (iter % 5 == 0) lo.back() = 0;
+    }
+    const int64_t c = pick(0, k - 1);
+    if (!test_support::sampled(iter)) continue;  // --sample: drawn, then skipped (the same cases)
+    WorkBudget w1(kMaxPlanWork), w2(kMaxPlanWork);
+    const int64_t expected = least_kept_in_box(n, span_of(ca), span_of(cb), c, lo, hi, w1, true);
+    INFO("n " << n << " c " << c << " a " << fmt::format("{}/{}", ca[0].k, ca[0].sf) << " b "
+              << fmt::format("{}/{}", cb[0].k, cb[0].sf) << " later "
+              << fmt::format("{}", fmt::join(cb | std::views::drop(1) | std::views::transform([](const Split& s) {
+                                                return fmt::format("{}/{}", s.k, s.sf);
+                                              }),
+                                              ","))
+              << " box " << fmt::format("{}..{}", fmt::join(lo, ","), fmt::join(hi, ",")));
+    REQUIRE(least_kept_in_box(n, span_of(ca), span_of(cb), c, lo, hi, w2) == expected);
+    ++cases;
+    positive += expected > 0 ? 1 : 0;
+  }
+  CHECK(cases == test_support::sampled_count(4000));
+  CHECK(positive > cases / 20);  // both zero and positive answers occur
+  CHECK(positive < cases - cases / 20);
 }
 
 TEST_CASE("meshes of up to 2^20 ranks plan; FSDP-family transitions at the lower bound", "[dtensor][planner][scale]") {
