@@ -517,6 +517,28 @@ class Issuer {
   // The step's input is wider than its work dtype (f64 reduced in f32): rounded to it first.
   static bool wider_than_work(const ExecStep& p) { return kernels::itemsize(p.in) > kernels::itemsize(p.work); }
 
+  // One send_recv: piece g of `send` (n[g] elements at off[g], in the wire) to member g, and this
+  // rank's piece (n[r] elements) from every other member into got[g]; with `scaled` each sender's
+  // scale travels beside its piece (scales[g]). got[r] stays empty: the caller's own piece.
+  TensorList send_pieces(Communicator& c, const Tensor& send, const std::vector<int64_t>& n,
+                         const std::vector<int64_t>& off, const TensorList& scales, bool scaled, DType wire) {
+    const int64_t k = k_, r = r_;
+    TensorList got(k);
+    std::vector<P2POp> ops;
+    for (int64_t g = 0; g < k; ++g) {
+      if (g == r) continue;
+      got[g] = alloc({n[r]}, wire);
+      if (n[g] > 0) ops.push_back(P2POp::send(send.narrow(0, off[g], n[g]), static_cast<int>(g)));
+      if (n[r] > 0) ops.push_back(P2POp::recv(got[g], static_cast<int>(g)));
+      if (scaled) {
+        ops.push_back(P2POp::send(scales[r], static_cast<int>(g)));
+        ops.push_back(P2POp::recv(scales[g], static_cast<int>(g)));
+      }
+    }
+    call(c.send_recv(ops));
+    return got;
+  }
+
   // P -> S/_S: every member's chunk, in the wire, goes to its member (one send_recv); each member
   // sums the k pieces of its chunk in the work dtype.
   TensorList wire_reduce_scatter() {
@@ -556,19 +578,7 @@ class Issuer {
       const double s = to_wire(stage, send);
       if (scaled) Tensor(scales[r]).fill_(s);
     });
-    TensorList got(k);
-    std::vector<P2POp> ops;
-    for (int64_t g = 0; g < k; ++g) {
-      if (g == r) continue;
-      got[g] = alloc({seg[r]}, p.wire);
-      if (seg[g] > 0) ops.push_back(P2POp::send(send.narrow(0, seg_off[g], seg[g]), static_cast<int>(g)));
-      if (seg[r] > 0) ops.push_back(P2POp::recv(got[g], static_cast<int>(g)));
-      if (scaled) {
-        ops.push_back(P2POp::send(scales[r], static_cast<int>(g)));
-        ops.push_back(P2POp::recv(scales[g], static_cast<int>(g)));
-      }
-    }
-    call(c.send_recv(ops));
+    TensorList got = send_pieces(c, send, seg, seg_off, scales, scaled, p.wire);
     Tensor mine = alloc({seg[r]}, p.work);
     const Reduction red = p.reduction;
     local([=]() mutable {
@@ -627,19 +637,7 @@ class Issuer {
       const double s = to_wire(stage, send);
       if (scaled) Tensor(scales[r]).fill_(s);
     });
-    TensorList got(k);
-    std::vector<P2POp> ops;
-    for (int64_t g = 0; g < k; ++g) {
-      if (g == r) continue;
-      got[g] = alloc({cnt[r]}, p.wire);
-      if (cnt[g] > 0) ops.push_back(P2POp::send(send.narrow(0, off[g], cnt[g]), static_cast<int>(g)));
-      if (cnt[r] > 0) ops.push_back(P2POp::recv(got[g], static_cast<int>(g)));
-      if (scaled) {
-        ops.push_back(P2POp::send(scales[r], static_cast<int>(g)));
-        ops.push_back(P2POp::recv(scales[g], static_cast<int>(g)));
-      }
-    }
-    call(c.send_recv(ops));
+    TensorList got = send_pieces(c, send, cnt, off, scales, scaled, p.wire);
     Tensor acc = alloc({cnt[r]}, p.work);
     const Reduction red = p.reduction;
     const Tensor own = gathered.narrow(0, off[r], cnt[r]);
