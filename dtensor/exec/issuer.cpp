@@ -393,6 +393,51 @@ class Issuer {
     return std::all_of(dests_.begin(), dests_.end(), [](const Tensor& t) { return !t.defined(); });
   }
 
+  // Per member g of the step's group: the elements of g's chunk over every tensor of the batch
+  // (seg[g]), where they start in the packed send buffer (seg_off[g]), and the buffer's size.
+  struct MemberSegments {
+    std::vector<int64_t> seg, seg_off;
+    int64_t total = 0;
+  };
+  MemberSegments member_segments(const std::vector<std::shared_ptr<const StepSchedule>>& sc) const {
+    MemberSegments m{std::vector<int64_t>(k_, 0), std::vector<int64_t>(k_, 0), 0};
+    for (const auto& s : sc) s->chunk_blocks.add_numels(m.seg);
+    for (int64_t g = 0; g < k_; ++g) {
+      m.seg_off[g] = m.total;
+      m.total += m.seg[g];
+    }
+    return m;
+  }
+  // dest[seg_off[g]..] <- each tensor's block of member g's chunk, in batch order (cast fused).
+  // REQUIRES: in a task; sc are per-member schedules.
+  static void pack_members(const TensorList& ins, const std::vector<std::shared_ptr<const StepSchedule>>& sc,
+                           const std::vector<int64_t>& seg, const std::vector<int64_t>& seg_off, Tensor dest) {
+    for (size_t g = 0; g < seg.size(); ++g) {
+      if (seg[g] == 0) continue;
+      int64_t off = seg_off[g];
+      for (size_t j = 0; j < ins.size(); ++j) {
+        const Block b = sc[j]->chunk_blocks.at(static_cast<int64_t>(g));
+        pack(ins[j], b, dest, off);
+        off += b.numel();
+      }
+    }
+  }
+  // The batch's results from this rank's reduced chunk `mine` (post-scaled, cast fused).
+  TensorList unpack_members(const Tensor& mine, const std::vector<std::shared_ptr<const StepSchedule>>& sc,
+                            const ExecStep& p) {
+    TensorList outs;
+    for (size_t j = 0; j < items_.size(); ++j) outs.push_back(result(j, sc[j]->post_shape, p.out, false));
+    local([=] {
+      if (p.post_scale != 1.0) kernels::scale_(mine, p.post_scale);
+      int64_t off = 0;
+      for (size_t j = 0; j < outs.size(); ++j) {
+        unpack(mine, off, outs[j], sc[j]->post_whole);
+        off += sc[j]->post_whole.numel();
+      }
+    });
+    return outs;
+  }
+
   TensorList run_step(const ReduceScatter&) {
     if (sp().wire != sp().work) return wire_reduce_scatter();
     const ExecStep p = sp();
@@ -421,40 +466,18 @@ class Issuer {
     // Pack, per destination member, each tensor's block of that member's chunk (cast fused).
     for (size_t j = 0; j < items_.size(); ++j)
       if (!sc[j]->per_member) sc[j] = sched(j, Path::kReduceScatter, /*per_member=*/true);
-    std::vector<int64_t> seg(k, 0), seg_off(k, 0);
-    for (const auto& s : sc) s->chunk_blocks.add_numels(seg);
-    int64_t total = 0;
-    for (int64_t g = 0; g < k; ++g) {
-      seg_off[g] = total;
-      total += seg[g];
-    }
+    const MemberSegments ms = member_segments(sc);
+    const std::vector<int64_t>& seg = ms.seg, &seg_off = ms.seg_off;
+    const int64_t total = ms.total;
     const bool even = std::all_of(seg.begin(), seg.end(), [&](int64_t n) { return n == seg[0]; });
     Tensor send = alloc({total}, p.work);
-    local([=] {
-      for (int64_t g = 0; g < k; ++g) {
-        int64_t off = seg_off[g];
-        if (seg[g] == 0) continue;
-        for (size_t j = 0; j < ins.size(); ++j) {
-          const Block b = sc[j]->chunk_blocks.at(g);
-          pack(ins[j], b, send, off);
-          off += b.numel();
-        }
-      }
-    });
+    local([=] { pack_members(ins, sc, seg, seg_off, send); });
     Tensor mine = alloc({seg[r]}, p.work);
     if (even) {
       call(c.reduce_scatter(send, mine, p.reduction));
     } else {
       // Uneven chunks: exchange exactly, then reduce in member order (no padding on the wire).
-      TensorList got(k);
-      std::vector<P2POp> ops;
-      for (int64_t g = 0; g < k; ++g) {
-        if (g == r) continue;
-        got[g] = alloc({seg[r]}, p.work);
-        if (seg[g] > 0) ops.push_back(P2POp::send(send.narrow(0, seg_off[g], seg[g]), static_cast<int>(g)));
-        if (seg[r] > 0) ops.push_back(P2POp::recv(got[g], static_cast<int>(g)));
-      }
-      call(c.send_recv(ops));
+      TensorList got = send_pieces(c, send, seg, seg_off, {}, /*scaled=*/false, p.work);
       const Reduction red = p.reduction;
       local([=]() mutable {
         got[r] = send.narrow(0, seg_off[r], seg[r]);
@@ -465,17 +488,7 @@ class Issuer {
         if (red.op == ReduceOp::kAvg) kernels::scale_(mine, 1.0 / static_cast<double>(k));
       });
     }
-    TensorList outs;
-    for (size_t j = 0; j < items_.size(); ++j) outs.push_back(result(j, sc[j]->post_shape, p.out, false));
-    local([=] {
-      if (p.post_scale != 1.0) kernels::scale_(mine, p.post_scale);
-      int64_t off = 0;
-      for (size_t j = 0; j < outs.size(); ++j) {
-        unpack(mine, off, outs[j], sc[j]->post_whole);  // cast fused
-        off += sc[j]->post_whole.numel();
-      }
-    });
-    return outs;
+    return unpack_members(mine, sc, p);
   }
 
   // ---- reductions through a wire dtype (NOTE [wire dtype] in executor.h) ----
@@ -549,13 +562,9 @@ class Issuer {
     for (size_t j = 0; j < items_.size(); ++j) sc.push_back(sched(j, Path::kReduceScatter, /*per_member=*/true));
     TensorList ins;
     for (const Item& it : items_) ins.push_back(it.local);
-    std::vector<int64_t> seg(k, 0), seg_off(k, 0);
-    for (const auto& s : sc) s->chunk_blocks.add_numels(seg);
-    int64_t total = 0;
-    for (int64_t g = 0; g < k; ++g) {
-      seg_off[g] = total;
-      total += seg[g];
-    }
+    const MemberSegments ms = member_segments(sc);
+    const std::vector<int64_t>& seg = ms.seg, &seg_off = ms.seg_off;
+    const int64_t total = ms.total;
     Communicator& c = on(comm());
     // Staged in the work dtype when a scale is computed or the input is wider than the work dtype
     // (rounded to it first); otherwise packed straight into the wire (cast fused).
@@ -565,15 +574,7 @@ class Issuer {
     if (scaled)
       for (int64_t g = 0; g < k; ++g) scales[g] = scale_slot();
     local([=] {
-      for (int64_t g = 0; g < k; ++g) {
-        int64_t off = seg_off[g];
-        if (seg[g] == 0) continue;
-        for (size_t j = 0; j < ins.size(); ++j) {
-          const Block b = sc[j]->chunk_blocks.at(g);
-          pack(ins[j], b, stage, off);
-          off += b.numel();
-        }
-      }
+      pack_members(ins, sc, seg, seg_off, stage);
       if (!staged) return;
       const double s = to_wire(stage, send);
       if (scaled) Tensor(scales[r]).fill_(s);
@@ -585,17 +586,7 @@ class Issuer {
       got[r] = send.narrow(0, seg_off[r], seg[r]);
       sum_pieces(mine, got, read_scales(scales), red);
     });
-    TensorList outs;
-    for (size_t j = 0; j < items_.size(); ++j) outs.push_back(result(j, sc[j]->post_shape, p.out, false));
-    local([=] {
-      if (p.post_scale != 1.0) kernels::scale_(mine, p.post_scale);
-      int64_t off = 0;
-      for (size_t j = 0; j < outs.size(); ++j) {
-        unpack(mine, off, outs[j], sc[j]->post_whole);  // cast fused
-        off += sc[j]->post_whole.numel();
-      }
-    });
-    return outs;
+    return unpack_members(mine, sc, p);
   }
 
   // P -> R: the tensors flattened into one buffer of N elements, cut into k chunks (the first
