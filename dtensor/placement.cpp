@@ -32,10 +32,12 @@ std::string_view trim(std::string_view s) {
                                     why.empty() ? "" : fmt::format(" ({})", why), kNotation));
 }
 
-// An int argument of a placement; `what` names it in errors ("shard dim", "split factor").
-int parse_int(std::string_view whole, std::string_view s, std::string_view what) {
+// An integer argument of a placement (int: dims and split factors; int64_t: RaggedShard units and
+// alignment); `what` names it in errors ("shard dim", "split factor").
+template <typename T>
+T parse_integer(std::string_view whole, std::string_view s, std::string_view what) {
   s = trim(s);
-  int value = 0;
+  T value = 0;
   auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
   if (ec == std::errc::result_out_of_range && end == s.data() + s.size())
     bad_placement(whole, fmt::format("{} {} is out of range", what, kernels::clip(s, 40)));
@@ -43,17 +45,11 @@ int parse_int(std::string_view whole, std::string_view s, std::string_view what)
     bad_placement(whole, fmt::format("{} '{}' is not an integer", what, kernels::clip(s, 40)));
   return value;
 }
-
-// An int64 argument (RaggedShard units and alignment).
+int parse_int(std::string_view whole, std::string_view s, std::string_view what) {
+  return parse_integer<int>(whole, s, what);
+}
 int64_t parse_i64(std::string_view whole, std::string_view s, std::string_view what) {
-  s = trim(s);
-  int64_t value = 0;
-  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
-  if (ec == std::errc::result_out_of_range && end == s.data() + s.size())
-    bad_placement(whole, fmt::format("{} {} is out of range", what, kernels::clip(s, 40)));
-  if (s.empty() || ec != std::errc() || end != s.data() + s.size())
-    bad_placement(whole, fmt::format("{} '{}' is not an integer", what, kernels::clip(s, 40)));
-  return value;
+  return parse_integer<int64_t>(whole, s, what);
 }
 
 std::string_view drop_key(std::string_view s, std::string_view key) {
