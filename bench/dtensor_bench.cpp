@@ -8,6 +8,7 @@
 //   mpirun --allow-run-as-root --oversubscribe -np 4 dtensor-bench --backend mpi --sizes 1K:64M
 //   dtensor-bench --host-cost                                       # framework cost per call, 1-8 ranks
 //   dtensor-bench --world 2 --from "S(0)" --to R --sizes 64K --trace t.json  # a Chrome trace
+//   dtensor-bench --moe-dispatch --world 4 --sizes 64K:16M        # MoE dispatch/combine vs all_to_all_v
 //
 // Definitions (bench/README.md has the full table):
 //   bytes       the global tensor (a Partial source: every rank holds a full-size partial)
@@ -798,6 +799,12 @@ int main(int argc, char** argv) {
         ->capture_default_str();
     app.add_flag("--host-cost", opt.host_cost, "host cost of a cached-plan S(0)->R of a tiny tensor vs the raw "
                                                "all_gather, on 1, 2, 4 and 8 local ranks (or --world)");
+    app.add_flag("--moe-dispatch", opt.moe_dispatch, "MoE token dispatch + combine (dtensor/row_exchange.h) vs the "
+                                                   "raw all_to_all_v of the same bytes, local ranks; sizes: bytes "
+                                                   "each rank sends (default 64K:16M)");
+    app.add_option("--moe-width", opt.moe_width, "--moe-dispatch: f32 elements per row (a token's hidden size)")
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+        ->capture_default_str();
     app.add_option("--host-calls", opt.host_calls, "calls per timed repeat of --host-cost")
         ->check(CLI::Range(1, 100000000))
         ->capture_default_str();
@@ -829,6 +836,10 @@ int main(int argc, char** argv) {
                                                  opt.dtype_name));
     opt.planner = dtensor::parse_planner(opt.planner_name);
     if (opt.overlap && app.count("--sizes") == 0) opt.sizes = "256K:64M";
+    if (opt.moe_dispatch && app.count("--sizes") == 0) opt.sizes = "64K:16M";
+    if (opt.moe_dispatch && (opt.overlap || opt.host_cost || opt.backend != "local" || !opt.trace_path.empty()))
+      throw kernels::InvalidArgument("--moe-dispatch runs alone on the local backend (not with --overlap, "
+                                     "--host-cost, --trace or another --backend)");
     opt.size_list = bench::parse_sizes(opt.sizes);
     opt.overlap_min = bench::parse_bytes(opt.overlap_min_text);
     if (opt.overlap && opt.host_cost) throw kernels::InvalidArgument("--overlap and --host-cost go one at a time");
@@ -841,6 +852,7 @@ int main(int argc, char** argv) {
 
     int64_t wrong = 0;
     if (opt.host_cost) run_host_costs(opt);
+    else if (opt.moe_dispatch) wrong = run_moe_dispatch(opt);
     else if (opt.backend == "local") wrong = run_local(opt);
     else if (opt.backend == "mpi") wrong = run_mpi(opt, &argc, &argv);
     else wrong = run_nccl(opt, &argc, &argv);

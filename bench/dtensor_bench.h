@@ -40,6 +40,8 @@ struct Options {
   int warmup = 3;
   bool check = true;
   bool host_cost = false;
+  bool moe_dispatch = false;  // --moe-dispatch (dtensor_bench_moe.cpp)
+  int64_t moe_width = 512;
   int host_calls = 2000;
   bool overlap = false;
   std::string overlap_min_text = "4M";
@@ -151,6 +153,10 @@ class Printer {
   int world_;
   std::string route_;
 };
+
+// --moe-dispatch: MoE token dispatch / combine against the raw all_to_all_v (dtensor_bench_moe.cpp);
+// returns how many ranks' results were wrong.
+int64_t run_moe_dispatch(const Options& opt);
 
 // The --json file: one object per row of each kind ("transition", "host", "overlap").
 void write_json(const Options& opt, const std::string& desc, int world, const std::vector<Row>& rows,

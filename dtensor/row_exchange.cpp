@@ -51,7 +51,9 @@ RowExchangeHandle exchange_rows_known(const MeshComms& comms, int mesh_dim, cons
   auto counts = std::make_shared<std::vector<int64_t>>();
   for (int64_t c : send_rows) counts->push_back(kernels::checked_mul(c, width, "exchanged elements"));
   for (int64_t c : recv_rows) counts->push_back(kernels::checked_mul(c, width, "exchanged elements"));
-  Tensor out = Tensor::empty({in_total, width}, rows.dtype(), rows.device());
+  // From the mesh's cache: a fresh block of this size every call would page-fault it again.
+  Tensor out = comms.allocator() ? Tensor::empty({in_total, width}, rows.dtype(), rows.device(), comms.allocator())
+                                 : Tensor::empty({in_total, width}, rows.dtype(), rows.device());
   const size_t m = send_rows.size();
   collectives::WorkPtr work = comm.all_to_all_v(rows.view({rows.numel()}), std::span(*counts).first(m),
                                                 out.view({out.numel()}), std::span(*counts).subspan(m));
