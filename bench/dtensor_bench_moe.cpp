@@ -8,7 +8,8 @@
 //         a fresh result) and combine = exchange_rows_known back (known counts), as the MoE
 //         forward does;
 //   raw:  the same two all_to_all_v calls with the counts known and the buffers preallocated.
-// Times are per iteration, the max over ranks; medians over --iters. ratio = ours / raw; the
+// Times are per iteration, the max over ranks; medians over --iters (the two alternate which
+// runs first). ratio = ours / raw; the
 // summary holds sizes >= --target-min-size per rank against --target (1.10).
 // Every rank checks once per size that the rows arrived from the right sources and came back
 // unchanged (exit 1 otherwise).
@@ -85,21 +86,19 @@ MoERow run_size(Communicator& world, const dtensor::MeshComms& comms, const Opti
   Communicator& group = comms.dim(0);
 
   std::vector<double> d, cb, rd, rc;
-  for (int it = 0; it < opt.warmup + opt.iters; ++it) {
-    const bool timed = it >= opt.warmup;
+  auto ours = [&](bool timed) {
     world.wait(world.barrier());
     const double t0 = bench::now_us();
-    {
-      dtensor::RowExchange ex = dtensor::exchange_rows(comms, 0, send, counts[me], "moe dispatch");
-      const double t1 = bench::now_us();
-      const Tensor back =
-          dtensor::exchange_rows_known(comms, 0, ex.rows, ex.recv_rows, counts[me], "moe combine").wait();
-      const double t2 = bench::now_us();
-      if (timed) {
-        d.push_back(t1 - t0);
-        cb.push_back(t2 - t1);
-      }
+    dtensor::RowExchange ex = dtensor::exchange_rows(comms, 0, send, counts[me], "moe dispatch");
+    const double t1 = bench::now_us();
+    const Tensor back = dtensor::exchange_rows_known(comms, 0, ex.rows, ex.recv_rows, counts[me], "moe combine").wait();
+    const double t2 = bench::now_us();
+    if (timed) {
+      d.push_back(t1 - t0);
+      cb.push_back(t2 - t1);
     }
+  };  // the results are released outside the timed region
+  auto raw = [&](bool timed) {
     world.wait(world.barrier());
     const double r0 = bench::now_us();
     group.wait(group.all_to_all_v(flat, send_el, raw_mid, recv_el));
@@ -109,6 +108,17 @@ MoERow run_size(Communicator& world, const dtensor::MeshComms& comms, const Opti
     if (timed) {
       rd.push_back(r1 - r0);
       rc.push_back(r2 - r1);
+    }
+  };
+  // The two alternate which goes first, so a drift in the machine's load hits both alike.
+  for (int it = 0; it < opt.warmup + opt.iters; ++it) {
+    const bool timed = it >= opt.warmup;
+    if (it % 2 == 0) {
+      ours(timed);
+      raw(timed);
+    } else {
+      raw(timed);
+      ours(timed);
     }
   }
 
