@@ -125,7 +125,7 @@ void validate(const Args& a) {
   if (a.grad_accum < 1 || a.batch % a.grad_accum != 0)
     bad(fmt::format("--grad-accum {} must divide --batch {} (microbatches of equal size)", a.grad_accum,
                     a.batch));
-  fsdp_train::validate_moe(a.moe, a.tp, a.batch, a.grad_accum, a.estimate || a.memory_limit > 0);
+  fsdp_train::validate_moe(a.moe, a.tp, a.dim, a.batch, a.grad_accum, a.estimate || a.memory_limit > 0);
   // Sample and token indices of the data (step * batch + g, batch * seq tokens per step).
   kernels::checked_mul(a.steps, a.batch, "samples (--steps x --batch)");
   kernels::checked_mul(a.batch, a.seq, "tokens per step (--batch x --seq)");

@@ -2,7 +2,9 @@
 // put nn::MoE blocks in the GPT (blocks i with (i + 1) % N == 0), and --ep R shards the experts
 // over an "ep" mesh dim of R ranks that also splits the batch (tokens reach their experts by
 // all-to-all-v; nn/moe.h). With --dp-shard / --dp-replicate the mesh is (dp..., ep): the dense
-// parameters get FSDP over dp (Replicate over ep), the experts stay outside FSDP. The progress line gains the aux loss (summed over MoE blocks,
+// parameters get FSDP over dp (Replicate over ep), the experts stay outside FSDP. With --tp the
+// mesh ends in tp: MoE blocks get nn::MoETensorParallel (router replicated, each expert's hidden
+// dim split over tp, tokens all-gathered over tp before routing). The progress line gains the aux loss (summed over MoE blocks,
 // averaged over microbatches) and the token imbalance (max tokens per expert rank over the mean;
 // without EP, per expert), worst over blocks and microbatches.
 //
@@ -18,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/checked.h"
 #include "kernels/error.h"
 #include "nn/moe.h"
 #include "nn/transformer.h"
@@ -41,7 +44,8 @@ inline void add_moe_options(CLI::App& app, MoEArgs& m) {
 }
 
 // InvalidArgument (exit 2) naming the flag; combinations not built yet are named as such.
-inline void validate_moe(const MoEArgs& m, int tp, int64_t batch, int grad_accum, bool estimated) {
+// dim: --dim (the experts' hidden size is 4 x dim).
+inline void validate_moe(const MoEArgs& m, int tp, int64_t dim, int64_t batch, int grad_accum, bool estimated) {
   auto bad = [](const std::string& what) { throw kernels::InvalidArgument(what); };
   if (m.experts < 0) bad(fmt::format("--moe-experts {}: expected >= 0 (0: dense MLPs)", m.experts));
   if (m.ep < 1) bad(fmt::format("--ep {}: expected >= 1", m.ep));
@@ -57,7 +61,11 @@ inline void validate_moe(const MoEArgs& m, int tp, int64_t batch, int grad_accum
   if (m.experts % m.ep != 0)
     bad(fmt::format("--ep {} does not divide --moe-experts {} (each EP rank holds the same number of experts)",
                     m.ep, m.experts));
-  if (tp > 1) bad(fmt::format("--moe-experts with --tp {}: MoE blocks under tensor parallelism are not supported", tp));
+  const int64_t hidden = kernels::checked_mul(int64_t{4}, dim, "the experts' hidden size (4 x --dim)");
+  if (tp > 1 && hidden % tp != 0)
+    bad(fmt::format("--tp {} does not divide the experts' hidden size {} (4 x --dim): each tp rank holds a slice "
+                    "of every expert",
+                    tp, hidden));
   if ((batch / grad_accum) % m.ep != 0)
     bad(fmt::format("--ep {} does not divide the microbatch (--batch {} / --grad-accum {}): the ep ranks split "
                     "the sequences",

@@ -60,7 +60,7 @@ struct Saved {
   std::vector<int64_t> order;     // kept assignments (t * k + j) in dispatch order
   std::vector<int64_t> send_rows, recv_rows;  // per EP member (one entry without EP)
   std::vector<double> recv_x;     // [m, D + 1]: rows at the experts, last column the local expert
-  std::vector<double> hpre;       // [m, H]
+  std::vector<double> hpre;       // [m, H / tp]: this rank's slice
   std::vector<double> y;          // [order.size(), D]: expert outputs back at the tokens
   std::vector<double> f;          // [E] fraction of assignments
   int64_t n_global = 0;
@@ -85,6 +85,14 @@ class Holder : public Module {
 };
 
 }  // namespace
+
+// x's spec with Partial(sum) on the tensor-parallel dim (x's own spec without one).
+dtensor::DTensorSpec MoE::partial_on_tp(const DTensor& x) const {
+  if (!tp_dim_ || x.spec().mesh->shape()[*tp_dim_] == 1) return x.spec();
+  Placements pl = x.placements();
+  pl[*tp_dim_] = Partial{};
+  return dtensor::make_spec(x.spec().mesh, pl, x.shape(), x.dtype());
+}
 
 MoE::MoE(const ModuleOptions& options, const MoEConfig& config) : Module("MoE"), config_(config) {
   if (!options.comms) throw InvalidArgument("MoE: ModuleOptions::comms is null");
@@ -118,11 +126,33 @@ void MoE::set_expert_parallel(int mesh_dim) {
     throw InvalidArgument(fmt::format("MoE::set_expert_parallel: {} experts do not split over {} ranks "
                                       "(expected the EP size to divide the expert count)",
                                       config_.experts, ep));
-  Placements pl(mesh.ndim(), Replicate{});
-  pl[mesh_dim] = Shard{0};
-  w1_->set_placements(pl);
-  w2_->set_placements(pl);
+  if (tp_dim_ == mesh_dim)
+    throw InvalidArgument(fmt::format("MoE::set_expert_parallel: mesh dim {} is the tensor-parallel dim", mesh_dim));
+  for (Parameter* p : {w1_.get(), w2_.get()}) {
+    Placements pl = p->placements();
+    pl[mesh_dim] = Shard{0};
+    p->set_placements(pl);
+  }
   ep_dim_ = mesh_dim;
+}
+
+void MoE::set_tensor_parallel(int mesh_dim) {
+  const dtensor::DeviceMesh& mesh = w1_->comms()->mesh();
+  if (mesh_dim < 0 || mesh_dim >= mesh.ndim())
+    throw InvalidArgument(fmt::format("MoE::set_tensor_parallel: mesh dim {} of a {}-d mesh", mesh_dim, mesh.ndim()));
+  if (ep_dim_ == mesh_dim)
+    throw InvalidArgument(fmt::format("MoE::set_tensor_parallel: mesh dim {} is the expert-parallel dim", mesh_dim));
+  const int64_t tp = mesh.shape()[mesh_dim];
+  if (config_.hidden % tp != 0)
+    throw InvalidArgument(fmt::format("MoE::set_tensor_parallel: the experts' hidden size {} does not split over {} "
+                                      "ranks (expected the tp size to divide it)",
+                                      config_.hidden, tp));
+  Placements p1 = w1_->placements(), p2 = w2_->placements();
+  p1[mesh_dim] = Shard{2};
+  p2[mesh_dim] = Shard{1};
+  w1_->set_placements(p1);
+  w2_->set_placements(p2);
+  tp_dim_ = mesh_dim;
 }
 
 DTensor MoE::do_forward(Ctx& ctx, const DTensor& x) {
@@ -146,6 +176,12 @@ DTensor MoE::do_forward(Ctx& ctx, const DTensor& x) {
                                       "(input placements {})", *ep_dim_, dtensor::to_string(xp)));
   const int64_t ep = ep_dim_ ? mesh.shape()[*ep_dim_] : 1;
   const int64_t El = E / ep;
+  const int64_t tp = tp_dim_ ? mesh.shape()[*tp_dim_] : 1;
+  if (tp > 1 && !dtensor::is_replicate(xp[*tp_dim_]))
+    throw InvalidArgument(fmt::format("MoE: tensor parallel over mesh dim {} needs the input Replicate there "
+                                      "(input placements {}; nn::MoETensorParallel's hook makes it so)",
+                                      *tp_dim_, dtensor::to_string(xp)));
+  const int64_t Hl = H / tp;  // this rank's slice of each expert's hidden dim
 
   auto sv = std::make_shared<Saved>();
   Saved& S = *sv;
@@ -264,19 +300,19 @@ DTensor MoE::do_forward(Ctx& ctx, const DTensor& x) {
 
   // The experts, on the rows they received.
   const int64_t m = static_cast<int64_t>(S.recv_x.size()) / (D + 1);
-  S.hpre.assign(m * H, 0.0);
-  std::vector<double> out_rows(m * D, 0.0), a(H);
+  S.hpre.assign(m * Hl, 0.0);
+  std::vector<double> out_rows(m * D, 0.0), a(Hl);
   for (int64_t i = 0; i < m; ++i) {
     const double* xr = &S.recv_x[i * (D + 1)];
     const auto le = static_cast<int64_t>(xr[D]);
-    const double* W1 = &w1[le * D * H];
-    const double* W2 = &w2[le * H * D];
-    double* hp = &S.hpre[i * H];
+    const double* W1 = &w1[le * D * Hl];
+    const double* W2 = &w2[le * Hl * D];
+    double* hp = &S.hpre[i * Hl];
     for (int64_t d = 0; d < D; ++d)
-      for (int64_t h = 0; h < H; ++h) hp[h] += xr[d] * W1[d * H + h];
-    for (int64_t h = 0; h < H; ++h) a[h] = gelu(hp[h], config_.gelu);
+      for (int64_t h = 0; h < Hl; ++h) hp[h] += xr[d] * W1[d * Hl + h];
+    for (int64_t h = 0; h < Hl; ++h) a[h] = gelu(hp[h], config_.gelu);
     double* yr = &out_rows[i * D];
-    for (int64_t h = 0; h < H; ++h)
+    for (int64_t h = 0; h < Hl; ++h)
       for (int64_t d = 0; d < D; ++d) yr[d] += a[h] * W2[h * D + d];
   }
   if (ep > 1) {
@@ -294,7 +330,8 @@ DTensor MoE::do_forward(Ctx& ctx, const DTensor& x) {
     const int64_t a_ = S.order[i], t = a_ / K;
     for (int64_t d = 0; d < D; ++d) out[t * D + d] += S.g[a_] * S.y[i * D + d];
   }
-  DTensor y(x.comms(), x.spec(), make(out, x.to_local().shape(), x.dtype(), x.to_local().device()));
+  // Under tensor parallelism each rank summed its slice of the hidden dim: Partial there.
+  DTensor y(x.comms(), partial_on_tp(x), make(out, x.to_local().shape(), x.dtype(), x.to_local().device()));
   if (shared_) y = ops::add(y, shared_->forward(ctx.child("shared"), x), 1.0, ctx.ops());
   ctx.values[kStatsKey] = stats;
   ctx.values[kSavedKey] = sv;
@@ -309,6 +346,8 @@ std::optional<DTensor> MoE::do_backward(Ctx& ctx, const DTensor& dy) {
   const DTensor& x = *S.x_like;
   const dtensor::DeviceMesh& mesh = *x.spec().mesh;
   const int64_t ep = ep_dim_ ? mesh.shape()[*ep_dim_] : 1;
+  const int64_t tp = tp_dim_ ? mesh.shape()[*tp_dim_] : 1;
+  const int64_t Hl = H / tp;
   const std::vector<double> dY = local_values(dy.placements() == x.placements() ? dy : dy.redistribute(x.placements(), {ctx.ops().choose.planner}));
   if (static_cast<int64_t>(dY.size()) != n * D)
     throw InvalidArgument(fmt::format("MoE: output gradient of shape {} for an input of shape {}", dy.shape(),
@@ -336,28 +375,28 @@ std::optional<DTensor> MoE::do_backward(Ctx& ctx, const DTensor& dy) {
                    .to_vector()
              : std::move(dsend);
   const int64_t El = E / ep;
-  std::vector<double> dw1(El * D * H, 0.0), dw2(El * H * D, 0.0), dxr(m * D, 0.0), a(H), dh(H);
+  std::vector<double> dw1(El * D * Hl, 0.0), dw2(El * Hl * D, 0.0), dxr(m * D, 0.0), a(Hl), dh(Hl);
   for (int64_t i = 0; i < m; ++i) {
     const double* xr = &S.recv_x[i * (D + 1)];
     const auto le = static_cast<int64_t>(xr[D]);
-    const double* W1 = &w1[le * D * H];
-    const double* W2 = &w2[le * H * D];
-    const double* hp = &S.hpre[i * H];
+    const double* W1 = &w1[le * D * Hl];
+    const double* W2 = &w2[le * Hl * D];
+    const double* hp = &S.hpre[i * Hl];
     const double* g = &drecv[i * D];
-    for (int64_t h = 0; h < H; ++h) {
+    for (int64_t h = 0; h < Hl; ++h) {
       a[h] = gelu(hp[h], config_.gelu);
       double da = 0;
       for (int64_t d = 0; d < D; ++d) {
-        dw2[(le * H + h) * D + d] += a[h] * g[d];
+        dw2[(le * Hl + h) * D + d] += a[h] * g[d];
         da += W2[h * D + d] * g[d];
       }
       dh[h] = da * gelu_grad(hp[h], config_.gelu);
     }
     for (int64_t d = 0; d < D; ++d) {
       double acc = 0;
-      for (int64_t h = 0; h < H; ++h) {
-        dw1[(le * D + d) * H + h] += xr[d] * dh[h];
-        acc += W1[d * H + h] * dh[h];
+      for (int64_t h = 0; h < Hl; ++h) {
+        dw1[(le * D + d) * Hl + h] += xr[d] * dh[h];
+        acc += W1[d * Hl + h] * dh[h];
       }
       dxr[i * D + d] = acc;
     }
@@ -374,10 +413,13 @@ std::optional<DTensor> MoE::do_backward(Ctx& ctx, const DTensor& dy) {
     for (int64_t d = 0; d < D; ++d) dx[t * D + d] += dxback[i * D + d];
   }
 
-  // Router: weights -> scores (+ the aux loss) -> logits -> router weight and input.
+  // Router: weights -> scores (+ the aux loss) -> logits -> router weight and input. Under
+  // tensor parallelism dg is this rank's partial sum (S.y is): the aux term goes in once.
   std::vector<double> dwr(E * D, 0.0), ds(E), dl(E);
-  const double aux_scale =
-      S.n_global > 0 ? config_.aux_loss_coef * static_cast<double>(E) / static_cast<double>(S.n_global) : 0.0;
+  const bool aux_here = tp == 1 || x.comms()->dim(*tp_dim_).rank() == 0;
+  const double aux_scale = S.n_global > 0 && aux_here
+                               ? config_.aux_loss_coef * static_cast<double>(E) / static_cast<double>(S.n_global)
+                               : 0.0;
   for (int64_t t = 0; t < n; ++t) {
     const double* s = &S.s[t * E];
     for (int64_t e = 0; e < E; ++e) ds[e] = aux_scale * S.f[e];
@@ -405,26 +447,27 @@ std::optional<DTensor> MoE::do_backward(Ctx& ctx, const DTensor& dy) {
       }
   }
 
-  // Parameter gradients: Partial(sum) over the token-splitting dims, S(0) on the EP dim.
-  auto grad_placements = [&](bool expert) {
+  // Parameter gradients: Partial(sum) over the token-splitting dims, S(0) on the EP dim; on the
+  // TP dim the experts' slices (their own placements) and the router's partial sums.
+  auto grad_placements = [&](const Parameter& p, bool expert) {
     Placements pl(mesh.ndim(), Replicate{});
     for (int md = 0; md < mesh.ndim(); ++md)
       if (dtensor::is_shard(x.placements()[md]) && mesh.shape()[md] > 1) pl[md] = Partial{};
     if (expert && ep_dim_) pl[*ep_dim_] = Shard{0};
+    if (tp > 1) pl[*tp_dim_] = expert ? p.placements()[*tp_dim_] : dtensor::Placement{Partial{}};
     return pl;
   };
-  auto sink = [&](Parameter& p, const std::vector<double>& g, bool expert) {
+  auto sink = [&](Parameter& p, const std::vector<double>& g, const Dims& local, bool expert) {
     if (!p.requires_grad) return;
-    const Dims local = expert ? Dims{El, p.shape()[1], p.shape()[2]} : p.shape();
-    DTensor gd(x.comms(), dtensor::make_spec(x.spec().mesh, grad_placements(expert), p.shape(), DType::kF64),
+    DTensor gd(x.comms(), dtensor::make_spec(x.spec().mesh, grad_placements(p, expert), p.shape(), DType::kF64),
                make(g, local, DType::kF64, p.data().to_local().device()));
     ops::sink_grad(p.grad_sink(), gd, ctx.ops());
   };
-  sink(*router_, dwr, false);
-  sink(*w1_, dw1, true);
-  sink(*w2_, dw2, true);
+  sink(*router_, dwr, router_->shape(), false);
+  sink(*w1_, dw1, Dims{El, D, Hl}, true);
+  sink(*w2_, dw2, Dims{El, Hl, D}, true);
 
-  DTensor out(x.comms(), x.spec(), make(dx, x.to_local().shape(), x.dtype(), x.to_local().device()));
+  DTensor out(x.comms(), partial_on_tp(x), make(dx, x.to_local().shape(), x.dtype(), x.to_local().device()));
   if (shared_) out = ops::add(out, *shared_->backward(ctx.child("shared"), dy), 1.0, ctx.ops());
   return out;
 }

@@ -30,6 +30,18 @@
 // output gradients the same way and the input gradients back. Routing is per token, so EP gives
 // one rank's routing, outputs and gradients (up to summation order).
 //
+// Tensor parallelism (torchtitan's layout for grouped experts): set_tensor_parallel(mesh_dim)
+// shards each expert's hidden dim over that mesh dim: experts.w1 [E, D, H] S(2) (column-wise),
+// experts.w2 [E, H, D] S(1) (row-wise); the router stays Replicate. The input must be Replicate
+// on the tp dim (nn::MoETensorParallel's hook all-gathers a sequence-parallel input), so every
+// tp rank routes the same tokens, dispatches them over the EP dim among the ranks of its own tp
+// coordinate, and computes its slice of the hidden dim: the output is Partial(sum) on the tp
+// dim (the hook reduce-scatters it back to sequence shards, or all-reduces it). In backward the
+// router's gradients come from those partial outputs (the routing backward is linear in them),
+// so the input and router gradients are Partial on the tp dim too; the aux-loss gradient is
+// added on tp coordinate 0 only. A shared expert is split the same way (fc1 column-wise, fc2
+// row-wise with a Partial output).
+//
 // The expert computation runs on local CPU tensors in f64 (parameters and activations of any
 // floating dtype are converted). REQUIRES: x [..., dim] placed R or Shard(d < last) on every mesh
 // dim (not Partial, not sharded over dim); the expert and router weights Replicate except
@@ -68,16 +80,23 @@ class MoE : public Module {
   // REQUIRES: the dim's size divides experts.
   void set_expert_parallel(int mesh_dim);
   std::optional<int> expert_parallel_dim() const { return ep_dim_; }
+  // Experts' hidden dim over mesh dim `mesh_dim` (w1 S(2), w2 S(1); call on a meta module, before
+  // materialize; nn::MoETensorParallel calls it). REQUIRES: the dim's size divides the hidden
+  // size (InvalidArgument naming both).
+  void set_tensor_parallel(int mesh_dim);
+  std::optional<int> tensor_parallel_dim() const { return tp_dim_; }
+  MLP* shared_expert() const { return shared_.get(); }
 
  protected:
   DTensor do_forward(Ctx& ctx, const DTensor& input) override;
   std::optional<DTensor> do_backward(Ctx& ctx, const DTensor& grad_output) override;
 
  private:
+  dtensor::DTensorSpec partial_on_tp(const DTensor& x) const;
   MoEConfig config_;
   std::shared_ptr<Parameter> router_, w1_, w2_;
   std::shared_ptr<MLP> shared_;
-  std::optional<int> ep_dim_;
+  std::optional<int> ep_dim_, tp_dim_;
 };
 
 // The stats of the MoE forward recorded in ctx (nullopt when ctx holds none).

@@ -5,6 +5,7 @@
 #include <map>
 
 #include "kernels/error.h"
+#include "nn/moe.h"
 
 namespace nn {
 
@@ -98,6 +99,9 @@ std::string ColwiseParallel::name() const {
 std::string RowwiseParallel::name() const {
   return fmt::format("RowwiseParallel({})", dtensor::to_string(output_));
 }
+std::string MoETensorParallel::name() const {
+  return fmt::format("MoETensorParallel({})", dtensor::to_string(output_));
+}
 std::string SequenceParallel::name() const { return fmt::format("SequenceParallel({})", dim_); }
 std::string PrepareModuleInput::name() const {
   return fmt::format("PrepareModuleInput({})", dtensor::to_string(desired_));
@@ -145,6 +149,26 @@ void RowwiseParallel::apply(Module& module, std::string_view fqn, int tp) const 
   } else {
     unsupported_module(*this, module, fqn);
   }
+}
+
+void MoETensorParallel::apply(Module& module, std::string_view fqn, int tp) const {
+  auto* moe = dynamic_cast<MoE*>(&module);
+  if (!moe)
+    throw InvalidArgument(fmt::format("{} cannot apply to '{}' (a {}): it applies to MoE blocks", name(), fqn,
+                                      module.type()));
+  if (dtensor::is_partial(output_))
+    throw InvalidArgument(fmt::format("{} on '{}': the output layout must be Replicate or Shard", name(), fqn));
+  moe->set_tensor_parallel(tp);
+  set_tp_placement(&moe->router(), tp, Replicate{});
+  if (MLP* shared = moe->shared_expert()) {
+    // fc1 column-wise (input R, output S(-1)), fc2 row-wise without a reduction: Partial, as the
+    // routed experts' output it is added to.
+    ColwiseParallel().apply(shared->fc1(), fmt::format("{}.shared.fc1", fqn), tp);
+    set_tp_placement(&shared->fc2().weight(), tp, Shard{1});
+    add_input_redistribute(shared->fc2(), tp, Shard{-1}, /*strict=*/false);
+  }
+  add_input_redistribute(module, tp, Replicate{}, /*strict=*/true);
+  add_output_redistribute(module, tp, output_);
 }
 
 void SequenceParallel::apply(Module& module, std::string_view fqn, int tp) const {
@@ -259,9 +283,14 @@ ParallelPlan gpt_tensor_parallel_plan(const GPTConfig& config, bool sp, bool los
   for (const char* l : {"blocks.*.attn.wq", "blocks.*.attn.wk", "blocks.*.attn.wv"})
     add(l, std::make_shared<ColwiseParallel>());
   add("blocks.*.attn.wo", std::make_shared<RowwiseParallel>(block_out));
-  add("blocks.*.mlp", std::make_shared<PrepareModuleInput>(Replicate{}));
-  add("blocks.*.mlp.fc1", std::make_shared<ColwiseParallel>());
-  add("blocks.*.mlp.fc2", std::make_shared<RowwiseParallel>(block_out));
+  bool dense = false, moe = false;  // a pattern must match some block
+  for (int64_t i = 0; i < config.layers; ++i) (gpt_block_is_moe(config, i) ? moe : dense) = true;
+  if (dense) {
+    add("blocks.*.mlp", std::make_shared<PrepareModuleInput>(Replicate{}));
+    add("blocks.*.mlp.fc1", std::make_shared<ColwiseParallel>());
+    add("blocks.*.mlp.fc2", std::make_shared<RowwiseParallel>(block_out));
+  }
+  if (moe) add("blocks.*.moe", std::make_shared<MoETensorParallel>(block_out));
   if (sp) add("ln_f", std::make_shared<SequenceParallel>(1));
   // Without sequence parallelism the head's input is replicated: its Partial input gradient is
   // all-reduced once here, at the boundary (with it, the S(1) -> R move does the reduce-scatter).

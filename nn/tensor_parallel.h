@@ -22,6 +22,10 @@
 //   SequenceParallel(dim)      a norm's parameters stay R; its input is brought to S(dim) (the
 //                              sequence dim), so the norm runs on a slice of the sequence; the
 //                              parameter gradients are Partial (reduce_gradients sums them).
+//   MoETensorParallel(output)  an nn::MoE (nn/moe.h): router R, experts' hidden dim split (w1
+//                              [E, D, H] S(2), w2 [E, H, D] S(1)), a shared expert fc1 S(0) /
+//                              fc2 S(1); input brought to R, the Partial output reduced to
+//                              `output` (S(1): reduce-scatter for sequence parallelism, R).
 //   PrepareModuleInput(desired)/PrepareModuleOutput(desired): only the redistribution, at a
 //                              module boundary (attention / MLP: S(1) -> R once for q, k and v).
 // Gradients follow the transposes: a hook that moved the input in forward moves its gradient
@@ -106,6 +110,16 @@ class PrepareModuleOutput : public ParallelStyle {
   Placement desired_;
 };
 
+class MoETensorParallel : public ParallelStyle {
+ public:
+  explicit MoETensorParallel(Placement output_layout = dtensor::Replicate{}) : output_(output_layout) {}
+  std::string name() const override;
+  void apply(Module& module, std::string_view fqn, int tp_mesh_dim) const override;
+
+ private:
+  Placement output_;
+};
+
 using ParallelPlan = std::vector<std::pair<std::string, std::shared_ptr<const ParallelStyle>>>;
 
 // Applies every entry to each module whose FQN matches its pattern ('*' matches one name
@@ -113,7 +127,7 @@ using ParallelPlan = std::vector<std::pair<std::string, std::shared_ptr<const Pa
 void parallelize_module(Module& root, int tp_mesh_dim, const ParallelPlan& plan);
 
 // The Megatron / torchtitan plan for GPT: embeddings rowwise, q/k/v and fc1 colwise, wo and fc2
-// rowwise; sequence_parallel: norms on sequence shards (reduce-scatter / all-gather at the block
+// rowwise, MoE blocks MoETensorParallel; sequence_parallel: norms on sequence shards (reduce-scatter / all-gather at the block
 // boundaries instead of all-reduces); loss_parallel: vocab-sharded logits go to the loss.
 ParallelPlan gpt_tensor_parallel_plan(const GPTConfig& config, bool sequence_parallel = true,
                                       bool loss_parallel = true);

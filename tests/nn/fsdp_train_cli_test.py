@@ -80,7 +80,7 @@ moe_pat = re.compile(r" all_gather_bytes \d+ reduce_bytes \d+ aux_loss (\S+) imb
 moe_lines = [moe_pat.search(l) for l in r.stdout.splitlines() if l.startswith("step ")]
 check(len(moe_lines) == 2 and all(m is not None and float(m.group(1)) > 0 and float(m.group(2)) >= 1
                                   for m in moe_lines), f"MoE progress lines: {r.stdout[:300]}")
-moe_refusals = [(["--moe-experts", "4", "--tp", "2"], "tensor parallelism"),
+moe_refusals = [(["--moe-experts", "4", "--tp", "3"], "--tp 3 does not divide the experts' hidden size 64"),
                 (["--moe-experts", "6", "--ep", "4"], "--ep 4 does not divide --moe-experts 6"),
                 (["--moe-experts", "4", "--moe-top-k", "5"], "--moe-top-k 5"),
                 (["--ep", "2"], "need --moe-experts"),

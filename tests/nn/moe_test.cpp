@@ -1,5 +1,6 @@
 // MoE on one rank against a plain per-token reference loop, and expert parallelism (EP 2, EP 4)
-// against one rank: the same routing, outputs, aux loss and gradients.
+// and tensor parallelism (TP 2, EP 2 x TP 2) against one rank: the same routing, outputs, aux
+// loss and gradients.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 
 #include "dtensor/row_exchange.h"
 #include "nn/moe.h"
+#include "nn/tensor_parallel.h"
 #include "nn_support.h"
 #include "support/checks.h"
 #include "support/recording_communicator.h"
@@ -71,6 +73,7 @@ bool close(const std::vector<double>& a, const std::vector<double>& b, double rt
 struct Result {
   std::vector<double> y, dx, grouter, gw1, gw2;
   MoEStats stats;
+  std::string placements;  // run_tp: of y, dx, w1 and w2
 };
 
 Result run(const MoEConfig& cfg, int ep, const Dims& xshape, testing_support::Recorder* rec = nullptr) {
@@ -98,6 +101,37 @@ Result run(const MoEConfig& cfg, int ep, const Dims& xshape, testing_support::Re
     r.gw1 = full(*m.w1().grad());
     r.gw2 = full(*m.w2().grad());
   });
+  return out[0];
+}
+
+// The same on a 2-D mesh (ep, tp) with nn::MoETensorParallel over tp: x [B, T, D] S(0) over ep
+// and S(1) over tp (sequence parallel), the output reduce-scattered back to S(1).
+Result run_tp(const MoEConfig& cfg, int ep, int tp, const Dims& xshape) {
+  std::vector<Result> out(ep * tp);
+  on_mesh(
+      {ep, tp},
+      [&](std::shared_ptr<MeshComms> comms, Communicator&) {
+        MoE m(ModuleOptions{comms, DType::kF64}, cfg);
+        if (ep > 1) m.set_expert_parallel(0);
+        MoETensorParallel(dtensor::Shard{1}).apply(m, "moe", 1);
+        materialize(m, 1);
+        randomize(m, 5, 1.0);
+        DTensor x = place(values(xshape, 3), comms, "S(0),S(1)");
+        DTensor dy = place(values(xshape, 4), comms, "S(0),S(1)");
+        Ctx ctx;
+        DTensor y = m.forward(ctx, x);
+        Result& r = out[comms->rank()];
+        r.stats = *moe_stats(ctx);
+        DTensor dx = *m.backward(ctx, dy);
+        r.y = full(y);
+        r.dx = full(dx);
+        r.grouter = full(*m.router().grad());
+        r.gw1 = full(*m.w1().grad());
+        r.gw2 = full(*m.w2().grad());
+        r.placements = dtensor::to_string(y.placements()) + " " + dtensor::to_string(dx.placements()) + " " +
+                       dtensor::to_string(m.w1().placements()) + " " + dtensor::to_string(m.w2().placements());
+      },
+      {"ep", "tp"});
   return out[0];
 }
 
@@ -179,6 +213,34 @@ TEST_CASE("MoE: expert parallelism 2 and 4 equals one rank (routing, outputs, gr
   CHECK(ran == 4);
 }
 
+TEST_CASE("MoE: tensor parallelism (TP 2, EP 2 x TP 2) equals one rank", "[nn][moe][tp]") {
+  // Each tp rank computes its slice of every expert's hidden dim on the all-gathered tokens; the
+  // partial outputs and input/router gradients are summed over tp. f64: 1e-12 relative.
+  int ran = 0;
+  for (bool shared : {false, true})
+    for (auto [ep, tp] : {std::pair{1, 2}, {2, 2}}) {
+      ++ran;
+      MoEConfig cfg{.dim = 6, .hidden = 6, .experts = 4, .top_k = 1, .aux_loss_coef = 0.1,
+                    .shared_expert = shared};
+      const Dims xshape{4, 4, 6};
+      const Result one = run(cfg, 1, xshape), par = run_tp(cfg, ep, tp, xshape);
+      INFO(fmt::format("EP {} TP {} shared {}", ep, tp, shared));
+      CHECK(par.placements == std::string("S(0),S(1) S(0),S(1) ") + (ep > 1 ? "S(0),S(2) S(0),S(1)" : "R,S(2) R,S(1)"));
+      CHECK(par.stats.tokens_per_expert == one.stats.tokens_per_expert);
+      // Unbalanced routing: a uniform f_e would give the aux loss no gradient through the softmax.
+      CHECK(one.stats.tokens_per_expert != std::vector<int64_t>(4, 4));
+      CHECK(std::abs(par.stats.aux_loss - one.stats.aux_loss) <= 1e-12 * std::abs(one.stats.aux_loss));
+      CHECK(close(par.y, one.y, 1e-12));
+      CHECK(close(par.dx, one.dx, 1e-12));
+      CHECK(close(par.grouter, one.grouter, 1e-12));
+      CHECK(close(par.gw1, one.gw1, 1e-12));
+      CHECK(close(par.gw2, one.gw2, 1e-12));
+      CHECK(one.y.size() == 96);
+      CHECK(par.gw1.size() == 4 * 6 * 6);
+    }
+  CHECK(ran == 4);
+}
+
 TEST_CASE("MoE: EP forward + backward is one count exchange and four row exchanges", "[nn][moe][ep]") {
   testing_support::Recorder rec;
   run(MoEConfig{.dim = 6, .hidden = 5, .experts = 8, .top_k = 2}, 4, {4, 3, 6}, &rec);
@@ -197,8 +259,20 @@ TEST_CASE("MoE: bad configurations and inputs are named", "[nn][moe]") {
     MoE m(o, MoEConfig{.dim = 4, .hidden = 3, .experts = 3, .top_k = 1});
     checks.throws<kernels::InvalidArgument>([&] { m.set_expert_parallel(0); }, "3 experts do not split over 2",
                                             "EP not dividing E");
+    checks.throws<kernels::InvalidArgument>([&] { m.set_tensor_parallel(0); }, "hidden size 3 does not split over 2",
+                                            "TP not dividing H");
+    MoE m3(o, MoEConfig{.dim = 4, .hidden = 4, .experts = 4, .top_k = 1});
+    MoETensorParallel(dtensor::Replicate{}).apply(m3, "moe", 0);
+    materialize(m3, 1);
+    Ctx c3;
+    m3.forward(c3, place(values({2, 4}, 1), comms, "S(0)"));  // the hook all-gathers the tokens
+    checks.throws<kernels::InvalidArgument>(
+        [&] { MoETensorParallel(dtensor::Partial{}).apply(m3, "moe", 0); }, "must be Replicate or Shard",
+        "Partial output layout");
     MoE m2(o, MoEConfig{.dim = 4, .hidden = 3, .experts = 4, .top_k = 1});
     m2.set_expert_parallel(0);
+    checks.throws<kernels::InvalidArgument>([&] { m2.set_tensor_parallel(0); }, "is the expert-parallel dim",
+                                            "TP on the EP dim");
     materialize(m2, 1);
     Ctx ctx;
     checks.throws<kernels::InvalidArgument>([&] { m2.forward(ctx, replicated(values({2, 4}, 1), comms)); },
