@@ -10,6 +10,8 @@
 #include "kernels/checked.h"
 #include "kernels/error.h"
 #include "kernels/format.h"
+#include "kernels/ops/elementwise.h"
+#include "kernels/ops/matmul.h"
 
 namespace nn {
 
@@ -24,24 +26,43 @@ namespace {
 constexpr const char* kSavedKey = "moe";
 constexpr const char* kStatsKey = "moe.stats";
 
-double gelu(double x, kernels::GeluApproximation a) {
-  if (a == kernels::GeluApproximation::kNone) return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0)));
-  const double k = std::sqrt(2.0 / M_PI);
-  return 0.5 * x * (1.0 + std::tanh(k * (x + 0.044715 * x * x * x)));
-}
-
-double gelu_grad(double x, kernels::GeluApproximation a) {
-  if (a == kernels::GeluApproximation::kNone) {
-    const double cdf = 0.5 * (1.0 + std::erf(x / std::sqrt(2.0)));
-    return cdf + x * std::exp(-0.5 * x * x) / std::sqrt(2.0 * M_PI);
-  }
-  const double k = std::sqrt(2.0 / M_PI);
-  const double u = k * (x + 0.044715 * x * x * x);
-  const double t = std::tanh(u);
-  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * x * x);
-}
-
 std::vector<double> local_values(const DTensor& t) { return t.to_local().contiguous().to_vector(); }
+
+// The experts compute in f64 for f64 parameters, else in f32 (vectorised GEMMs and GELU).
+DType expert_dtype(const Parameter& w) { return w.dtype() == DType::kF64 ? DType::kF64 : DType::kF32; }
+
+// A parameter's local shard as a contiguous CPU tensor of `dtype`.
+Tensor local_as(const DTensor& t, DType dtype) {
+  Tensor l = t.to_local();
+  if (!l.device().is_cpu()) l = l.to(kernels::Device{});
+  return l.dtype() == dtype ? l.contiguous() : l.to(dtype).contiguous();
+}
+
+// Rows [m, width] of `rows` (received order, `stride` apart) gathered into grouped order, as a
+// tensor of `dtype` (f32 or f64).
+Tensor gather_rows(const double* rows, int64_t width, int64_t stride, const std::vector<int64_t>& perm,
+                   DType dtype) {
+  const auto m = static_cast<int64_t>(perm.size());
+  Tensor out = Tensor::empty({m, width}, dtype);
+  auto fill = [&](auto* o) {
+    for (int64_t j = 0; j < m; ++j) std::copy_n(rows + perm[j] * stride, width, o + j * width);
+  };
+  if (dtype == DType::kF64) fill(out.data<double>());
+  else fill(out.data<float>());
+  return out;
+}
+
+// Grouped rows [m, width] (contiguous f32 or f64) back into received order, in f64.
+std::vector<double> scatter_rows(const Tensor& grouped, const std::vector<int64_t>& perm) {
+  const int64_t width = grouped.size(1);
+  std::vector<double> out(perm.size() * static_cast<size_t>(width));
+  auto put = [&](const auto* g) {
+    for (size_t j = 0; j < perm.size(); ++j) std::copy_n(g + j * width, width, out.data() + perm[j] * width);
+  };
+  if (grouped.dtype() == DType::kF64) put(grouped.data<double>());
+  else put(grouped.data<float>());
+  return out;
+}
 
 // Host values as a tensor on `device` (the exchanges and results live where the input does).
 Tensor make(const std::vector<double>& v, const Dims& shape, DType dtype, kernels::Device device) {
@@ -59,8 +80,11 @@ struct Saved {
   std::vector<char> kept;         // [n, k] within capacity
   std::vector<int64_t> order;     // kept assignments (t * k + j) in dispatch order
   std::vector<int64_t> send_rows, recv_rows;  // per EP member (one entry without EP)
-  std::vector<double> recv_x;     // [m, D + 1]: rows at the experts, last column the local expert
-  std::vector<double> hpre;       // [m, H / tp]: this rank's slice
+  // The rows at the experts, grouped by local expert: grouped row j is received row perm[j];
+  // expert e's rows are [off[e], off[e + 1]).
+  std::vector<int64_t> perm, off;
+  Tensor xg;                      // [m, D] (expert_dtype)
+  Tensor hg;                      // [m, H / tp]: the pre-activations of this rank's slice
   std::vector<double> y;          // [order.size(), D]: expert outputs back at the tokens
   std::vector<double> f;          // [E] fraction of assignments
   int64_t n_global = 0;
@@ -190,7 +214,6 @@ DTensor MoE::do_forward(Ctx& ctx, const DTensor& x) {
   S.x_like = x;
   const int64_t n = S.n;
   const std::vector<double> wr = local_values(router_->data());
-  const std::vector<double> w1 = local_values(w1_->data()), w2 = local_values(w2_->data());
 
   // Router scores and top-k.
   S.s.assign(n * E, 0.0);
@@ -287,34 +310,43 @@ DTensor MoE::do_forward(Ctx& ctx, const DTensor& x) {
       send.push_back(static_cast<double>(e % El));
     }
   const int64_t sent = static_cast<int64_t>(S.order.size());
+  std::vector<double> recv_x;  // [m, D + 1]: rows at the experts, last column the local expert
   if (ep > 1) {
     dtensor::RowExchange ex = dtensor::exchange_rows(*x.comms(), *ep_dim_,
                                                      make(send, {sent, D + 1}, DType::kF64, x.to_local().device()),
                                                      S.send_rows, "moe dispatch");
     S.recv_rows = ex.recv_rows;
-    S.recv_x = ex.rows.to_vector();
+    recv_x = ex.rows.to_vector();
   } else {
     S.recv_rows = S.send_rows;
-    S.recv_x = std::move(send);
+    recv_x = std::move(send);
   }
 
-  // The experts, on the rows they received.
-  const int64_t m = static_cast<int64_t>(S.recv_x.size()) / (D + 1);
-  S.hpre.assign(m * Hl, 0.0);
-  std::vector<double> out_rows(m * D, 0.0), a(Hl);
-  for (int64_t i = 0; i < m; ++i) {
-    const double* xr = &S.recv_x[i * (D + 1)];
-    const auto le = static_cast<int64_t>(xr[D]);
-    const double* W1 = &w1[le * D * Hl];
-    const double* W2 = &w2[le * Hl * D];
-    double* hp = &S.hpre[i * Hl];
-    for (int64_t d = 0; d < D; ++d)
-      for (int64_t h = 0; h < Hl; ++h) hp[h] += xr[d] * W1[d * Hl + h];
-    for (int64_t h = 0; h < Hl; ++h) a[h] = gelu(hp[h], config_.gelu);
-    double* yr = &out_rows[i * D];
-    for (int64_t h = 0; h < Hl; ++h)
-      for (int64_t d = 0; d < D; ++d) yr[d] += a[h] * W2[h * D + d];
+  // The experts, on the rows they received: grouped by local expert (a counting sort), one GEMM
+  // per expert and projection (kernels::matmul, in expert_dtype).
+  const int64_t m = static_cast<int64_t>(recv_x.size()) / (D + 1);
+  S.off.assign(El + 1, 0);
+  for (int64_t i = 0; i < m; ++i) ++S.off[static_cast<int64_t>(recv_x[i * (D + 1) + D]) + 1];
+  for (int64_t e = 0; e < El; ++e) S.off[e + 1] += S.off[e];
+  S.perm.assign(m, 0);
+  {
+    std::vector<int64_t> next(S.off.begin(), S.off.end() - 1);
+    for (int64_t i = 0; i < m; ++i) S.perm[next[static_cast<int64_t>(recv_x[i * (D + 1) + D])]++] = i;
   }
+  const DType cdt = expert_dtype(*w1_);
+  S.xg = gather_rows(recv_x.data(), D, D + 1, S.perm, cdt);
+  S.hg = Tensor::empty({m, Hl}, cdt);
+  const Tensor W1 = local_as(w1_->data(), cdt), W2 = local_as(w2_->data(), cdt);  // [El, D, Hl], [El, Hl, D]
+  const kernels::MatmulOptions mm{.num_threads = ctx.ops().num_threads};
+  Tensor yg = Tensor::empty({m, D}, cdt);
+  for (int64_t e = 0; e < El; ++e) {
+    const int64_t c = S.off[e + 1] - S.off[e];
+    if (c == 0) continue;
+    const Tensor he = S.hg.narrow(0, S.off[e], c);
+    kernels::matmul_out(he, S.xg.narrow(0, S.off[e], c), W1.select(0, e), mm);
+    kernels::matmul_out(yg.narrow(0, S.off[e], c), kernels::gelu(he, config_.gelu), W2.select(0, e), mm);
+  }
+  std::vector<double> out_rows = scatter_rows(yg, S.perm);
   if (ep > 1) {
     S.y = dtensor::exchange_rows_known(*x.comms(), *ep_dim_, make(out_rows, {m, D}, DType::kF64, x.to_local().device()),
                                        S.recv_rows, S.send_rows, "moe combine")
@@ -353,7 +385,6 @@ std::optional<DTensor> MoE::do_backward(Ctx& ctx, const DTensor& dy) {
     throw InvalidArgument(fmt::format("MoE: output gradient of shape {} for an input of shape {}", dy.shape(),
                                       x.shape()));
   const std::vector<double> wr = local_values(router_->data());
-  const std::vector<double> w1 = local_values(w1_->data()), w2 = local_values(w2_->data());
 
   // Output gradients to the experts; the weights' gradients.
   const int64_t sent = static_cast<int64_t>(S.order.size());
@@ -367,7 +398,7 @@ std::optional<DTensor> MoE::do_backward(Ctx& ctx, const DTensor& dy) {
     }
     dg[a] = acc;
   }
-  const int64_t m = static_cast<int64_t>(S.recv_x.size()) / (D + 1);
+  const auto m = static_cast<int64_t>(S.perm.size());
   std::vector<double> drecv =
       ep > 1 ? dtensor::exchange_rows_known(*x.comms(), *ep_dim_, make(dsend, {sent, D}, DType::kF64, x.to_local().device()),
                                             S.send_rows, S.recv_rows, "moe combine backward")
@@ -375,32 +406,24 @@ std::optional<DTensor> MoE::do_backward(Ctx& ctx, const DTensor& dy) {
                    .to_vector()
              : std::move(dsend);
   const int64_t El = E / ep;
-  std::vector<double> dw1(El * D * Hl, 0.0), dw2(El * Hl * D, 0.0), dxr(m * D, 0.0), a(Hl), dh(Hl);
-  for (int64_t i = 0; i < m; ++i) {
-    const double* xr = &S.recv_x[i * (D + 1)];
-    const auto le = static_cast<int64_t>(xr[D]);
-    const double* W1 = &w1[le * D * Hl];
-    const double* W2 = &w2[le * Hl * D];
-    const double* hp = &S.hpre[i * Hl];
-    const double* g = &drecv[i * D];
-    for (int64_t h = 0; h < Hl; ++h) {
-      a[h] = gelu(hp[h], config_.gelu);
-      double da = 0;
-      for (int64_t d = 0; d < D; ++d) {
-        dw2[(le * Hl + h) * D + d] += a[h] * g[d];
-        da += W2[h * D + d] * g[d];
-      }
-      dh[h] = da * gelu_grad(hp[h], config_.gelu);
-    }
-    for (int64_t d = 0; d < D; ++d) {
-      double acc = 0;
-      for (int64_t h = 0; h < Hl; ++h) {
-        dw1[(le * D + d) * Hl + h] += xr[d] * dh[h];
-        acc += W1[d * Hl + h] * dh[h];
-      }
-      dxr[i * D + d] = acc;
-    }
+  // Per local expert e (rows X, pre-activations Hp, output gradients G):
+  //   dW2 = gelu(Hp)^T G,  dHp = (G W2^T) * gelu'(Hp),  dW1 = X^T dHp,  dX = dHp W1^T.
+  const DType cdt = expert_dtype(*w1_);
+  const Tensor W1 = local_as(w1_->data(), cdt), W2 = local_as(w2_->data(), cdt);
+  const kernels::MatmulOptions mm{.num_threads = ctx.ops().num_threads};
+  const Tensor gg = gather_rows(drecv.data(), D, D, S.perm, cdt);
+  Tensor dw1 = Tensor::zeros({El, D, Hl}, cdt), dw2 = Tensor::zeros({El, Hl, D}, cdt);
+  Tensor dxg = Tensor::empty({m, D}, cdt);
+  for (int64_t e = 0; e < El; ++e) {
+    const int64_t c = S.off[e + 1] - S.off[e];
+    if (c == 0) continue;
+    const Tensor he = S.hg.narrow(0, S.off[e], c), ge = gg.narrow(0, S.off[e], c);
+    kernels::matmul_out(dw2.select(0, e), kernels::gelu(he, config_.gelu).transpose(0, 1), ge, mm);
+    const Tensor dh = kernels::gelu_backward(kernels::matmul(ge, W2.select(0, e).transpose(0, 1), mm), he, config_.gelu);
+    kernels::matmul_out(dw1.select(0, e), S.xg.narrow(0, S.off[e], c).transpose(0, 1), dh, mm);
+    kernels::matmul_out(dxg.narrow(0, S.off[e], c), dh, W1.select(0, e).transpose(0, 1), mm);
   }
+  std::vector<double> dxr = scatter_rows(dxg, S.perm);
   std::vector<double> dxback =
       ep > 1 ? dtensor::exchange_rows_known(*x.comms(), *ep_dim_, make(dxr, {m, D}, DType::kF64, x.to_local().device()),
                                             S.recv_rows, S.send_rows, "moe dispatch backward")
@@ -457,15 +480,16 @@ std::optional<DTensor> MoE::do_backward(Ctx& ctx, const DTensor& dy) {
     if (tp > 1) pl[*tp_dim_] = expert ? p.placements()[*tp_dim_] : dtensor::Placement{Partial{}};
     return pl;
   };
-  auto sink = [&](Parameter& p, const std::vector<double>& g, const Dims& local, bool expert) {
+  auto sink = [&](Parameter& p, Tensor g, bool expert) {
     if (!p.requires_grad) return;
-    DTensor gd(x.comms(), dtensor::make_spec(x.spec().mesh, grad_placements(p, expert), p.shape(), DType::kF64),
-               make(g, local, DType::kF64, p.data().to_local().device()));
+    const kernels::Device device = p.data().to_local().device();
+    DTensor gd(x.comms(), dtensor::make_spec(x.spec().mesh, grad_placements(p, expert), p.shape(), g.dtype()),
+               device.is_cpu() ? g : g.to(device));
     ops::sink_grad(p.grad_sink(), gd, ctx.ops());
   };
-  sink(*router_, dwr, router_->shape(), false);
-  sink(*w1_, dw1, Dims{El, D, Hl}, true);
-  sink(*w2_, dw2, Dims{El, Hl, D}, true);
+  sink(*router_, Tensor::from_vector(dwr, router_->shape(), DType::kF64), false);
+  sink(*w1_, dw1, true);
+  sink(*w2_, dw2, true);
 
   DTensor out(x.comms(), partial_on_tp(x), make(dx, x.to_local().shape(), x.dtype(), x.to_local().device()));
   if (shared_) out = ops::add(out, *shared_->backward(ctx.child("shared"), dy), 1.0, ctx.ops());

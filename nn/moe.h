@@ -42,8 +42,9 @@
 // added on tp coordinate 0 only. A shared expert is split the same way (fc1 column-wise, fc2
 // row-wise with a Partial output).
 //
-// The expert computation runs on local CPU tensors in f64 (parameters and activations of any
-// floating dtype are converted). REQUIRES: x [..., dim] placed R or Shard(d < last) on every mesh
+// The computation runs on local CPU tensors: routing in f64; the experts grouped by expert, one
+// GEMM per expert and projection (kernels::matmul), in f64 for f64 parameters and f32 otherwise
+// (parameters and activations of any floating dtype are converted). REQUIRES: x [..., dim] placed R or Shard(d < last) on every mesh
 // dim (not Partial, not sharded over dim); the expert and router weights Replicate except
 // experts.* S(0) on the EP dim.
 #pragma once
