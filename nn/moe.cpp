@@ -310,10 +310,13 @@ DTensor MoE::do_forward(Ctx& ctx, const DTensor& x) {
       send.push_back(static_cast<double>(e % El));
     }
   const int64_t sent = static_cast<int64_t>(S.order.size());
+  // The rows travel in the experts' dtype: x (and the local expert index, exact below 2^24) and
+  // every exchanged gradient are rounded to it at the experts anyway.
+  const DType cdt = expert_dtype(*w1_);
   std::vector<double> recv_x;  // [m, D + 1]: rows at the experts, last column the local expert
   if (ep > 1) {
     dtensor::RowExchange ex = dtensor::exchange_rows(*x.comms(), *ep_dim_,
-                                                     make(send, {sent, D + 1}, DType::kF64, x.to_local().device()),
+                                                     make(send, {sent, D + 1}, cdt, x.to_local().device()),
                                                      S.send_rows, "moe dispatch");
     S.recv_rows = ex.recv_rows;
     recv_x = ex.rows.to_vector();
@@ -333,7 +336,6 @@ DTensor MoE::do_forward(Ctx& ctx, const DTensor& x) {
     std::vector<int64_t> next(S.off.begin(), S.off.end() - 1);
     for (int64_t i = 0; i < m; ++i) S.perm[next[static_cast<int64_t>(recv_x[i * (D + 1) + D])]++] = i;
   }
-  const DType cdt = expert_dtype(*w1_);
   S.xg = gather_rows(recv_x.data(), D, D + 1, S.perm, cdt);
   S.hg = Tensor::empty({m, Hl}, cdt);
   const Tensor W1 = local_as(w1_->data(), cdt), W2 = local_as(w2_->data(), cdt);  // [El, D, Hl], [El, Hl, D]
@@ -348,7 +350,7 @@ DTensor MoE::do_forward(Ctx& ctx, const DTensor& x) {
   }
   std::vector<double> out_rows = scatter_rows(yg, S.perm);
   if (ep > 1) {
-    S.y = dtensor::exchange_rows_known(*x.comms(), *ep_dim_, make(out_rows, {m, D}, DType::kF64, x.to_local().device()),
+    S.y = dtensor::exchange_rows_known(*x.comms(), *ep_dim_, make(out_rows, {m, D}, cdt, x.to_local().device()),
                                        S.recv_rows, S.send_rows, "moe combine")
               .wait()
               .to_vector();
@@ -387,6 +389,7 @@ std::optional<DTensor> MoE::do_backward(Ctx& ctx, const DTensor& dy) {
   const std::vector<double> wr = local_values(router_->data());
 
   // Output gradients to the experts; the weights' gradients.
+  const DType cdt = expert_dtype(*w1_);
   const int64_t sent = static_cast<int64_t>(S.order.size());
   std::vector<double> dg(n * K, 0.0), dsend(sent * D);
   for (int64_t i = 0; i < sent; ++i) {
@@ -400,7 +403,7 @@ std::optional<DTensor> MoE::do_backward(Ctx& ctx, const DTensor& dy) {
   }
   const auto m = static_cast<int64_t>(S.perm.size());
   std::vector<double> drecv =
-      ep > 1 ? dtensor::exchange_rows_known(*x.comms(), *ep_dim_, make(dsend, {sent, D}, DType::kF64, x.to_local().device()),
+      ep > 1 ? dtensor::exchange_rows_known(*x.comms(), *ep_dim_, make(dsend, {sent, D}, cdt, x.to_local().device()),
                                             S.send_rows, S.recv_rows, "moe combine backward")
                    .wait()
                    .to_vector()
@@ -408,7 +411,6 @@ std::optional<DTensor> MoE::do_backward(Ctx& ctx, const DTensor& dy) {
   const int64_t El = E / ep;
   // Per local expert e (rows X, pre-activations Hp, output gradients G):
   //   dW2 = gelu(Hp)^T G,  dHp = (G W2^T) * gelu'(Hp),  dW1 = X^T dHp,  dX = dHp W1^T.
-  const DType cdt = expert_dtype(*w1_);
   const Tensor W1 = local_as(w1_->data(), cdt), W2 = local_as(w2_->data(), cdt);
   const kernels::MatmulOptions mm{.num_threads = ctx.ops().num_threads};
   const Tensor gg = gather_rows(drecv.data(), D, D, S.perm, cdt);
@@ -425,7 +427,7 @@ std::optional<DTensor> MoE::do_backward(Ctx& ctx, const DTensor& dy) {
   }
   std::vector<double> dxr = scatter_rows(dxg, S.perm);
   std::vector<double> dxback =
-      ep > 1 ? dtensor::exchange_rows_known(*x.comms(), *ep_dim_, make(dxr, {m, D}, DType::kF64, x.to_local().device()),
+      ep > 1 ? dtensor::exchange_rows_known(*x.comms(), *ep_dim_, make(dxr, {m, D}, cdt, x.to_local().device()),
                                             S.recv_rows, S.send_rows, "moe dispatch backward")
                    .wait()
                    .to_vector()
