@@ -232,7 +232,8 @@ class Replay {
         if (!p.frozen) g.G += padded(p);
       }
       // fully_shard packs a group with an extension by bytes, every piece aligned.
-      const bool ext = c_.fsdp && std::any_of(g.params.begin(), g.params.end(), [](const Param& p) { return p.quantized; });
+      const bool ext =
+          c_.fsdp && std::any_of(g.params.begin(), g.params.end(), [](const Param& p) { return p.quantized; });
       if (ext)
         for (const Param& p : g.params) {
           const int64_t bytes = p.quantized ? quant_code_bytes(padded(p)) : padded(p) * ps_;
@@ -814,7 +815,8 @@ void check_config(const nn::GPTConfig& g, const MemoryConfig& c) {
   if (c.prefetch < 0 || c.prefetch > 2) bad(fmt::format("prefetch {}: expected 0, 1 or 2", c.prefetch));
   if (c.optimizer_states < 0) bad(fmt::format("optimizer_states {}: expected >= 0", c.optimizer_states));
   if (c.lora_rank < 0) bad(fmt::format("lora_rank {}: expected >= 0 (0: no LoRA)", c.lora_rank));
-  if (c.lora_rank > 0 && c.tp > 1) bad(fmt::format("lora_rank {} with tp {}: LoRA under tensor parallelism is not modelled", c.lora_rank, c.tp));
+  if (c.lora_rank > 0 && c.tp > 1)
+    bad(fmt::format("lora_rank {} with tp {}: LoRA under tensor parallelism is not modelled", c.lora_rank, c.tp));
   if (c.quantized_weights && c.fsdp && c.options.reshard_after_forward.kind == ReshardAfterForward::Kind::kInt &&
       c.options.reshard_after_forward.k != 1 && c.options.reshard_after_forward.k != c.dp_shard)
     bad(fmt::format("quantized_weights with reshard_after_forward = {}: fully_shard refuses extensions with a k buffer",
