@@ -213,14 +213,14 @@ TEST_CASE("MoE: expert parallelism 2 and 4 equals one rank (routing, outputs, gr
   CHECK(ran == 4);
 }
 
-TEST_CASE("MoE: tensor parallelism (TP 2, EP 2 x TP 2) equals one rank", "[nn][moe][tp]") {
+TEST_CASE("MoE: tensor parallelism (TP 2, TP 4, EP 2 x TP 2) equals one rank", "[nn][moe][tp]") {
   // Each tp rank computes its slice of every expert's hidden dim on the all-gathered tokens; the
   // partial outputs and input/router gradients are summed over tp. f64: 1e-12 relative.
   int ran = 0;
   for (bool shared : {false, true})
-    for (auto [ep, tp] : {std::pair{1, 2}, {2, 2}}) {
+    for (auto [ep, tp] : {std::pair{1, 2}, {1, 4}, {2, 2}}) {
       ++ran;
-      MoEConfig cfg{.dim = 6, .hidden = 6, .experts = 4, .top_k = 1, .aux_loss_coef = 0.1,
+      MoEConfig cfg{.dim = 6, .hidden = 8, .experts = 4, .top_k = 1, .aux_loss_coef = 0.1,
                     .shared_expert = shared};
       const Dims xshape{4, 4, 6};
       const Result one = run(cfg, 1, xshape), par = run_tp(cfg, ep, tp, xshape);
@@ -236,9 +236,9 @@ TEST_CASE("MoE: tensor parallelism (TP 2, EP 2 x TP 2) equals one rank", "[nn][m
       CHECK(close(par.gw1, one.gw1, 1e-12));
       CHECK(close(par.gw2, one.gw2, 1e-12));
       CHECK(one.y.size() == 96);
-      CHECK(par.gw1.size() == 4 * 6 * 6);
+      CHECK(par.gw1.size() == 4 * 6 * 8);
     }
-  CHECK(ran == 4);
+  CHECK(ran == 6);
 }
 
 TEST_CASE("MoE: EP forward + backward is one count exchange and four row exchanges", "[nn][moe][ep]") {
