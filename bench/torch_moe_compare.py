@@ -187,8 +187,8 @@ def torch_worker(cfg: dict, out_path: str) -> None:
                                           cfg["vocab"])
             logits, aux = model(torch.tensor(ids, dtype=torch.long), positions)
             ce = F.cross_entropy(logits.flatten(0, 1), torch.tensor(targets, dtype=torch.long).flatten(0, 1))
-            # fsdp-train: d(ce) / M from the loss seed, d(aux) added by each MoE backward unscaled.
-            (ce / M + aux).backward()
+            # fsdp-train seeds the loss with 1 / M and scales each MoE's aux gradient by the same.
+            ((ce + aux) / M).backward()
             step_loss += ce.item() / M
             step_aux += aux.item() / M
         if cfg["clip"] > 0:

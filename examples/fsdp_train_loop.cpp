@@ -313,6 +313,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
       if (a.moe.experts > 0) moe_step.add(ctx, a.grad_accum);
       span.emplace(tracer, me, "compute", "backward");
       const double seed = (scaler ? scaler->scale() : 1.0) / a.grad_accum;
+      if (a.moe.experts > 0) fsdp_train::set_moe_aux_grad_scale(model, seed);
       DTensor dlogits = loss_fn.backward(lctx, as_dtensor(Tensor::full({}, seed, DType::kF64)));
       model.backward(ctx, dlogits);
     }

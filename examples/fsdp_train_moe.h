@@ -100,6 +100,13 @@ inline int set_expert_parallel(nn::Module& model, int ep_dim) {
   return n;
 }
 
+// Every MoE block's aux-loss gradient scaled by the loss seed (1 / microbatches, times the fp16
+// loss scale), so backward gives d(seed * (loss + aux)).
+inline void set_moe_aux_grad_scale(nn::Module& model, double seed) {
+  for (auto& [name, mod] : model.named_modules())
+    if (auto* moe = dynamic_cast<nn::MoE*>(mod)) moe->set_aux_grad_scale(seed);
+}
+
 // --dump-init's "moe" entry: what a PyTorch rebuild of the MoE blocks needs (nn/moe.h's maths).
 inline nlohmann::json moe_metadata(const nn::GPTConfig& c) {
   return {{"experts", c.moe.experts},

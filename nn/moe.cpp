@@ -160,6 +160,12 @@ void MoE::set_expert_parallel(int mesh_dim) {
   ep_dim_ = mesh_dim;
 }
 
+void MoE::set_aux_grad_scale(double scale) {
+  if (!std::isfinite(scale) || scale < 0)
+    throw InvalidArgument(fmt::format("MoE::set_aux_grad_scale: {} (expected a finite scale >= 0)", scale));
+  aux_grad_scale_ = scale;
+}
+
 void MoE::set_tensor_parallel(int mesh_dim) {
   const dtensor::DeviceMesh& mesh = w1_->comms()->mesh();
   if (mesh_dim < 0 || mesh_dim >= mesh.ndim())
@@ -442,9 +448,9 @@ std::optional<DTensor> MoE::do_backward(Ctx& ctx, const DTensor& dy) {
   // tensor parallelism dg is this rank's partial sum (S.y is): the aux term goes in once.
   std::vector<double> dwr(E * D, 0.0), ds(E), dl(E);
   const bool aux_here = tp == 1 || x.comms()->dim(*tp_dim_).rank() == 0;
-  const double aux_scale = S.n_global > 0 && aux_here
-                               ? config_.aux_loss_coef * static_cast<double>(E) / static_cast<double>(S.n_global)
-                               : 0.0;
+  const double aux_scale = S.n_global > 0 && aux_here ? aux_grad_scale_ * config_.aux_loss_coef *
+                                                             static_cast<double>(E) / static_cast<double>(S.n_global)
+                                                       : 0.0;
   for (int64_t t = 0; t < n; ++t) {
     const double* s = &S.s[t * E];
     for (int64_t e = 0; e < E; ++e) ds[e] = aux_scale * S.f[e];

@@ -20,8 +20,11 @@
 // fraction of routed assignments (before any drop) that chose e and P_e the mean score of e,
 // both over all tokens of the global batch (reduced over the mesh dims that split the tokens,
 // through a DTensor redistribute), so it is the same on every rank and equals one rank's. Its
-// gradient (d aux / d s_te = coef * E * f_e / N_global) is added in backward: backward returns
-// d(outer loss + aux), the usual "loss + coef * aux".
+// gradient (d aux / d s_te = coef * E * f_e / N_global) is added in backward, times
+// set_aux_grad_scale's factor (default 1): backward returns d(outer loss + scale * aux). A
+// trainer whose loss gradient starts from a seed (1 / microbatches, times a loss scale) sets the
+// same seed here, so the gradient is that of seed * (loss + aux), as PyTorch's
+// ((loss + aux) / microbatches).backward().
 //
 // Expert parallelism: set_expert_parallel(mesh_dim) shards experts.w1/w2 S(0) over that mesh dim
 // (E divisible by its size); the input's tokens must be split over it (x Shard on a token dim).
@@ -86,6 +89,9 @@ class MoE : public Module {
   // size (InvalidArgument naming both).
   void set_tensor_parallel(int mesh_dim);
   std::optional<int> tensor_parallel_dim() const { return tp_dim_; }
+  // The factor on the aux loss's gradient in backward (see above). REQUIRES: finite, >= 0.
+  void set_aux_grad_scale(double scale);
+  double aux_grad_scale() const { return aux_grad_scale_; }
   MLP* shared_expert() const { return shared_.get(); }
 
  protected:
@@ -98,6 +104,7 @@ class MoE : public Module {
   std::shared_ptr<Parameter> router_, w1_, w2_;
   std::shared_ptr<MLP> shared_;
   std::optional<int> ep_dim_, tp_dim_;
+  double aux_grad_scale_ = 1.0;
 };
 
 // The stats of the MoE forward recorded in ctx (nullopt when ctx holds none).

@@ -241,6 +241,42 @@ TEST_CASE("MoE: tensor parallelism (TP 2, TP 4, EP 2 x TP 2) equals one rank", "
   CHECK(ran == 6);
 }
 
+TEST_CASE("MoE: set_aux_grad_scale scales the aux loss's gradient with the loss seed", "[nn][moe]") {
+  // backward(s * dy) with scale s is s * backward(dy) with scale 1: the gradient of s * (loss + aux).
+  // With scale 1 it is not (the aux term would not be scaled): routing is unbalanced here.
+  std::vector<std::vector<double>> grads(3);  // dy, scale 1; 0.25 dy, scale 0.25; 0.25 dy, scale 1
+  std::vector<int64_t> tokens;
+  on_mesh({1}, [&](std::shared_ptr<MeshComms> comms, Communicator&) {
+    MoE m(ModuleOptions{comms, DType::kF64}, MoEConfig{.dim = 6, .hidden = 5, .experts = 4, .top_k = 1,
+                                                       .aux_loss_coef = 0.1});
+    materialize(m, 1);
+    randomize(m, 5, 1.0);
+    const DTensor x = place(values({4, 3, 6}, 3), comms, "S(0)");
+    const std::pair<double, double> cases[] = {{1.0, 1.0}, {0.25, 0.25}, {0.25, 1.0}};  // dy factor, scale
+    for (size_t i = 0; i < 3; ++i) {
+      m.set_aux_grad_scale(cases[i].second);
+      Ctx ctx;
+      m.forward(ctx, x);
+      tokens = moe_stats(ctx)->tokens_per_expert;
+      Tensor dy = values({4, 3, 6}, 4);
+      dy = Tensor::from_vector([&] {
+        std::vector<double> v = dy.to_vector();
+        for (double& e : v) e *= cases[i].first;
+        return v;
+      }(), dy.shape(), DType::kF64);
+      m.router().zero_grad();
+      m.backward(ctx, place(dy, comms, "S(0)"));
+      grads[i] = full(*m.router().grad());
+    }
+  });
+  std::vector<double> quarter = grads[0];
+  for (double& v : quarter) v *= 0.25;
+  CHECK(tokens != std::vector<int64_t>(4, 3));
+  CHECK(close(grads[1], quarter, 1e-12));
+  CHECK_FALSE(close(grads[2], quarter, 1e-6));
+  CHECK(grads[0].size() == 24);
+}
+
 TEST_CASE("MoE: EP forward + backward is one count exchange and four row exchanges", "[nn][moe][ep]") {
   testing_support::Recorder rec;
   run(MoEConfig{.dim = 6, .hidden = 5, .experts = 8, .top_k = 2}, 4, {4, 3, 6}, &rec);
