@@ -223,7 +223,8 @@ int finish(const Args& a, const Outcome& o) {
 // only, any other failure at once by the rank it happened on).
 int run_mpi_rank(const Args& a, collectives::MpiWorld& mpi) {
   validate(a);
-  const int64_t ranks = int64_t{a.dp_replicate} * a.dp_shard * a.tp * a.moe.ep;  // validated: no overflow
+  // validated: no overflow
+  const int64_t ranks = int64_t{a.dp_replicate} * a.dp_shard * a.tp * fsdp_train::ep_mesh_ranks(a.moe);
   if (a.world != 0 && a.world != mpi.size())
     throw kernels::InvalidArgument(fmt::format("--world {} but mpirun started {} processes", a.world, mpi.size()));
   if (mpi.size() != ranks)
@@ -371,7 +372,8 @@ int run(int argc, char** argv) {
     return program::run_as_rank("fsdp-train", mpi.rank(), [&] { return run_mpi_rank(a, mpi); });
   }
   validate(a);
-  const int mesh_ranks = a.dp_replicate * a.dp_shard * a.tp * a.moe.ep;  // validated: at most kMaxLocalRanks
+  // validated: at most kMaxLocalRanks
+  const int mesh_ranks = a.dp_replicate * a.dp_shard * a.tp * fsdp_train::ep_mesh_ranks(a.moe);
   const int world = a.world != 0 ? a.world : mesh_ranks;
   if (world != mesh_ranks)
     throw kernels::InvalidArgument(
