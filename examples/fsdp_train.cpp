@@ -7,6 +7,9 @@
 //   fsdp-train --backend local --dp-replicate 2 --dp-shard 2 --tp 2 --mp bf16 --check-parity
 //   mpirun -np 4 fsdp-train --backend mpi --dp-shard 4 --check-parity
 //   fsdp-train --moe-experts 8 --moe-top-k 2 --ep 4 --check-parity   (examples/fsdp_train_moe.h)
+//   fsdp-train --moe-experts 4 --dp-replicate 2 --dp-shard 2 --ep 2 --ep-from-dp --check-parity
+//     (--ep-from-dp: EP carved out of --dp-shard; the experts FSDP over dp_shard / ep on the mesh
+//     (dp_replicate, dp_mod_ep, ep), the dense parameters over dp_shard, in one group per block)
 //
 // FSDP (fsdp::fully_shard; applied when --dp-shard or --dp-replicate is given): every
 // transformer block is one group, the root (embeddings, final norm, head) another; the batch is
