@@ -620,7 +620,10 @@ void Group::lazy_init() {
         g->rt = rt;
         g->name = fqn;
       }
-      for (auto& f : g->followers) f->rt = rt;
+      for (auto& f : g->followers) {
+        f->rt = rt;
+        f->name = fmt::format("{} (on {})", g->name, dtensor::to_string(f->comms->mesh()));
+      }
       rt->groups.push_back(g);
     }
 }
