@@ -143,6 +143,7 @@ class Group {
   // Per-parameter meshes (fsdp/param_mesh.h): one follower per other mesh, registered on no
   // module; this group's unshard, reshard and gradient steps run theirs first.
   std::vector<std::shared_ptr<Group>> followers;
+  bool is_follower = false;
 
   bool is_root() const { return rt && rt->root == this; }
   bool byte_mode() const { return !bslots.empty(); }
@@ -454,7 +455,6 @@ class Group {
   }
 
   void post_backward() {
-    for (auto& f : followers) f->post_backward();
     std::vector<Tensor> grads(slots.size());
     // Whether to reduce is decided by requires_grad (the same on every rank), never by which
     // gradients this rank happens to hold: a rank without one contributes zeros.
@@ -486,8 +486,9 @@ class Group {
       reshard();  // a synchronising backward: the optimizer steps the sharded parameters next
       return;
     }
-    // Keep at most two reduce-scatter inputs alive: finish the older reductions first.
-    if (rt)
+    // Keep at most two reduce-scatter inputs alive: finish the older reductions first (a
+    // follower leaves that to its leader, which just did it: its own reduction overlaps too).
+    if (rt && !is_follower)
       while (!rt->pending.empty()) {
         Group* g = rt->pending.front();
         rt->pending.erase(rt->pending.begin());
@@ -682,6 +683,7 @@ void Group::on_post_backward(nn::Ctx& ctx, std::optional<DTensor>& grad_input) {
   if (++bwd_post < modules.size()) return;
   bwd_pre = bwd_post = 0;
   post_backward();
+  for (auto& f : followers) f->post_backward();
   if (is_root()) finalize_backward();
 }
 
@@ -1181,6 +1183,7 @@ std::shared_ptr<Group> shard_group(const std::vector<nn::Module*>& modules, std:
     if (fo.reshard_after_forward.kind == ReshardAfterForward::Kind::kInt) fo.reshard_after_forward = ReshardAfterForward::yes();
     std::shared_ptr<Group> f = shard_group(modules, parts[i].comms, fo, &parts[i].params);
     f->name = g.name;
+    f->is_follower = true;
     g.followers.push_back(std::move(f));
   }
 
