@@ -322,6 +322,25 @@ TEST_CASE("MoE: bad configurations and inputs are named", "[nn][moe]") {
   checks.report();
 }
 
+TEST_CASE("MoE: tensor parallelism and EP carved from dp are refused together, either order", "[nn][moe][tp]") {
+  testing_support::Checks checks;
+  const DeviceMesh mesh = DeviceMesh::from_shape({4}, {"dp"});
+  collectives::run_ranks(4, [&](Communicator& world) {
+    auto comms = MeshComms::create(mesh, world, {}, nullptr, {{0, Dims{2, 2}, {"dp_mod_ep", "ep"}}});
+    std::shared_ptr<const MeshComms> ep = comms->unflatten(0, Dims{2, 2}, {"dp_mod_ep", "ep"});
+    const MoEConfig cfg{.dim = 4, .hidden = 4, .experts = 4, .top_k = 1};
+    MoE carved(ModuleOptions{comms, DType::kF64}, cfg);
+    carved.set_expert_parallel(ep, 1);
+    checks.throws<kernels::InvalidArgument>([&] { carved.set_tensor_parallel(0); }, "carved from dp",
+                                            "TP after carved EP");
+    MoE split(ModuleOptions{comms, DType::kF64}, cfg);
+    split.set_tensor_parallel(0);
+    checks.throws<kernels::InvalidArgument>([&] { split.set_expert_parallel(ep, 1); }, "is not supported",
+                                            "carved EP after TP");
+  });
+  checks.report();
+}
+
 TEST_CASE("exchange_rows: counts first, then rows, packed in member order", "[nn][moe][ep]") {
   // Rank r sends (r + j) % 3 rows to member j; row values are a function of (sender, row).
   std::vector<std::vector<double>> got(3);
