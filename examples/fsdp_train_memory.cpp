@@ -1,5 +1,6 @@
 // fsdp-train's memory checks: the machine, the estimate, --memory-limit and --estimate.
 #include "examples/fsdp_train_args.h"
+#include "examples/fsdp_train_lowp.h"
 
 namespace fsdp_train {
 
@@ -49,6 +50,12 @@ fsdp::MemoryConfig memory_config(const Args& a) {
     c.options.mp_policy.param_dtype = a.mp == "fp16" ? DType::kF16 : DType::kBF16;
     c.options.mp_policy.reduce_dtype = DType::kF32;
   }
+  if (a.fsdp) c.options.mp_policy.reduce_wire = reduce_wire(a);
+  if (a.fsdp) {
+    c.quantized_weights =
+        a.qlora > 0 ? std::optional<fsdp::QuantConfig>(fsdp_train::kQloraBase) : fsdp_train::parse_all_gather(a.all_gather);
+  }
+  c.lora_rank = a.qlora;
   c.options.offload_policy.offload_to_cpu = a.offload;
   c.prefetch = a.prefetch;
   c.no_sync = a.no_sync;
