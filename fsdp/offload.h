@@ -5,6 +5,13 @@
 // The optimizer steps the sharded parameters on the host, so its state lives there too (in
 // ordinary memory: it never crosses to the device).
 //
+//   fsdp::FullyShardOptions o;
+//   o.offload_policy.offload_to_cpu = true;   // pin_memory defaults to true
+//   for (auto& [n, b] : model.blocks().children()) fsdp::fully_shard(*b, comms, o);
+//   fsdp::fully_shard(model, comms, o);       // parameters on cuda:0: state pinned on the host
+//   ... forward / backward as usual; after backward the gradients are on the host, complete
+//   opt.step();                               // the host steps the pinned shards
+//
 // Per step, for a group G (the forward order of the last forward; mirrored in backward):
 //   pre-forward of the group depth+1 before G  copy-in of G issued ("copy-ahead"; depth: the
 //                                              prefetch depth): its shard host -> a device
