@@ -224,3 +224,35 @@ TEST_CASE("fsdp offload: training over the deferred engine equals training witho
   }
   CHECK(ran == 4);
 }
+
+TEST_CASE("fsdp offload: experts on a carved mesh (follower groups) over the deferred engine equal no offload",
+          "[fsdp][offload]") {
+  offload_test::Run plain;
+  plain.ranks = 4;
+  plain.ep = 2;
+  plain.cfg.layers = 2;
+  plain.cfg.moe.experts = 4;
+  plain.cfg.moe.top_k = 2;
+  offload_test::Run off = plain;
+  off.options.offload_policy.offload_to_cpu = true;
+  std::vector<std::shared_ptr<DeferredEngine>> engines(4);
+  for (auto& e : engines) e = std::make_shared<DeferredEngine>();
+  off.per_rank = [&](int rank, fsdp::FullyShardOptions& o) { o.offload_policy.copy_engine = engines[static_cast<size_t>(rank)]; };
+  const offload_test::Result want = offload_test::train(plain);
+  const offload_test::Result got = offload_test::train(off);
+  REQUIRE(want.losses.size() == 3);
+  REQUIRE(got.losses.size() == 3);
+  int compared = 0;
+  for (size_t i = 0; i < want.losses.size(); ++i, ++compared) CHECK(got.losses[i] == want.losses[i]);
+  CHECK(compared == 3);
+  CHECK(want.losses.front() != want.losses.back());
+  CHECK(offload_test::max_param_diff(got, want) == 0.0);
+  for (const auto& e : engines) {
+    // 5 groups: per block a dense group and its expert follower, and the root. Per step a copy-out
+    // each and a copy-in per unshard: forward 5, backward 4 (the root stays unsharded).
+    CHECK(e->issued == 3 * (5 + 9));
+    CHECK(e->compute_waits == 3 * 9);
+    CHECK(e->live() == 0);
+    CHECK(e->bad_releases == 0);
+  }
+}

@@ -14,6 +14,7 @@
 #include "fsdp/fully_shard.h"
 #include "kernels/device.h"
 #include "nn/memory.h"
+#include "nn/moe.h"
 #include "nn/optim.h"
 #include "nn/transformer.h"
 
@@ -40,6 +41,9 @@ struct Run {
   int64_t batch = 8;
   int prefetch_depth = 1;
   kernels::Device device;  // where the model computes
+  // > 1 (cfg with MoE blocks): the experts on the dp mesh carved into (dp_mod_ep, ep), sharded
+  // over dp_mod_ep by follower groups (per-parameter meshes, FullyShardOptions::mesh_fn).
+  int64_t ep = 1;
   nn::GPTConfig cfg = tiny();
   fsdp::FullyShardOptions options;
   // Per rank, before fully_shard: adjusts that rank's options (e.g. its own copy engine).
@@ -67,13 +71,26 @@ inline Result train(const Run& run) {
   const auto mesh = dtensor::DeviceMesh::from_shape({run.ranks}, {"dp_shard"});
   Result result;
   collectives::run_ranks(run.ranks, [&](collectives::Communicator& world) {
-    auto comms = MeshComms::create(mesh, world);
+    std::vector<dtensor::Unflattening> un;
+    if (run.ep > 1) un.push_back({0, dtensor::Dims{run.ranks / run.ep, run.ep}, {"dp_mod_ep", "ep"}});
+    auto comms = MeshComms::create(mesh, world, {}, nullptr, un);
+    std::shared_ptr<const MeshComms> ep_comms =
+        run.ep > 1 ? comms->unflatten(0, un[0].sizes, un[0].names) : nullptr;
     nn::GPT model(nn::ModuleOptions{comms, DType::kF32, run.device}, run.cfg);
+    if (ep_comms)
+      for (auto& [name, m] : model.named_modules())
+        if (auto* moe = dynamic_cast<nn::MoE*>(m)) moe->set_expert_parallel(ep_comms, 1);
     nn::materialize(model, 11);
     fsdp::FullyShardOptions o = run.options;
     if (run.per_rank) run.per_rank(world.rank(), o);
+    fsdp::FullyShardOptions root_o = o;
+    if (ep_comms)
+      o.mesh_fn = [ep_comms](const std::string&, const nn::Parameter& p) -> std::optional<fsdp::ParamMesh> {
+        if (p.comms() != ep_comms) return std::nullopt;
+        return fsdp::ParamMesh{ep_comms, fsdp::DataParallelMeshDims{std::nullopt, 0}};
+      };
     for (const auto& [name, block] : model.blocks().children()) fsdp::fully_shard(*block, comms, o);
-    fsdp::FSDPModule& root = fsdp::fully_shard(model, comms, o);
+    fsdp::FSDPModule& root = fsdp::fully_shard(model, comms, root_o);
     root.set_prefetch_depth(run.prefetch_depth);
     if (run.after_shard) run.after_shard(world.rank(), model);
     kernels::AdamWOptions ao;
