@@ -222,7 +222,8 @@ class Issuer {
   TensorList run_step(const AllGather& s) {
     // A valid step that is not plain (a later mesh dim shards the dim too) gathers pieces that
     // are not the result's chunks in coordinate order: only the exchange places them.
-    bool direct = s.tensor_dim == 0 && plain_step();
+    // Ragged pieces differ in size even when the result divides: always the exact exchange.
+    bool direct = s.tensor_dim == 0 && is_shard((*before_)[m_]) && plain_step();
     if (items_.size() == 1 && direct) {
       // Straight from the local tensor into the result (the caller's out when contiguous).
       const std::shared_ptr<const StepSchedule> sc = sched(0, Path::kAllGather);

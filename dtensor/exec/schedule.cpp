@@ -92,6 +92,14 @@ class PeerLayouts {
   PeerLayouts(const Dims& shape, const Dims& mesh_shape, const Placements& ps, const Dims& coord, int m)
       : own_(compute_layout(shape, mesh_shape, ps, coord)), peer_(own_), coord_(coord), m_(m) {
     if (mesh_shape[m] <= 1) return;
+    if (const auto* rg = std::get_if<RaggedShard>(&ps[m])) {
+      // NOTE [ragged plans]: the view's last dim, cut by this mesh dim alone; peer by peer.
+      ragged_ = *rg;
+      t_ = shape.size() - 1;
+      n_ = shape[t_];
+      count_ = mesh_shape[m];
+      return;
+    }
     const std::optional<int> t = shard_dim(ps[m]);
     if (!t) return;
     t_ = *t;
@@ -131,6 +139,13 @@ class PeerLayouts {
   // The layout of the peer at coordinate g along m (valid until the next call).
   const ShardLayout& peer(int64_t g) {
     if (t_ < 0) return own_;
+    if (ragged_) {
+      const Chunk c = ragged_chunk(n_, ragged_->units, ragged_->align, g);
+      peer_.runs[t_].clear();
+      if (c.size > 0) peer_.runs[t_].push_back({c.offset, c.size});
+      peer_.local_shape[t_] = c.size;
+      return peer_;
+    }
     coords_.clear();
     for (const Split& s : chain_) coords_.push_back(s.mesh_dim == m_ ? g : coord_[s.mesh_dim]);
     peer_.runs[t_] = chain_positions(n_, span_of(chain_), coords_);
@@ -148,6 +163,7 @@ class PeerLayouts {
   Split split_;
   std::vector<int64_t> coords_;
   Translates translates_;
+  std::optional<RaggedShard> ragged_;
 
   // The full pieces of the split at m of a contiguous prefix list: torch.chunk's pieces of size
   // c = ceil(L / k) start at g x c, so peers [0, L / c) hold translates (the later splits cut

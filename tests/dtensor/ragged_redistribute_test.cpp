@@ -1,0 +1,211 @@
+// RaggedShard transitions (NOTE [ragged plans] in dtensor/plan/transition.h): golden plans for
+// every kind, every rank's data on the local backend (uneven and empty ranges, align > 1, several
+// dtypes, 1-D and 2-D meshes), traffic against the rank-by-rank reference and the lower bound,
+// and the refusals naming both placement lists.
+#include <catch2/catch.hpp>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <mutex>
+
+#include "collectives/local.h"
+#include "dtensor/exec/executor.h"
+#include "dtensor/plan/reference.h"
+#include "kernels/error.h"
+#include "support/catch2_runner.h"
+#include "support/dtensor_data.h"
+
+using namespace dtensor;
+using collectives::Communicator;
+using testing_support::check_local;
+using testing_support::make_local;
+
+namespace {
+
+std::shared_ptr<const DeviceMesh> mesh_of(const Dims& shape) {
+  return std::make_shared<const DeviceMesh>(DeviceMesh::from_shape(shape));
+}
+
+std::string plan_text(const Dims& mesh, const Dims& shape, const std::string& src, const std::string& dst,
+                      PlannerKind kind = PlannerKind::kSearch) {
+  return to_string(plan_redistribute(make_spec(mesh_of(mesh), parse_placements(src), shape, DType::kF32),
+                                     parse_placements(dst), kind));
+}
+
+// The spec whose layouts name global indices of the tensor's own dims: a ragged list's view
+// (its flat indices are the row-major indices of the tensor), else the tensor itself.
+DTensorSpec data_spec(const std::shared_ptr<const DeviceMesh>& mesh, const Placements& ps, const Dims& shape,
+                      DType dtype) {
+  return make_spec(mesh, ps, ragged_mesh_dim(ps) >= 0 ? ragged_view(shape, ps) : shape, dtype);
+}
+
+struct Case {
+  Dims shape;
+  std::string src, dst;
+};
+
+}  // namespace
+
+TEST_CASE("ragged plans: one step of each kind, printed", "[dtensor][ragged][planner]") {
+  // Rg -> R: one all-gather of exact pieces.
+  CHECK(plan_text({4}, {10}, "Rg(0,[1,2,0,1],1)", "R") == "[Rg(0,[1,2,0,1],1)] -AG(0)-> [R]");
+  CHECK(plan_text({4}, {9, 4}, "Rg(0,[1,2,0,1],4)", "R") == "[Rg(0,[1,2,0,1],4)] -AG(0)-> [R]");
+  // R -> Rg: a local chunk.
+  CHECK(plan_text({4}, {9, 4}, "R", "Rg(0,[1,2,0,1],4)") == "[R] -chunk(0->Rg(0,[1,2,0,1],4))-> [Rg(0,[1,2,0,1],4)]");
+  // P -> Rg: one reduce-scatter.
+  CHECK(plan_text({4}, {9, 4}, "P", "Rg(0,[1,1,1,1],2)") == "[P] -RS(0:Rg(0,[1,1,1,1],2),sum)-> [Rg(0,[1,1,1,1],2)]");
+  // Rg -> Rg with other units: one exchange of the overlaps.
+  CHECK(plan_text({4}, {10}, "Rg(0,[1,2,0,1],1)", "Rg(0,[1,1,1,1],2)") ==
+        "[Rg(0,[1,2,0,1],1)] -regroup(0:Rg(0,[1,2,0,1],1)->Rg(0,[1,1,1,1],2))-> [Rg(0,[1,1,1,1],2)]");
+  // S(0) <-> Rg: S(0) is the ragged ranges of its rows on the view.
+  CHECK(plan_text({4}, {9, 4}, "S(0)", "Rg(0,[1,2,0,1],1)") ==
+        "[S(0)] as [Rg(0,[3,3,3,0],4)] -regroup(0:Rg(0,[3,3,3,0],4)->Rg(0,[1,2,0,1],1))-> [Rg(0,[1,2,0,1],1)]");
+  CHECK(plan_text({4}, {9, 4}, "Rg(0,[1,2,0,1],1)", "S(0)") ==
+        "[Rg(0,[1,2,0,1],1)] -regroup(0:Rg(0,[1,2,0,1],1)->Rg(0,[3,3,3,0],4))-> [Rg(0,[3,3,3,0],4)] as [S(0)]");
+  // 2-D meshes: the other mesh dim keeps R, P or a shard of a dim before the ragged one.
+  CHECK(plan_text({2, 3}, {4, 5, 2}, "S(0),Rg(1,[1,0,2],2)", "S(0),R") ==
+        "[S(0),Rg(1,[1,0,2],2)] -AG(1)-> [S(0),R]");
+  CHECK(plan_text({2, 3}, {6, 2}, "R,R", "R,Rg(0,[1,0,2],1)") == "[R,R] -chunk(1->Rg(0,[1,0,2],1))-> [R,Rg(0,[1,0,2],1)]");
+  CHECK(plan_text({2, 3}, {6, 2}, "Rg(0,[3,1],1),P", "R,P") == "[Rg(0,[3,1],1),P] -AG(0)-> [R,P]");
+  // Greedy plans the same single step.
+  CHECK(plan_text({4}, {10}, "Rg(0,[1,2,0,1],1)", "Rg(0,[1,1,1,1],2)", PlannerKind::kGreedy) ==
+        plan_text({4}, {10}, "Rg(0,[1,2,0,1],1)", "Rg(0,[1,1,1,1],2)"));
+}
+
+TEST_CASE("ragged plans: what does not fit is refused naming both placements", "[dtensor][ragged][planner]") {
+  auto refused = [](const Dims& mesh, const Dims& shape, const std::string& src, const std::string& dst) {
+    try {
+      (void)plan_text(mesh, shape, src, dst);
+    } catch (const kernels::Unsupported& e) {
+      return std::string(e.what());
+    } catch (const kernels::InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("(planned)");
+  };
+  const std::vector<std::array<std::string, 3>> cases = {
+      {"Rg(0,[1,1,1,1],1)", "P", "never becomes Partial"},
+      {"Rg(0,[1,1,1,1],1)", "S(1)", "is not a RaggedShard transition"},
+      {"_S(0,2)", "Rg(0,[1,1,1,1],1)", "is not a RaggedShard transition"},
+      {"Rg(0,[1,1,1,1],1)", "Rg(1,[1,1,1,1],1)", "flatten from different dims"},
+      {"Rg(0,[1,1,1],1)", "R", "units for 4 ranks"},
+  };
+  int ran = 0;
+  for (const auto& [src, dst, why] : cases) {
+    const std::string msg = refused({4}, {8, 4}, src, dst);
+    INFO(src << " -> " << dst << ": " << msg);
+    CHECK(msg.find(why) != std::string::npos);
+    if (msg.find("units for 4 ranks") == std::string::npos) {
+      CHECK(msg.find("[" + src + "]") != std::string::npos);
+    }
+    ++ran;
+  }
+  // Two mesh dims at once, and another mesh dim splitting the flattened dims.
+  CHECK(refused({2, 2}, {8, 4}, "Rg(0,[1,1],1),S(0)", "R,R").find("one mesh dim at a time") != std::string::npos);
+  CHECK(refused({2, 2}, {8, 4}, "S(1),R", "S(1),Rg(1,[1,1],1)").find("also splits the flattened dims") != std::string::npos);
+  CHECK(ran == static_cast<int>(cases.size()));
+}
+
+TEST_CASE("ragged transitions move every rank's data", "[dtensor][ragged][redistribute]") {
+  // Units with zeros, align > 1, an empty tensor, pieces that are all empty but one.
+  const std::vector<Case> one_d = {
+      {{10}, "Rg(0,[1,2,0,1],1)", "R"},
+      {{9, 4}, "Rg(0,[1,2,0,1],4)", "R"},
+      {{9, 4}, "R", "Rg(0,[1,2,0,1],4)"},
+      {{7, 3}, "R", "Rg(0,[0,0,5,0],1)"},
+      {{9, 4}, "P", "Rg(0,[1,2,0,1],2)"},
+      {{10}, "P(avg)", "Rg(0,[1,1,1,1],1)"},
+      {{10}, "Rg(0,[1,2,0,1],1)", "Rg(0,[1,1,1,1],2)"},
+      {{13, 3}, "Rg(0,[3,0,1,1],4)", "Rg(0,[0,1,1,3],1)"},
+      {{9, 4}, "S(0)", "Rg(0,[1,2,0,1],1)"},
+      {{9, 4}, "Rg(0,[1,2,0,1],1)", "S(0)"},
+      {{5, 2, 3}, "S(1)", "Rg(1,[2,1,0,1],3)"},
+      {{3, 4}, "Rg(0,[1,2,0,1],2)", "S(0)"},
+      {{0, 4}, "Rg(0,[1,1,1,1],1)", "R"},
+      {{0, 4}, "S(0)", "Rg(0,[1,0,1,1],2)"},
+  };
+  const std::vector<Case> two_d = {
+      {{4, 5, 2}, "S(0),Rg(1,[1,0,2],2)", "S(0),R"},
+      {{4, 5, 2}, "S(0),R", "S(0),Rg(1,[1,0,2],2)"},
+      {{4, 5, 2}, "S(0),S(1)", "S(0),Rg(1,[2,0,1],1)"},
+      {{4, 5, 2}, "R,Rg(1,[1,1,1],1)", "R,Rg(1,[0,1,3],4)"},
+      {{6, 2}, "Rg(0,[3,1],1),R", "R,R"},
+      {{6, 2}, "P,R", "Rg(0,[3,1],2),R"},
+      {{7, 3}, "S(0),R", "Rg(0,[1,1],3),R"},
+  };
+  const std::vector<DType> dtypes = {DType::kF32, DType::kBF16, DType::kI32, DType::kF64};
+  int64_t cases = 0;
+  std::vector<std::string> failures;
+  for (const auto& [mesh_shape, list] : {std::pair{Dims{4}, &one_d}, std::pair{Dims{2, 3}, &two_d}}) {
+    auto mesh = mesh_of(mesh_shape);
+    std::mutex mu;
+    collectives::run_ranks(static_cast<int>(mesh->size()), [&](Communicator& world) {
+      MeshComms comms(*mesh, world);
+      for (DType dtype : dtypes)
+        for (const Case& c : *list) {
+          const Placements src = parse_placements(c.src), dst = parse_placements(c.dst);
+          const DTensorSpec s = make_spec(mesh, src, c.shape, dtype);
+          std::string err;
+          try {
+            const Plan plan = plan_redistribute(s, dst, PlannerKind::kSearch);
+            const Tensor in = make_local(data_spec(mesh, src, c.shape, dtype), world.rank());
+            const Tensor out = execute(plan, s, in, comms);
+            err = check_local(data_spec(mesh, dst, c.shape, dtype), world.rank(), out);
+            // Into a caller's out tensor too.
+            DTensorSpec d = s;
+            d.placements = dst;
+            Tensor o = Tensor::zeros(d.layout(world.rank())->local_shape, dtype);
+            (void)execute(plan, s, in, comms, {}, o);
+            if (err.empty()) err = check_local(data_spec(mesh, dst, c.shape, dtype), world.rank(), o);
+            if (!err.empty()) err += "; plan " + to_string(plan);
+          } catch (const std::exception& e) {
+            err = e.what();
+          }
+          std::lock_guard lk(mu);
+          if (world.rank() == 0) ++cases;
+          if (!err.empty() && failures.size() < 20)
+            failures.push_back(fmt::format("mesh [{}] {} [{}] [{}] -> [{}] rank {}: {}", fmt::join(mesh_shape, ","),
+                                           kernels::to_string(dtype), fmt::join(c.shape, ","), c.src, c.dst,
+                                           world.rank(), err));
+        }
+    });
+  }
+  for (const std::string& f : failures) FAIL_CHECK(f);
+  CHECK(cases == static_cast<int64_t>(dtypes.size() * (one_d.size() + two_d.size())));
+}
+
+TEST_CASE("ragged traffic: the algebra equals the rank-by-rank reference and the lower bound",
+          "[dtensor][ragged][planner]") {
+  const std::vector<std::pair<Dims, Case>> cases = {
+      {{4}, {{10}, "Rg(0,[1,2,0,1],1)", "R"}},
+      {{4}, {{9, 4}, "R", "Rg(0,[1,2,0,1],4)"}},
+      {{4}, {{9, 4}, "P", "Rg(0,[1,2,0,1],2)"}},
+      {{4}, {{8}, "P", "Rg(0,[1,1,1,1],1)"}},
+      {{4}, {{10}, "Rg(0,[1,2,0,1],1)", "Rg(0,[1,1,1,1],2)"}},
+      {{4}, {{9, 4}, "S(0)", "Rg(0,[1,2,0,1],1)"}},
+      {{4}, {{9, 4}, "Rg(0,[1,2,0,1],1)", "S(0)"}},
+      {{2, 3}, {{5, 5, 2}, "S(0),Rg(1,[1,0,2],2)", "S(0),R"}},
+      {{2, 3}, {{5, 5, 2}, "S(0),S(1)", "S(0),Rg(1,[2,0,1],1)"}},
+      {{3, 2}, {{7, 3}, "Rg(0,[1,3,1],1),R", "S(0),R"}},
+  };
+  int ran = 0;
+  for (const auto& [mesh_shape, c] : cases) {
+    INFO("[" << c.src << "] -> [" << c.dst << "] of [" << fmt::format("{}", fmt::join(c.shape, ",")) << "]");
+    const DTensorSpec s = make_spec(mesh_of(mesh_shape), parse_placements(c.src), c.shape, DType::kF32);
+    const Transition t = make_transition(s, parse_placements(c.dst));
+    const Plan algebra = plan_transition(t), reference = plan_transition(t, ReferenceOracle{});
+    CHECK(to_string(algebra) == to_string(reference));
+    CHECK(algebra.traffic == reference.traffic);
+    CHECK(algebra.collectives() <= 1);
+    const Traffic bound = lower_bound_traffic(s, parse_placements(c.dst));
+    CHECK(algebra.traffic.received >= bound.received);
+    // The exchanges meet the bound; a reduce-scatter does when its ranges are equal.
+    const bool even_reduce = c.src == "P" && c.dst == "Rg(0,[1,1,1,1],1)";
+    if (!is_partial(s.placements[0]) || even_reduce) {
+      CHECK(algebra.traffic.received == bound.received);
+    }
+    ++ran;
+  }
+  CHECK(ran == static_cast<int>(cases.size()));
+}
