@@ -361,6 +361,8 @@ void for_each_block_piece(const Tensor& local, const Block& b, const Tensor& pac
   }
 }
 
+}  // namespace
+
 // The block as one flat range of a contiguous tensor of `shape`: its start, or -1 when the block
 // is not one range (a block is one range when every dim has one run, the dims after the first
 // partial one are whole and the dims before it have length 1).
@@ -379,7 +381,6 @@ int64_t flat_start(const Block& b, const Dims& shape) {
   return start;
 }
 
-}  // namespace
 
 void pack(const Tensor& local, const Block& b, const Tensor& flat, int64_t offset) {
   if (b.numel() == 0) return;

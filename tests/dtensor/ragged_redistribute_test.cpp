@@ -15,11 +15,13 @@
 #include "kernels/error.h"
 #include "support/catch2_runner.h"
 #include "support/dtensor_data.h"
+#include "support/no_views_communicator.h"
 
 using namespace dtensor;
 using collectives::Communicator;
 using testing_support::check_local;
 using testing_support::make_local;
+using testing_support::NoViewsCommunicator;
 
 namespace {
 
@@ -137,11 +139,14 @@ TEST_CASE("ragged transitions move every rank's data", "[dtensor][ragged][redist
   const std::vector<DType> dtypes = {DType::kF32, DType::kBF16, DType::kI32, DType::kF64};
   int64_t cases = 0;
   std::vector<std::string> failures;
+  // Both exchange paths: views (local backend) and packed (what NCCL takes).
+  for (bool packed : {false, true})
   for (const auto& [mesh_shape, list] : {std::pair{Dims{4}, &one_d}, std::pair{Dims{2, 3}, &two_d}}) {
     auto mesh = mesh_of(mesh_shape);
     std::mutex mu;
     collectives::run_ranks(static_cast<int>(mesh->size()), [&](Communicator& world) {
-      MeshComms comms(*mesh, world);
+      NoViewsCommunicator no_views(world);
+      MeshComms comms(*mesh, packed ? static_cast<Communicator&>(no_views) : world);
       for (DType dtype : dtypes)
         for (const Case& c : *list) {
           const Placements src = parse_placements(c.src), dst = parse_placements(c.dst);
@@ -165,14 +170,61 @@ TEST_CASE("ragged transitions move every rank's data", "[dtensor][ragged][redist
           std::lock_guard lk(mu);
           if (world.rank() == 0) ++cases;
           if (!err.empty() && failures.size() < 20)
-            failures.push_back(fmt::format("mesh [{}] {} [{}] [{}] -> [{}] rank {}: {}", fmt::join(mesh_shape, ","),
+            failures.push_back(fmt::format("{} mesh [{}] {} [{}] [{}] -> [{}] rank {}: {}", packed ? "packed" : "views",
+                                           fmt::join(mesh_shape, ","),
                                            kernels::to_string(dtype), fmt::join(c.shape, ","), c.src, c.dst,
                                            world.rank(), err));
         }
     });
   }
   for (const std::string& f : failures) FAIL_CHECK(f);
-  CHECK(cases == static_cast<int64_t>(dtypes.size() * (one_d.size() + two_d.size())));
+  CHECK(cases == static_cast<int64_t>(2 * dtypes.size() * (one_d.size() + two_d.size())));
+}
+
+TEST_CASE("ragged all-gather and reduce-scatter move no packed copies", "[dtensor][ragged][redistribute]") {
+  // On the packed path (NCCL's), every buffer a send_recv carries must be a view of the caller's
+  // input or of the result: the pieces go straight, padding-free and unpacked. A reduce-scatter
+  // receives the other members' contributions to its range into buffers of that range's size (then
+  // sums them); the ranges here all differ in size (8, 18, 0, 10), so a packed send would show.
+  auto mesh = mesh_of({4});
+  const Dims shape{9, 4};
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"Rg(0,[1,2,0,1],4)", "R"}, {"P", "Rg(0,[1,2,0,1],2)"}, {"Rg(0,[1,2,0,1],1)", "Rg(0,[1,1,1,1],2)"}};
+  std::mutex mu;
+  int64_t ran = 0, buffers = 0;
+  std::vector<std::string> failures;
+  collectives::run_ranks(4, [&](Communicator& world) {
+    for (const auto& [src_text, dst_text] : cases) {
+      const DTensorSpec s = make_spec(mesh, parse_placements(src_text), shape, DType::kF32);
+      const Placements dst = parse_placements(dst_text);
+      const Tensor in = make_local(data_spec(mesh, s.placements, shape, DType::kF32), world.rank());
+      DTensorSpec d = s;
+      d.placements = dst;
+      const Tensor out = Tensor::zeros(d.layout(world.rank())->local_shape, DType::kF32);
+      int64_t seen = 0;
+      std::string bad;
+      NoViewsCommunicator packed(world, [&](collectives::CollectiveKind kind, std::span<const Tensor> ts) {
+        if (kind != collectives::CollectiveKind::kSendRecv) return;
+        for (const Tensor& t : ts) {
+          ++seen;
+          const bool contribution = is_partial(s.placements[0]) && t.numel() == out.numel();
+          if (t.numel() > 0 && !t.shares_storage_with(in) && !t.shares_storage_with(out) && !contribution)
+            bad = fmt::format("a packed buffer of {} elements", t.numel());
+        }
+      });
+      MeshComms comms(*mesh, packed);
+      (void)execute(plan_redistribute(s, dst, PlannerKind::kSearch), s, in, comms, {}, out);
+      std::string err = check_local(data_spec(mesh, dst, shape, DType::kF32), world.rank(), out);
+      if (!bad.empty()) err += bad;
+      std::lock_guard lk(mu);
+      buffers += seen;
+      if (world.rank() == 0) ++ran;
+      if (!err.empty()) failures.push_back(fmt::format("[{}] -> [{}] rank {}: {}", src_text, dst_text, world.rank(), err));
+    }
+  });
+  for (const std::string& f : failures) FAIL_CHECK(f);
+  CHECK(ran == static_cast<int64_t>(cases.size()));
+  CHECK(buffers > 0);
 }
 
 TEST_CASE("ragged traffic: the algebra equals the rank-by-rank reference and the lower bound",
