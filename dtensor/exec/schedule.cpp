@@ -94,7 +94,7 @@ class PeerLayouts {
     if (mesh_shape[m] <= 1) return;
     if (const auto* rg = std::get_if<RaggedShard>(&ps[m])) {
       // NOTE [ragged plans]: the view's last dim, cut by this mesh dim alone; peer by peer.
-      ragged_ = *rg;
+      bounds_ = ragged_boundaries(shape[shape.size() - 1], rg->units, rg->align);
       t_ = shape.size() - 1;
       n_ = shape[t_];
       count_ = mesh_shape[m];
@@ -139,11 +139,11 @@ class PeerLayouts {
   // The layout of the peer at coordinate g along m (valid until the next call).
   const ShardLayout& peer(int64_t g) {
     if (t_ < 0) return own_;
-    if (ragged_) {
-      const Chunk c = ragged_chunk(n_, ragged_->units, ragged_->align, g);
+    if (!bounds_.empty()) {
+      const int64_t lo = bounds_[g], size = bounds_[g + 1] - lo;
       peer_.runs[t_].clear();
-      if (c.size > 0) peer_.runs[t_].push_back({c.offset, c.size});
-      peer_.local_shape[t_] = c.size;
+      if (size > 0) peer_.runs[t_].push_back({lo, size});
+      peer_.local_shape[t_] = size;
       return peer_;
     }
     coords_.clear();
@@ -163,7 +163,7 @@ class PeerLayouts {
   Split split_;
   std::vector<int64_t> coords_;
   Translates translates_;
-  std::optional<RaggedShard> ragged_;
+  std::vector<int64_t> bounds_;  // a RaggedShard at m: its boundaries (ragged_boundaries)
 
   // The full pieces of the split at m of a contiguous prefix list: torch.chunk's pieces of size
   // c = ceil(L / k) start at g x c, so peers [0, L / c) hold translates (the later splits cut

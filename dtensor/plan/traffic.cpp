@@ -474,13 +474,24 @@ Traffic busiest(const std::vector<Term>& terms, const ChainSet& set, const Dims&
 // times its sizes along dims < d, which other mesh dims split independently of c. So the
 // busiest rank is the busiest coordinate times the largest size of every other dim: O(k) work.
 
-// Piece c of a list of n under p on a group of k: a RaggedShard's range, an S chunk, all of it
-// (R, P).
-Chunk piece_on(const Placement& p, int64_t n, int64_t k, int64_t c) {
-  if (const auto* r = std::get_if<RaggedShard>(&p)) return ragged_chunk(n, r->units, r->align, c);
-  if (is_shard(p)) return chunk(n, k, c);
-  return {0, n};
-}
+// The pieces of a list of n under p on a group of k, in O(k): a RaggedShard's ranges, S chunks,
+// all of it (R, P).
+class Pieces {
+ public:
+  Pieces(const Placement& p, int64_t n, int64_t k) : n_(n), k_(k), shard_(is_shard(p)) {
+    if (const auto* r = std::get_if<RaggedShard>(&p)) bounds_ = ragged_boundaries(n, r->units, r->align);
+  }
+  Chunk operator[](int64_t c) const {
+    if (!bounds_.empty()) return {bounds_[c], bounds_[c + 1] - bounds_[c]};
+    if (shard_) return chunk(n_, k_, c);
+    return {0, n_};
+  }
+
+ private:
+  int64_t n_, k_;
+  bool shard_;
+  std::vector<int64_t> bounds_;
+};
 int64_t overlap(const Chunk& a, const Chunk& b) {
   return std::max<int64_t>(0, std::min(a.offset + a.size, b.offset + b.size) - std::max(a.offset, b.offset));
 }
@@ -508,8 +519,9 @@ std::optional<Traffic> ragged_step_traffic(const Step& step, const Placements& b
   const int64_t scale = wire && (*wire == DType::kF8E4M3 || *wire == DType::kF8E5M2) ? 4 * (k - 1) : 0;
   work.add(k);
   Wide sent = 0, received = 0;
+  const Pieces pa(before[m], n, k), pb(after[m], n, k);
   for (int64_t c = 0; c < k; ++c) {
-    const Chunk a = piece_on(before[m], n, k, c), b = piece_on(after[m], n, k, c);
+    const Chunk a = pa[c], b = pb[c];
     if (rs != nullptr) {  // every member's contribution to c's range in, c's to every other out
       received = std::max(received, Wide{k - 1} * b.size);
       sent = std::max(sent, Wide{n} - b.size);
@@ -569,8 +581,9 @@ Traffic ragged_lower_bound(const DTensorSpec& src, const RaggedMapping& v) {
   work.add(k);
   const Wide others = largest_other_sizes(v.src, shape, mesh, work);
   Wide largest_after = 0, received = 0;
+  const Pieces pa(v.src[m], n, k), pb(v.dst[m], n, k);
   for (int64_t c = 0; c < k; ++c) {
-    const Chunk a = piece_on(v.src[m], n, k, c), b = piece_on(v.dst[m], n, k, c);
+    const Chunk a = pa[c], b = pb[c];
     largest_after = std::max(largest_after, Wide{b.size});
     received = std::max(received, Wide{b.size} - overlap(a, b));
   }

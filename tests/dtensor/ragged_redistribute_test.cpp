@@ -301,3 +301,21 @@ TEST_CASE("ragged reduce-scatter through a bf16 wire and with a divide factor", 
   for (const std::string& f : failures) FAIL_CHECK(f);
   CHECK(ran == 1);
 }
+
+TEST_CASE("ragged_boundaries lists ragged_chunk's pieces in one pass", "[dtensor][ragged][layout]") {
+  const std::vector<std::pair<std::vector<int64_t>, int64_t>> cuts = {
+      {{1, 2, 0, 1}, 4}, {{0, 0, 5, 0}, 1}, {{3, 1, 4, 1, 5, 9, 2, 6}, 3}, {{1}, 7}, {{7, 0, 0, 1, 1}, 2}};
+  int64_t checked = 0;
+  for (const auto& [units, align] : cuts)
+    for (int64_t n : {0, 1, 9, 10, 37, 1000}) {
+      const std::vector<int64_t> b = ragged_boundaries(n, units, align);
+      REQUIRE(b.size() == units.size() + 1);
+      CHECK(b.back() == n);
+      for (size_t i = 0; i < units.size(); ++i) {
+        const Chunk c = ragged_chunk(n, units, align, static_cast<int64_t>(i));
+        CHECK(Chunk{b[i], b[i + 1] - b[i]} == c);
+        ++checked;
+      }
+    }
+  CHECK(checked == 6 * (4 + 4 + 8 + 1 + 5));
+}
