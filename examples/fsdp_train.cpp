@@ -7,11 +7,15 @@
 //   fsdp-train --backend local --dp-replicate 2 --dp-shard 2 --tp 2 --mp bf16 --check-parity
 //   mpirun -np 4 fsdp-train --backend mpi --dp-shard 4 --check-parity
 //   fsdp-train --moe-experts 8 --moe-top-k 2 --ep 4 --check-parity   (examples/fsdp_train_moe.h)
+//   fsdp-train --moe-experts 4 --dp-replicate 2 --dp-shard 2 --ep 2 --ep-from-dp --check-parity
+//     (--ep-from-dp: EP carved out of --dp-shard; the experts FSDP over dp_shard / ep on the mesh
+//     (dp_replicate, dp_mod_ep, ep), the dense parameters over dp_shard, in one group per block)
 //
 // FSDP (fsdp::fully_shard; applied when --dp-shard or --dp-replicate is given): every
 // transformer block is one group, the root (embeddings, final norm, head) another; the batch is
 // split over the dp dims. --reshard-after-forward true|false|K (default: FSDP2's automatic,
-// blocks reshard, the root not), --offload (sharded state on the CPU), --no-sync (with
+// blocks reshard, the root not), --offload (sharded state on the CPU; on a GPU in pinned memory with
+// copies on the copy stream, fsdp/offload.h, unless --no-pin-memory), --no-sync (with
 // --grad-accum: gradients reduced on the last microbatch only), --prefetch 0|1|2 (implicit
 // prefetch depth in forward and backward; default 1). --mp bf16 under FSDP is the
 // MixedPrecisionPolicy (bf16 parameters, f32 reduction, f32 sharded master weights).
@@ -237,7 +241,8 @@ int finish(const Args& a, const Outcome& o) {
 // only, any other failure at once by the rank it happened on).
 int run_mpi_rank(const Args& a, collectives::MpiWorld& mpi) {
   validate(a);
-  const int64_t ranks = int64_t{a.dp_replicate} * a.dp_shard * a.tp * a.moe.ep;  // validated: no overflow
+  // validated: no overflow
+  const int64_t ranks = int64_t{a.dp_replicate} * a.dp_shard * a.tp * fsdp_train::ep_mesh_ranks(a.moe);
   if (a.world != 0 && a.world != mpi.size())
     throw kernels::InvalidArgument(fmt::format("--world {} but mpirun started {} processes", a.world, mpi.size()));
   if (mpi.size() != ranks)
@@ -306,6 +311,8 @@ int run(int argc, char** argv) {
   app.add_option("--reshard-after-forward", a.reshard_after_forward,
                  "true | false | K (a divisor of --dp-shard); default: blocks reshard, the root not");
   app.add_flag("--offload", a.offload, "FSDP CPU offload of the sharded parameters, gradients, optimizer state");
+  app.add_flag("--no-pin-memory", a.no_pin_memory,
+               "with --offload: ordinary host memory and synchronous copies (default on a GPU: pinned, copy stream)");
   app.add_flag("--no-sync", a.no_sync, "with --grad-accum: reduce gradients on the last microbatch only");
   app.add_option("--prefetch", a.prefetch, "FSDP prefetch depth 0 | 1 | 2 (forward and backward)");
   app.add_option("--reduce-wire", a.reduce_wire, "bf16 | e5m2: what FSDP's gradient reductions move (summed in f32)");
@@ -385,7 +392,8 @@ int run(int argc, char** argv) {
     return program::run_as_rank("fsdp-train", mpi.rank(), [&] { return run_mpi_rank(a, mpi); });
   }
   validate(a);
-  const int mesh_ranks = a.dp_replicate * a.dp_shard * a.tp * a.moe.ep;  // validated: at most kMaxLocalRanks
+  // validated: at most kMaxLocalRanks
+  const int mesh_ranks = a.dp_replicate * a.dp_shard * a.tp * fsdp_train::ep_mesh_ranks(a.moe);
   const int world = a.world != 0 ? a.world : mesh_ranks;
   if (world != mesh_ranks)
     throw kernels::InvalidArgument(

@@ -10,6 +10,8 @@
 #include "dtensor/layout.h"
 #include "fsdp/byte_pack.h"
 #include "fsdp/dp_chunks.h"
+#include "fsdp/offload.h"
+#include "fsdp/param_mesh.h"
 #include "kernels/error.h"
 #include "kernels/format.h"
 #include "kernels/ops/chunk_cat.h"
@@ -139,6 +141,13 @@ class Group {
   std::shared_ptr<Runtime> rt;
   GroupStats stats;
   std::string note;
+  // Offload with copies on the copy stream (fsdp/offload.h); null: offload copies, if any, are
+  // synchronous.
+  std::unique_ptr<detail::OffloadCopies> offload;
+  // Per-parameter meshes (fsdp/param_mesh.h): one follower per other mesh, registered on no
+  // module; this group's unshard, reshard and gradient steps run theirs first.
+  std::vector<std::shared_ptr<Group>> followers;
+  bool is_follower = false;
 
   bool is_root() const { return rt && rt->root == this; }
   bool byte_mode() const { return !bslots.empty(); }
@@ -214,10 +223,35 @@ class Group {
             name, s.name));
   }
 
+  // Where the sharded parameters and gradients live: pinned host memory under offload's copy
+  // engine, else the mesh's allocator.
+  std::shared_ptr<kernels::Allocator> state_alloc() const {
+    std::shared_ptr<kernels::Allocator> a = offload ? offload->engine()->host_allocator() : nullptr;
+    return a ? a : comms->allocator();
+  }
+  // Offload: the sharded parameters host -> device on the copy stream (issued ahead by
+  // copy_ahead, or by the unshard itself), then the all-gather input in the parameter dtype.
+  void start_copy_in() {
+    for (auto& f : followers) f->start_copy_in();
+    if (!offload || offload->has_copy_in() || byte_mode() || state != State::kSharded) return;
+    for (const Slot& s : slots)
+      if (!s.sharded) return;  // still meta: the unshard refuses
+    const Tensor& local = flat_shard();
+    offload->copy_in(Tensor::empty(local.shape(), orig_dtype, compute_device, buffer_alloc), local);
+  }
+  Tensor copied_in() {
+    start_copy_in();
+    Tensor t = offload->take_copy_in();
+    if (t.dtype() == param_dtype) return t;
+    Tensor c = Tensor::empty(t.shape(), param_dtype, compute_device, buffer_alloc);
+    c.copy_(t);
+    return c;
+  }
+
   // The sharded flat buffer, allocated (zero: the padding stays zero) on first use.
   const Tensor& flat_shard() {
     if (!sharded_flat) {
-      Tensor flat = Tensor::empty(Dims{slot_numel}, orig_dtype, storage_device, comms->allocator());
+      Tensor flat = Tensor::empty(Dims{slot_numel}, orig_dtype, storage_device, state_alloc());
       flat.fill_(0.0);
       sharded_flat = DTensor(dp_comms, flat_spec(flat_sharded_placements(), orig_dtype), flat);
     }
@@ -245,6 +279,7 @@ class Group {
   int trace_pid() const { return dp_comms->mesh().ndim() > 0 ? dp_comms->dim(0).global_rank() : 0; }
 
   void issue_unshard() {
+    for (auto& f : followers) f->issue_unshard();
     if (state == State::kUnsharding || state == State::kUnsharded) return;
     if (state == State::kSharded) require_materialized();
     Tensor out = flat_view();
@@ -268,6 +303,9 @@ class Group {
         src = DTensor(dp_comms,
                       dtensor::make_spec(mesh_ptr(dp_comms), flat_sharded_placements(), Dims{dp * rank_bytes}, DType::kU8),
                       ag_input);
+      } else if (offload) {
+        ag_input = copied_in();
+        src = DTensor(dp_comms, flat_spec(flat_sharded_placements(), param_dtype), ag_input);
       } else if (local.dtype() != param_dtype || local.device() != compute_device) {
         ag_input = Tensor::empty(local.shape(), param_dtype, compute_device, buffer_alloc);
         const kernels::TraceSpan span(tracer(), trace_pid(), "copies", "FSDP copy-in");
@@ -285,6 +323,7 @@ class Group {
   }
 
   void wait_unshard() {
+    for (auto& f : followers) f->wait_unshard();
     if (state == State::kUnsharded) return;
     issue_unshard();
     std::optional<kernels::TraceSpan> span(std::in_place, tracer(), trace_pid(), "waits", "FSDP unshard wait");
@@ -312,11 +351,13 @@ class Group {
   }
 
   void reshard() {
+    for (auto& f : followers) f->reshard();
     if (state == State::kUnsharding) {  // a prefetch nobody used
       ag_handle->wait();
       ag_handle.reset();
       ag_input = Tensor();
     }
+    if (offload) offload->drop_copy_in();
     for (const Slot& s : slots)
       if (s.sharded) s.param->set_data(*s.sharded);
     if (param_storage) param_storage->free();
@@ -354,6 +395,15 @@ class Group {
         ++g->stats.prefetches;
       }
   }
+  // Offload: the copy-in of the group one past the implicit prefetch (NOTE [offload ordering]).
+  void copy_ahead(bool forward) const {
+    if (!rt) return;
+    const auto& order = rt->order;
+    auto it = std::find(order.begin(), order.end(), this);
+    if (it == order.end()) return;
+    const ptrdiff_t q = (it - order.begin()) + (forward ? 1 : -1) * (std::max(rt->prefetch_depth, 0) + 1);
+    if (q >= 0 && q < static_cast<ptrdiff_t>(order.size())) order[q]->start_copy_in();
+  }
   std::vector<Group*> implicit_targets(bool forward) const {
     std::vector<Group*> out;
     if (!rt || rt->prefetch_depth <= 0) return out;
@@ -380,6 +430,7 @@ class Group {
           name, s.name, s.param->grad() ? "holds a gradient" : "requires a gradient"));
   }
   void stash_grads() {
+    for (auto& f : followers) f->stash_grads();
     has_sharded_grad = false;
     for (size_t i = 0; i < slots.size(); ++i) {
       check_frozen(i);
@@ -402,7 +453,7 @@ class Group {
     }
   }
   void allocate_grad_flat() {
-    grad_flat = Tensor::empty(Dims{grad_numel}, orig_dtype, storage_device, comms->allocator());
+    grad_flat = Tensor::empty(Dims{grad_numel}, orig_dtype, storage_device, state_alloc());
     grad_flat.fill_(0.0);
   }
   void install_grads() {
@@ -477,8 +528,9 @@ class Group {
       reshard();  // a synchronising backward: the optimizer steps the sharded parameters next
       return;
     }
-    // Keep at most two reduce-scatter inputs alive: finish the older reductions first.
-    if (rt)
+    // Keep at most two reduce-scatter inputs alive: finish the older reductions first (a
+    // follower leaves that to its leader, which just did it: its own reduction overlaps too).
+    if (rt && !is_follower)
       while (!rt->pending.empty()) {
         Group* g = rt->pending.front();
         rt->pending.erase(rt->pending.begin());
@@ -519,7 +571,7 @@ class Group {
     ro.reduce_dtype = reduce_dtype;
     ro.divide_factor = divide_factor;
     ro.wire_dtype = reduce_wire;
-    p.into_grad = !has_sharded_grad && !p.to_partial && !p.all_reduce_after && storage_device == compute_device;
+    p.into_grad = !has_sharded_grad && !p.to_partial && !p.all_reduce_after && storage_device == compute_device && !offload;
     if (p.into_grad) {
       if (!grad_flat.defined()) allocate_grad_flat();
       p.out = grad_flat;
@@ -576,6 +628,13 @@ class Group {
           r = c;
         }
         kernels::add_out(grad_flat, grad_flat, r);
+      } else if (offload) {  // the cast on the device, the move on the copy stream
+        Tensor r = result;
+        if (r.dtype() != orig_dtype) {
+          r = Tensor::empty(result.shape(), orig_dtype, compute_device, buffer_alloc);
+          r.copy_(result);
+        }
+        offload->copy_out(grad_flat, r);
       } else {
         grad_flat.copy_(result);  // cast and device move (offload: to the CPU)
       }
@@ -611,6 +670,10 @@ void Group::lazy_init() {
         g->rt = rt;
         g->name = fqn;
       }
+      for (auto& f : g->followers) {
+        f->rt = rt;
+        f->name = fmt::format("{} (on {})", g->name, dtensor::to_string(f->comms->mesh()));
+      }
       rt->groups.push_back(g);
     }
 }
@@ -629,6 +692,7 @@ void Group::on_pre_forward(nn::Ctx& ctx, DTensor& input) {
     rt->current.push_back(this);
     wait_unshard();
     prefetch(fwd_prefetch ? *fwd_prefetch : implicit_targets(true));
+    if (!fwd_prefetch) copy_ahead(true);
   }
   const auto& mp = opts.mp_policy;
   if (mp.param_dtype && mp.cast_forward_inputs && kernels::is_floating_point(input.dtype()) &&
@@ -661,6 +725,7 @@ void Group::on_pre_backward(nn::Ctx& ctx, DTensor& grad_output) {
   stash_grads();
   wait_unshard();
   prefetch(bwd_prefetch ? *bwd_prefetch : implicit_targets(false));
+  if (!bwd_prefetch) copy_ahead(false);
 }
 
 void Group::on_post_backward(nn::Ctx& ctx, std::optional<DTensor>& grad_input) {
@@ -669,6 +734,7 @@ void Group::on_post_backward(nn::Ctx& ctx, std::optional<DTensor>& grad_input) {
   if (++bwd_post < modules.size()) return;
   bwd_pre = bwd_post = 0;
   post_backward();
+  for (auto& f : followers) f->post_backward();
   if (is_root()) finalize_backward();
 }
 
@@ -684,6 +750,11 @@ void Group::finalize_backward() {
     g->fwd_pre = g->fwd_post = g->bwd_pre = g->bwd_post = 0;
     if (g->state == State::kResharded || g->state == State::kUnsharding) g->reshard();
     else if (g->state == State::kUnsharded && (g->reshard_after_backward || g->requires_gradient_sync)) g->reshard();
+  }
+  for (Group* g : rt->groups) {  // the optimizer reads and writes the offloaded state next
+    if (g->offload) g->offload->drain();
+    for (auto& f : g->followers)
+      if (f->offload) f->offload->drain();
   }
 }
 
@@ -701,6 +772,12 @@ UnshardHandle FSDPModule::unshard(bool async_op) {
 void FSDPModule::reshard() { group_->reshard(); }
 
 namespace {
+// A group and its followers (per-parameter meshes).
+std::vector<Group*> own_groups(Group& g) {
+  std::vector<Group*> out{&g};
+  for (auto& f : g.followers) out.push_back(f.get());
+  return out;
+}
 std::vector<Group*> subtree_groups(Group& g) {
   std::vector<Group*> out{&g};
   for (nn::Module* m : g.modules)
@@ -709,20 +786,23 @@ std::vector<Group*> subtree_groups(Group& g) {
       if (st && &st->group() != &g && std::find(out.begin(), out.end(), &st->group()) == out.end())
         out.push_back(&st->group());
     }
+  const size_t leaders = out.size();
+  for (size_t i = 0; i < leaders; ++i)
+    for (auto& f : out[i]->followers) out.push_back(f.get());
   return out;
 }
 }  // namespace
 
 void FSDPModule::set_requires_gradient_sync(bool sync, bool recurse) {
-  for (Group* g : recurse ? subtree_groups(*group_) : std::vector<Group*>{group_.get()})
+  for (Group* g : recurse ? subtree_groups(*group_) : own_groups(*group_))
     g->requires_gradient_sync = sync;
 }
 void FSDPModule::set_reshard_after_backward(bool reshard, bool recurse) {
-  for (Group* g : recurse ? subtree_groups(*group_) : std::vector<Group*>{group_.get()})
+  for (Group* g : recurse ? subtree_groups(*group_) : own_groups(*group_))
     g->reshard_after_backward = reshard;
 }
 void FSDPModule::set_reshard_after_forward(ReshardAfterForward mode, bool recurse) {
-  for (Group* g : recurse ? subtree_groups(*group_) : std::vector<Group*>{group_.get()}) {
+  for (Group* g : recurse ? subtree_groups(*group_) : own_groups(*group_)) {
     if (mode.kind == ReshardAfterForward::Kind::kInt && !g->k_comms)
       throw InvalidArgument(fmt::format(
           "FSDP group '{}': set_reshard_after_forward({}): reshard_after_forward = k needs the sub-mesh "
@@ -732,7 +812,7 @@ void FSDPModule::set_reshard_after_forward(ReshardAfterForward mode, bool recurs
   }
 }
 void FSDPModule::set_requires_all_reduce(bool all_reduce, bool recurse) {
-  for (Group* g : recurse ? subtree_groups(*group_) : std::vector<Group*>{group_.get()})
+  for (Group* g : recurse ? subtree_groups(*group_) : own_groups(*group_))
     g->requires_all_reduce = all_reduce;
 }
 void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule*>& modules) {
@@ -757,6 +837,7 @@ void FSDPModule::set_gradient_divide_factor(double factor) {
   if (!(factor > 0))
     throw InvalidArgument(fmt::format("FSDP group '{}': gradient divide factor {}: expected > 0", group_->name, factor));
   group_->divide_factor = factor;
+  for (auto& f : group_->followers) f->divide_factor = factor;
 }
 void FSDPModule::set_is_last_backward(bool last) {
   for (Group* g : subtree_groups(*group_)) g->is_last_backward = last;
@@ -771,22 +852,31 @@ void FSDPModule::set_prefetch_depth(int depth) {
 const std::string& FSDPModule::name() const { return group_->name; }
 std::vector<std::string> FSDPModule::parameter_names() const {
   std::vector<std::string> out;
-  for (const Slot& s : group_->slots) out.push_back(s.name);
+  for (const Group* g : own_groups(*group_))
+    for (const Slot& s : g->slots) out.push_back(s.name);
   return out;
 }
 bool FSDPModule::is_unsharded() const { return group_->state == Group::State::kUnsharded; }
 int64_t FSDPModule::unsharded_bytes() const {
-  if (group_->byte_mode())
-    return group_->unsharded_numel * static_cast<int64_t>(kernels::itemsize(group_->param_dtype)) +
-           group_->dp * group_->rank_bytes;
-  return (group_->unsharded_numel + group_->dp * group_->slot_numel) *
-         static_cast<int64_t>(kernels::itemsize(group_->param_dtype));
+  int64_t n = 0;
+  for (const Group* g : own_groups(*group_)) {
+    if (g->byte_mode())
+      n += g->unsharded_numel * static_cast<int64_t>(kernels::itemsize(g->param_dtype)) + g->dp * g->rank_bytes;
+    else
+      n += (g->unsharded_numel + g->dp * g->slot_numel) * static_cast<int64_t>(kernels::itemsize(g->param_dtype));
+  }
+  return n;
 }
 int64_t FSDPModule::reduce_scatter_input_bytes() const {
-  return group_->dp * group_->grad_numel * static_cast<int64_t>(kernels::itemsize(group_->reduce_dtype));
+  int64_t n = 0;
+  for (const Group* g : own_groups(*group_))
+    n += g->dp * g->grad_numel * static_cast<int64_t>(kernels::itemsize(g->reduce_dtype));
+  return n;
 }
 int64_t FSDPModule::sharded_bytes() const {
-  return group_->slot_numel * static_cast<int64_t>(kernels::itemsize(group_->orig_dtype));
+  int64_t n = 0;
+  for (const Group* g : own_groups(*group_)) n += g->slot_numel * static_cast<int64_t>(kernels::itemsize(g->orig_dtype));
+  return n;
 }
 int64_t FSDPModule::resharded_k_bytes() const {
   if (!group_->reshard_to_k()) return 0;
@@ -796,7 +886,21 @@ int64_t FSDPModule::resharded_k_bytes() const {
 }
 bool FSDPModule::reshards_after_forward() const { return group_->reshards_after_forward(); }
 bool FSDPModule::is_root() const { return group_->is_root(); }
-const GroupStats& FSDPModule::stats() const { return group_->stats; }
+const GroupStats& FSDPModule::stats() const {
+  if (group_->followers.empty()) return group_->stats;
+  merged_stats_ = group_->stats;  // per-parameter meshes: the sums over every mesh's group
+  for (const auto& f : group_->followers) {
+    const GroupStats& o = f->stats;
+    merged_stats_.all_gathers += o.all_gathers;
+    merged_stats_.reduce_scatters += o.reduce_scatters;
+    merged_stats_.all_reduces += o.all_reduces;
+    merged_stats_.prefetches += o.prefetches;
+    merged_stats_.all_gather_bytes += o.all_gather_bytes;
+    merged_stats_.extension_bytes += o.extension_bytes;
+    merged_stats_.reduce_bytes += o.reduce_bytes;
+  }
+  return merged_stats_;
+}
 const std::string& FSDPModule::note() const { return group_->note; }
 
 FSDPModule* state(nn::Module& module) {
@@ -850,8 +954,12 @@ FSDPModule& fully_shard(nn::Module& module, std::shared_ptr<const MeshComms> mes
   return fully_shard(std::vector<nn::Module*>{&module}, std::move(mesh), options);
 }
 
-FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr<const MeshComms> comms,
-                        const FullyShardOptions& options) {
+namespace {
+
+// One group on `comms`. given: a follower's parameters (per-parameter meshes), which registers
+// no hooks and no module state: its leader drives it.
+std::shared_ptr<Group> shard_group(const std::vector<nn::Module*>& modules, std::shared_ptr<const MeshComms> comms,
+                                   const FullyShardOptions& options, const detail::NamedParams* given) {
   if (modules.empty()) throw InvalidArgument("fully_shard: no modules given");
   if (!comms) throw InvalidArgument("fully_shard: no mesh given");
   if (options.copy_threads < 0)
@@ -892,7 +1000,8 @@ FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr
   for (nn::Module* m : modules)
     for (auto& [fqn, sub] : m->named_modules())
       if (FSDPModule* st = state(*sub))
-        for (const Slot& s : st->group().slots) nested_owner[s.param.get()] = {&st->group(), fqn};
+        for (const Group* og : own_groups(st->group()))
+          for (const Slot& s : og->slots) nested_owner[s.param.get()] = {&st->group(), fqn};
   std::set<const nn::Parameter*> ignored;
   for (const auto& p : options.ignored_params) ignored.insert(p.get());
   std::vector<std::pair<std::string, std::shared_ptr<nn::Parameter>>> params;
@@ -919,11 +1028,19 @@ FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr
     }
     for (const auto& [n, c] : m.children()) visit(*c, join_name(prefix, n), inside);
   };
-  for (size_t i = 0; i < modules.size(); ++i)
-    visit(*modules[i], modules.size() == 1 ? "" : std::to_string(i), nullptr);
+  if (given) params = *given;
+  else
+    for (size_t i = 0; i < modules.size(); ++i)
+      visit(*modules[i], modules.size() == 1 ? "" : std::to_string(i), nullptr);
 
   // Trainable parameters first (stable): the gradient buffers cover that prefix only.
   std::stable_partition(params.begin(), params.end(), [](const auto& e) { return e.second->requires_grad; });
+  // Per-parameter meshes: this group keeps the parameters on its mesh, a follower per other mesh.
+  std::vector<detail::MeshPart> parts;
+  if (options.mesh_fn && !given) {
+    parts = detail::split_by_mesh(params, comms, options, g.name);
+    params = parts.front().params;
+  }
   const auto& mp = options.mp_policy;
   bool first = true;
   int64_t offset = 0, uoffset = 0;
@@ -1028,12 +1145,7 @@ FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr
                                       g.name, kernels::to_string(*mp.reduce_wire), kernels::to_string(g.reduce_dtype)));
   g.reduce_wire = mp.reduce_wire;
   g.storage_device = options.offload_policy.offload_to_cpu ? kernels::Device{} : g.compute_device;
-  if (options.offload_policy.offload_to_cpu && options.offload_policy.pin_memory)
-    g.note = g.compute_device.is_cpu()
-                 ? "offload_policy.pin_memory is a no-op here: the compute device is the CPU, so the offloaded state "
-                   "stays in the same (ordinary) host memory"
-                 : "offload_policy.pin_memory is a no-op in this build: kernels/cuda has no pinned host allocator or "
-                   "copy streams, so offload copies are synchronous (default stream)";
+  g.offload = detail::make_offload_copies(options.offload_policy, g.compute_device, g.note);
   g.unsharded_alloc = options.unsharded_allocator ? options.unsharded_allocator : comms->allocator();
   g.buffer_alloc = options.buffer_allocator ? options.buffer_allocator : comms->allocator();
 
@@ -1114,6 +1226,18 @@ FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr
     s.param->set_materialize_target(target(i));
   }
 
+  if (given) return group;
+  for (size_t i = 1; i < parts.size(); ++i) {
+    FullyShardOptions fo = options;
+    fo.mesh_fn = nullptr;
+    fo.mesh_dims = parts[i].mesh_dims;
+    if (fo.reshard_after_forward.kind == ReshardAfterForward::Kind::kInt) fo.reshard_after_forward = ReshardAfterForward::yes();
+    std::shared_ptr<Group> f = shard_group(modules, parts[i].comms, fo, &parts[i].params);
+    f->name = g.name;
+    f->is_follower = true;
+    g.followers.push_back(std::move(f));
+  }
+
   // Hooks on every module of the group.
   Group* gp = group.get();
   for (nn::Module* m : modules) {
@@ -1123,6 +1247,14 @@ FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr
     m->register_backward_hook(
         [gp](nn::Module&, nn::Ctx& ctx, std::optional<DTensor>& dx) { gp->on_post_backward(ctx, dx); });
   }
+  return group;
+}
+
+}  // namespace
+
+FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr<const MeshComms> comms,
+                        const FullyShardOptions& options) {
+  std::shared_ptr<Group> group = shard_group(modules, std::move(comms), options, nullptr);
   auto handle = std::make_shared<FSDPModule>(group);
   for (nn::Module* m : modules) m->extension(kExtension) = handle;
   return *handle;
