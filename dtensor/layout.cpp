@@ -74,6 +74,21 @@ Chunk ragged_chunk(int64_t n, const std::vector<int64_t>& units, int64_t align, 
   return {lo, hi - lo};
 }
 
+std::vector<int64_t> ragged_boundaries(int64_t n, const std::vector<int64_t>& units, int64_t align) {
+  __extension__ typedef __int128 Wide;
+  Wide total = 0;
+  for (int64_t u : units) total += u;
+  std::vector<int64_t> out;
+  out.reserve(units.size() + 1);
+  Wide prefix = 0;
+  for (size_t i = 0; i < units.size(); ++i) {
+    out.push_back(static_cast<int64_t>(Wide{n} * prefix / total) / align * align);
+    prefix += units[i];
+  }
+  out.push_back(n);
+  return out;
+}
+
 Dims ragged_view(const Dims& global_shape, const Placements& placements) {
   const int r = ragged_mesh_dim(placements);
   if (r < 0) return global_shape;

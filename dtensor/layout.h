@@ -49,6 +49,9 @@ Chunk chunk(int64_t n, int64_t k, int64_t index);
 //   ragged_chunk(n x r, chunk sizes of n over k, r, i) == S(0)'s rows of [n, r] times r
 // REQUIRES: n >= 0, units valid (normalize), 0 <= index < units.size().
 Chunk ragged_chunk(int64_t n, const std::vector<int64_t>& units, int64_t align, int64_t index);
+// Every boundary at once, in O(units): out[i] is piece i's start, out[units.size()] == n
+// (ragged_chunk's piece i is [out[i], out[i+1])). Same REQUIRES.
+std::vector<int64_t> ragged_boundaries(int64_t n, const std::vector<int64_t>& units, int64_t align);
 
 // The shape layouts use for `placements` (NOTE [ragged view]): global_shape itself without a
 // RaggedShard. Throws Unsupported for several ragged mesh dims or a placement that does not

@@ -225,7 +225,7 @@ int cmd_plan(const PlanArgs& a) {
   j["steps"] = dtensor::to_string(plan);
   j["collectives"] = plan.collectives();
   j["bytes_per_rank"] = plan.traffic.max_received();
-  j["lower_bound_bytes"] = dtensor::lower_bound_traffic(src, plan.dst).max_received();
+  j["lower_bound_bytes"] = dtensor::lower_bound_traffic(src, plan.on_view() ? plan.user_dst : plan.dst).max_received();
   j["plan_us"] = std::round(plan_us * 10) / 10;
   j["rank"] = rank;
   j["schedule_us"] = std::round(schedule.us * 10) / 10;
@@ -352,6 +352,9 @@ struct RedistributeArgs {
 struct Prepared {
   std::shared_ptr<const DeviceMesh> mesh;
   DTensorSpec src, dst;
+  // The specs whose layouts name the tensor's global indices: a RaggedShard's flattened view
+  // (its flat indices are the tensor's row-major ones), else src and dst themselves.
+  DTensorSpec src_data, dst_data;
   Plan plan;
   int64_t modulus = testing_support::kDefaultModulus;
   int64_t memory_limit = 0;
@@ -377,7 +380,14 @@ Prepared prepare(const RedistributeArgs& a) {
   const PlannerKind planner = dtensor::parse_planner(a.planner);
   p.src = dtensor::make_spec(p.mesh, from, shape, dtype);
   p.plan = dtensor::plan_redistribute(p.src, to, planner);
-  p.dst = dtensor::make_spec(p.mesh, p.plan.dst, shape, dtype);
+  p.dst = dtensor::make_spec(p.mesh, p.plan.on_view() ? p.plan.user_dst : p.plan.dst, shape, dtype);
+  auto data = [&](const DTensorSpec& s) {
+    return dtensor::ragged_mesh_dim(s.placements) < 0
+               ? s
+               : dtensor::make_spec(p.mesh, s.placements, dtensor::ragged_view(shape, s.placements), dtype);
+  };
+  p.src_data = data(p.src);
+  p.dst_data = data(p.dst);
   p.modulus = testing_support::exact_modulus(dtype, p.mesh->size());
   p.inject_failure = a.inject_failure;
   p.memory_limit = a.memory_limit;
@@ -389,11 +399,11 @@ RankResult run_rank(const Prepared& p, const MeshComms& comms, kernels::Device d
   const int rank = comms.rank();
   if (rank == p.inject_failure)
     throw kernels::ResourceError("cannot allocate the source shard (injected by --inject-failure)");
-  Tensor local = testing_support::make_local(p.src, rank, p.modulus);
+  Tensor local = testing_support::make_local(p.src_data, rank, p.modulus);
   if (!device.is_cpu()) local = local.to(device);
   Tensor out = dtensor::execute(p.plan, p.src, local, comms);
   return {rank, out.shape(),
-          testing_support::check_redistributed(p.dst, out, comms, p.modulus,
+          testing_support::check_redistributed(p.dst_data, out, comms, p.modulus,
                                                testing_support::avg_tolerance(p.src))};
 }
 
@@ -594,6 +604,7 @@ struct FuzzCase {
   Outcome expect = Outcome::kOk;
   // Planning pass:
   std::optional<DTensorSpec> src_spec, dst_spec;
+  std::optional<DTensorSpec> src_data, dst_data;  // a RaggedShard's view (Prepared::src_data)
   std::vector<const Plan*> plans;  // distinct routes to execute
   std::vector<PlannerKind> plan_kinds;
   // The first failure, if any:
@@ -682,6 +693,59 @@ FuzzCase random_case(Rng& g, size_t mesh_index, const DeviceMesh& mesh) {
   return c;
 }
 
+// A RaggedShard case (NOTE [ragged plans] in dtensor/plan/transition.h): one mesh dim m moves
+// among Rg(d, units with zeros, align), R, P (source) and S(d), the others keep R or S of a dim
+// before d. One case in eight is invalid on purpose: Rg -> P (Unsupported) or units that do not
+// match the mesh dim (InvalidArgument).
+FuzzCase random_ragged_case(Rng& g, size_t mesh_index, const DeviceMesh& mesh) {
+  FuzzCase c;
+  c.mesh = mesh_index;
+  const int nd = g.uniform(1, 3);
+  for (int t = 0; t < nd; ++t) {
+    const int r = g.uniform(0, 99);
+    c.shape.push_back(r < 7 ? 0 : r < 20 ? 1 : g.uniform(2, 11));
+  }
+  c.dtype = kCliDTypes[g.uniform(0, 6)];
+  const int d = g.uniform(0, nd - 1);
+  const int m = g.uniform(0, mesh.ndim() - 1);
+  const int64_t k = mesh.size(m);
+  auto ragged = [&](int64_t units) {
+    dtensor::RaggedShard r{d, {}, g.percent(50) ? 1 : g.uniform(2, 4)};
+    for (int64_t i = 0; i < units; ++i) r.units.push_back(g.percent(25) ? 0 : g.uniform(1, 5));
+    if (std::all_of(r.units.begin(), r.units.end(), [](int64_t u) { return u == 0; })) r.units[0] = 1;
+    return r;
+  };
+  auto other = [&](bool target) -> Placement {
+    const int r = g.uniform(0, 99);
+    if (r < 35) return dtensor::Replicate{};
+    if (r < 65 && !target) return dtensor::Partial{g.percent(70) ? ReduceOp::kSum : ReduceOp::kAvg};
+    return dtensor::Shard{d};
+  };
+  Placement a = ragged(k), b = ragged(k);
+  const int kind = g.uniform(0, 99);
+  if (kind < 25) b = other(true);        // Rg -> R / S(d)
+  else if (kind < 55) a = other(false);  // R / P / S(d) -> Rg
+  // else Rg -> Rg with other units and alignment
+  c.expect = Outcome::kOk;
+  if (g.percent(12)) {
+    if (g.percent(50)) {
+      b = dtensor::Partial{};
+      a = ragged(k);
+      c.expect = Outcome::kUnsupported;
+    } else {
+      a = ragged(k + 1);
+      c.expect = Outcome::kInvalidArgument;
+    }
+  }
+  for (int q = 0; q < mesh.ndim(); ++q) {
+    Placement keep = dtensor::Replicate{};
+    if (d > 0 && g.percent(40)) keep = dtensor::Shard{g.uniform(0, d - 1)};
+    c.src.push_back(q == m ? a : keep);
+    c.dst.push_back(q == m ? b : keep);
+  }
+  return c;
+}
+
 std::shared_ptr<const DeviceMesh> random_mesh(Rng& g, int max_ranks, int world, bool subset) {
   Dims shape;
   for (;;) {
@@ -723,7 +787,15 @@ void plan_case(FuzzCase& c, const std::shared_ptr<const DeviceMesh>& mesh,
       at = kind;
       plans.push_back(&cache.get(*c.src_spec, c.dst, kind));
     }
-    c.dst_spec = dtensor::make_spec(mesh, plans.front()->dst, c.shape, c.dtype);
+    const Plan& first = *plans.front();
+    c.dst_spec = dtensor::make_spec(mesh, first.on_view() ? first.user_dst : first.dst, c.shape, c.dtype);
+    auto data = [&](const DTensorSpec& s) {
+      return dtensor::ragged_mesh_dim(s.placements) < 0
+                 ? s
+                 : dtensor::make_spec(mesh, s.placements, dtensor::ragged_view(c.shape, s.placements), c.dtype);
+    };
+    c.src_data = data(*c.src_spec);
+    c.dst_data = data(*c.dst_spec);
   } catch (const kernels::InvalidArgument& e) {
     got = Outcome::kInvalidArgument;
     message = e.what();
@@ -749,7 +821,8 @@ void plan_case(FuzzCase& c, const std::shared_ptr<const DeviceMesh>& mesh,
   for (size_t i = 0; i < plans.size(); ++i) {
     const Plan& p = *plans[i];
     c.failure_planner = planners[i];
-    if (p.states.empty() || p.states.front() != c.src_spec->placements || p.states.back() != c.dst_spec->placements ||
+    if (p.states.empty() || (p.on_view() ? p.user_src : p.states.front()) != c.src_spec->placements ||
+        (p.on_view() ? p.user_dst : p.states.back()) != c.dst_spec->placements ||
         p.states.size() != p.steps.size() + 1 || p.communicating.size() != p.steps.size()) {
       c.failure = fmt::format("malformed plan {}", dtensor::to_string(p));
       return;
@@ -795,11 +868,11 @@ void run_case(FuzzCase& c, const MeshComms& comms, int64_t modulus, kernels::Dev
               const std::function<void(FuzzCase&, PlannerKind, std::string)>& fail) {
   const int rank = comms.rank();
   for (size_t i = 0; i < c.plans.size(); ++i) {
-    Tensor local = testing_support::make_local(*c.src_spec, rank, modulus);
+    Tensor local = testing_support::make_local(*c.src_data, rank, modulus);
     if (!device.is_cpu()) local = local.to(device);
     Tensor out = dtensor::execute(*c.plans[i], *c.src_spec, local, comms);
     std::string err = testing_support::check_redistributed(
-        *c.dst_spec, out, comms, modulus, testing_support::avg_tolerance(*c.src_spec));
+        *c.dst_data, out, comms, modulus, testing_support::avg_tolerance(*c.src_spec));
     if (!err.empty()) fail(c, c.plan_kinds[i], fmt::format("rank {}: {}", rank, err));
   }
 }
@@ -847,7 +920,7 @@ int cmd_fuzz(const FuzzArgs& a, const std::string& prog) {
   cases.reserve(a.cases);
   for (int64_t i = 0; i < a.cases; ++i) {
     const size_t m = static_cast<size_t>(g.uniform(0, static_cast<int>(pool_size) - 1));
-    cases.push_back(random_case(g, m, *meshes[m]));
+    cases.push_back(g.percent(15) ? random_ragged_case(g, m, *meshes[m]) : random_case(g, m, *meshes[m]));
   }
 
   // Plan every case once (rank-independent), checking the errors of invalid ones.

@@ -12,11 +12,13 @@
 //  - scale (--scale, a benchmark, not a check): cold plan time, rank-0 schedule time, plan
 //    memory and the cached look-up for 1-D meshes of 2^8 to 2^20 ranks, 2-D (dp x tp 8) and 3-D
 //    (replicate x shard x tp 8) up to 2^17, medians over --repeats (bench/RESULTS.md).
-//   plan-quality [--table fsdp|fsdp-scale|pairs|all] [--size-mib 32] [--mesh 2x2 --shape 1024,768] [--dtype f32]
+//  - ragged: RaggedShard transitions (FSDP's flat buffers) on 8 ranks against the lower bound.
+//   plan-quality [--table fsdp|fsdp-scale|ragged|pairs|all] [--size-mib 32] [--mesh 2x2 --shape 1024,768] [--dtype f32]
 //   plan-quality --check     exit 1 unless every FSDP row on 8 ranks, and every even one at
 //                            scale, plans one collective per crossed mesh dim and its even rows
-//                            receive exactly the lower bound, and no uneven row at scale moves
-//                            more than greedy's route
+//                            receive exactly the lower bound, no uneven row at scale moves
+//                            more than greedy's route, and every RaggedShard row is one
+//                            collective at the bound (uneven reduce-scatters: one collective)
 //   plan-quality --scale [--repeats 15] [--json FILE]
 // Limits of the pairs table: meshes of at most 3 dims (the sweep has 20^ndim pairs), shapes of
 // at least 2 dims; --timeout-ms bounds the whole sweep (exit 3 naming how far it got).
@@ -189,6 +191,51 @@ int fsdp_scale_table(kernels::DType dtype) {
   return bad;
 }
 
+// RaggedShard transitions (NOTE [ragged plans] in dtensor/plan/transition.h) on 8 ranks: FSDP's
+// flat-buffer moves (unshard, reshard, gradient reduce-scatter, a rebalance, to and from S(0)),
+// with units balanced by made-up parameter sizes (zeros included), align 4, on a 1-D mesh and
+// on dp x tp 4x2. Every row plans one collective at most; the exchanges and the reduce-scatter
+// onto equal ranges receive exactly the lower bound (an uneven reduce-scatter cannot: the owner
+// of the largest range receives k-1 copies of it). Returns the rows that break this.
+int ragged_table(kernels::DType dtype) {
+  struct Row {
+    std::string what, mesh, src, dst;
+  };
+  const std::string u8 = "Rg(0,[3,1,4,1,5,9,2,6],4)", v8 = "Rg(0,[2,7,1,8,0,8,1,8],1)", e8 = "Rg(0,[1,1,1,1,1,1,1,1],4)";
+  const std::string u4 = "Rg(0,[3,0,4,1],4)";
+  const std::vector<Row> rows = {
+      {"unshard (all-gather of exact ranges)", "8", u8, "R"},
+      {"reshard (local chunk)", "8", "R", u8},
+      {"gradient reduce-scatter, uneven ranges", "8", "P", u8},
+      {"gradient reduce-scatter, equal ranges", "8", "P", e8},
+      {"rebalance (other units and align)", "8", u8, v8},
+      {"from the padded layout", "8", "S(0)", u8},
+      {"to the padded layout", "8", u8, "S(0)"},
+      {"dp x tp: unshard over dp", "4x2", u4 + ",R", "R,R"},
+      {"dp x tp: reshard over dp", "4x2", "R,R", u4 + ",R"},
+      {"dp x tp: rebalance", "4x2", u4 + ",R", "Rg(0,[1,1,1,1],1),R"},
+  };
+  int bad = 0;
+  const Dims shape{1027, 768};
+  fmt::print("RaggedShard transitions, {} [{},{}] (flattened: {} elements)\n\n", kernels::to_string(dtype), shape[0],
+             shape[1], shape[0] * shape[1]);
+  fmt::print("| transition | mesh | src -> dst | route | colls | busiest rank receives | lower bound | ratio |\n");
+  fmt::print("|---|---|---|---|---|---|---|---|\n");
+  for (const Row& r : rows) {
+    auto mesh = std::make_shared<const DeviceMesh>(DeviceMesh::parse(r.mesh));
+    const DTensorSpec spec = make_spec(mesh, parse_placements(r.src), shape, dtype);
+    const Placements dst = parse_placements(r.dst);
+    const Plan q = plan_redistribute(spec, dst, PlannerKind::kSearch);
+    const int64_t bound = lower_bound_traffic(spec, dst).max_received();
+    const bool uneven_reduction = r.src.front() == 'P' && r.dst != e8;
+    if (q.collectives() > 1 || (!uneven_reduction && q.traffic.max_received() != bound)) ++bad;
+    fmt::print("| {} | {} | [{}] -> [{}] | `{}` | {} | {} | {} | {} |\n", r.what, r.mesh, r.src, r.dst, to_string(q),
+               q.collectives(), q.traffic.max_received(), bound, ratio(q.traffic.max_received(), bound, 4));
+  }
+  fmt::print("\n");
+  return bad;
+}
+
 void pairs_table(const std::string& mesh_text, const std::string& shape_text, kernels::DType dtype, size_t limit,
                  int64_t timeout_ms, std::chrono::steady_clock::time_point deadline) {
   auto mesh = std::make_shared<const DeviceMesh>(DeviceMesh::parse(mesh_text));
@@ -346,8 +393,8 @@ int main(int argc, char** argv) {
     int64_t limit = 40;
     int64_t timeout_ms = 600'000;
     bool check = false;
-    app.add_option("--table", table, "fsdp, fsdp-scale, pairs or all")
-        ->check(CLI::IsMember({"fsdp", "fsdp-scale", "pairs", "all"}))
+    app.add_option("--table", table, "fsdp, fsdp-scale, ragged, pairs or all")
+        ->check(CLI::IsMember({"fsdp", "fsdp-scale", "ragged", "pairs", "all"}))
         ->capture_default_str();
     app.add_option("--size-mib", size_mib, "FSDP table: tensor size (even shape)")
         ->check(CLI::Range(1e-3, 1e6))
@@ -369,7 +416,7 @@ int main(int argc, char** argv) {
     program::parse(app, argc, argv);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
     const kernels::DType dtype = kernels::parse_dtype(dtype_text);
-    const bool pairs = table != "fsdp" && !check;
+    const bool pairs = table != "fsdp" && table != "ragged" && !check;
     if (pairs) {  // the pairs table's input is checked before the FSDP table prints
       const DeviceMesh mesh = DeviceMesh::parse(mesh_text);
       if (mesh.ndim() > kMaxMeshDims)
@@ -386,11 +433,12 @@ int main(int argc, char** argv) {
       return program::kOk;
     }
     int bad = 0;
-    if ((table != "pairs" && table != "fsdp-scale") || check) bad = fsdp_table(size_mib, dtype);
+    if ((table != "pairs" && table != "fsdp-scale" && table != "ragged") || check) bad = fsdp_table(size_mib, dtype);
+    if (table == "ragged" || table == "all" || check) bad += ragged_table(dtype);
     if (table == "fsdp-scale" || table == "all" || check) bad += fsdp_scale_table(dtype);
     if (pairs) pairs_table(mesh_text, shape_text, dtype, static_cast<size_t>(limit), timeout_ms, deadline);
     if (check && bad > 0) {
-      fmt::print(stderr, "plan-quality: {} FSDP rows break their promise\n", bad);
+      fmt::print(stderr, "plan-quality: {} FSDP or RaggedShard rows break their promise\n", bad);
       return program::kMismatch;
     }
     return program::kOk;

@@ -107,10 +107,80 @@ std::span<const Tensor> ExecHandle::wait(Milliseconds timeout) {
   return results();
 }
 
+void ExecHandle::view_results(const Dims& shape) {
+  for (Tensor& t : results_) t = t.view(shape);
+}
+
 // ---- entry points ----
+
+namespace {
+
+ExecHandle issue_checked(const Plan& plan, std::span<const DTensorSpec> specs, std::span<const Tensor> locals,
+                         const MeshComms& comms, const ReducePolicy& policy, std::span<const Tensor> outs);
+
+// NOTE [ragged plans] (transition.h): the caller's tensor as the view the plan runs on, and the
+// result back as the caller's local shape; both are reshapes of contiguous tensors (the local
+// input is copied when it is not contiguous; an out must be).
+ExecHandle issue_on_view(const Plan& plan, const DTensorSpec& spec, const Tensor& local, const MeshComms& comms,
+                         const ReducePolicy& policy, const Tensor& out) {
+  if (spec.placements != plan.user_src)
+    throw InvalidArgument(fmt::format("execute: the tensor has placements [{}], the plan starts at [{}]",
+                                      to_string(spec.placements), to_string(plan.user_src)));
+  if (!plan.valid_for(spec.shape))
+    throw InvalidArgument(fmt::format("execute: the tensor has global shape {}, the plan {} was made for {}",
+                                      shape_text(spec.shape), to_string(plan), shape_text(plan.tensor_shape)));
+  DTensorSpec view = spec;
+  view.shape = plan.shapes.front();
+  view.stride = Dims::filled(view.shape.size(), 1);
+  for (int t = view.shape.size() - 2; t >= 0; --t) view.stride[t] = view.stride[t + 1] * view.shape[t + 1];
+  view.placements = plan.src;
+  if (!comms.in_mesh()) return ExecHandle({}, {out.defined() ? out : local}, collectives::kDefaultTimeout);
+  const ShardLayout mine = *spec.layout(comms.rank());
+  if (!(local.shape() == mine.local_shape))
+    throw InvalidArgument(fmt::format("execute: local tensor of shape {} but rank {} holds {} of {}",
+                                      shape_text(local.shape()), comms.rank(), shape_text(mine.local_shape),
+                                      to_string(spec)));
+  DTensorSpec user_dst = spec;
+  user_dst.placements = plan.user_dst;
+  const Dims want = user_dst.layout(comms.rank())->local_shape;
+  Tensor view_local = (local.is_contiguous() ? local : local.contiguous()).view(view.layout(comms.rank())->local_shape);
+  DTensorSpec view_dst = view;
+  view_dst.placements = plan.dst;
+  const Dims view_want = view_dst.layout(comms.rank())->local_shape;
+  Tensor view_out;
+  if (out.defined()) {
+    if (!(out.shape() == want))
+      throw InvalidArgument(fmt::format("execute: out tensor has shape {} but rank {} holds {} of the result under [{}]",
+                                        shape_text(out.shape()), comms.rank(), shape_text(want), to_string(plan.user_dst)));
+    if (!out.is_contiguous())
+      throw InvalidArgument(fmt::format("execute: the out tensor of a plan on a view ({}) must be contiguous",
+                                        to_string(plan)));
+    view_out = out.view(view_want);
+  }
+  ExecHandle h = issue_checked(plan, std::span<const DTensorSpec>(&view, 1), std::span<const Tensor>(&view_local, 1),
+                               comms, policy,
+                               view_out.defined() ? std::span<const Tensor>(&view_out, 1) : std::span<const Tensor>());
+  h.view_results(want);
+  return h;
+}
+
+}  // namespace
 
 ExecHandle issue_batch(const Plan& plan, std::span<const DTensorSpec> specs, std::span<const Tensor> locals,
                        const MeshComms& comms, const ReducePolicy& policy, std::span<const Tensor> outs) {
+  if (plan.on_view()) {
+    if (specs.size() != 1 || locals.size() != 1 || outs.size() > 1)
+      throw kernels::Unsupported(fmt::format("execute_batch: the plan {} is on a RaggedShard view and moves one tensor "
+                                             "(given {})", to_string(plan), specs.size()));
+    return issue_on_view(plan, specs[0], locals[0], comms, policy, outs.empty() ? Tensor() : outs[0]);
+  }
+  return issue_checked(plan, specs, locals, comms, policy, outs);
+}
+
+namespace {
+
+ExecHandle issue_checked(const Plan& plan, std::span<const DTensorSpec> specs, std::span<const Tensor> locals,
+                         const MeshComms& comms, const ReducePolicy& policy, std::span<const Tensor> outs) {
   if (specs.size() != locals.size())
     throw InvalidArgument(fmt::format("execute_batch: {} specs for {} local tensors", specs.size(), locals.size()));
   if (!outs.empty() && outs.size() != specs.size())
@@ -131,7 +201,7 @@ ExecHandle issue_batch(const Plan& plan, std::span<const DTensorSpec> specs, std
     items.push_back({&s, locals[i]});
   }
   // NOTE [step validity]: a step valid for one global shape may not be for another.
-  for (size_t i = 0; i < items.size(); ++i)
+  for (size_t i = 0; i < items.size() && !plan.on_view(); ++i)
     if (!plan.valid_for(items[i].spec->shape))
       throw InvalidArgument(fmt::format("execute: tensor {} has global shape {}, which the plan {} was not made for "
                                         "(plan it for this shape)",
@@ -171,6 +241,8 @@ ExecHandle issue_batch(const Plan& plan, std::span<const DTensorSpec> specs, std
   return issue_items(comms, plan, items, std::move(out_list), policy);
 }
 
+}  // namespace
+
 ExecHandle issue(const Plan& plan, const DTensorSpec& src, const Tensor& local, const MeshComms& comms,
                  const ReducePolicy& policy, const Tensor& out) {
   return issue_batch(plan, std::span<const DTensorSpec>(&src, 1), std::span<const Tensor>(&local, 1), comms, policy,
@@ -181,6 +253,7 @@ ExecHandle issue_cached(const Transition& t, const Plan& plan, std::shared_ptr<c
                         const DTensorSpec& src, const Tensor& local, const MeshComms& comms, const Tensor& out,
                         bool background) {
   if (!comms.in_mesh()) return ExecHandle({}, {out.defined() ? out : local}, collectives::kDefaultTimeout);
+  if (plan.on_view()) return issue_on_view(plan, src, local, comms, t.policy, out);  // not cached: NOTE [ragged plans]
   if (!recipe) {
     recipe = make_recipe(RankContext::of(comms), plan, src, t.out_dtype.value_or(src.dtype), t.policy);
     comms.plans().set_recipe(t, recipe);
@@ -201,8 +274,13 @@ ScheduleCost measure_schedule(const Plan& plan, const DTensorSpec& src, const Di
   rc.rank = src.mesh->rank_at(coord);
   rc.views.assign(rc.mesh_shape.size(), views);
   rc.view_max_bytes.assign(rc.mesh_shape.size(), view_max_bytes);
+  DTensorSpec spec = src;
+  if (plan.on_view()) {  // NOTE [ragged plans]: the schedules are of the view
+    spec.shape = plan.shapes.front();
+    spec.placements = plan.src;
+  }
   const auto start = std::chrono::steady_clock::now();
-  const std::shared_ptr<const Recipe> r = make_recipe(rc, plan, src, src.dtype, {});
+  const std::shared_ptr<const Recipe> r = make_recipe(rc, plan, spec, src.dtype, {});
   const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
   return {us, r->schedule_bytes()};
 }

@@ -134,6 +134,9 @@ class ExecHandle {
   // The caller will not wait soon: the communicators' workers start on the calls now
   // (Communicator::kick).
   void kick() const;
+  // Every result re-viewed as `shape` (NOTE [ragged plans]: a plan on a view returns the
+  // caller's local shape). REQUIRES: contiguous results of that many elements.
+  void view_results(const Dims& shape);
 
  private:
   void finish_quietly() noexcept;

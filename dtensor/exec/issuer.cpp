@@ -222,7 +222,8 @@ class Issuer {
   TensorList run_step(const AllGather& s) {
     // A valid step that is not plain (a later mesh dim shards the dim too) gathers pieces that
     // are not the result's chunks in coordinate order: only the exchange places them.
-    bool direct = s.tensor_dim == 0 && plain_step();
+    // Ragged pieces differ in size even when the result divides: always the exact exchange.
+    bool direct = s.tensor_dim == 0 && is_shard((*before_)[m_]) && plain_step();
     if (items_.size() == 1 && direct) {
       // Straight from the local tensor into the result (the caller's out when contiguous).
       const std::shared_ptr<const StepSchedule> sc = sched(0, Path::kAllGather);
@@ -470,8 +471,13 @@ class Issuer {
     const std::vector<int64_t>& seg = ms.seg, &seg_off = ms.seg_off;
     const int64_t total = ms.total;
     const bool even = std::all_of(seg.begin(), seg.end(), [&](int64_t n) { return n == seg[0]; });
-    Tensor send = alloc({total}, p.work);
-    local([=] { pack_members(ins, sc, seg, seg_off, send); });
+    // Member chunks that are consecutive flat ranges of one contiguous input in the reduce dtype
+    // (a ragged reduce-scatter, NOTE [ragged plans]): sent straight from it, nothing packed.
+    bool in_place = items_.size() == 1 && ins[0].is_contiguous() && p.in == p.work;
+    for (int64_t g = 0; g < k && in_place; ++g)
+      in_place = seg[g] == 0 || flat_start(sc[0]->chunk_blocks.at(g), ins[0].shape()) == seg_off[g];
+    Tensor send = in_place ? flat(ins[0]) : alloc({total}, p.work);
+    if (!in_place) local([=] { pack_members(ins, sc, seg, seg_off, send); });
     Tensor mine = alloc({seg[r]}, p.work);
     if (even) {
       call(c.reduce_scatter(send, mine, p.reduction));
@@ -697,6 +703,36 @@ class Issuer {
     return out;
   }
 
+  // One tensor whose every piece is one flat range of the contiguous input and result (a ragged
+  // all-gather or regroup, NOTE [ragged plans]): the pieces go straight from the input into the
+  // result, nothing packed; nullopt when some piece is not one range.
+  std::optional<TensorList> exchange_flat(const std::vector<std::shared_ptr<const StepSchedule>>& sc,
+                                          const TensorList& ins, const TensorList& out,
+                                          const std::vector<int64_t>& send_n, const std::vector<int64_t>& recv_n) {
+    if (ins.size() != 1 || !ins[0].is_contiguous() || !out[0].is_contiguous() || ins[0].dtype() != out[0].dtype())
+      return std::nullopt;
+    const int64_t k = k_, r = r_;
+    std::vector<int64_t> so(k, 0), ro(k, 0);
+    for (int64_t g = 0; g < k; ++g) {
+      so[g] = flat_start(sc[0]->send_blocks.at(g), ins[0].shape());
+      ro[g] = flat_start(sc[0]->recv_blocks.at(g), out[0].shape());
+      if (so[g] < 0 || ro[g] < 0) return std::nullopt;
+    }
+    const Tensor in = flat(ins[0]), o = flat(out[0]);
+    std::vector<P2POp> ops;
+    for (int64_t g = 0; g < k; ++g) {
+      if (g == r) continue;
+      if (send_n[g] > 0) ops.push_back(P2POp::send(in.narrow(0, so[g], send_n[g]), static_cast<int>(g)));
+      if (recv_n[g] > 0) ops.push_back(P2POp::recv(o.narrow(0, ro[g], recv_n[g]), static_cast<int>(g)));
+    }
+    Communicator& c = on(comm());
+    const int64_t keep = send_n[r];
+    if (keep > 0)  // what this rank keeps, from its place in the input to its place in the result
+      local([src = in.narrow(0, so[r], keep), dst = o.narrow(0, ro[r], keep)]() mutable { dst.copy_(src); });
+    call(c.send_recv(ops));
+    return out;
+  }
+
   // Per peer one contiguous send and one receive buffer (backends without views).
   TensorList exchange_packed() {
     const DType dt = sp().work;
@@ -711,6 +747,7 @@ class Issuer {
       sc.back()->send_blocks.add_numels(send_n);
       sc.back()->recv_blocks.add_numels(recv_n);
     }
+    if (std::optional<TensorList> done = exchange_flat(sc, ins, out, send_n, recv_n)) return *done;
     TensorList send_buf(k), recv_buf(k);
     std::vector<P2POp> ops;
     for (int64_t g = 0; g < k; ++g) {

@@ -92,6 +92,14 @@ class PeerLayouts {
   PeerLayouts(const Dims& shape, const Dims& mesh_shape, const Placements& ps, const Dims& coord, int m)
       : own_(compute_layout(shape, mesh_shape, ps, coord)), peer_(own_), coord_(coord), m_(m) {
     if (mesh_shape[m] <= 1) return;
+    if (const auto* rg = std::get_if<RaggedShard>(&ps[m])) {
+      // NOTE [ragged plans]: the view's last dim, cut by this mesh dim alone; peer by peer.
+      bounds_ = ragged_boundaries(shape[shape.size() - 1], rg->units, rg->align);
+      t_ = shape.size() - 1;
+      n_ = shape[t_];
+      count_ = mesh_shape[m];
+      return;
+    }
     const std::optional<int> t = shard_dim(ps[m]);
     if (!t) return;
     t_ = *t;
@@ -131,6 +139,13 @@ class PeerLayouts {
   // The layout of the peer at coordinate g along m (valid until the next call).
   const ShardLayout& peer(int64_t g) {
     if (t_ < 0) return own_;
+    if (!bounds_.empty()) {
+      const int64_t lo = bounds_[g], size = bounds_[g + 1] - lo;
+      peer_.runs[t_].clear();
+      if (size > 0) peer_.runs[t_].push_back({lo, size});
+      peer_.local_shape[t_] = size;
+      return peer_;
+    }
     coords_.clear();
     for (const Split& s : chain_) coords_.push_back(s.mesh_dim == m_ ? g : coord_[s.mesh_dim]);
     peer_.runs[t_] = chain_positions(n_, span_of(chain_), coords_);
@@ -148,6 +163,7 @@ class PeerLayouts {
   Split split_;
   std::vector<int64_t> coords_;
   Translates translates_;
+  std::vector<int64_t> bounds_;  // a RaggedShard at m: its boundaries (ragged_boundaries)
 
   // The full pieces of the split at m of a contiguous prefix list: torch.chunk's pieces of size
   // c = ceil(L / k) start at g x c, so peers [0, L / c) hold translates (the later splits cut
@@ -345,6 +361,8 @@ void for_each_block_piece(const Tensor& local, const Block& b, const Tensor& pac
   }
 }
 
+}  // namespace
+
 // The block as one flat range of a contiguous tensor of `shape`: its start, or -1 when the block
 // is not one range (a block is one range when every dim has one run, the dims after the first
 // partial one are whole and the dims before it have length 1).
@@ -363,7 +381,6 @@ int64_t flat_start(const Block& b, const Dims& shape) {
   return start;
 }
 
-}  // namespace
 
 void pack(const Tensor& local, const Block& b, const Tensor& flat, int64_t offset) {
   if (b.numel() == 0) return;

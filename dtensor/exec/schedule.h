@@ -145,6 +145,9 @@ Tensor at(const Tensor& base, const View& v);
 Block block_in(const ShardLayout& holder, const std::vector<IndexRuns>& global_sets);
 // Per tensor dim, the global indices two layouts have in common.
 std::vector<IndexRuns> intersect_layouts(const ShardLayout& a, const ShardLayout& b);
+// The block as one flat range of a contiguous tensor of `shape`: its start (0 when empty), or -1
+// when it is not one range.
+int64_t flat_start(const Block& b, const Dims& shape);
 // flat[offset : offset + numel] <- block of local (row-major), cast to flat's dtype.
 void pack(const Tensor& local, const Block& b, const Tensor& flat, int64_t offset);
 void unpack(const Tensor& flat, int64_t offset, const Tensor& local, const Block& b);

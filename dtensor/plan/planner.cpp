@@ -257,13 +257,17 @@ Plan search(Context& ctx) {
 int Plan::collectives() const { return static_cast<int>(std::count(communicating.begin(), communicating.end(), 1)); }
 
 bool Plan::valid_for(const Dims& global_shape) const {
+  if (on_view()) return global_shape == tensor_shape;
   return plain || std::find(shapes.begin(), shapes.end(), global_shape) != shapes.end();
 }
 
 std::string to_string(const Plan& plan) {
-  std::string out = fmt::format("[{}]", to_string(plan.states.front()));
+  std::string out;
+  if (plan.on_view() && plan.user_src != plan.states.front()) out = fmt::format("[{}] as ", to_string(plan.user_src));
+  out += fmt::format("[{}]", to_string(plan.states.front()));
   for (size_t i = 0; i < plan.steps.size(); ++i)
     out += fmt::format(" -{}-> [{}]", to_string(plan.steps[i]), to_string(plan.states[i + 1]));
+  if (plan.on_view() && plan.user_dst != plan.states.back()) out += fmt::format(" as [{}]", to_string(plan.user_dst));
   return out;
 }
 
@@ -287,6 +291,21 @@ Plan plan_transition(const Transition& t) { return plan_transition(t, Algebra{})
 
 Plan plan_transition(const Transition& t, const StepOracle& oracle) {
   Context ctx(t, oracle);
+  if (!t.tensor_shape.empty()) {
+    // NOTE [ragged plans]: one mesh dim changes, by its one direct step, for either planner.
+    Builder b(ctx, t.planner);
+    for (int m = 0; m < t.mesh_shape.size(); ++m) {
+      if (t.src[m] == t.dst[m]) continue;
+      std::optional<Step> step = step_between(m, t.src[m], t.dst[m], /*direct=*/true);
+      if (!step) throw Unsupported(fmt::format("no route for {}", to_string(t)));
+      b.add(ctx.with_wire(*step));
+    }
+    Plan p = b.finish();
+    p.tensor_shape = t.tensor_shape;
+    p.user_src = {t.user_src.begin(), t.user_src.end()};
+    p.user_dst = {t.user_dst.begin(), t.user_dst.end()};
+    return p;
+  }
   // The search's graph holds greedy's route, so it never costs more (checked against an
   // independent brute force in tests/dtensor/plan_bruteforce_test.cpp; no cost fallback hides a
   // miss).

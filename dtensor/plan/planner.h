@@ -49,6 +49,12 @@ struct Plan {
   double cost_us = 0;
   std::vector<Dims> shapes;        // global shapes every step was checked valid for
   bool plain = false;              // every step is plain (is_plain_step): valid for any shape
+  // NOTE [ragged plans] (transition.h): the steps and states are of the flattened view `shape`
+  // above; src and dst above are the view's placements, user_src / user_dst the caller's, of a
+  // tensor of global shape `tensor_shape` (empty when the plan is not on a view).
+  Dims tensor_shape;
+  Placements user_src, user_dst;
+  bool on_view() const { return !tensor_shape.empty(); }
 
   int collectives() const;         // communicating steps
   int64_t bytes_per_rank() const { return traffic.max_sent(); }
@@ -57,7 +63,8 @@ struct Plan {
 };
 
 // "[S(0),S(1)] -AG(1)-> [S(0),R] -A2A(0:0->1)-> [S(1),R] -chunk(1->S(0))-> [S(1),S(0)]";
-// a plan without steps prints "[S(0)]" alone.
+// a plan without steps prints "[S(0)]" alone. A plan on a view (NOTE [ragged plans]) names the
+// caller's placements where they differ from the view's: "[S(0)] as [Rg(0,[3,3,3,0],4)] -...".
 std::string to_string(const Plan& plan);
 
 // The planner: a pure function of the transition (its planner kind, cost model, shapes). Throws

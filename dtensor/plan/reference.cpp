@@ -125,7 +125,27 @@ RankTraffic reference_step_traffic(const Step& step, const Placements& before, c
   return t;
 }
 
+namespace {
+
+RankTraffic lower_bound_of(const DTensorSpec& src, const Placements& dst_in);
+
+}  // namespace
+
 RankTraffic reference_lower_bound(const DTensorSpec& src, const Placements& dst_in) {
+  const Placements dst = normalize_placements(dst_in, src.mesh->ndim(), src.tensor_ndim());
+  // NOTE [ragged plans] (transition.h): a RaggedShard transition's bound is of its view.
+  if (std::optional<RaggedMapping> v = map_ragged_transition(src.mesh->shape(), src.shape, src.placements, dst)) {
+    DTensorSpec view = src;
+    view.shape = v->view;
+    view.placements = v->src;
+    return lower_bound_of(view, v->dst);
+  }
+  return lower_bound_of(src, dst);
+}
+
+namespace {
+
+RankTraffic lower_bound_of(const DTensorSpec& src, const Placements& dst_in) {
   const DeviceMesh& mesh = *src.mesh;
   const int64_t n = mesh.size();
   const int64_t item = static_cast<int64_t>(kernels::itemsize(src.dtype));
@@ -156,6 +176,8 @@ RankTraffic reference_lower_bound(const DTensorSpec& src, const Placements& dst_
     t.received[p] = to_bytes(std::max(busiest, Wide{numel(post[p])}) * item, src.shape, src.dtype);
   return t;
 }
+
+}  // namespace
 
 bool ReferenceOracle::valid(const Step& step, const Placements& before, const Dims& shape, const Dims& mesh_shape,
                             WorkBudget&) const {

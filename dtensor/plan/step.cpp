@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "dtensor/plan/traffic.h"
 #include "kernels/error.h"
 #include "kernels/overloaded.h"
@@ -21,7 +23,9 @@ bool starts_right(const Step& step, const Placements& before) {
   const int m = mesh_dim_of(step);
   return std::visit(
       Overloaded{
-          [&](const AllGather& s) { return before[m] == Placement{Shard{s.tensor_dim}}; },
+          [&](const AllGather& s) {
+            return before[m] == Placement{Shard{s.tensor_dim}} || ragged_dim(before[m]) == s.tensor_dim;
+          },
           [&](const StridedAllGather& s) {
             return before[m] == Placement{StridedShard{s.tensor_dim, s.split_factor}};
           },
@@ -32,11 +36,11 @@ bool starts_right(const Step& step, const Placements& before) {
             // From Replicate to a shard (PyTorch's chunk); from a shard when every rank already
             // holds its new layout (a relabel or a narrowing, e.g. _S(0,1) -> S(0)).
             return !is_partial(before[m]) && !is_partial(s.to) && before[m] != s.to &&
-                   (shard_dim(s.to).has_value() || shard_dim(before[m]).has_value());
+                   (split_dim(s.to).has_value() || split_dim(before[m]).has_value());
           },
           [&](const LocalPartial&) { return is_replicate(before[m]); },
           [&](const Regroup& s) {
-            return before[m] == s.from && shard_dim(s.from) && shard_dim(s.to) && s.from != s.to;
+            return before[m] == s.from && split_dim(s.from) && split_dim(s.to) && s.from != s.to;
           },
           [&](const LocalEmbed& s) { return before[m] == Placement{Shard{s.tensor_dim}}; },
       },
@@ -44,6 +48,39 @@ bool starts_right(const Step& step, const Placements& before) {
 }
 
 }  // namespace
+
+std::optional<int> split_dim(const Placement& p) {
+  if (std::optional<int> d = shard_dim(p)) return d;
+  return ragged_dim(p);
+}
+
+std::optional<bool> ragged_step_valid(const Step& step, const Placements& before, const Placements& after,
+                                      const Dims& view_shape, const Dims& mesh_shape) {
+  const int r = std::max(ragged_mesh_dim(before), ragged_mesh_dim(after));
+  if (r < 0) return std::nullopt;
+  // Both states must be layouts of this view (NOTE [ragged view]).
+  for (const Placements* ps : {&before, &after}) {
+    if (ragged_mesh_dim(*ps) < 0) continue;
+    try {
+      if (!(ragged_view(view_shape, *ps) == view_shape)) return false;
+    } catch (const kernels::Unsupported&) {
+      return false;
+    } catch (const kernels::InvalidArgument&) {
+      return false;
+    }
+    const auto& rg = std::get<RaggedShard>((*ps)[ragged_mesh_dim(*ps)]);
+    if (static_cast<int64_t>(rg.units.size()) != mesh_shape[ragged_mesh_dim(*ps)]) return false;
+  }
+  // NOTE [ragged plans]: steps on the ragged dim only where no other mesh dim splits it; steps
+  // on other dims only while the ragged mesh dim stays put.
+  const int m = mesh_dim_of(step);
+  const int d = view_shape.size() - 1;
+  const std::vector<int> touched = touched_dims(step);
+  if (std::find(touched.begin(), touched.end(), d) == touched.end()) return false;
+  for (int q = 0; q < mesh_shape.size(); ++q)
+    if (q != m && mesh_shape[q] > 1 && (split_dim(before[q]) == d || split_dim(after[q]) == d)) return false;
+  return true;
+}
 
 int mesh_dim_of(const Step& step) {
   return std::visit([](const auto& s) { return s.mesh_dim; }, step);
@@ -64,6 +101,7 @@ Placements apply_step(const Step& step, const Placements& placements) {
           [](const AllToAll& s) -> Placement { return Shard{s.to_dim}; },
           [](const AllReduce&) -> Placement { return Replicate{}; },
           [](const ReduceScatter& s) -> Placement {
+            if (s.ragged) return *s.ragged;
             if (s.split_factor > 0) return StridedShard{s.tensor_dim, s.split_factor};
             return Shard{s.tensor_dim};
           },
@@ -90,6 +128,9 @@ std::string to_string(const Step& step) {
             return fmt::format("AR({},{}{})", s.mesh_dim, kernels::to_string(s.op), wire_text(s.wire));
           },
           [](const ReduceScatter& s) {
+            if (s.ragged)
+              return fmt::format("RS({}:{},{}{})", s.mesh_dim, to_string(Placement{*s.ragged}), kernels::to_string(s.op),
+                                 wire_text(s.wire));
             if (s.split_factor > 0)
               return fmt::format("RS({}:{},{}{})", s.mesh_dim,
                                  to_string(Placement{StridedShard{s.tensor_dim, s.split_factor}}),
@@ -110,9 +151,10 @@ std::string to_string(const Step& step) {
 
 std::optional<Step> step_between(int m, const Placement& from, const Placement& to, bool direct) {
   if (from == to) return std::nullopt;
-  const std::optional<int> fd = shard_dim(from), td = shard_dim(to);
+  const std::optional<int> fd = shard_dim(from), td = split_dim(to);
   if (is_replicate(to)) {
     if (const auto* s = std::get_if<Shard>(&from)) return AllGather{m, s->dim};
+    if (const auto* r = std::get_if<RaggedShard>(&from)) return AllGather{m, r->dim};
     if (const auto* s = std::get_if<StridedShard>(&from)) return StridedAllGather{m, s->dim, s->split_factor};
     if (const auto* p = std::get_if<Partial>(&from)) return AllReduce{m, p->op};
     return std::nullopt;
@@ -126,6 +168,7 @@ std::optional<Step> step_between(int m, const Placement& from, const Placement& 
     if (const auto* s = std::get_if<Shard>(&to)) return ReduceScatter{m, s->dim, p->op};
     if (const auto* s = std::get_if<StridedShard>(&to); s && direct)
       return ReduceScatter{m, s->dim, p->op, s->split_factor};
+    if (const auto* r = std::get_if<RaggedShard>(&to)) return ReduceScatter{m, r->dim, p->op, 0, std::nullopt, *r};
     return std::nullopt;  // P(a) -> P(b) is an error; PyTorch sends P -> _S through R
   }
   if (const auto* p = std::get_if<Partial>(&to)) {
@@ -136,6 +179,7 @@ std::optional<Step> step_between(int m, const Placement& from, const Placement& 
   }
   // Both shard-like.
   if (is_shard(from) && is_shard(to)) return AllToAll{m, *fd, *td};
+  if (is_ragged(from) || is_ragged(to)) return Regroup{m, from, to};  // one exchange of the overlaps
   if (direct) return Regroup{m, from, to};
   return std::nullopt;
 }
@@ -148,11 +192,11 @@ std::vector<int> touched_dims(const Step& step) {
           [](const AllToAll& s) { return std::vector<int>{s.from_dim, s.to_dim}; },
           [](const AllReduce&) { return std::vector<int>{}; },
           [](const ReduceScatter& s) { return std::vector<int>{s.tensor_dim}; },
-          [](const LocalChunk& s) { return std::vector<int>{*shard_dim(s.to)}; },
+          [](const LocalChunk& s) { return std::vector<int>{*split_dim(s.to)}; },
           [](const LocalPartial&) { return std::vector<int>{}; },
           [](const Regroup& s) {
-            std::vector<int> dims{*shard_dim(s.from)};
-            if (*shard_dim(s.to) != dims[0]) dims.push_back(*shard_dim(s.to));
+            std::vector<int> dims{*split_dim(s.from)};
+            if (*split_dim(s.to) != dims[0]) dims.push_back(*split_dim(s.to));
             return dims;
           },
           [](const LocalEmbed& s) { return std::vector<int>{s.tensor_dim}; },
@@ -173,7 +217,7 @@ bool is_plain_step(const Step& step, const Placements& before, const Dims& mesh_
   if (std::holds_alternative<LocalChunk>(step) && !is_replicate(before[m])) return false;
   for (int d : touched_dims(step))
     for (int later = m + 1; later < mesh_shape.size(); ++later)
-      if (mesh_shape[later] > 1 && shard_dim(before[later]) == d) return false;
+      if (mesh_shape[later] > 1 && split_dim(before[later]) == d) return false;
   return true;
 }
 
@@ -183,7 +227,8 @@ bool is_valid_step(const Step& step, const Placements& before, const Dims& globa
   const Placements after = apply_step(step, before);
   for (const Placements* ps : {&before, &after})
     for (const Placement& p : *ps)
-      if (auto d = shard_dim(p); d && (*d < 0 || *d >= global_shape.size())) return false;
+      if (auto d = split_dim(p); d && (*d < 0 || *d >= global_shape.size())) return false;
+  if (const std::optional<bool> v = ragged_step_valid(step, before, after, global_shape, mesh_shape)) return *v;
   if (is_plain_step(step, before, mesh_shape)) return true;
   for (int64_t n : global_shape)
     if (n == 0) return true;  // every rank holds nothing after the step

@@ -44,8 +44,9 @@ using kernels::Dims;
 
 // How each step runs is the executor's choice (NOTE [exchange] in dtensor/exec/executor.h);
 // none pads: every piece moves at its exact size.
-// S(d) -> R: one all_gather straight into the result when d == 0, the step is plain and the
-// pieces are equal; otherwise an exchange (each piece straight to its place in the result).
+// S(d) or Rg(d) -> R: one all_gather straight into the result when d == 0, the step is plain and
+// the pieces are equal S(0) chunks; otherwise an exchange (each piece straight to its place in
+// the result: an all-gather of exact sizes, the wire carries no padding).
 struct AllGather {
   int mesh_dim, tensor_dim;
 };
@@ -63,13 +64,14 @@ struct AllReduce {         // P(op) -> R
   ReduceOp op;
   std::optional<kernels::DType> wire = std::nullopt;
 };
-// P(op) -> S(d) (split_factor 0) or _S(d,split_factor): a reduce_scatter (uneven chunks: an
-// exchange, then a local reduce)
+// P(op) -> S(d) (split_factor 0), _S(d,split_factor) or the RaggedShard `ragged` (of dim d): a
+// reduce_scatter (uneven chunks: an exchange, then a local reduce)
 struct ReduceScatter {
   int mesh_dim, tensor_dim;
   ReduceOp op;
   int split_factor = 0;
   std::optional<kernels::DType> wire = std::nullopt;
+  std::optional<RaggedShard> ragged = std::nullopt;
 };
 // R -> S(d) or _S(d,sf): keep this rank's piece, no communication. Also from a shard when every
 // rank already holds its new layout (e.g. _S(0,1) -> S(0): the same layout; never plain).
@@ -101,7 +103,7 @@ int mesh_dim_of(const Step& step);
 bool communicates(const Step& step);
 // The placements after the step. REQUIRES: the step starts from placements[mesh_dim].
 Placements apply_step(const Step& step, const Placements& placements);
-// "AG(1)", "_AG(0,sf=2)", "A2A(0:0->1)", "AR(1,sum)", "RS(0:0,sum)", "RS(0:_S(0,4),sum)",
+// "AG(1)", "_AG(0,sf=2)", "A2A(0:0->1)", "AR(1,sum)", "RS(0:0,sum)", "RS(0:_S(0,4),sum)", "RS(0:Rg(0,[1,2],1),sum)",
 // "RS(0:0,sum,wire=bf16)", "AR(1,avg,wire=f8e5m2)", "chunk(1->S(0))", "partial(1,sum)", "regroup(0:_S(0,2)->S(0))", "embed(0:S(0)->P(sum))".
 std::string to_string(const Step& step);
 
@@ -116,12 +118,19 @@ std::optional<Step> step_between(int mesh_dim, const Placement& from, const Plac
 bool starts_from(const Step& step, const Placements& before, const Dims& mesh_shape);
 // The tensor dims the step splits or joins.
 std::vector<int> touched_dims(const Step& step);
+// The tensor dim a Shard, StridedShard or RaggedShard splits (nullopt for R and P).
+std::optional<int> split_dim(const Placement& p);
 
 // NOTE [step validity], decided by the layout algebra (dtensor/plan/chain.h) in work bounded by
 // the step's split factors, size classes and later owner runs, never by the number of ranks:
 // the step starts from what it converts and moves data only within groups along its mesh dim,
 // for a tensor of `global_shape`. Throws Unsupported past the budget (chain.h: WorkBudget).
 bool is_valid_step(const Step& step, const Placements& before, const Dims& global_shape, const Dims& mesh_shape);
+// NOTE [ragged plans] (transition.h): nullopt when neither state has a RaggedShard; otherwise
+// whether the step is valid on the view `view_shape`: both states are its layouts, the step
+// touches the ragged (last) dim and no other mesh dim of size > 1 splits it.
+std::optional<bool> ragged_step_valid(const Step& step, const Placements& before, const Placements& after,
+                                      const Dims& view_shape, const Dims& mesh_shape);
 bool is_valid_step(const Step& step, const Placements& before, const Dims& global_shape, const Dims& mesh_shape,
                    WorkBudget& work);
 // True when the step starts from what it converts and no later mesh dim of size > 1 shards a

@@ -7,6 +7,7 @@
 #include <map>
 #include <optional>
 
+#include "dtensor/plan/transition.h"
 #include "kernels/checked.h"
 #include "kernels/error.h"
 
@@ -467,10 +468,79 @@ Traffic busiest(const std::vector<Term>& terms, const ChainSet& set, const Dims&
   return {to_bytes(sent, shape, dtype), to_bytes(received, shape, dtype)};
 }
 
+// ---- NOTE [ragged plans] (transition.h) ----
+// A step on the ragged (last) dim d of a view, no other mesh dim splitting d: the rank at
+// coordinate c of the step's mesh dim moves, along d, what its pieces before and after say,
+// times its sizes along dims < d, which other mesh dims split independently of c. So the
+// busiest rank is the busiest coordinate times the largest size of every other dim: O(k) work.
+
+// The pieces of a list of n under p on a group of k, in O(k): a RaggedShard's ranges, S chunks,
+// all of it (R, P).
+class Pieces {
+ public:
+  Pieces(const Placement& p, int64_t n, int64_t k) : n_(n), k_(k), shard_(is_shard(p)) {
+    if (const auto* r = std::get_if<RaggedShard>(&p)) bounds_ = ragged_boundaries(n, r->units, r->align);
+  }
+  Chunk operator[](int64_t c) const {
+    if (!bounds_.empty()) return {bounds_[c], bounds_[c + 1] - bounds_[c]};
+    if (shard_) return chunk(n_, k_, c);
+    return {0, n_};
+  }
+
+ private:
+  int64_t n_, k_;
+  bool shard_;
+  std::vector<int64_t> bounds_;
+};
+int64_t overlap(const Chunk& a, const Chunk& b) {
+  return std::max<int64_t>(0, std::min(a.offset + a.size, b.offset + b.size) - std::max(a.offset, b.offset));
+}
+// The largest size any rank holds of the dims before the ragged one.
+Wide largest_other_sizes(const Placements& ps, const Dims& shape, const Dims& mesh, WorkBudget& work) {
+  Wide out = 1;
+  for (int t = 0; t + 1 < shape.size(); ++t) {
+    const std::vector<int64_t> sizes = distinct_sizes(shape[t], span_of(chain_of(ps, mesh, t)), mesh, work);
+    out *= sizes.empty() ? 0 : *std::max_element(sizes.begin(), sizes.end());
+  }
+  return out;
+}
+
+std::optional<Traffic> ragged_step_traffic(const Step& step, const Placements& before, const Dims& shape,
+                                           const Dims& mesh, DType dtype, WorkBudget& work) {
+  const Placements after = apply_step(step, before);
+  if (ragged_mesh_dim(before) < 0 && ragged_mesh_dim(after) < 0) return std::nullopt;
+  const int m = mesh_dim_of(step);
+  const int64_t k = mesh[m];
+  if (!communicates(step) || k == 1) return Traffic{};
+  const int64_t n = shape[shape.size() - 1];
+  const auto* rs = std::get_if<ReduceScatter>(&step);
+  const std::optional<DType> wire = rs != nullptr ? rs->wire : std::nullopt;
+  const int64_t item = static_cast<int64_t>(kernels::itemsize(wire.value_or(dtype)));
+  const int64_t scale = wire && (*wire == DType::kF8E4M3 || *wire == DType::kF8E5M2) ? 4 * (k - 1) : 0;
+  work.add(k);
+  Wide sent = 0, received = 0;
+  const Pieces pa(before[m], n, k), pb(after[m], n, k);
+  for (int64_t c = 0; c < k; ++c) {
+    const Chunk a = pa[c], b = pb[c];
+    if (rs != nullptr) {  // every member's contribution to c's range in, c's to every other out
+      received = std::max(received, Wide{k - 1} * b.size);
+      sent = std::max(sent, Wide{n} - b.size);
+    } else {  // an exchange: what c holds after and not before in; out, its piece to every peer
+      // that holds it after (all of them for R, else the one piece of a partition holding it)
+      const int64_t kept = overlap(a, b);
+      received = std::max(received, Wide{b.size} - kept);
+      sent = std::max(sent, is_replicate(after[m]) ? Wide{k - 1} * a.size : Wide{a.size} - kept);
+    }
+  }
+  const Wide others = largest_other_sizes(before, shape, mesh, work);
+  return Traffic{to_bytes(sent * others * item + scale, shape, dtype), to_bytes(received * others * item + scale, shape, dtype)};
+}
+
 }  // namespace
 
 Traffic step_traffic(const Step& step, const Placements& before, const Dims& global_shape, const Dims& mesh_shape,
                      DType dtype, WorkBudget& work) {
+  if (std::optional<Traffic> r = ragged_step_traffic(step, before, global_shape, mesh_shape, dtype, work)) return *r;
   ChainSet set(mesh_shape);
   const std::vector<Term> terms = {make_term(step, before, global_shape, mesh_shape, set, dtype)};
   return busiest(terms, set, global_shape, dtype, work);
@@ -478,13 +548,69 @@ Traffic step_traffic(const Step& step, const Placements& before, const Dims& glo
 
 Traffic route_traffic(std::span<const Step> steps, std::span<const Placements> states, const Dims& global_shape,
                       const Dims& mesh_shape, DType dtype, WorkBudget& work) {
+  if (std::any_of(states.begin(), states.end(), [](const Placements& ps) { return ragged_mesh_dim(ps) >= 0; })) {
+    // NOTE [ragged plans]: one step per plan, so its traffic is the route's (the sum over several
+    // would bound the busiest rank's from above).
+    Traffic sum;
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const Traffic t = step_traffic(steps[i], states[i], global_shape, mesh_shape, dtype, work);
+      sum.sent = kernels::checked_add(sum.sent, t.sent, "route bytes");
+      sum.received = kernels::checked_add(sum.received, t.received, "route bytes");
+    }
+    return sum;
+  }
   ChainSet set(mesh_shape);
   std::vector<Term> terms;
   for (size_t i = 0; i < steps.size(); ++i) terms.push_back(make_term(steps[i], states[i], global_shape, mesh_shape, set, dtype));
   return busiest(terms, set, global_shape, dtype, work);
 }
 
+namespace {
+
+// lower_bound_traffic on the view of a RaggedShard transition (NOTE [ragged plans]).
+Traffic ragged_lower_bound(const DTensorSpec& src, const RaggedMapping& v) {
+  const Dims& mesh = src.mesh->shape();
+  const Dims& shape = v.view;
+  const int64_t item = static_cast<int64_t>(kernels::itemsize(src.dtype));
+  int m = -1;
+  for (int q = 0; q < mesh.size(); ++q)
+    if (v.src[q] != v.dst[q]) m = q;
+  if (m < 0 || mesh[m] == 1) return {};
+  const int64_t k = mesh[m], n = shape[shape.size() - 1];
+  WorkBudget work(kMaxPlanWork, [&] { return fmt::format("the lower bound of [{}] -> [{}]", to_string(v.src), to_string(v.dst)); });
+  work.add(k);
+  const Wide others = largest_other_sizes(v.src, shape, mesh, work);
+  Wide largest_after = 0, received = 0;
+  const Pieces pa(v.src[m], n, k), pb(v.dst[m], n, k);
+  for (int64_t c = 0; c < k; ++c) {
+    const Chunk a = pa[c], b = pb[c];
+    largest_after = std::max(largest_after, Wide{b.size});
+    received = std::max(received, Wide{b.size} - overlap(a, b));
+  }
+  if (!is_partial(v.src[m])) return {0, to_bytes(received * others * item, shape, src.dtype)};
+  // A reduction over the k members (planner.h's model): the mesh receives at least
+  // numel x (k - 2) x the kept-Partial classes + every rank's new local size; the busiest rank
+  // at least the average and at least its own new local size.
+  Wide numel = 1, classes = 1, held_after = 1;
+  for (int64_t s : shape) numel *= s;
+  held_after = numel;
+  for (int q = 0; q < mesh.size(); ++q) {
+    if (q != m && is_partial(v.src[q])) classes *= mesh[q];
+    if (!split_dim(v.dst[q])) held_after *= mesh[q];
+  }
+  Wide world = 1;
+  for (int64_t s : mesh) world *= s;
+  const Wide total = numel * (k - 2) * classes + held_after;
+  const Wide average = (total + world - 1) / world;
+  return {0, to_bytes(std::max(average, largest_after * others) * item, shape, src.dtype)};
+}
+
+}  // namespace
+
 Traffic lower_bound_traffic(const DTensorSpec& src, const Placements& dst_in) {
+  if (std::optional<RaggedMapping> v = map_ragged_transition(
+          src.mesh->shape(), src.shape, src.placements, normalize_placements(dst_in, src.mesh->ndim(), src.tensor_ndim())))
+    return ragged_lower_bound(src, *v);
   const DeviceMesh& mesh = *src.mesh;
   const Dims& mesh_shape = mesh.shape();
   const Dims& shape = src.shape;

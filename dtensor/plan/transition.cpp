@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <bit>
 
+#include "dtensor/layout.h"
+#include "kernels/checked.h"
 #include "kernels/error.h"
 
 namespace dtensor {
@@ -32,6 +34,9 @@ void check_pair(const PlacementList& src, const PlacementList& dst, bool allow_p
       throw Unsupported(fmt::format("{}: {} -> {} changes the reduce op (a Partial keeps its op)", what,
                                     to_string(src[m]), to_string(dst[m])));
     if (shard_to_partial_sum(src[m], dst[m])) continue;
+    if (is_ragged(src[m]))
+      throw Unsupported(fmt::format("{}: {} -> {} is not supported (a RaggedShard never becomes Partial)", what,
+                                    to_string(src[m]), to_string(dst[m])));
     if (shard_dim(src[m]).has_value())
       throw Unsupported(fmt::format(
           "{}: {} -> {} is not supported (only a Shard becomes Partial, and only P(sum), as in PyTorch 2.15)", what,
@@ -107,6 +112,11 @@ size_t TransitionHash::operator()(const Transition& t) const {
   mix(h, std::bit_cast<uint64_t>(t.cost.bandwidth_gb_per_s));
   mix(h, static_cast<uint64_t>(t.allow_partial_target));
   for (const Dims& d : t.also_valid_for) mix_dims(h, d);
+  mix_dims(h, t.tensor_shape);
+  for (const PlacementList* ps : {&t.user_src, &t.user_dst}) {
+    mix(h, ps->size());
+    for (const Placement& p : *ps) mix_placement(h, p);
+  }
   mix(h, t.policy.reduce_dtype ? static_cast<uint64_t>(*t.policy.reduce_dtype) : ~0ull);
   mix(h, std::bit_cast<uint64_t>(t.policy.divide_factor));
   mix(h, static_cast<uint64_t>(t.policy.force_sum));
@@ -140,12 +150,19 @@ Transition make_transition(const DTensorSpec& src, const Placements& dst, Planne
       partial_op = partial->op;
     }
   }
-  for (const PlacementList* ps : {&t.src, &t.dst})
-    for (const Placement& p : *ps)
-      if (is_ragged(p))
-        throw Unsupported(fmt::format("cannot redistribute [{}] -> [{}]: {} transitions are not planned yet",
-                                      text(t.src), text(t.dst), to_string(p)));
   check_pair(t.src, t.dst, allow_partial_target);
+  if (auto mapped = map_ragged_transition(t.mesh_shape, t.shape, t.source(), t.target())) {
+    if (!also_valid_for.empty())
+      throw Unsupported(fmt::format("cannot redistribute [{}] -> [{}] for several shapes at once: RaggedShard plans "
+                                    "are made per shape (NOTE [ragged plans])",
+                                    text(t.src), text(t.dst)));
+    t.tensor_shape = t.shape;
+    t.user_src = t.src;
+    t.user_dst = t.dst;
+    t.shape = mapped->view;
+    t.src.assign(mapped->src.begin(), mapped->src.end());
+    t.dst.assign(mapped->dst.begin(), mapped->dst.end());
+  }
   check_wire(src, policy);
   t.planner = planner;
   t.cost = cost;
@@ -161,8 +178,64 @@ Transition make_transition(const DTensorSpec& src, const Placements& dst, Planne
 }
 
 std::string to_string(const Transition& t) {
+  if (!t.tensor_shape.empty())
+    return fmt::format("[{}] -> [{}] on mesh [{}], {} [{}] (view [{}])", text(t.user_src), text(t.user_dst),
+                       fmt::join(t.mesh_shape, ","), kernels::to_string(t.dtype), fmt::join(t.tensor_shape, ","),
+                       fmt::join(t.shape, ","));
   return fmt::format("[{}] -> [{}] on mesh [{}], {} [{}]", text(t.src), text(t.dst), fmt::join(t.mesh_shape, ","),
                      kernels::to_string(t.dtype), fmt::join(t.shape, ","));
+}
+
+std::optional<RaggedMapping> map_ragged_transition(const Dims& mesh_shape, const Dims& shape, const Placements& src,
+                                                   const Placements& dst) {
+  const int rs = ragged_mesh_dim(src), rd = ragged_mesh_dim(dst);
+  if (rs < 0 && rd < 0) return std::nullopt;
+  const std::string what = fmt::format("cannot redistribute [{}] -> [{}]", to_string(src), to_string(dst));
+  const int d = rs >= 0 ? *ragged_dim(src[rs]) : *ragged_dim(dst[rd]);
+  if (rs >= 0 && rd >= 0 && *ragged_dim(dst[rd]) != d)
+    throw Unsupported(fmt::format("{}: the RaggedShards flatten from different dims ({} and {}; expected the same)",
+                                  what, d, *ragged_dim(dst[rd])));
+  std::vector<int> changed;
+  for (size_t q = 0; q < src.size(); ++q)
+    if (src[q] != dst[q]) changed.push_back(static_cast<int>(q));
+  if (changed.size() > 1)
+    throw Unsupported(fmt::format("{}: a RaggedShard transition changes one mesh dim at a time (here {})", what,
+                                  fmt::join(changed, ", ")));
+  const int m = changed.empty() ? (rs >= 0 ? rs : rd) : changed[0];
+  for (int q = 0; q < static_cast<int>(src.size()); ++q) {
+    if (q == m) continue;
+    const std::optional<int> t = shard_dim(src[q]);
+    if ((t && *t >= d && mesh_shape[q] > 1) || is_ragged(src[q]))
+      throw Unsupported(fmt::format("{}: {} on mesh dim {} also splits the flattened dims {}.. (ragged transitions "
+                                    "take R, P or S/_S of dims < {} on the other mesh dims)",
+                                    what, to_string(src[q]), q, d, d));
+  }
+  // The placement at m on the view: R, P, Rg(d), and S(d) as the ragged ranges of its rows.
+  const int64_t k = mesh_shape[m];
+  auto on_view = [&](const Placement& p, bool target) -> Placement {
+    if (is_replicate(p) || is_ragged(p)) return p;
+    if (is_partial(p) && !target) return p;
+    if (const auto* s = std::get_if<Shard>(&p); s && s->dim == d) {
+      int64_t inner = 1;
+      for (int t = d + 1; t < shape.size(); ++t) inner = kernels::checked_mul(inner, shape[t], "a RaggedShard's row size");
+      RaggedShard r{d, {}, std::max<int64_t>(inner, 1)};
+      for (int64_t c = 0; c < k; ++c) r.units.push_back(shape[d] == 0 ? 1 : chunk(shape[d], k, c).size);
+      return r;
+    }
+    throw Unsupported(fmt::format(
+        "{}: {} -> {} on mesh dim {} is not a RaggedShard transition (expected R, P (source only), S({}) or Rg({}) "
+        "on either side; NOTE [ragged plans])",
+        what, to_string(src[m]), to_string(dst[m]), m, d, d));
+  };
+  for (const Placements* ps : {&src, &dst})
+    if (const int r = ragged_mesh_dim(*ps); r >= 0 && static_cast<int64_t>(std::get<RaggedShard>((*ps)[r]).units.size()) != mesh_shape[r])
+      throw kernels::InvalidArgument(fmt::format("{}: {} on mesh dim {} has {} units for {} ranks (expected one per rank)",
+                                                 what, to_string((*ps)[r]), r,
+                                                 std::get<RaggedShard>((*ps)[r]).units.size(), mesh_shape[r]));
+  RaggedMapping out{ragged_view(shape, rs >= 0 ? src : dst), src, dst};
+  out.src[m] = on_view(src[m], false);
+  out.dst[m] = on_view(dst[m], true);
+  return out;
 }
 
 }  // namespace dtensor

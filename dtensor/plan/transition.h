@@ -65,6 +65,11 @@ struct Transition {
   std::vector<Dims> also_valid_for;  // more shapes the plan must be valid for: sorted, unique
   ReducePolicy policy;
   std::optional<DType> out_dtype;  // the result's dtype (nullopt: dtype)
+  // NOTE [ragged plans] A transition with a RaggedShard is planned on the flattened view
+  // (layout.h, NOTE [ragged view]): shape, src and dst above are the view's, and these hold the
+  // caller's global shape and placements (empty without a RaggedShard).
+  Dims tensor_shape;
+  PlacementList user_src, user_dst;
 
   Placements source() const { return {src.begin(), src.end()}; }
   Placements target() const { return {dst.begin(), dst.end()}; }
@@ -86,6 +91,23 @@ Transition make_transition(const DTensorSpec& src, const Placements& dst, Planne
                            const ReducePolicy& policy = {}, std::optional<DType> out_dtype = std::nullopt,
                            const CostModel& cost = {}, bool allow_partial_target = false,
                            const std::vector<Dims>& also_valid_for = {});
+
+// NOTE [ragged plans] A RaggedShard transition changes ONE mesh dim m, from and to R, P (source
+// only), S(d) or Rg(d) (d the ragged dim, at least one side ragged); no other mesh dim of size > 1
+// splits dims >= d. It is planned on the view [s_0..s_{d-1}, s_d x ... x s_{n-1}], where S(d)
+// over k ranks is Rg(d,[torch.chunk row counts],s_{d+1} x ... x s_{n-1}) (exact: the same ranges),
+// as one step: Rg -> R an all-gather of exact pieces (AG), R -> Rg a local chunk, P -> Rg a
+// reduce-scatter (RS(m:Rg(..),op)), Rg/S(d) -> Rg/S(d) one exchange of the overlaps (regroup).
+//   [S(0)] -> [Rg(0,[1,2,0,1],1)] of f32 [9,4] on mesh [4]: view [36],
+//   "[S(0)] as [Rg(0,[3,3,3,0],4)] -regroup(0:Rg(0,[3,3,3,0],4)->Rg(0,[1,2,0,1],1))-> [Rg(0,[1,2,0,1],1)]"
+// Anything else with a RaggedShard is Unsupported, naming both placement lists.
+struct RaggedMapping {
+  Dims view;
+  Placements src, dst;
+};
+// nullopt when neither list has a RaggedShard. REQUIRES: normalised placements, one per mesh dim.
+std::optional<RaggedMapping> map_ragged_transition(const Dims& mesh_shape, const Dims& shape, const Placements& src,
+                                                   const Placements& dst);
 
 // "[S(0),R] -> [R,S(1)] on mesh [2,2], f32 [8,6]".
 std::string to_string(const Transition& t);

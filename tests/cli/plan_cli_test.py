@@ -42,6 +42,16 @@ s = plan("--mesh", "2x2", "--shape", "8,6", "--from", "_S(0,2),S(0)", "--to", "S
 check(g["rank"] == 3 and s["rank"] == 3, f"rank: {g} {s}")
 check(s["bytes_per_rank"] <= g["bytes_per_rank"] and s["bytes_per_rank"] >= s["lower_bound_bytes"], f"{g} / {s}")
 
+# RaggedShard (NOTE [ragged plans]): S(0) -> Rg of [9,4] on 4 ranks is one exchange of the
+# overlaps on the flattened view, at the lower bound; a ragged all-gather at scale too.
+j = plan("--mesh", "4", "--shape", "9,4", "--from", "S(0)", "--to", "Rg(0,[1,2,0,1],1)")
+check(j["steps"] == "[S(0)] as [Rg(0,[3,3,3,0],4)] -regroup(0:Rg(0,[3,3,3,0],4)->Rg(0,[1,2,0,1],1))-> "
+      "[Rg(0,[1,2,0,1],1)]", f"ragged steps {j}")
+check(j["collectives"] == 1 and j["bytes_per_rank"] == j["lower_bound_bytes"] == 36, f"ragged {j}")
+units = ",".join(str(i % 7) for i in range(4096))
+j = plan("--mesh", "4096", "--shape", "1048576", "--from", f"Rg(0,[{units}],4)", "--to", "R", "--rank", "4095")
+check(j["steps"].endswith("-AG(0)-> [R]") and j["bytes_per_rank"] == j["lower_bound_bytes"] > 0, f"ragged AG {j}")
+
 # An explicit rank array: the default rank is the mesh's first.
 j = plan("--mesh", "[3,1,2]", "--shape", "11,4", "--from", "P(avg)", "--to", "S(0)", "--dtype", "bf16")
 check(j["rank"] == 3 and j["steps"] == "[P(avg)] -RS(0:0,avg)-> [S(0)]", f"explicit mesh: {j}")
@@ -85,7 +95,7 @@ for args, needle in bad:
     check(r.returncode == 2 and r.stdout == "" and needle in r.stderr and r.stderr.count("\n") == 1,
           f"{args}: exit {r.returncode}, stdout {r.stdout!r}, stderr {r.stderr!r}")
 
-check(ran == 23, f"{ran} runs, expected 23")
+check(ran == 25, f"{ran} runs, expected 25")
 if failures:
     print("\n".join(failures))
     sys.exit(1)

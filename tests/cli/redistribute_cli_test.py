@@ -198,6 +198,21 @@ err = r.stderr.strip().splitlines()
 check(r.returncode == 2 and r.stdout == "" and len(err) == 1 and ("outside the mpi world" in err[0] or "MPI" in err[0]),
       f"mpi without mpirun: {r}")
 
+# RaggedShard (NOTE [ragged plans]): every rank checked on the flattened view; refusals name both.
+ragged_ok = 0
+for src, dst, shapes in [("Rg(0,[1,2,0,1],4)", "R", [[9, 4]] * 4),
+                         ("S(0)", "Rg(0,[1,2,0,1],1)", [[9], [18], [0], [9]]),
+                         ("P", "Rg(0,[0,3,1,1],2)", [[0], [20], [8], [8]])]:
+    plan = check_ok(redistribute("4", "9,4", src, dst, "--dtype", "bf16"), 4, f"ragged {src} -> {dst}",
+                    collectives=1, shapes=shapes)
+    ragged_ok += plan is not None
+check(ragged_ok == 3, f"{ragged_ok} ragged redistributes ran, expected 3")
+for src, dst, needle in [("Rg(0,[1,1,1,1],1)", "P", "never becomes Partial"),
+                         ("Rg(0,[1,1,1,1],1)", "S(1)", "[Rg(0,[1,1,1,1],1)] -> [S(1)]")]:
+    r = redistribute("4", "8,4", src, dst)
+    err = r.stderr.strip().splitlines()
+    check(r.returncode == 2 and r.stdout == "" and len(err) == 1 and needle in err[0], f"ragged refusal {src} -> {dst}: {r}")
+
 # --- fuzz: the summary line, exit status and reproducers. ---
 r = run("fuzz", "--cases", "60", "--seed", "3")
 lines = r.stdout.splitlines()

@@ -119,11 +119,12 @@ TEST_CASE("bad RaggedShards are refused naming the value", "[dtensor][placement]
   CHECK_THROWS_WITH(compute_layout({8}, {2}, {RaggedShard{0, {1}, 1}}, {0}), Contains("1 units for 2 ranks"));
   CHECK_THROWS_WITH(compute_layout({8}, {2}, {RaggedShard{0, {1, 1}, 1}}, {2}), Contains("outside mesh shape"));
 
-  // Not planned yet: a transition from or to a RaggedShard is refused, and so is a DTensor.
+  // Transitions are planned on the view (ragged_redistribute_test.cpp); one that changes two mesh
+  // dims at once is refused naming both placement lists.
   const DTensorSpec spec = make_spec(mesh, parse_placements("Rg(0,[1,3],4),R"), {10, 3}, DType::kF32);
-  CHECK_THROWS_WITH(make_transition(spec, parse_placements("R,R")), Contains("not planned yet"));
-  const DTensorSpec plain = make_spec(mesh, parse_placements("R,R"), {10, 3}, DType::kF32);
-  CHECK_THROWS_AS(make_transition(plain, parse_placements("Rg(0,[1,3],4),R")), kernels::Unsupported);
+  CHECK(make_transition(spec, parse_placements("R,R")).shape == Dims{30});
+  CHECK_THROWS_WITH(make_transition(spec, parse_placements("R,Rg(0,[1,1],1)")),
+                    Contains("[Rg(0,[1,3],4),R] -> [R,Rg(0,[1,1],1)]") && Contains("one mesh dim at a time"));
 }
 
 TEST_CASE("ragged_chunk: the worked examples and the range rule", "[dtensor][layout][ragged]") {
