@@ -7,6 +7,9 @@
 //   fsdp-train --backend local --dp-replicate 2 --dp-shard 2 --tp 2 --mp bf16 --check-parity
 //   mpirun -np 4 fsdp-train --backend mpi --dp-shard 4 --check-parity
 //   fsdp-train --moe-experts 8 --moe-top-k 2 --ep 4 --check-parity   (examples/fsdp_train_moe.h)
+//   fsdp-train --moe-experts 4 --dp-replicate 2 --dp-shard 2 --ep 2 --ep-from-dp --check-parity
+//     (--ep-from-dp: EP carved out of --dp-shard; the experts FSDP over dp_shard / ep on the mesh
+//     (dp_replicate, dp_mod_ep, ep), the dense parameters over dp_shard, in one group per block)
 //
 // FSDP (fsdp::fully_shard; applied when --dp-shard or --dp-replicate is given): every
 // transformer block is one group, the root (embeddings, final norm, head) another; the batch is
@@ -237,7 +240,8 @@ int finish(const Args& a, const Outcome& o) {
 // only, any other failure at once by the rank it happened on).
 int run_mpi_rank(const Args& a, collectives::MpiWorld& mpi) {
   validate(a);
-  const int64_t ranks = int64_t{a.dp_replicate} * a.dp_shard * a.tp * a.moe.ep;  // validated: no overflow
+  // validated: no overflow
+  const int64_t ranks = int64_t{a.dp_replicate} * a.dp_shard * a.tp * fsdp_train::ep_mesh_ranks(a.moe);
   if (a.world != 0 && a.world != mpi.size())
     throw kernels::InvalidArgument(fmt::format("--world {} but mpirun started {} processes", a.world, mpi.size()));
   if (mpi.size() != ranks)
@@ -385,7 +389,8 @@ int run(int argc, char** argv) {
     return program::run_as_rank("fsdp-train", mpi.rank(), [&] { return run_mpi_rank(a, mpi); });
   }
   validate(a);
-  const int mesh_ranks = a.dp_replicate * a.dp_shard * a.tp * a.moe.ep;  // validated: at most kMaxLocalRanks
+  // validated: at most kMaxLocalRanks
+  const int mesh_ranks = a.dp_replicate * a.dp_shard * a.tp * fsdp_train::ep_mesh_ranks(a.moe);
   const int world = a.world != 0 ? a.world : mesh_ranks;
   if (world != mesh_ranks)
     throw kernels::InvalidArgument(

@@ -13,7 +13,7 @@ MeshPlan mesh_plan(const Args& a, bool parallel) {
   };
   if (parallel && a.fsdp && a.dp_replicate > 1) m.rep_dim = add(a.dp_replicate, "dp_replicate");
   if (parallel && a.fsdp) m.shard_dim = add(a.dp_shard, "dp_shard");
-  if (parallel && a.moe.ep > 1) m.ep_dim = add(a.moe.ep, "ep");
+  if (parallel && a.moe.ep > 1 && !a.moe.ep_from_dp) m.ep_dim = add(a.moe.ep, "ep");
   if (!parallel || !a.fsdp || a.tp > 1) m.tp_dim = add(parallel ? a.tp : 1, "tp");
   m.shape = Dims::filled(static_cast<int>(sizes.size()), 1);
   for (size_t i = 0; i < sizes.size(); ++i) m.shape[static_cast<int>(i)] = sizes[i];
@@ -87,7 +87,7 @@ void validate(const Args& a) {
       kernels::checked_mul(
           kernels::checked_mul(a.dp_replicate, a.dp_shard, "mesh ranks (--dp-replicate x --dp-shard)"), a.tp,
           "mesh ranks (--dp-replicate x --dp-shard x --tp)"),
-      a.moe.ep, "mesh ranks (x --ep)");
+      fsdp_train::ep_mesh_ranks(a.moe), "mesh ranks (x --ep)");
   const std::string mesh_text =
       fmt::format("--dp-replicate {} x --dp-shard {} x --tp {} = {} ranks", a.dp_replicate, a.dp_shard, a.tp, ranks);
   if (ranks > dtensor::kMaxMeshRanks)
@@ -125,7 +125,7 @@ void validate(const Args& a) {
   if (a.grad_accum < 1 || a.batch % a.grad_accum != 0)
     bad(fmt::format("--grad-accum {} must divide --batch {} (microbatches of equal size)", a.grad_accum,
                     a.batch));
-  fsdp_train::validate_moe(a.moe, a.tp, a.batch, a.grad_accum, a.estimate || a.memory_limit > 0);
+  fsdp_train::validate_moe(a.moe, a.tp, a.batch, a.grad_accum, a.estimate || a.memory_limit > 0, a.fsdp, a.dp_shard);
   // Sample and token indices of the data (step * batch + g, batch * seq tokens per step).
   kernels::checked_mul(a.steps, a.batch, "samples (--steps x --batch)");
   kernels::checked_mul(a.batch, a.seq, "tokens per step (--batch x --seq)");

@@ -31,7 +31,13 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     reshard_k = std::stoi(a.reshard_after_forward);
     if (reshard_k > 1 && reshard_k < a.dp_shard) unflatten.push_back(fsdp::reshard_unflattening(mesh, plan.shard_dim, reshard_k));
   }
+  // --ep-from-dp: the experts' mesh, dp_shard unflattened into (dp_mod_ep, ep) at creation.
+  const bool carved = use_fsdp && a.moe.ep_from_dp;
+  const dtensor::Unflattening ep_split{plan.shard_dim, Dims{a.dp_shard / a.moe.ep, a.moe.ep}, {"dp_mod_ep", "ep"}};
+  if (carved) unflatten.push_back(ep_split);
   auto comms = std::make_shared<dtensor::MeshComms>(mesh, world, std::vector<std::vector<int>>{}, memory, unflatten);
+  const std::shared_ptr<const dtensor::MeshComms> ep_comms =
+      carved ? comms->unflatten(ep_split.mesh_dim, ep_split.sizes, ep_split.names) : nullptr;
   const nn::GPTConfig cfg = model_config(a);
   // Built on meta (shapes, dtypes, placements: nothing allocated), parallelised, and under FSDP
   // sharded before it is initialised (or loaded): every rank only ever allocates its shards.
@@ -39,6 +45,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   if (a.qlora > 0) nn::add_lora(model, a.qlora, a.lora_alpha);  // on meta, before sharding
   if (tp > 1) nn::parallelize_module(model, plan.tp_dim, nn::gpt_tensor_parallel_plan(cfg, a.sequence_parallel, true));
   if (plan.ep_dim >= 0) fsdp_train::set_expert_parallel(model, plan.ep_dim);
+  if (carved) fsdp_train::set_carved_expert_parallel(model, ep_comms, plan.shard_dim + 1);
   const nn::NamedParameters params = model.named_parameters();
   const bool rank0 = world.rank() == 0;
   kernels::Tracer* const tracer = world.tracer();  // null: not traced
@@ -140,6 +147,13 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     for (const auto& [name, block] : model.blocks().children()) {
       fsdp::FullyShardOptions bo = o;
       if (plan.ep_dim >= 0) bo.ignored_params = fsdp_train::expert_parameters(*block);
+      if (carved)  // the experts: FSDP over dp_mod_ep (and HSDP's dp_replicate) on their own mesh
+        bo.mesh_fn = [ep_comms, rep = plan.rep_dim, shard = plan.shard_dim](
+                         const std::string&, const nn::Parameter& p) -> std::optional<fsdp::ParamMesh> {
+          if (p.comms() != ep_comms) return std::nullopt;
+          return fsdp::ParamMesh{
+              ep_comms, fsdp::DataParallelMeshDims{rep >= 0 ? std::optional<int>(rep) : std::nullopt, shard}};
+        };
       blocks.push_back(&fsdp::fully_shard(*block, comms, bo));
     }
     fsdp::FullyShardOptions ro = o;
