@@ -911,7 +911,8 @@ int64_t quantize_frozen(nn::Module& module) {
   std::set<Group*> done;
   for (auto& [fqn, m] : module.named_modules())
     if (FSDPModule* st = state(*m))
-      if (done.insert(&st->group()).second) released += st->group().quantize_frozen();
+      if (done.insert(&st->group()).second)
+        for (Group* g : own_groups(st->group())) released += g->quantize_frozen();  // with its followers
   return released;
 }
 

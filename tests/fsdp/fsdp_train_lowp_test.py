@@ -93,6 +93,11 @@ if "qlora" in progress_of:
           f"qlora: grad_bytes {field(last_line, 'grad_bytes')}, expected the adapters' {adapters * 4 // 4}")
     check(field(last_line, "optim_bytes") == 2 * adapters * 4 // 4,
           f"qlora: optim_bytes {field(last_line, 'optim_bytes')}, expected AdamW's two per adapter element")
+    # The frozen base is stored as NF4 codes + scales (no f32 master): the estimate models exactly
+    # that (it would be 1,351,248 bytes short with the masters kept).
+    q = runs.get("qlora")
+    check(q is not None and q["peak_bytes"] == q["estimated_peak_bytes"],
+          f"qlora: peak_bytes {q and q['peak_bytes']} vs estimated {q and q['estimated_peak_bytes']}")
 
 # qlora save and resume: the adapters and their AdamW state round-trip (the frozen base has none);
 # the resumed run ends at the uninterrupted run's loss.
