@@ -6,7 +6,8 @@ all_gather_bytes, per rank per step, and the progress line's), and each passes -
 against one rank with the same quantisation. The parity check can tell: after one step each run
 is far closer to its quantised reference than to the bf16 run. qlora: gradients (and so
 optimizer state) only for the adapters, exactly their bytes; a run resumed from its checkpoint
-ends at the uninterrupted run's loss.
+(the frozen base saved as NF4 codes) ends at the uninterrupted run's loss; a run initialised from
+a dumped model (--init-from) repeats its losses.
 
 usage: fsdp_train_lowp_test.py path/to/fsdp-train
 """
@@ -110,6 +111,18 @@ with tempfile.TemporaryDirectory() as d:
           res["last_loss"] == full["last_loss"],
           f"qlora resume: exits {r_full.returncode}/{r_res.returncode}, last losses "
           f"{full and full['last_loss']} vs {res and res['last_loss']}, stderr {r_res.stderr.strip()}")
+
+# qlora --init-from: the loaded base is quantised after the load (fsdp::quantize_frozen): the same
+# losses as the run that initialised it, and parity with one rank.
+with tempfile.TemporaryDirectory() as d:
+    small = ["--backend", "local", "--dp-shard", "2", "--mp", "bf16", "--qlora", "4", "--steps", "2", "--log-every", "2"]
+    r_dump, dumped, _ = run(small + ["--dump-init", f"{d}/init.safetensors"])
+    r_init, loaded, _ = run(small + ["--init-from", f"{d}/init.safetensors", "--check-parity"])
+    check(r_dump.returncode == 0 and r_init.returncode == 0 and dumped is not None and loaded is not None and
+          loaded["parity"] == "ok" and loaded["first_loss"] == dumped["first_loss"] and
+          loaded["last_loss"] == dumped["last_loss"],
+          f"qlora init-from: exits {r_dump.returncode}/{r_init.returncode}, losses {dumped and dumped['last_loss']} vs "
+          f"{loaded and loaded['last_loss']}, parity {loaded and loaded['parity']}, stderr {r_init.stderr.strip()}")
 
 for f in failures:
     print("FAIL:", f)
