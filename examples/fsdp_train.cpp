@@ -23,7 +23,9 @@
 // (examples/fsdp_train_lowp.h); the one-rank reference computes with the same dequantised weights.
 // --qlora RANK (with --mp bf16; --lora-alpha, default 16): QLoRA, LoRA adapters of that rank on
 // every attention and MLP projection, everything else frozen, the frozen linear weights gathered
-// as NF4 (fsdp/lowp.h); only the adapters get gradients and optimizer state.
+// as NF4 (fsdp/lowp.h); only the adapters get gradients and optimizer state. Under FSDP the frozen
+// NF4 weights are stored as their codes and scales only (fsdp::quantize_frozen after init): the
+// checkpoints hold them as NF4 entries, --check-parity compares them dequantised.
 // --reduce-wire bf16|e5m2 (FSDP only): the gradient reductions move that dtype and sum it in f32
 // (MixedPrecisionPolicy::reduce_wire; NOTE [wire dtype] in dtensor/exec/executor.h).
 // --mp fp16: as bf16 with fp16 parameters and nn::GradScaler (a skipped step on every rank when

@@ -1,6 +1,7 @@
 // fsdp-train's training loop: the mesh, the model sharded and initialised, the steps, the
 // checkpoints (examples/fsdp_train.cpp documents the flags and the output).
 #include "examples/fsdp_train_args.h"
+#include "fsdp/lowp_checkpoint.h"
 
 namespace fsdp_train {
 
@@ -106,6 +107,14 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
 
   // FSDP: one group per transformer block, then the root (bottom-up).
   auto unsharded_mem = std::make_shared<nn::TrackingAllocator>(cache, total_mem);
+  // Each quantised weight's extension: --qlora's frozen NF4 weights live in theirs after
+  // fsdp::quantize_frozen (the parameter is meta between unshards).
+  std::map<const nn::Parameter*, std::shared_ptr<fsdp::AllGatherExtension>> extensions;
+  auto stored_ext = [&](const nn::Parameter& p) -> const fsdp::AllGatherExtension& {
+    const auto it = extensions.find(&p);
+    if (it == extensions.end()) throw kernels::InternalError("fsdp-train: a released parameter without its extension");
+    return *it->second;
+  };
   auto buffer_mem = std::make_shared<nn::TrackingAllocator>(cache, total_mem);
   fsdp::FSDPModule* root = nullptr;
   std::vector<fsdp::FSDPModule*> groups;  // every group (blocks, then the root)
@@ -129,7 +138,13 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     o.unsharded_allocator = unsharded_mem;
     o.buffer_allocator = buffer_mem;
     std::vector<fsdp::FSDPModule*> blocks;
-    if (quant) o.all_gather_extension_fn = fsdp_train::extension_fn(*quant);
+    if (quant)
+      o.all_gather_extension_fn = [fn = fsdp_train::extension_fn(*quant), &extensions](const std::string& n,
+                                                                                       const nn::Parameter& p) {
+        auto e = fn(n, p);
+        if (e) extensions[&p] = e;
+        return e;
+      };
     for (const auto& [name, block] : model.blocks().children()) {
       fsdp::FullyShardOptions bo = o;
       if (plan.ep_dim >= 0) bo.ignored_params = fsdp_train::expert_parameters(*block);
@@ -166,6 +181,8 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     initialise();  // straight into every group's flat buffer
     dump_init();
   }
+  // --qlora: the frozen base quantised once (collective) and kept as NF4 codes only.
+  if (use_fsdp && a.qlora > 0) fsdp::quantize_frozen(model);
 
   // --mp bf16: the model computes with bf16 parameters (and so bf16 activations; norms, softmax,
   // attention and the loss keep f32 statistics); the optimizer steps f32 master copies with the
@@ -204,7 +221,9 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   // The checkpointed state: the master weights keyed by name, the optimizer's under "optim.".
   auto state_dict = [&] {
     nn::StateDict sd;
-    for (const auto& [name, p] : master) sd.tensors.emplace_back(name, p->data());
+    for (const auto& [name, p] : master)
+      if (p->is_meta()) sd.merge(fsdp::stored_nf4_state_dict(name, stored_ext(*p)));  // codes + scales
+      else sd.tensors.emplace_back(name, p->data());
     sd.merge(opt->state_dict(), "optim.");
     return sd;
   };
@@ -284,7 +303,9 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     return dtensor::distribute_tensor(full.to(device), comms, batch_placements, std::nullopt);
   };
   int64_t param_bytes = 0, grad_bytes = 0, optim_bytes = 0;
-  for (const auto& [name, p] : master) param_bytes += static_cast<int64_t>(p->data().to_local().nbytes());
+  for (const auto& [name, p] : master)
+    param_bytes += p->is_meta() ? fsdp::stored_nf4(stored_ext(*p))->bytes()
+                                : static_cast<int64_t>(p->data().to_local().nbytes());
   if (bf16 && !use_fsdp)
     for (const auto& [name, p] : params) param_bytes += static_cast<int64_t>(p->data().to_local().nbytes());
   // --mp fp16: the loss is scaled for backward (nn::GradScaler, PyTorch's constants); a step whose
@@ -411,8 +432,14 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   // The training's peak, before the full parameters are gathered for the parity check.
   const int64_t training_peak = total_mem->peak_bytes();
   const int64_t training_peak_blocks = static_cast<int64_t>(cache->stats().peak_in_use_bytes);
+  // --qlora: a frozen NF4 weight is reported as its dequantised value (the FSDP runs store only
+  // the codes; one rank fake-quantises its master the same way, bit for bit).
   for (const auto& [name, p] : master) {
-    Tensor full = p->data().full_tensor().to(kernels::Device{});
+    Tensor full = (p->is_meta() ? fsdp::stored_nf4_dequantize(stored_ext(*p), DType::kF32) : p->data())
+                      .full_tensor()
+                      .to(kernels::Device{});
+    if (a.qlora > 0 && !p->is_meta() && !p->requires_grad && fsdp_train::quantised_weight(name, *p))
+      full = fsdp::fake_quantize(full, fsdp_train::kQloraBase, DType::kF32);
     if (rank0) result.params[name] = full.clone();
   }
   // On the backend's device (the nccl backend moves CUDA tensors only).

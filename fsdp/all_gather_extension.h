@@ -81,6 +81,10 @@ class AllGatherExtension {
   // overwritten entirely.
   virtual void post_all_gather(const std::vector<kernels::Tensor>& gathered, const std::any& metadata,
                                kernels::DType param_dtype, kernels::Tensor& out, const AllGatherContext& ctx) = 0;
+  // True when the extension keeps what its first pre_all_gather returned (a frozen weight's
+  // codes and scales) and every later call returns that and ignores `shard` (then undefined):
+  // fsdp::quantize_frozen may release such a frozen parameter's sharded master.
+  virtual bool keeps_inputs() const { return false; }
 };
 
 // Per parameter (name relative to the module given to fully_shard): its extension, or nullptr to

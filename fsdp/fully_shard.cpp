@@ -80,6 +80,7 @@ struct Slot {
   std::optional<DTensor> sharded;      // view into the sharded flat buffer
   int64_t unsharded_offset = 0;        // in elements of the unsharded parameter storage
   Tensor accum;                        // no-sync: the unsharded gradient so far (reduce dtype)
+  bool released = false;  // quantize_frozen: no master; its extension keeps its gathered inputs
 };
 
 class Group {
@@ -216,7 +217,7 @@ class Group {
   // group still (partly) meta is refused naming the parameter.
   void require_materialized() const {
     for (const Slot& s : slots)
-      if (!s.sharded)
+      if (!s.sharded && !s.released)
         throw InvalidArgument(fmt::format(
             "FSDP group '{}': parameter '{}' is still meta: materialize the model (nn::materialize) or load its "
             "weights before forward",
@@ -269,6 +270,10 @@ class Group {
       throw InvalidArgument(fmt::format("FSDP group '{}': parameter '{}' materialised while the group is unsharded",
                                         name, slots[i].name));
     Slot& s = slots[i];
+    if (s.released)
+      throw InvalidArgument(fmt::format("FSDP group '{}': parameter '{}' is stored as its all-gather extension's codes "
+                                        "(fsdp::quantize_frozen): its master is gone; load the codes instead",
+                                        name, s.name));
     Tensor view = shard_view(s);
     s.sharded = DTensor(comms, s.sharded_spec, view);
     return view;
@@ -297,7 +302,8 @@ class Group {
         ag_input.fill_(0.0);
         std::vector<Tensor> padded;
         padded.reserve(slots.size());
-        for (const Slot& s : slots) padded.push_back(local.narrow(0, s.offset, s.padded_numel).view(s.padded_shape));
+        for (const Slot& s : slots)
+          padded.push_back(s.released ? Tensor() : local.narrow(0, s.offset, s.padded_numel).view(s.padded_shape));
         const kernels::TraceSpan span(tracer(), trace_pid(), "copies", "FSDP copy-in (extensions)");
         stats.extension_bytes += detail::pack(bslots, padded, ag_input);
         src = DTensor(dp_comms,
@@ -358,12 +364,65 @@ class Group {
       ag_input = Tensor();
     }
     if (offload) offload->drop_copy_in();
-    for (const Slot& s : slots)
+    for (const Slot& s : slots) {
       if (s.sharded) s.param->set_data(*s.sharded);
+      if (s.released) release_master(s);
+    }
     if (param_storage) param_storage->free();
     if (flat_storage) flat_storage->free();
     k_buffer.reset();
     state = State::kSharded;
+  }
+
+  void release_master(const Slot& s) const {
+    s.param->release_data();
+    s.param->set_placements(s.sharded_spec.placements);
+    s.param->set_dtype(orig_dtype);
+  }
+
+  // fsdp::quantize_frozen: each frozen parameter whose extension keeps its inputs runs its
+  // (collective) pre_all_gather once, then the flat buffer is re-laid out without it. Returns the
+  // bytes released.
+  int64_t quantize_frozen() {
+    std::vector<size_t> drop;
+    for (size_t i = 0; i < bslots.size(); ++i)
+      if (!slots[i].released && bslots[i].ext && bslots[i].ext->keeps_inputs() && !slots[i].param->requires_grad)
+        drop.push_back(i);
+    if (drop.empty()) return 0;
+    if (state != State::kSharded)
+      throw InvalidArgument(fmt::format("fsdp::quantize_frozen: group '{}' is unsharded; call it between steps", name));
+    require_materialized();
+    const Tensor old = flat_shard();
+    for (size_t i : drop) {
+      const Slot& s = slots[i];
+      stats.extension_bytes += bslots[i].ext->pre_all_gather(old.narrow(0, s.offset, s.padded_numel).view(s.padded_shape),
+                                                             bslots[i].ctx).communicated_bytes;
+    }
+    for (size_t i : drop) {
+      slots[i].released = true;
+      slots[i].sharded.reset();
+      release_master(slots[i]);
+    }
+    int64_t kept = 0;
+    for (const Slot& s : slots) kept += s.released ? 0 : s.padded_numel;
+    Tensor flat = Tensor::empty(Dims{kept}, orig_dtype, storage_device, state_alloc());
+    int64_t off = 0;
+    for (Slot& s : slots) {
+      if (s.released) continue;
+      flat.narrow(0, off, s.padded_numel).copy_(old.narrow(0, s.offset, s.padded_numel));
+      s.offset = off;
+      off += s.padded_numel;
+    }
+    const int64_t released = (slot_numel - kept) * static_cast<int64_t>(kernels::itemsize(orig_dtype));
+    slot_numel = kept;
+    sharded_flat = DTensor(dp_comms, flat_spec(flat_sharded_placements(), orig_dtype), flat);
+    for (size_t i = 0; i < slots.size(); ++i) {
+      Slot& s = slots[i];
+      if (s.released || !s.sharded) continue;
+      s.sharded = DTensor(comms, s.sharded_spec, shard_view(s));
+      s.param->set_data(*s.sharded);
+    }
+    return released;
   }
 
   // Post-forward with k: the unsharded parameters packed rank-major (the all-gather layout),
@@ -902,6 +961,16 @@ const GroupStats& FSDPModule::stats() const {
   return merged_stats_;
 }
 const std::string& FSDPModule::note() const { return group_->note; }
+
+int64_t quantize_frozen(nn::Module& module) {
+  int64_t released = 0;
+  std::set<Group*> done;
+  for (auto& [fqn, m] : module.named_modules())
+    if (FSDPModule* st = state(*m))
+      if (done.insert(&st->group()).second)
+        for (Group* g : own_groups(st->group())) released += g->quantize_frozen();  // with its followers
+  return released;
+}
 
 FSDPModule* state(nn::Module& module) {
   return static_cast<FSDPModule*>(module.find_extension(kExtension).get());

@@ -268,4 +268,16 @@ FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr
 // The FSDP state of a module given to fully_shard, nullptr otherwise.
 FSDPModule* state(nn::Module& module);
 
+// QLoRA: every frozen parameter (requires_grad false at fully_shard) whose all-gather extension
+// keeps its inputs (AllGatherExtension::keeps_inputs: NF4 with QuantConfig::static_scales) is
+// quantised now and then stored only as its extension's codes and scales (fsdp/lowp.h's
+// StoredNf4, in the mesh's allocator): its group's flat buffer is re-laid out once without its
+// f32 master, and the parameter is meta between unshards (its value: fsdp/lowp_checkpoint.h's
+// stored_nf4_state_dict / stored_nf4_dequantize). Collective: every rank calls it on the same
+// module, sharded, after materialise or load (the scales need every rank's block absmax).
+// Returns this rank's master bytes released (0 when there is nothing to quantise).
+//   nn::materialize(model, seed);
+//   fsdp::quantize_frozen(model);   // --qlora 8, dim 256, 2 blocks, FSDP 4: 1,572,864 bytes
+int64_t quantize_frozen(nn::Module& module);
+
 }  // namespace fsdp

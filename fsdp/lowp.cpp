@@ -176,13 +176,18 @@ class QuantizedAllGather final : public AllGatherExtension {
     return {GatherInput{quant_wire_dtype(c_.kind), Dims{code_bytes(c_.kind, ctx.padded_shape.product())}}};
   }
 
+  bool keeps_inputs() const override { return c_.static_scales && c_.kind == QuantKind::kNf4; }
+  const StoredNf4* stored() const { return stored_.codes.defined() ? &stored_ : nullptr; }
+
   PreAllGatherResult pre_all_gather(const Tensor& shard, const AllGatherContext& ctx) override {
     if (c_.static_scales && cached_codes_.defined()) {  // a frozen weight: the first unshard's
       PreAllGatherResult r;
       r.inputs.push_back(cached_codes_);
-      r.metadata = cached_scales_;
+      r.metadata = c_.kind == QuantKind::kNf4 ? stored_scales() : cached_scales_;
       return r;
     }
+    if (!shard.defined())
+      throw kernels::InternalError(fmt::format("{} all-gather of '{}': no shard and nothing stored", name(), ctx.name));
     const Dims& gshape = ctx.sharded_spec.shape;
     const int64_t G = quant_groups(c_, gshape);
     const int64_t last = gshape[gshape.size() - 1];
@@ -228,9 +233,25 @@ class QuantizedAllGather final : public AllGatherExtension {
     const DType wire = quant_wire_dtype(c_.kind);
     Tensor q = Tensor::from_storage(codes.storage(), wire, codes.shape(), codes.strides());
     r.inputs.push_back(shard.device().is_cpu() ? q : q.to(shard.device()));
-    if (c_.static_scales) {
-      cached_codes_ = r.inputs[0];
-      cached_scales_ = scales;
+    if (c_.static_scales) {  // kept in the mesh's allocator (counted with the parameters)
+      const auto alloc = ctx.comms->allocator();
+      auto keep = [&](const Tensor& t) {
+        Tensor k = Tensor::empty(t.shape(), t.dtype(), shard.device(), alloc);
+        k.copy_(t);
+        return k;
+      };
+      cached_codes_ = keep(r.inputs[0]);
+      r.inputs[0] = cached_codes_;
+      if (c_.kind == QuantKind::kNf4) {
+        const Nf4Scales ns = nf4_double_quantize(std::vector<float>(pg, pg + G));
+        stored_.codes = cached_codes_;
+        stored_.scalers = keep(ns.scalers);
+        stored_.factors = keep(ns.factors);
+        stored_.mean = keep(Tensor::full({1}, static_cast<double>(ns.mean), DType::kF32));
+        stored_.ctx = ctx;
+      } else {
+        cached_scales_ = scales;
+      }
     }
     r.metadata = std::move(scales);
     return r;
@@ -322,10 +343,26 @@ class QuantizedAllGather final : public AllGatherExtension {
     }
   }
 
+  // nf4, static: every block's absmax' from the stored scales (nf4_dequantized_absmax's floats).
+  Scales stored_scales() const {
+    const Tensor sc = stored_.scalers.to(kernels::Device{}).contiguous();
+    const Tensor f = host_f32(stored_.factors);
+    const float mean = host_f32(stored_.mean).data<float>()[0];
+    const int64_t G = sc.numel();
+    Scales out{Tensor::empty(Dims{G}, DType::kF32)};
+    const uint8_t* ps = sc.data<uint8_t>();
+    const float* pf = f.data<float>();
+    float* po = out.values.data<float>();
+    for (int64_t b = 0; b < G; ++b) po[b] = nf4_block_scale(ps[b], pf[b / kNf4ScalerBlock], mean);
+    return out;
+  }
+
   QuantConfig c_;
-  // static_scales: the codes and scales of the first unshard (the gathered input is only read).
+  // static_scales: the codes and scales of the first unshard (the gathered input is only read);
+  // nf4 keeps its scales double-quantised in stored_ (cached_codes_ is stored_.codes).
   Tensor cached_codes_;
   Scales cached_scales_;
+  StoredNf4 stored_;
 };
 
 }  // namespace
@@ -361,6 +398,15 @@ Tensor fake_quantize(const Tensor& full, const QuantConfig& c, DType out_dtype) 
 
 std::shared_ptr<AllGatherExtension> make_quantized_all_gather(const QuantConfig& config) {
   return std::make_shared<QuantizedAllGather>(config);
+}
+
+int64_t StoredNf4::bytes() const {
+  return static_cast<int64_t>(codes.nbytes() + scalers.nbytes() + factors.nbytes() + mean.nbytes());
+}
+
+const StoredNf4* stored_nf4(const AllGatherExtension& ext) {
+  const auto* q = dynamic_cast<const QuantizedAllGather*>(&ext);
+  return q ? q->stored() : nullptr;
 }
 
 // ---- checkpoints of low-precision parameters (fsdp/lowp_checkpoint.h) ----
@@ -547,7 +593,66 @@ nn::StateDict quantize_for_checkpoint(const std::string& name, const DTensor& xd
   return sd;
 }
 
+namespace {
+
+DTensor dequantize_entries(const nn::StateDict& sd, const std::string& name, const DTensor& like, DType out);
+
+}  // namespace
+
 DTensor dequantize_from_checkpoint(const nn::StateDict& sd, const std::string& name, const DTensor& like, DType out) {
+  return dequantize_entries(sd, name, like, out);
+}
+
+nn::StateDict stored_nf4_state_dict(const std::string& name, const AllGatherExtension& ext) {
+  const StoredNf4* st = stored_nf4(ext);
+  if (!st)
+    throw InvalidArgument(fmt::format("nf4 checkpoint of '{}': its all-gather extension '{}' stores no nf4 codes; "
+                                      "expected nf4 with static scales after fsdp::quantize_frozen or an unshard",
+                                      name, ext.name()));
+  const AllGatherContext& ctx = st->ctx;
+  const DTensorSpec& x = ctx.sharded_spec;
+  const int nd = x.tensor_ndim();
+  if (ctx.shard_dim != 0 || (nd > 1 && ctx.local_shape[nd - 1] % 2 != 0))
+    throw kernels::Unsupported(fmt::format(
+        "nf4 checkpoint of '{}': sharded on dim {} with a last dim of {}; the stored codes are the checkpoint's "
+        "only for dim 0 and an even last dim",
+        name, ctx.shard_dim, ctx.local_shape[nd - 1]));
+  const DTensorSpec cs = codes_spec(x, QuantKind::kNf4);
+  const auto lx = x.layout(ctx.comms->rank());
+  const auto lc = cs.layout(ctx.comms->rank());
+  if (!lx || !lc) throw kernels::InternalError("nf4 checkpoint: this rank is not in the mesh");
+  check_pairs(name, x, *lx, *lc);
+  // Local element a (row-major in the shard, which is the padded shard's first rows) sits in
+  // byte a / 2 of both: the stored codes are the entry's bytes.
+  nn::StateDict sd;
+  sd.tensors.emplace_back(name, DTensor(ctx.comms, cs, st->codes.narrow(0, 0, lc->local_shape.product()).view(lc->local_shape)));
+  sd.values[name + "._quant"] = checkpoint_kind_name(QuantKind::kNf4);
+  auto rep = [&](const std::string& key, const Tensor& t) {
+    sd.tensors.emplace_back(key, DTensor(ctx.comms, replicated_spec(x, t.shape(), t.dtype()), t));
+  };
+  rep(name + "._scale", st->scalers);
+  rep(name + "._scale_factor", st->factors);
+  rep(name + "._scale_mean", st->mean);
+  return sd;
+}
+
+DTensor stored_nf4_dequantize(const AllGatherExtension& ext, DType out) {
+  const StoredNf4* st = stored_nf4(ext);
+  if (!st) throw InvalidArgument(fmt::format("nf4 dequantise: extension '{}' stores no nf4 codes", ext.name()));
+  const DTensorSpec& x = st->ctx.sharded_spec;
+  const auto lx = x.layout(st->ctx.comms->rank());
+  if (!lx) throw kernels::InternalError("nf4 dequantise: this rank is not in the mesh");
+  // `like` gives the spec and device only: a zero-stride view of one element holds no shard.
+  const Tensor one = Tensor::zeros(Dims{1}, x.dtype, st->codes.device());
+  const DTensor like(st->ctx.comms, x,
+                     Tensor::from_storage(one.storage(), x.dtype, lx->local_shape,
+                                          Dims::filled(lx->local_shape.size(), 0)));
+  return dequantize_entries(stored_nf4_state_dict("w", ext), "w", like, out);
+}
+
+namespace {
+
+DTensor dequantize_entries(const nn::StateDict& sd, const std::string& name, const DTensor& like, DType out) {
   const DTensorSpec& x = like.spec();
   const auto it = sd.values.find(name + "._quant");
   const std::string* text = it == sd.values.end() ? nullptr : std::get_if<std::string>(&it->second);
@@ -616,5 +721,7 @@ DTensor dequantize_from_checkpoint(const nn::StateDict& sd, const std::string& n
   o.copy_(y);
   return DTensor(like.comms(), os, o);
 }
+
+}  // namespace
 
 }  // namespace fsdp

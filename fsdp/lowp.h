@@ -48,9 +48,11 @@ enum class QuantKind { kFp8Tensor, kFp8Rowwise, kInt8Block, kNf4 };
 struct QuantConfig {
   QuantKind kind = QuantKind::kFp8Tensor;
   int64_t block = 256;  // kInt8Block only; >= 1
-  // A frozen weight (QLoRA's base): the codes and scales of the first unshard are kept (0.5 byte
-  // per element for nf4), so later unshards run no amax all-reduce and no quantisation. REQUIRES:
-  // the weight does not change after its first unshard, and one extension object per parameter
+  // A frozen weight (QLoRA's base): the codes and scales of the first unshard (or of
+  // fsdp::quantize_frozen) are kept in the mesh's allocator (nf4: 0.5 byte per element plus the
+  // double-quantised scales, StoredNf4), so later unshards run no amax all-reduce and no
+  // quantisation, and quantize_frozen may release the f32 master. REQUIRES: the weight does not
+  // change after its first unshard, and one extension object per parameter
   // (make_quantized_all_gather per parameter: the codes live in the object).
   bool static_scales = false;
 };
@@ -91,5 +93,20 @@ kernels::Tensor fake_quantize(const kernels::Tensor& full, const QuantConfig& co
 
 // The extension: REQUIRES a floating parameter (refused at fully_shard otherwise, naming it).
 std::shared_ptr<AllGatherExtension> make_quantized_all_gather(const QuantConfig& config);
+
+// What an nf4 extension with static_scales keeps after its first pre_all_gather: this rank's
+// padded shard as codes (the gathered input, two per byte, element 2j high) and the
+// double-quantised scales of fsdp/nf4.h (replicated), all from ctx.comms' allocator.
+// bytes() = ceil(padded / 2) + G + 4 * ceil(G / 256) + 4: about 0.52 byte per element.
+struct StoredNf4 {
+  kernels::Tensor codes;    // u8 [ceil(padded_numel / 2)]
+  kernels::Tensor scalers;  // u8 [G]
+  kernels::Tensor factors;  // f32 [ceil(G / 256)]
+  kernels::Tensor mean;     // f32 [1]
+  AllGatherContext ctx;
+  int64_t bytes() const;
+};
+// ext's stored NF4, or nullptr (another extension, or nothing quantised yet).
+const StoredNf4* stored_nf4(const AllGatherExtension& ext);
 
 }  // namespace fsdp

@@ -55,4 +55,15 @@ nn::StateDict quantized_checkpoint_template(const std::string& name, const dtens
 dtensor::DTensor dequantize_from_checkpoint(const nn::StateDict& sd, const std::string& name,
                                             const dtensor::DTensor& like, kernels::DType out);
 
+// A frozen weight stored as NF4 (fsdp::quantize_frozen; StoredNf4 in fsdp/lowp.h): the nf4
+// entries above as VIEWS of the stored codes and scales, so checkpoint::save writes them and
+// checkpoint::load writes back into them (a bit-exact resume); no communication. REQUIRES: the
+// weight sharded on dim 0 with an even last dim (or 1-d) (Unsupported naming `name`); ext holds
+// stored codes (InvalidArgument otherwise).
+//   sd.merge(fsdp::stored_nf4_state_dict("blocks.0.mlp.fc1.weight", *ext));
+nn::StateDict stored_nf4_state_dict(const std::string& name, const AllGatherExtension& ext);
+// The stored weight dequantised: the parameter's sharded spec in `out` dtype (its full_tensor()
+// equals fake_quantize() of the master it was quantised from, bit for bit).
+dtensor::DTensor stored_nf4_dequantize(const AllGatherExtension& ext, kernels::DType out);
+
 }  // namespace fsdp

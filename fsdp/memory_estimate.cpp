@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "fsdp/byte_pack.h"
+#include "fsdp/nf4.h"
 #include "kernels/allocator.h"
 #include "kernels/checked.h"
 #include "kernels/error.h"
@@ -227,7 +228,7 @@ class Replay {
       g.params = std::move(params);
       g.root = root;
       for (const Param& p : g.params) {
-        g.P += padded(p);
+        if (!stored_nf4(p)) g.P += padded(p);
         g.U += p.numel();
         if (!p.frozen) g.G += padded(p);
       }
@@ -247,6 +248,14 @@ class Replay {
     for (Group& g : groups_) {
       if (c_.fsdp) {
         g.persistent.push_back(sim_.alloc(kParams, g.P * ms_));
+        // fsdp::quantize_frozen: each frozen NF4 weight as its codes and double-quantised scales
+        // (fsdp/lowp.h's StoredNf4: four allocations), not in the flat buffer.
+        for (const Param& p : g.params)
+          if (stored_nf4(p)) {
+            const int64_t blocks = ceil_div(p.numel(), kNf4Block);
+            for (int64_t bytes : {(padded(p) + 1) / 2, blocks, 4 * ceil_div(blocks, kNf4ScalerBlock), int64_t{4}})
+              g.persistent.push_back(sim_.alloc(kParams, bytes));
+          }
         g.persistent.push_back(sim_.alloc(kGrads, g.G * ms_));
         for (const Param& p : g.params)
           if (!p.frozen)
@@ -262,6 +271,11 @@ class Replay {
     root_ = &groups_[0];
   }
 
+  // A frozen NF4 weight with static scales: fsdp-train stores it as NF4 (fsdp::quantize_frozen).
+  bool stored_nf4(const Param& p) const {
+    return c_.fsdp && p.quantized && p.frozen && c_.quantized_weights->kind == QuantKind::kNf4 &&
+           c_.quantized_weights->static_scales;
+  }
   int64_t padded(const Param& p) const { return c_.fsdp ? ceil_div(p.rows, dp_) * p.inner : p.numel(); }
   // Bytes of n codes on the wire (fsdp/lowp.h): one each, nf4 two per byte.
   int64_t quant_code_bytes(int64_t n) const {

@@ -53,8 +53,9 @@ struct MemoryConfig {
   // fsdp-train's --all-gather fp8|int8 and --qlora: the blocks' attention and MLP linear weights
   // are all-gathered through fsdp/lowp.h's extension of this kind (the root's parameters as
   // usual): the group's gathered buffer holds their codes, and each unshard dequantises them
-  // through one gathered copy per weight. The codes static_scales caches live outside the mesh's
-  // allocator (not counted).
+  // through one gathered copy per weight. Frozen NF4 weights with static_scales (--qlora) are
+  // stored as NF4 after fsdp::quantize_frozen: codes and scales, no f32 master (counted as
+  // sharded parameters).
   std::optional<QuantConfig> quantized_weights;
   // nn::add_lora's rank (fsdp-train's --qlora; 0: none): adapters lora_A [r, in], lora_B [out, r]
   // on every block's wq, wk, wv, wo, fc1, fc2, and every other parameter frozen: frozen

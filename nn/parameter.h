@@ -91,6 +91,12 @@ class Parameter {
   void set_materialize_target(std::function<Tensor()> target) { target_ = std::move(target); }
   // A new dtype for the value (meta: recorded; materialised: cast).
   void set_dtype(DType dtype);
+  // Drops the value and the gradient: the parameter is meta again (shape, dtype, placements
+  // kept). For a value stored elsewhere, e.g. FSDP's frozen NF4 weights (fsdp::quantize_frozen).
+  void release_data() {
+    data_.reset();
+    grad_.reset();
+  }
 
   bool requires_grad = true;
   // The gradient, in the placements backward produced it (Partial over mesh dims that split

@@ -6,6 +6,7 @@
 // dequantised tensor equals fsdp::fake_quantize() bit for bit. Element values are a function of
 // the global index.
 #include <catch2/catch.hpp>
+#include <fmt/format.h>
 
 #include <cmath>
 #include <filesystem>
@@ -16,7 +17,9 @@
 
 #include "checkpoint/checkpoint.h"
 #include "collectives/local.h"
+#include "fsdp/fully_shard.h"
 #include "fsdp/lowp_checkpoint.h"
+#include "nn/transformer.h"
 #include "support/checks.h"
 
 namespace {
@@ -197,6 +200,96 @@ TEST_CASE("lowp checkpoint: refusals name the tensor (nf4 byte cut by a split, i
                  "a missing scale named: '" + bad_scale + "'");
   });
   checks.report();
+}
+
+// QLoRA's frozen base stored as NF4 (fsdp::quantize_frozen): on FSDP 3 (dim 24, LoRA rank 2) the
+// six frozen linear weights' f32 masters leave the flat buffer (exactly their padded bytes), the
+// parameters are meta between unshards, each weight keeps only its codes and scales, an unshard
+// gives fake_quantize() of the master it was quantised from, and a checkpoint of the stored
+// codes loads back into them bit-exactly (the stored codes zeroed in between).
+TEST_CASE("lowp checkpoint: frozen NF4 weights stored as codes only; save and load into them", "[checkpoint][lowp][qlora]") {
+  testing_support::Checks checks;
+  TempDir dir("frozen-nf4");
+  int weights_checked = 0;
+  collectives::run_ranks(3, [&](Communicator& world) {
+    auto comms = MeshComms::create(DeviceMesh::from_shape({3}, {"dp_shard"}), world);
+    nn::GPTConfig cfg;
+    cfg.vocab = 16;
+    cfg.dim = 24;  // wq..wo [24, 24], fc1 [96, 24], fc2 [24, 96]: 8, 8, 32, 8 rows per rank
+    cfg.heads = 2;
+    cfg.layers = 1;
+    cfg.max_seq = 8;
+    nn::GPT model(nn::ModuleOptions{comms, DType::kF32, {}}, cfg);
+    nn::add_lora(model, 2, 4.0);
+    std::map<std::string, std::shared_ptr<fsdp::AllGatherExtension>> ext;
+    fsdp::FullyShardOptions o;
+    o.all_gather_extension_fn = [&](const std::string& name, const nn::Parameter& p) {
+      const bool base = !p.requires_grad && p.shape().size() == 2 &&
+                        (name.find("attn.") != std::string::npos || name.find("mlp.") != std::string::npos);
+      return base ? (ext[name] = fsdp::make_quantized_all_gather({QuantKind::kNf4, 256, true})) : nullptr;
+    };
+    fsdp::FSDPModule& block = fsdp::fully_shard(model.blocks()[0], comms, o);
+    fsdp::fully_shard(model, comms, {});
+    nn::materialize(model, 11);
+    nn::Module& b0 = model.blocks()[0];
+    std::map<std::string, Tensor> want;  // fake_quantize of each full master
+    int64_t padded_bytes = 0;
+    for (const auto& [name, e] : ext) {
+      const nn::Parameter& p = b0.parameter(name);
+      want[name] = fsdp::fake_quantize(p.data().full_tensor(), {QuantKind::kNf4}, DType::kF32);
+      padded_bytes += (p.shape()[0] + 2) / 3 * p.shape()[1] * 4;
+    }
+    checks.check(ext.size() == 6, "six frozen linear weights");
+    const int64_t before = block.sharded_bytes();
+    const int64_t released = fsdp::quantize_frozen(model);
+    checks.check(released == padded_bytes, fmt::format("released {} bytes, expected {}", released, padded_bytes));
+    checks.check(block.sharded_bytes() == before - released, "the flat buffer lost exactly those bytes");
+    checks.check(fsdp::quantize_frozen(model) == 0, "a second call has nothing to quantise");
+    for (const auto& [name, e] : ext) {
+      const nn::Parameter& p = b0.parameter(name);
+      checks.check(p.is_meta(), name + ": no master between unshards");
+      const fsdp::StoredNf4* st = fsdp::stored_nf4(*e);
+      const int64_t n = p.shape()[0] * p.shape()[1], padded = (p.shape()[0] + 2) / 3 * p.shape()[1];
+      const int64_t blocks = (n + 63) / 64;
+      checks.check(st && st->bytes() == (padded + 1) / 2 + blocks + 4 * ((blocks + 255) / 256) + 4,
+                   name + ": codes and double-quantised scales only");
+    }
+    auto unsharded_equal = [&](const std::string& what) {
+      block.unshard();
+      for (const auto& [name, e] : ext) {
+        const Tensor got = b0.parameter(name).data().to_local();
+        checks.check(kernels::equal(got, want.at(name)), name + ": " + what);
+        if (world.rank() == 0) ++weights_checked;
+      }
+      block.reshard();
+      for (const auto& [name, e] : ext) checks.check(b0.parameter(name).is_meta(), name + ": meta after reshard");
+    };
+    unsharded_equal("unshard of the stored codes == fake_quantize(master)");
+    for (const auto& [name, e] : ext)
+      checks.check(kernels::equal(fsdp::stored_nf4_dequantize(*e, DType::kF32).full_tensor(), want.at(name)),
+                   name + ": stored_nf4_dequantize == fake_quantize(master)");
+    nn::StateDict sd;
+    for (const auto& [name, e] : ext) sd.merge(fsdp::stored_nf4_state_dict(name, *e));
+    checkpoint::save(dir.path.string(), sd, world);
+    for (const auto& [name, e] : ext) {
+      const fsdp::StoredNf4* st = fsdp::stored_nf4(*e);
+      for (Tensor t : {st->codes, st->scalers, st->factors, st->mean}) t.fill_(0.0);
+    }
+    nn::StateDict back;
+    for (const auto& [name, e] : ext) back.merge(fsdp::stored_nf4_state_dict(name, *e));
+    checkpoint::load(dir.path.string(), back, world);
+    unsharded_equal("unshard after loading the codes back");
+    std::string refused;
+    try {
+      nn::materialize(model, 11);
+    } catch (const kernels::InvalidArgument& e) {
+      refused = e.what();
+    }
+    checks.check(refused.find("quantize_frozen") != std::string::npos,
+                 "materialising a stored weight again is refused: '" + refused + "'");
+  });
+  checks.report();
+  CHECK(weights_checked == 2 * 6);
 }
 
 }  // namespace

@@ -141,6 +141,7 @@ Measured measure(const Case& k, const fsdp::BatchShape& batch) {
         blocks[i]->set_modules_to_backward_prefetch(bwd);
       }
     nn::materialize(m, 3);
+    if (k.lora > 0) fsdp::quantize_frozen(m);  // as fsdp-train --qlora: the frozen base as NF4 only
     kernels::AdamWOptions ao;
     ao.lr = 1e-3;
     nn::AdamW opt(m.named_parameters(), ao);

@@ -6,7 +6,8 @@ all_gather_bytes, per rank per step, and the progress line's), and each passes -
 against one rank with the same quantisation. The parity check can tell: after one step each run
 is far closer to its quantised reference than to the bf16 run. qlora: gradients (and so
 optimizer state) only for the adapters, exactly their bytes; a run resumed from its checkpoint
-ends at the uninterrupted run's loss.
+(the frozen base saved as NF4 codes) ends at the uninterrupted run's loss; a run initialised from
+a dumped model (--init-from) repeats its losses.
 
 usage: fsdp_train_lowp_test.py path/to/fsdp-train
 """
@@ -50,9 +51,9 @@ for ag in ("bf16", "fp8", "int8", "qlora"):
     progress = [int(m.group(1)) for m in (re.search(r" all_gather_bytes (\d+) reduce_bytes \d+$", l) for l in lines) if m]
     progress_of[ag] = lines
     if ag == "qlora":
-        # Static scales: only the first step all-reduces the NF4 absmax; the JSON is the mean.
-        check(len(progress) == 4 and progress[0] > progress[1] and len(set(progress[1:])) == 1 and
-              sum(progress) // 4 == last["all_gather_bytes"],
+        # The frozen base is quantised (its NF4 absmax all-reduced) once, by fsdp::quantize_frozen
+        # before the first step: every step gathers the same codes and all-reduces nothing.
+        check(len(progress) == 4 and all(p == last["all_gather_bytes"] for p in progress),
               f"{ag}: progress all_gather_bytes {progress} vs JSON {last['all_gather_bytes']}")
     else:
         check(len(progress) == 4 and all(p == last["all_gather_bytes"] for p in progress),
@@ -93,6 +94,11 @@ if "qlora" in progress_of:
           f"qlora: grad_bytes {field(last_line, 'grad_bytes')}, expected the adapters' {adapters * 4 // 4}")
     check(field(last_line, "optim_bytes") == 2 * adapters * 4 // 4,
           f"qlora: optim_bytes {field(last_line, 'optim_bytes')}, expected AdamW's two per adapter element")
+    # The frozen base is stored as NF4 codes + scales (no f32 master): the estimate models exactly
+    # that (it would be 1,351,248 bytes short with the masters kept).
+    q = runs.get("qlora")
+    check(q is not None and q["peak_bytes"] == q["estimated_peak_bytes"],
+          f"qlora: peak_bytes {q and q['peak_bytes']} vs estimated {q and q['estimated_peak_bytes']}")
 
 # qlora save and resume: the adapters and their AdamW state round-trip (the frozen base has none);
 # the resumed run ends at the uninterrupted run's loss.
@@ -105,6 +111,18 @@ with tempfile.TemporaryDirectory() as d:
           res["last_loss"] == full["last_loss"],
           f"qlora resume: exits {r_full.returncode}/{r_res.returncode}, last losses "
           f"{full and full['last_loss']} vs {res and res['last_loss']}, stderr {r_res.stderr.strip()}")
+
+# qlora --init-from: the loaded base is quantised after the load (fsdp::quantize_frozen): the same
+# losses as the run that initialised it, and parity with one rank.
+with tempfile.TemporaryDirectory() as d:
+    small = ["--backend", "local", "--dp-shard", "2", "--mp", "bf16", "--qlora", "4", "--steps", "2", "--log-every", "2"]
+    r_dump, dumped, _ = run(small + ["--dump-init", f"{d}/init.safetensors"])
+    r_init, loaded, _ = run(small + ["--init-from", f"{d}/init.safetensors", "--check-parity"])
+    check(r_dump.returncode == 0 and r_init.returncode == 0 and dumped is not None and loaded is not None and
+          loaded["parity"] == "ok" and loaded["first_loss"] == dumped["first_loss"] and
+          loaded["last_loss"] == dumped["last_loss"],
+          f"qlora init-from: exits {r_dump.returncode}/{r_init.returncode}, losses {dumped and dumped['last_loss']} vs "
+          f"{loaded and loaded['last_loss']}, parity {loaded and loaded['parity']}, stderr {r_init.stderr.strip()}")
 
 for f in failures:
     print("FAIL:", f)
