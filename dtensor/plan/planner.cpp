@@ -227,16 +227,23 @@ Plan search(Context& ctx) {
         if (c == state[m]) continue;
         if (is_partial(c) && !partial_allowed(m, c)) continue;
         ctx.work().add(kEdgeWork);
+        // Every step on mesh dim m to c leads to the same state; a state already settled never
+        // takes a new parent, so its edges are not evaluated.
+        Placements next = state;
+        next[m] = c;
+        std::string key = to_string(next);
+        auto it = nodes.find(key);
+        if (it != nodes.end() && it->second.done) continue;
         std::optional<Step> step = step_between(m, state[m], c, /*direct=*/true);
         // A shard whose ranks already hold the new layout moves nothing: a local step.
         if (shard_dim(state[m]) && !is_partial(c) && ctx.valid(LocalChunk{m, c}, state)) step = LocalChunk{m, c};
         if (!step || !ctx.valid(*step, state)) continue;
         step = ctx.with_wire(*step);
-        Placements next = apply_step(*step, state);
+        if (apply_step(*step, state) != next)
+          throw kernels::InternalError(fmt::format("step {} from [{}] does not lead to [{}]", to_string(*step),
+                                                   to_string(state), to_string(next)));
         const double total = e.cost + ctx.cost(*step, state);
-        std::string key = to_string(next);
-        auto it = nodes.find(key);
-        if (it == nodes.end() || (!it->second.done && total < it->second.cost)) {
+        if (it == nodes.end() || total < it->second.cost) {
           nodes[key] = {std::move(next), total, e.key, step};
           queue.push({total, order++, std::move(key)});
         }
