@@ -172,4 +172,10 @@ std::vector<std::pair<int64_t, int64_t>> overlapping_pieces(int64_t n, const Spl
 bool same_later_owners(int64_t n, const std::optional<Split>& a, const std::optional<Split>& b,
                        std::span<const Split> later, WorkBudget& work);
 
+// same_later_owners without its per-call cache; `probes` false also skips the few positions
+// checked directly first (they decide most unequal pairs before the families are built), so tests
+// can check the family comparison alone.
+bool compare_later_owners(int64_t n, const std::optional<Split>& a, const std::optional<Split>& b,
+                          std::span<const Split> later, WorkBudget& work, bool probes = true);
+
 }  // namespace dtensor
