@@ -55,9 +55,10 @@ class Context {
   }
 
   bool valid(const Step& step, const Placements& before) {
-    const Placements after = apply_step(step, before);
+    // apply_step changes only the step's mesh dim.
+    const std::optional<int> d = shard_dim(placement_after(step));
     for (const Dims& s : shapes_)
-      if (!shards_within(before, s.size()) || !shards_within(after, s.size())) return false;
+      if (!shards_within(before, s.size()) || (d && *d >= s.size())) return false;
     for (const Dims& s : shapes_)
       if (!oracle_.valid(step, before, s, t_.mesh_shape, work_)) return false;
     return true;
@@ -274,7 +275,7 @@ Plan search(Context& ctx) {
         }
         if (!step || (!checked && !ctx.valid(*step, state))) continue;
         step = ctx.with_wire(*step);
-        if (apply_step(*step, state) != next)
+        if (mesh_dim_of(*step) != m || placement_after(*step) != c)
           throw kernels::InternalError(fmt::format("step {} from [{}] does not lead to [{}]", to_string(*step),
                                                    to_string(state), to_string(next)));
         const double total = e.cost + ctx.cost(*step, state);

@@ -56,8 +56,12 @@ bool communicates(const Step& step) {
 
 Placements apply_step(const Step& step, const Placements& placements) {
   Placements out = placements;
-  const int m = mesh_dim_of(step);
-  out[m] = std::visit(
+  out[mesh_dim_of(step)] = placement_after(step);
+  return out;
+}
+
+Placement placement_after(const Step& step) {
+  return std::visit(
       Overloaded{
           [](const AllGather&) -> Placement { return Replicate{}; },
           [](const StridedAllGather&) -> Placement { return Replicate{}; },
@@ -73,7 +77,6 @@ Placements apply_step(const Step& step, const Placements& placements) {
           [](const LocalEmbed&) -> Placement { return Partial{ReduceOp::kSum}; },
       },
       step);
-  return out;
 }
 
 std::string to_string(const Step& step) {

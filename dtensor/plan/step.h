@@ -101,6 +101,8 @@ int mesh_dim_of(const Step& step);
 bool communicates(const Step& step);
 // The placements after the step. REQUIRES: the step starts from placements[mesh_dim].
 Placements apply_step(const Step& step, const Placements& placements);
+// The placement the step leaves on its mesh dim (apply_step without the copy).
+Placement placement_after(const Step& step);
 // "AG(1)", "_AG(0,sf=2)", "A2A(0:0->1)", "AR(1,sum)", "RS(0:0,sum)", "RS(0:_S(0,4),sum)",
 // "RS(0:0,sum,wire=bf16)", "AR(1,avg,wire=f8e5m2)", "chunk(1->S(0))", "partial(1,sum)", "regroup(0:_S(0,2)->S(0))", "embed(0:S(0)->P(sum))".
 std::string to_string(const Step& step);

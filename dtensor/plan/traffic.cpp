@@ -472,7 +472,8 @@ Traffic busiest(const std::vector<Term>& terms, const ChainSet& set, const Dims&
 Traffic step_traffic(const Step& step, const Placements& before, const Dims& global_shape, const Dims& mesh_shape,
                      DType dtype, WorkBudget& work) {
   ChainSet set(mesh_shape);
-  const std::vector<Term> terms = {make_term(step, before, global_shape, mesh_shape, set, dtype)};
+  std::vector<Term> terms;
+  terms.push_back(make_term(step, before, global_shape, mesh_shape, set, dtype));
   return busiest(terms, set, global_shape, dtype, work);
 }
 
