@@ -243,7 +243,8 @@ Plan search(Context& ctx) {
   nodes.push_back({src, 0.0, 0, std::nullopt});
   index.emplace(src, 0);
   queue.push({0.0, order++, 0});
-  std::optional<size_t> goal;
+  std::optional<size_t> goal, goal_seen;  // settled; reached
+  if (src == dst) goal_seen = 0;
   while (!queue.empty()) {
     const Entry e = queue.top();
     queue.pop();
@@ -267,9 +268,16 @@ Plan search(Context& ctx) {
         const auto it = index.find(next);
         if (it != index.end() && nodes[it->second].done) continue;
         std::optional<Step> step = step_between(m, state[m], c, /*direct=*/true);
+        const bool local_possible = shard_dim(state[m]) && !is_partial(c);
+        // No cost below `least` (a moving step costs its latency and more): an edge that cannot
+        // improve on the state's current cost, or reach it below the goal's, changes nothing.
+        double least = step && ctx.moves(*step) ? t.cost.latency_us : 1e-9;
+        if (local_possible) least = std::min(least, 1e-9);
+        if (it != index.end() && e.cost + least >= nodes[it->second].cost) continue;
+        if (goal_seen && e.cost + least >= nodes[*goal_seen].cost) continue;
         // A shard whose ranks already hold the new layout moves nothing: a local step.
         bool checked = false;
-        if (shard_dim(state[m]) && !is_partial(c) && ctx.valid(LocalChunk{m, c}, state)) {
+        if (local_possible && ctx.valid(LocalChunk{m, c}, state)) {
           step = LocalChunk{m, c};
           checked = true;
         }
@@ -280,6 +288,7 @@ Plan search(Context& ctx) {
                                                    to_string(state), to_string(next)));
         const double total = e.cost + ctx.cost(*step, state);
         if (it == index.end()) {
+          if (next == dst) goal_seen = nodes.size();
           index.emplace(next, nodes.size());
           queue.push({total, order++, nodes.size()});
           nodes.push_back({std::move(next), total, e.node, step});

@@ -212,6 +212,10 @@ bool is_valid_step(const Step& step, const Placements& before, const Dims& globa
     for (const Split& s : b_chain)
       if (s.mesh_dim == m) b = s;
     if (later.empty()) continue;
+    if (prefix.empty()) {  // one list: the whole dim
+      if (!same_later_owners(global_shape[t], a, b, span_of(later), work)) return false;
+      continue;
+    }
     for (int64_t n : distinct_sizes(global_shape[t], span_of(prefix), mesh_shape, work))
       if (!same_later_owners(n, a, b, span_of(later), work)) return false;
   }
