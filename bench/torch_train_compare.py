@@ -55,7 +55,7 @@ def log(msg: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# fsdp-train's data (examples/fsdp_train.cpp make_batch)
+# fsdp-train's data (examples/fsdp_train_args.cpp make_batch)
 # ---------------------------------------------------------------------------------------------
 
 def mix64(x: int) -> int:

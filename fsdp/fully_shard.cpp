@@ -10,6 +10,7 @@
 #include "dtensor/layout.h"
 #include "fsdp/byte_pack.h"
 #include "fsdp/dp_chunks.h"
+#include "fsdp/param_mesh.h"
 #include "kernels/error.h"
 #include "kernels/format.h"
 #include "kernels/ops/chunk_cat.h"
@@ -139,6 +140,10 @@ class Group {
   std::shared_ptr<Runtime> rt;
   GroupStats stats;
   std::string note;
+  // Per-parameter meshes (fsdp/param_mesh.h): one follower per other mesh, registered on no
+  // module; this group's unshard, reshard and gradient steps run theirs first.
+  std::vector<std::shared_ptr<Group>> followers;
+  bool is_follower = false;
 
   bool is_root() const { return rt && rt->root == this; }
   bool byte_mode() const { return !bslots.empty(); }
@@ -245,6 +250,7 @@ class Group {
   int trace_pid() const { return dp_comms->mesh().ndim() > 0 ? dp_comms->dim(0).global_rank() : 0; }
 
   void issue_unshard() {
+    for (auto& f : followers) f->issue_unshard();
     if (state == State::kUnsharding || state == State::kUnsharded) return;
     if (state == State::kSharded) require_materialized();
     Tensor out = flat_view();
@@ -285,6 +291,7 @@ class Group {
   }
 
   void wait_unshard() {
+    for (auto& f : followers) f->wait_unshard();
     if (state == State::kUnsharded) return;
     issue_unshard();
     std::optional<kernels::TraceSpan> span(std::in_place, tracer(), trace_pid(), "waits", "FSDP unshard wait");
@@ -312,6 +319,7 @@ class Group {
   }
 
   void reshard() {
+    for (auto& f : followers) f->reshard();
     if (state == State::kUnsharding) {  // a prefetch nobody used
       ag_handle->wait();
       ag_handle.reset();
@@ -380,6 +388,7 @@ class Group {
           name, s.name, s.param->grad() ? "holds a gradient" : "requires a gradient"));
   }
   void stash_grads() {
+    for (auto& f : followers) f->stash_grads();
     has_sharded_grad = false;
     for (size_t i = 0; i < slots.size(); ++i) {
       check_frozen(i);
@@ -477,8 +486,9 @@ class Group {
       reshard();  // a synchronising backward: the optimizer steps the sharded parameters next
       return;
     }
-    // Keep at most two reduce-scatter inputs alive: finish the older reductions first.
-    if (rt)
+    // Keep at most two reduce-scatter inputs alive: finish the older reductions first (a
+    // follower leaves that to its leader, which just did it: its own reduction overlaps too).
+    if (rt && !is_follower)
       while (!rt->pending.empty()) {
         Group* g = rt->pending.front();
         rt->pending.erase(rt->pending.begin());
@@ -611,6 +621,10 @@ void Group::lazy_init() {
         g->rt = rt;
         g->name = fqn;
       }
+      for (auto& f : g->followers) {
+        f->rt = rt;
+        f->name = fmt::format("{} (on {})", g->name, dtensor::to_string(f->comms->mesh()));
+      }
       rt->groups.push_back(g);
     }
 }
@@ -669,6 +683,7 @@ void Group::on_post_backward(nn::Ctx& ctx, std::optional<DTensor>& grad_input) {
   if (++bwd_post < modules.size()) return;
   bwd_pre = bwd_post = 0;
   post_backward();
+  for (auto& f : followers) f->post_backward();
   if (is_root()) finalize_backward();
 }
 
@@ -701,6 +716,12 @@ UnshardHandle FSDPModule::unshard(bool async_op) {
 void FSDPModule::reshard() { group_->reshard(); }
 
 namespace {
+// A group and its followers (per-parameter meshes).
+std::vector<Group*> own_groups(Group& g) {
+  std::vector<Group*> out{&g};
+  for (auto& f : g.followers) out.push_back(f.get());
+  return out;
+}
 std::vector<Group*> subtree_groups(Group& g) {
   std::vector<Group*> out{&g};
   for (nn::Module* m : g.modules)
@@ -709,20 +730,23 @@ std::vector<Group*> subtree_groups(Group& g) {
       if (st && &st->group() != &g && std::find(out.begin(), out.end(), &st->group()) == out.end())
         out.push_back(&st->group());
     }
+  const size_t leaders = out.size();
+  for (size_t i = 0; i < leaders; ++i)
+    for (auto& f : out[i]->followers) out.push_back(f.get());
   return out;
 }
 }  // namespace
 
 void FSDPModule::set_requires_gradient_sync(bool sync, bool recurse) {
-  for (Group* g : recurse ? subtree_groups(*group_) : std::vector<Group*>{group_.get()})
+  for (Group* g : recurse ? subtree_groups(*group_) : own_groups(*group_))
     g->requires_gradient_sync = sync;
 }
 void FSDPModule::set_reshard_after_backward(bool reshard, bool recurse) {
-  for (Group* g : recurse ? subtree_groups(*group_) : std::vector<Group*>{group_.get()})
+  for (Group* g : recurse ? subtree_groups(*group_) : own_groups(*group_))
     g->reshard_after_backward = reshard;
 }
 void FSDPModule::set_reshard_after_forward(ReshardAfterForward mode, bool recurse) {
-  for (Group* g : recurse ? subtree_groups(*group_) : std::vector<Group*>{group_.get()}) {
+  for (Group* g : recurse ? subtree_groups(*group_) : own_groups(*group_)) {
     if (mode.kind == ReshardAfterForward::Kind::kInt && !g->k_comms)
       throw InvalidArgument(fmt::format(
           "FSDP group '{}': set_reshard_after_forward({}): reshard_after_forward = k needs the sub-mesh "
@@ -732,7 +756,7 @@ void FSDPModule::set_reshard_after_forward(ReshardAfterForward mode, bool recurs
   }
 }
 void FSDPModule::set_requires_all_reduce(bool all_reduce, bool recurse) {
-  for (Group* g : recurse ? subtree_groups(*group_) : std::vector<Group*>{group_.get()})
+  for (Group* g : recurse ? subtree_groups(*group_) : own_groups(*group_))
     g->requires_all_reduce = all_reduce;
 }
 void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule*>& modules) {
@@ -757,6 +781,7 @@ void FSDPModule::set_gradient_divide_factor(double factor) {
   if (!(factor > 0))
     throw InvalidArgument(fmt::format("FSDP group '{}': gradient divide factor {}: expected > 0", group_->name, factor));
   group_->divide_factor = factor;
+  for (auto& f : group_->followers) f->divide_factor = factor;
 }
 void FSDPModule::set_is_last_backward(bool last) {
   for (Group* g : subtree_groups(*group_)) g->is_last_backward = last;
@@ -771,22 +796,31 @@ void FSDPModule::set_prefetch_depth(int depth) {
 const std::string& FSDPModule::name() const { return group_->name; }
 std::vector<std::string> FSDPModule::parameter_names() const {
   std::vector<std::string> out;
-  for (const Slot& s : group_->slots) out.push_back(s.name);
+  for (const Group* g : own_groups(*group_))
+    for (const Slot& s : g->slots) out.push_back(s.name);
   return out;
 }
 bool FSDPModule::is_unsharded() const { return group_->state == Group::State::kUnsharded; }
 int64_t FSDPModule::unsharded_bytes() const {
-  if (group_->byte_mode())
-    return group_->unsharded_numel * static_cast<int64_t>(kernels::itemsize(group_->param_dtype)) +
-           group_->dp * group_->rank_bytes;
-  return (group_->unsharded_numel + group_->dp * group_->slot_numel) *
-         static_cast<int64_t>(kernels::itemsize(group_->param_dtype));
+  int64_t n = 0;
+  for (const Group* g : own_groups(*group_)) {
+    if (g->byte_mode())
+      n += g->unsharded_numel * static_cast<int64_t>(kernels::itemsize(g->param_dtype)) + g->dp * g->rank_bytes;
+    else
+      n += (g->unsharded_numel + g->dp * g->slot_numel) * static_cast<int64_t>(kernels::itemsize(g->param_dtype));
+  }
+  return n;
 }
 int64_t FSDPModule::reduce_scatter_input_bytes() const {
-  return group_->dp * group_->grad_numel * static_cast<int64_t>(kernels::itemsize(group_->reduce_dtype));
+  int64_t n = 0;
+  for (const Group* g : own_groups(*group_))
+    n += g->dp * g->grad_numel * static_cast<int64_t>(kernels::itemsize(g->reduce_dtype));
+  return n;
 }
 int64_t FSDPModule::sharded_bytes() const {
-  return group_->slot_numel * static_cast<int64_t>(kernels::itemsize(group_->orig_dtype));
+  int64_t n = 0;
+  for (const Group* g : own_groups(*group_)) n += g->slot_numel * static_cast<int64_t>(kernels::itemsize(g->orig_dtype));
+  return n;
 }
 int64_t FSDPModule::resharded_k_bytes() const {
   if (!group_->reshard_to_k()) return 0;
@@ -796,7 +830,21 @@ int64_t FSDPModule::resharded_k_bytes() const {
 }
 bool FSDPModule::reshards_after_forward() const { return group_->reshards_after_forward(); }
 bool FSDPModule::is_root() const { return group_->is_root(); }
-const GroupStats& FSDPModule::stats() const { return group_->stats; }
+const GroupStats& FSDPModule::stats() const {
+  if (group_->followers.empty()) return group_->stats;
+  merged_stats_ = group_->stats;  // per-parameter meshes: the sums over every mesh's group
+  for (const auto& f : group_->followers) {
+    const GroupStats& o = f->stats;
+    merged_stats_.all_gathers += o.all_gathers;
+    merged_stats_.reduce_scatters += o.reduce_scatters;
+    merged_stats_.all_reduces += o.all_reduces;
+    merged_stats_.prefetches += o.prefetches;
+    merged_stats_.all_gather_bytes += o.all_gather_bytes;
+    merged_stats_.extension_bytes += o.extension_bytes;
+    merged_stats_.reduce_bytes += o.reduce_bytes;
+  }
+  return merged_stats_;
+}
 const std::string& FSDPModule::note() const { return group_->note; }
 
 FSDPModule* state(nn::Module& module) {
@@ -850,8 +898,12 @@ FSDPModule& fully_shard(nn::Module& module, std::shared_ptr<const MeshComms> mes
   return fully_shard(std::vector<nn::Module*>{&module}, std::move(mesh), options);
 }
 
-FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr<const MeshComms> comms,
-                        const FullyShardOptions& options) {
+namespace {
+
+// One group on `comms`. given: a follower's parameters (per-parameter meshes), which registers
+// no hooks and no module state: its leader drives it.
+std::shared_ptr<Group> shard_group(const std::vector<nn::Module*>& modules, std::shared_ptr<const MeshComms> comms,
+                                   const FullyShardOptions& options, const detail::NamedParams* given) {
   if (modules.empty()) throw InvalidArgument("fully_shard: no modules given");
   if (!comms) throw InvalidArgument("fully_shard: no mesh given");
   if (options.copy_threads < 0)
@@ -892,7 +944,8 @@ FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr
   for (nn::Module* m : modules)
     for (auto& [fqn, sub] : m->named_modules())
       if (FSDPModule* st = state(*sub))
-        for (const Slot& s : st->group().slots) nested_owner[s.param.get()] = {&st->group(), fqn};
+        for (const Group* og : own_groups(st->group()))
+          for (const Slot& s : og->slots) nested_owner[s.param.get()] = {&st->group(), fqn};
   std::set<const nn::Parameter*> ignored;
   for (const auto& p : options.ignored_params) ignored.insert(p.get());
   std::vector<std::pair<std::string, std::shared_ptr<nn::Parameter>>> params;
@@ -919,11 +972,19 @@ FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr
     }
     for (const auto& [n, c] : m.children()) visit(*c, join_name(prefix, n), inside);
   };
-  for (size_t i = 0; i < modules.size(); ++i)
-    visit(*modules[i], modules.size() == 1 ? "" : std::to_string(i), nullptr);
+  if (given) params = *given;
+  else
+    for (size_t i = 0; i < modules.size(); ++i)
+      visit(*modules[i], modules.size() == 1 ? "" : std::to_string(i), nullptr);
 
   // Trainable parameters first (stable): the gradient buffers cover that prefix only.
   std::stable_partition(params.begin(), params.end(), [](const auto& e) { return e.second->requires_grad; });
+  // Per-parameter meshes: this group keeps the parameters on its mesh, a follower per other mesh.
+  std::vector<detail::MeshPart> parts;
+  if (options.mesh_fn && !given) {
+    parts = detail::split_by_mesh(params, comms, options, g.name);
+    params = parts.front().params;
+  }
   const auto& mp = options.mp_policy;
   bool first = true;
   int64_t offset = 0, uoffset = 0;
@@ -1114,6 +1175,18 @@ FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr
     s.param->set_materialize_target(target(i));
   }
 
+  if (given) return group;
+  for (size_t i = 1; i < parts.size(); ++i) {
+    FullyShardOptions fo = options;
+    fo.mesh_fn = nullptr;
+    fo.mesh_dims = parts[i].mesh_dims;
+    if (fo.reshard_after_forward.kind == ReshardAfterForward::Kind::kInt) fo.reshard_after_forward = ReshardAfterForward::yes();
+    std::shared_ptr<Group> f = shard_group(modules, parts[i].comms, fo, &parts[i].params);
+    f->name = g.name;
+    f->is_follower = true;
+    g.followers.push_back(std::move(f));
+  }
+
   // Hooks on every module of the group.
   Group* gp = group.get();
   for (nn::Module* m : modules) {
@@ -1123,6 +1196,14 @@ FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr
     m->register_backward_hook(
         [gp](nn::Module&, nn::Ctx& ctx, std::optional<DTensor>& dx) { gp->on_post_backward(ctx, dx); });
   }
+  return group;
+}
+
+}  // namespace
+
+FSDPModule& fully_shard(const std::vector<nn::Module*>& modules, std::shared_ptr<const MeshComms> comms,
+                        const FullyShardOptions& options) {
+  std::shared_ptr<Group> group = shard_group(modules, std::move(comms), options, nullptr);
   auto handle = std::make_shared<FSDPModule>(group);
   for (nn::Module* m : modules) m->extension(kExtension) = handle;
   return *handle;

@@ -101,8 +101,39 @@ struct DataParallelMeshDims {
 // > 0 must divide evenly by the dp shard size.
 using ShardPlacementFn = std::function<std::optional<int>(const std::string& name, const nn::Parameter&)>;
 
+// Per-parameter meshes (expert parallelism carved from dp; torchtitan's dense parameters FSDP
+// over dp_shard, experts FSDP over dp_shard / ep): a parameter that lives on another mesh than
+// the one given to fully_shard names it here, with that mesh's data-parallel dims. The group
+// keeps one flat buffer per mesh (fsdp/param_mesh.h): per mesh one all-gather per unshard and
+// one gradient reduction per backward, issued together; every FSDPModule setting applies to all.
+// Dims of that mesh outside mesh_dims (ep) keep the parameter's placements, like tp.
+//   // world mesh (dp_shard=4); experts on its unflattening (dp_mod_ep=2, ep=2), S(0) over ep:
+//   auto ep_comms = comms->unflatten(0, {2, 2}, {"dp_mod_ep", "ep"});  // requested at creation
+//   moe.set_expert_parallel(ep_comms, /*ep mesh dim=*/1);             // meta: rehomes w1, w2
+//   fsdp::FullyShardOptions o;
+//   o.mesh_fn = [&](const std::string& name, const nn::Parameter& p) -> std::optional<fsdp::ParamMesh> {
+//     if (p.comms() != ep_comms) return std::nullopt;   // dense: the group's mesh (dp_shard)
+//     return fsdp::ParamMesh{ep_comms, fsdp::DataParallelMeshDims{std::nullopt, 0}};  // FSDP over dp_mod_ep
+//   };
+//   fsdp::fully_shard(block, comms, o);   // dense S(0) over 4 ranks, experts _S(0,2),S(0) on (dp_mod_ep, ep)
+// Gradient reduction: each mesh's flat gradient is a plain sum over its dp dims (divide factor
+// 1). The loss is the global mean, so a dense gradient is Partial(sum) over every dp rank; an
+// expert gradient on an ep rank already sums the tokens its ep group sent it (the all-to-all),
+// so it is Partial(sum) over the remaining dp dims (dp_mod_ep, dp_replicate) and their sum is
+// the one-rank gradient: no factor of ep. set_gradient_divide_factor(f) divides every mesh's sum.
+// REQUIRES: the parameter lives on `comms` (its data's or meta spec's mesh is comms->mesh()),
+// the same ParamMesh (by comms pointer) for every parameter on one mesh, mesh_dims valid for it.
+// reshard_after_forward = k applies to the group's own mesh; the other meshes reshard fully.
+struct ParamMesh {
+  std::shared_ptr<const MeshComms> comms;
+  std::optional<DataParallelMeshDims> mesh_dims;  // unset: by name, as for the group's mesh
+};
+// Per parameter (name relative to the module): its mesh, or nullopt for the mesh given to fully_shard.
+using ParamMeshFn = std::function<std::optional<ParamMesh>(const std::string& name, const nn::Parameter&)>;
+
 struct FullyShardOptions {
   std::optional<DataParallelMeshDims> mesh_dims;
+  ParamMeshFn mesh_fn;  // per-parameter meshes (above); unset: every parameter on the given mesh
   ReshardAfterForward reshard_after_forward;
   ShardPlacementFn shard_placement_fn;
   // Per parameter, an all-gather extension (fsdp/all_gather_extension.h; e.g. fp8 or int8
@@ -196,6 +227,7 @@ class FSDPModule {
   int64_t resharded_k_bytes() const;
   bool reshards_after_forward() const;
   bool is_root() const;
+  // With per-parameter meshes: sums over the group's meshes (so are the byte counts above).
   const GroupStats& stats() const;
   // How the options were honoured where it differs from what they ask (empty otherwise), e.g.
   // "offload_policy.pin_memory: ... a no-op here"; a trainer prints it once.
@@ -204,6 +236,7 @@ class FSDPModule {
 
  private:
   std::shared_ptr<Group> group_;
+  mutable GroupStats merged_stats_;  // stats() with per-parameter meshes
 };
 
 // Shards `module` (or the modules of one group) over the data-parallel dims of `mesh`, which

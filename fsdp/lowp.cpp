@@ -371,9 +371,30 @@ using dtensor::DTensor;
 using dtensor::DTensorSpec;
 
 void check_checkpoint_kind(const std::string& name, const QuantConfig& q) {
-  if (q.kind != QuantKind::kFp8Tensor && q.kind != QuantKind::kNf4)
-    throw kernels::Unsupported(fmt::format("low-precision checkpoint of '{}': {} is not supported (fp8 or nf4)", name,
-                                           to_string(q)));
+  if (q.kind == QuantKind::kInt8Block && q.block < 1)
+    throw InvalidArgument(fmt::format("low-precision checkpoint of '{}': int8 block size {}; expected >= 1", name, q.block));
+}
+
+// The "<name>._quant" value of each kind.
+std::string checkpoint_kind_name(QuantKind kind) {
+  switch (kind) {
+    case QuantKind::kFp8Tensor: return "fp8-e4m3";
+    case QuantKind::kFp8Rowwise: return "fp8-e4m3-rowwise";
+    case QuantKind::kInt8Block: return "int8";
+    case QuantKind::kNf4: return "nf4";
+  }
+  return "";
+}
+
+// "<name>._scale"'s shape (fp8, int8): [1] per tensor, x's shape with the last dim 1 per row (it
+// broadcasts against the codes), [G] per int8 block.
+Dims scale_shape(const QuantConfig& q, const Dims& x) {
+  if (q.kind == QuantKind::kFp8Rowwise) {
+    Dims s = x;
+    s[s.size() - 1] = 1;
+    return s;
+  }
+  return Dims{quant_groups(q, x)};
 }
 
 DTensorSpec replicated_spec(const DTensorSpec& like, Dims shape, DType dtype) {
@@ -385,7 +406,7 @@ DTensorSpec replicated_spec(const DTensorSpec& like, Dims shape, DType dtype) {
 DTensorSpec codes_spec(const DTensorSpec& x, QuantKind kind) {
   Dims shape = x.shape;
   if (kind == QuantKind::kNf4) shape[shape.size() - 1] = (shape[shape.size() - 1] + 1) / 2;
-  return dtensor::make_spec(x.mesh, x.placements, shape, kind == QuantKind::kNf4 ? DType::kU8 : DType::kF8E4M3);
+  return dtensor::make_spec(x.mesh, x.placements, shape, quant_wire_dtype(kind));
 }
 
 // nf4: this rank's held last-dim indices must pair up (2j, 2j + 1) and the packed spec must hold
@@ -455,13 +476,14 @@ nn::StateDict quantized_checkpoint_template(const std::string& name, const DTens
   nn::StateDict sd;
   const DTensorSpec cs = codes_spec(x, q.kind);
   sd.tensors.emplace_back(name, DTensor(like.comms(), cs, local_empty(like, cs)));
-  sd.values[name + "._quant"] = std::string(q.kind == QuantKind::kNf4 ? "nf4" : "fp8-e4m3");
+  sd.values[name + "._quant"] = checkpoint_kind_name(q.kind);
   auto rep = [&](const std::string& key, Dims shape, DType dtype) {
     const DTensorSpec rs = replicated_spec(x, std::move(shape), dtype);
     sd.tensors.emplace_back(key, DTensor(like.comms(), rs, local_empty(like, rs)));
   };
-  if (q.kind == QuantKind::kFp8Tensor) {
-    rep(name + "._scale", Dims{1}, DType::kF32);
+  if (q.kind != QuantKind::kNf4) {
+    rep(name + "._scale", scale_shape(q, x.shape), DType::kF32);
+    if (q.kind == QuantKind::kInt8Block) sd.values[name + "._block"] = q.block;
   } else {
     const int64_t nb = quant_groups(q, x.shape);
     rep(name + "._scale", Dims{nb}, DType::kU8);
@@ -492,8 +514,9 @@ nn::StateDict quantize_for_checkpoint(const std::string& name, const DTensor& xd
   const int64_t G = quant_groups(q, x.shape);
   Tensor amax = Tensor::zeros(Dims{G}, DType::kF32);
   float* pa = amax.data<float>();
+  const int64_t last = x.shape[x.tensor_ndim() - 1];
   walk(box, A, Gt, [&](int64_t a, int64_t f) {
-    float& m = pa[quant_group(q, f, 1)];
+    float& m = pa[quant_group(q, f, last)];
     m = std::max(m, std::fabs(px[a]));
   });
   const Tensor global = mesh_max(xd, amax);
@@ -501,11 +524,12 @@ nn::StateDict quantize_for_checkpoint(const std::string& name, const DTensor& xd
   const DTensor& codes = *sd.find(name);
   Tensor cl = Tensor::zeros(codes.to_local().shape(), DType::kU8);
   uint8_t* pc = cl.data<uint8_t>();
-  if (q.kind == QuantKind::kFp8Tensor) {
-    const float s = quant_scale(q.kind, pg[0]);
-    walk(box, A, Gt, [&](int64_t a, int64_t) { pc[a] = quantize_value(q.kind, px[a], s); });
-    Tensor sc = Tensor::full({1}, static_cast<double>(s), DType::kF32);
-    fill(sd, name + "._scale", sc);
+  if (q.kind != QuantKind::kNf4) {
+    Tensor sc = Tensor::empty(Dims{G}, DType::kF32);
+    float* ps = sc.data<float>();
+    for (int64_t g = 0; g < G; ++g) ps[g] = quant_scale(q.kind, pg[g]);
+    walk(box, A, Gt, [&](int64_t a, int64_t f) { pc[a] = quantize_value(q.kind, px[a], ps[quant_group(q, f, last)]); });
+    fill(sd, name + "._scale", sc.view(scale_shape(q, x.shape)));
   } else {
     // Local element a = (row r, last-dim position j) -> byte r * ceil(L / 2) + j / 2.
     const int64_t L = box[box.size() - 1], Lp = (L + 1) / 2;
@@ -528,10 +552,24 @@ DTensor dequantize_from_checkpoint(const nn::StateDict& sd, const std::string& n
   const auto it = sd.values.find(name + "._quant");
   const std::string* text = it == sd.values.end() ? nullptr : std::get_if<std::string>(&it->second);
   const std::string kind = text ? *text : "";
-  if (kind != "fp8-e4m3" && kind != "nf4")
-    throw InvalidArgument(fmt::format("low-precision checkpoint: '{}._quant' is '{}'; expected fp8-e4m3 or nf4", name,
-                                      kind));
-  const QuantConfig q{kind == "nf4" ? QuantKind::kNf4 : QuantKind::kFp8Tensor};
+  QuantConfig q;
+  bool known = false;
+  for (QuantKind k : {QuantKind::kFp8Tensor, QuantKind::kFp8Rowwise, QuantKind::kInt8Block, QuantKind::kNf4})
+    if (kind == checkpoint_kind_name(k)) {
+      q.kind = k;
+      known = true;
+    }
+  if (!known)
+    throw InvalidArgument(fmt::format(
+        "low-precision checkpoint: '{}._quant' is '{}'; expected fp8-e4m3, fp8-e4m3-rowwise, int8 or nf4", name, kind));
+  if (q.kind == QuantKind::kInt8Block) {
+    const auto b = sd.values.find(name + "._block");
+    const int64_t* block = b == sd.values.end() ? nullptr : std::get_if<int64_t>(&b->second);
+    if (!block || *block < 1)
+      throw InvalidArgument(fmt::format("low-precision checkpoint: '{}._block' is {}; expected the int8 block size >= 1",
+                                        name, block ? std::to_string(*block) : std::string("missing or not an integer")));
+    q.block = *block;
+  }
   const DTensorSpec cs = codes_spec(x, q.kind);
   const DTensor& codes = entry(sd, name, cs.shape, cs.dtype);
   if (!(codes.placements() == x.placements))
@@ -548,9 +586,12 @@ DTensor dequantize_from_checkpoint(const nn::StateDict& sd, const std::string& n
          Gt);
   Tensor y = Tensor::empty(box, DType::kF32);
   float* py = y.data<float>();
-  if (q.kind == QuantKind::kFp8Tensor) {
-    const float s = host_f32(entry(sd, name + "._scale", Dims{1}, DType::kF32).to_local()).data<float>()[0];
-    walk(box, A, Gt, [&](int64_t a, int64_t) { py[a] = dequantize_value(q.kind, pc[a], s); });
+  if (q.kind != QuantKind::kNf4) {
+    const Tensor sc =
+        host_f32(entry(sd, name + "._scale", scale_shape(q, x.shape), DType::kF32).to_local()).contiguous();
+    const float* ps = sc.data<float>();
+    const int64_t last = x.shape[x.tensor_ndim() - 1];
+    walk(box, A, Gt, [&](int64_t a, int64_t f) { py[a] = dequantize_value(q.kind, pc[a], ps[quant_group(q, f, last)]); });
   } else {
     const int64_t nb = quant_groups(q, x.shape);
     const Tensor scalers = entry(sd, name + "._scale", Dims{nb}, DType::kU8).to_local().to(kernels::Device{}).contiguous();

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "fsdp/byte_pack.h"
 #include "kernels/allocator.h"
 #include "kernels/checked.h"
 #include "kernels/error.h"
@@ -107,6 +108,8 @@ using H = Sim::H;
 struct Param {
   std::string name;
   int64_t rows = 0, inner = 1;  // the tensor-parallel local shape, flattened after dim 0
+  bool frozen = false;     // no gradient, no optimizer state (LoRA's base)
+  bool quantized = false;  // gathered through the all-gather extension
   int64_t numel() const { return rows * inner; }
 };
 
@@ -117,37 +120,45 @@ struct Shapes {
   bool sp;               // sequence parallel (tp > 1)
   int64_t s, f;          // compute and statistics itemsizes
   bool layer_norm, bias, pos, tie, ckpt;
+  int64_t r = 0;         // LoRA rank (0: none; every parameter but the adapters frozen)
+  bool quant = false;    // the blocks' linear weights gathered through an extension
 };
 
 std::vector<Param> norm_params(const Shapes& m, const std::string& prefix) {
-  std::vector<Param> out{{prefix + ".weight", m.D, 1}};
-  if (m.layer_norm) out.push_back({prefix + ".bias", m.D, 1});
+  const bool frozen = m.r > 0;
+  std::vector<Param> out{{prefix + ".weight", m.D, 1, frozen}};
+  if (m.layer_norm) out.push_back({prefix + ".bias", m.D, 1, frozen});
   return out;
 }
 
-// A block's parameters in registration order (nn/transformer.cpp), tensor-parallel local.
+// A block's parameters in registration order (nn/transformer.cpp), tensor-parallel local; with
+// LoRA the adapters follow each projection's weight (and bias), as Linear::enable_lora adds them.
 std::vector<Param> block_params(const Shapes& m) {
   std::vector<Param> out = norm_params(m, "ln1");
-  for (const char* n : {"wq", "wk", "wv"}) {
-    out.push_back({std::string("attn.") + n + ".weight", m.Dt, m.D});
-    if (m.bias) out.push_back({std::string("attn.") + n + ".bias", m.Dt, 1});
-  }
-  out.push_back({"attn.wo.weight", m.D, m.Dt});
-  if (m.bias) out.push_back({"attn.wo.bias", m.D, 1});
+  const bool frozen = m.r > 0;
+  auto linear = [&](const std::string& name, int64_t rows, int64_t in) {
+    out.push_back({name + ".weight", rows, in, frozen, m.quant});
+    if (m.bias) out.push_back({name + ".bias", rows, 1, frozen});
+    if (m.r > 0) {
+      out.push_back({name + ".lora_A", m.r, in});
+      out.push_back({name + ".lora_B", rows, m.r});
+    }
+  };
+  for (const char* n : {"wq", "wk", "wv"}) linear(std::string("attn.") + n, m.Dt, m.D);
+  linear("attn.wo", m.D, m.Dt);
   for (const Param& p : norm_params(m, "ln2")) out.push_back(p);
-  out.push_back({"mlp.fc1.weight", m.Hdt, m.D});
-  if (m.bias) out.push_back({"mlp.fc1.bias", m.Hdt, 1});
-  out.push_back({"mlp.fc2.weight", m.D, m.Hdt});
-  if (m.bias) out.push_back({"mlp.fc2.bias", m.D, 1});
+  linear("mlp.fc1", m.Hdt, m.D);
+  linear("mlp.fc2", m.D, m.Hdt);
   return out;
 }
 
 std::vector<Param> root_params(const Shapes& m) {
   const int64_t vocab_rows = m.tp > 1 ? ceil_div(m.V, m.tp) : m.V;
-  std::vector<Param> out{{"tok_emb.weight", vocab_rows, m.D}};
-  if (m.pos) out.push_back({"pos_emb.weight", m.max_seq, m.D});
+  const bool frozen = m.r > 0;
+  std::vector<Param> out{{"tok_emb.weight", vocab_rows, m.D, frozen}};
+  if (m.pos) out.push_back({"pos_emb.weight", m.max_seq, m.D, frozen});
   for (const Param& p : norm_params(m, "ln_f")) out.push_back(p);
-  if (!m.tie) out.push_back({"lm_head.weight", m.Vt, m.D});
+  if (!m.tie) out.push_back({"lm_head.weight", m.Vt, m.D, frozen});
   return out;
 }
 
@@ -157,9 +168,15 @@ struct Group {
   std::string name;
   std::vector<Param> params;
   int64_t P = 0, U = 0;  // one rank's flat elements (padded), the unsharded elements
+  int64_t G = 0;         // the trainable prefix of P: what gradients and reductions cover
+  // With an extension in the group: one rank's packed u8 buffer (fsdp/byte_pack.h) and each
+  // quantised weight's code bytes per rank; rank_bytes 0 otherwise.
+  int64_t rank_bytes = 0;
+  std::vector<int64_t> code_bytes;
   enum class State { kSharded, kUnsharding, kUnsharded, kResharded } state = State::kSharded;
   H flat, unsharded, ag_input, k_buffer;
   H rs_input, rs_output, rs_staging;
+  std::vector<H> rs_wire;  // a wire reduction's exchange buffers
   bool pending = false, into_grad = true, has_sharded_grad = false;
   std::vector<H> grads, accum;  // unsharded gradients (per parameter), no-sync accumulation
   std::vector<H> persistent;    // flat shard, flat gradient, optimizer state
@@ -173,6 +190,11 @@ class Replay {
     master_ = kernels::DType::kF32;
     param_ = mp.param_dtype.value_or(master_);
     reduce_ = mp.reduce_dtype.value_or(param_);
+    if (mp.reduce_wire && *mp.reduce_wire != reduce_ && c.fsdp) {
+      wire_ = true;
+      ws_ = static_cast<int64_t>(kernels::itemsize(*mp.reduce_wire));
+      wire_scaled_ = *mp.reduce_wire == kernels::DType::kF8E4M3 || *mp.reduce_wire == kernels::DType::kF8E5M2;
+    }
     ms_ = static_cast<int64_t>(kernels::itemsize(master_));
     ps_ = static_cast<int64_t>(kernels::itemsize(param_));
     rs_ = static_cast<int64_t>(kernels::itemsize(reduce_));
@@ -207,7 +229,17 @@ class Replay {
       for (const Param& p : g.params) {
         g.P += padded(p);
         g.U += p.numel();
+        if (!p.frozen) g.G += padded(p);
       }
+      // fully_shard packs a group with an extension by bytes, every piece aligned.
+      const bool ext =
+          c_.fsdp && std::any_of(g.params.begin(), g.params.end(), [](const Param& p) { return p.quantized; });
+      if (ext)
+        for (const Param& p : g.params) {
+          const int64_t bytes = p.quantized ? quant_code_bytes(padded(p)) : padded(p) * ps_;
+          g.rank_bytes += ceil_div(bytes, detail::kPieceAlign) * detail::kPieceAlign;
+          if (p.quantized) g.code_bytes.push_back(bytes);
+        }
       groups_.push_back(std::move(g));
     };
     add_group("root", root_params(m_), true);
@@ -215,13 +247,15 @@ class Replay {
     for (Group& g : groups_) {
       if (c_.fsdp) {
         g.persistent.push_back(sim_.alloc(kParams, g.P * ms_));
-        g.persistent.push_back(sim_.alloc(kGrads, g.P * ms_));
+        g.persistent.push_back(sim_.alloc(kGrads, g.G * ms_));
         for (const Param& p : g.params)
-          for (int s = 0; s < c_.optimizer_states; ++s) g.persistent.push_back(sim_.alloc(kOptim, padded(p) * ms_));
+          if (!p.frozen)
+            for (int s = 0; s < c_.optimizer_states; ++s) g.persistent.push_back(sim_.alloc(kOptim, padded(p) * ms_));
       } else {
         for (const Param& p : g.params) {
           g.persistent.push_back(sim_.alloc(kParams, p.numel() * ms_));
-          for (int s = 0; s < c_.optimizer_states; ++s) g.persistent.push_back(sim_.alloc(kOptim, p.numel() * ms_));
+          if (!p.frozen)
+            for (int s = 0; s < c_.optimizer_states; ++s) g.persistent.push_back(sim_.alloc(kOptim, p.numel() * ms_));
         }
       }
     }
@@ -229,10 +263,22 @@ class Replay {
   }
 
   int64_t padded(const Param& p) const { return c_.fsdp ? ceil_div(p.rows, dp_) * p.inner : p.numel(); }
+  // Bytes of n codes on the wire (fsdp/lowp.h): one each, nf4 two per byte.
+  int64_t quant_code_bytes(int64_t n) const {
+    return c_.quantized_weights->kind == QuantKind::kNf4 ? (n + 1) / 2 : n;
+  }
 
   // ---- FSDP group transitions ----
   void issue_unshard(Group& g) {
     if (g.state == Group::State::kUnsharding || g.state == Group::State::kUnsharded) return;
+    if (g.rank_bytes > 0) {
+      // Extensions: every piece packed by bytes into one u8 buffer per rank, gathered into dp of
+      // them (fully_shard.cpp's byte mode; no k buffer with extensions).
+      g.flat = sim_.alloc(kUnsharded, dp_ * g.rank_bytes);
+      g.ag_input = sim_.alloc(kReduce, g.rank_bytes);
+      g.state = Group::State::kUnsharding;
+      return;
+    }
     g.flat = sim_.alloc(kUnsharded, dp_ * g.P * ps_);
     if (g.state == Group::State::kResharded) {
       // The all-gather from the k slice over the k ranks, into the flat output.
@@ -247,6 +293,9 @@ class Replay {
     g.ag_input.reset();
     g.k_buffer.reset();
     g.unsharded = sim_.alloc(kUnsharded, g.U * ps_);
+    // Extensions' unpacking: each quantised weight's codes of every rank copied together, one
+    // weight at a time, then dequantised into its unsharded parameter (host scratch not counted).
+    for (int64_t b : g.code_bytes) sim_.transient(kTransitions, dp_ * b);
     g.flat.reset();
     g.state = Group::State::kUnsharded;
   }
@@ -315,6 +364,7 @@ class Replay {
   }
   // The unsharded gradient of one parameter, written by its op in backward.
   void grad_of(size_t i, const Param& p) {
+    if (p.frozen) return;
     Group& g = groups_[i];
     if (c_.fsdp) g.grads.push_back(sim_.alloc(kUnsharded, p.numel() * ps_));
     else if (micro_ == 0) g.persistent.push_back(sim_.alloc(kGrads, p.numel() * ms_));
@@ -325,6 +375,7 @@ class Replay {
     g.rs_input.reset();
     g.rs_output.reset();
     g.rs_staging.reset();
+    g.rs_wire.clear();
     g.has_sharded_grad = true;
   }
   void finish_pending() {
@@ -339,7 +390,8 @@ class Replay {
     if (!sync) {
       // No sync: the unsharded gradients accumulate in the reduce dtype.
       if (g.accum.empty())
-        for (const Param& p : g.params) g.accum.push_back(sim_.alloc(kUnsharded, p.numel() * rs_));
+        for (const Param& p : g.params)
+          if (!p.frozen) g.accum.push_back(sim_.alloc(kUnsharded, p.numel() * rs_));
       g.grads.clear();
       reshard(g);
       return;
@@ -347,11 +399,17 @@ class Replay {
     finish_pending();
     // The accumulated gradients take the new ones in (added in place) and replace them.
     if (!g.accum.empty()) g.grads.clear();
-    g.rs_input = sim_.alloc(kReduce, dp_ * g.P * rs_);
+    if (g.G == 0) {  // every parameter frozen: no reduction
+      g.grads.clear();
+      g.accum.clear();
+      reshard(g);
+      return;
+    }
+    g.rs_input = sim_.alloc(kReduce, dp_ * g.G * rs_);
     g.grads.clear();
     g.accum.clear();
     g.into_grad = !g.has_sharded_grad;
-    if (!g.into_grad) g.rs_output = sim_.alloc(kReduce, g.P * rs_);
+    if (!g.into_grad) g.rs_output = sim_.alloc(kReduce, g.G * rs_);
     reduce_transition(g);
     g.pending = true;
     pending_.push_back(&g);
@@ -367,8 +425,36 @@ class Replay {
   // reduction is waited for: none on top of FSDP's input and output for a flat reduce-scatter
   // (the input is in the reduce dtype already); HSDP's all-reduce of the shard over the
   // replicate dim works on a copy of it.
+  // A wire dtype narrower than the reduce dtype makes the reduce-scatter an exchange
+  // (dtensor/exec/issuer.cpp's wire_reduce_scatter): the input packed into the wire (staged in
+  // the reduce dtype first for an fp8 wire's scale), the dp - 1 pieces received, the sum; for
+  // fp8 one f32 scale slot per member.
   void reduce_transition(Group& g) {
-    if (hsdp_) g.rs_staging = sim_.alloc(kTransitions, g.P * rs_);
+    if (wire_) {
+      const int64_t total = dp_ * g.G;
+      g.rs_staging = sim_.alloc(kTransitions, total * ws_);
+      if (wire_scaled_) g.rs_wire.push_back(sim_.alloc(kTransitions, total * rs_));
+      if (wire_scaled_)
+        for (int64_t i = 0; i < dp_; ++i) g.rs_wire.push_back(sim_.alloc(kTransitions, 4));
+      for (int64_t i = 1; i < dp_; ++i) g.rs_wire.push_back(sim_.alloc(kTransitions, g.G * ws_));
+      g.rs_wire.push_back(sim_.alloc(kTransitions, g.G * rs_));
+      if (!hsdp_) return;
+      // HSDP: the reduce-scatter's result, then the all-reduce over the replicate dim through the
+      // wire (wire_all_reduce): the shard packed and gathered, the pieces received and the sum of
+      // this member's chunk.
+      const int64_t kr = c_.dp_replicate, chunk = ceil_div(g.G, kr);
+      g.rs_wire.push_back(sim_.alloc(kTransitions, g.G * rs_));
+      g.rs_wire.push_back(sim_.alloc(kTransitions, g.G * ws_));
+      g.rs_wire.push_back(sim_.alloc(kTransitions, g.G * ws_));
+      if (wire_scaled_) {
+        g.rs_wire.push_back(sim_.alloc(kTransitions, g.G * rs_));
+        for (int64_t i = 0; i < 2 * kr; ++i) g.rs_wire.push_back(sim_.alloc(kTransitions, 4));
+      }
+      for (int64_t i = 1; i < kr; ++i) g.rs_wire.push_back(sim_.alloc(kTransitions, chunk * ws_));
+      g.rs_wire.push_back(sim_.alloc(kTransitions, chunk * rs_));
+      return;
+    }
+    if (hsdp_) g.rs_staging = sim_.alloc(kTransitions, g.G * rs_);
   }
 
   // ---- tensor parallelism's redistributes on the activations ----
@@ -397,7 +483,39 @@ class Replay {
     H a;                 // the attention's output (the residual add keeps it)
     H h, l2s, l2m, l2g;  // after the first residual; ln2's statistics; fc1's input
     H f1, g, f2;         // mlp: fc1's output (gelu keeps it), gelu's (fc2 keeps it), fc2's
+    std::vector<H> lora; // each LoRA projection's h = x A^T and l = h B^T
   };
+
+  // LoRA on a projection of `out` features (nn/layers.cpp's Linear): h = x A^T (kept for
+  // backward), l = h B^T (the add keeps it: its shape), then y + s l as a new tensor (the caller
+  // drops the base y).
+  H lora_forward(H y, int64_t out, BlockSaved& s) {
+    if (m_.r == 0) return y;
+    const int64_t n = m_.b * m_.T;
+    s.lora.push_back(act(n * m_.r));
+    s.lora.push_back(act(n * out));
+    return act(n * out);
+  }
+  // Its backward before the base's: dl = s dy, dh (lora_B's gradient), dx_lora (lora_A's),
+  // returned: alive until the base's input gradient is summed with it (lora_input_grad).
+  H lora_backward(const std::function<void(const std::string&)>& grad, const std::string& name, int64_t in,
+                  int64_t out) {
+    if (m_.r == 0) return nullptr;
+    const int64_t n = m_.b * m_.T;
+    H dl = act(n * out);
+    H dh = act(n * m_.r);
+    grad(name + ".lora_B");
+    dl.reset();
+    H dx = act(n * in);
+    grad(name + ".lora_A");
+    return dx;
+  }
+  H lora_input_grad(H dx, H& dx_lora, int64_t in) {
+    if (!dx_lora) return dx;
+    H sum = act(m_.b * m_.T * in);
+    dx_lora.reset();
+    return sum;
+  }
 
   // A row-wise layer's output over tp: the partial sum, reduced (P -> S(1) or P -> R); no tp:
   // the output itself.
@@ -424,12 +542,12 @@ class Replay {
       s.l1s = stat(nt);
       if (m_.layer_norm) s.l1m = stat(nt);
       s.l1g = m_.sp ? gather_seq(m_.D) : l1;
-      s.q = act(n * m_.Dt);
-      s.k = act(n * m_.Dt);
-      s.v = act(n * m_.Dt);
+      s.q = lora_forward(act(n * m_.Dt), m_.Dt, s);
+      s.k = lora_forward(act(n * m_.Dt), m_.Dt, s);
+      s.v = lora_forward(act(n * m_.Dt), m_.Dt, s);
       s.o = act(n * m_.Dt);
       s.lse = stat(n * m_.Ht);
-      s.a = rowwise_output(m_.D);  // wo: the merged heads are a host copy (not counted)
+      s.a = lora_forward(rowwise_output(m_.D), m_.D, s);  // wo: the merged heads are a host copy (not counted)
     }
     s.h = act(nt * m_.D);
     {
@@ -437,9 +555,9 @@ class Replay {
       s.l2s = stat(nt);
       if (m_.layer_norm) s.l2m = stat(nt);
       s.l2g = m_.sp ? gather_seq(m_.D) : l2;
-      s.f1 = act(n * m_.Hdt);
+      s.f1 = lora_forward(act(n * m_.Hdt), m_.Hdt, s);
       s.g = act(n * m_.Hdt);
-      s.f2 = rowwise_output(m_.D);
+      s.f2 = lora_forward(rowwise_output(m_.D), m_.D, s);
     }
     H y = act(nt * m_.D);
     post_forward(gi);
@@ -453,7 +571,7 @@ class Replay {
     const int64_t nt = m_.b * m_.Tt;
     const int64_t n = m_.b * m_.T;
     const auto params = block_params(m_);
-    auto grad = [&](const std::string& name) {
+    const std::function<void(const std::string&)> grad = [&](const std::string& name) {
       for (const Param& p : params)
         if (p.name == name) grad_of(gi, p);
     };
@@ -463,16 +581,20 @@ class Replay {
       H dl2;
       {
         H dyg = m_.sp ? gather_seq(m_.D) : nullptr;
+        H lx = lora_backward(grad, "mlp.fc2", m_.Hdt, m_.D);
         H dg = act(n * m_.Hdt);
         grad("mlp.fc2.weight");
         if (m_.bias) grad("mlp.fc2.bias");
+        dg = lora_input_grad(dg, lx, m_.Hdt);
         dyg.reset();
         s.g.reset();
         H df1 = act(n * m_.Hdt);
         dg.reset();
+        lx = lora_backward(grad, "mlp.fc1", m_.D, m_.Hdt);
         dl2 = act(n * m_.D);
         grad("mlp.fc1.weight");
         if (m_.bias) grad("mlp.fc1.bias");
+        dl2 = lora_input_grad(dl2, lx, m_.D);
         s.l2g.reset();
       }
       dl2 = colwise_input_grad(dl2, m_.D);
@@ -491,18 +613,24 @@ class Replay {
       {
         // attention: wo (its gradient gathered over tp), attention, wq / wk / wv summed.
         H dyg = m_.sp ? gather_seq(m_.D) : nullptr;
+        H lx = lora_backward(grad, "attn.wo", m_.Dt, m_.D);
         H dm = act(n * m_.Dt);
         grad("attn.wo.weight");
         if (m_.bias) grad("attn.wo.bias");
+        dm = lora_input_grad(dm, lx, m_.Dt);
         dyg.reset();
         H dq = act(n * m_.Dt), dk = act(n * m_.Dt), dv = act(n * m_.Dt);
+        lx = lora_backward(grad, "attn.wq", m_.D, m_.Dt);
         H acc = act(n * m_.D);
         grad("attn.wq.weight");
         if (m_.bias) grad("attn.wq.bias");
+        acc = lora_input_grad(acc, lx, m_.D);
         for (const char* w : {"attn.wk", "attn.wv"}) {
+          lx = lora_backward(grad, w, m_.D, m_.Dt);
           H part = act(n * m_.D);
           grad(std::string(w) + ".weight");
           if (m_.bias) grad(std::string(w) + ".bias");
+          part = lora_input_grad(part, lx, m_.D);
           if (std::string(w) == "attn.wv") s.l1g.reset();  // wv kept the last reference to its input
           acc = act(n * m_.D);
         }
@@ -528,6 +656,7 @@ class Replay {
     post_backward(gi);
     s.a.reset();
     s.f2.reset();
+    s.lora.clear();
     return out;
   }
 
@@ -658,7 +787,8 @@ class Replay {
   MemoryConfig c_;
   Sim& sim_;
   kernels::DType master_, param_, reduce_;
-  int64_t ms_ = 4, ps_ = 4, rs_ = 4;
+  int64_t ms_ = 4, ps_ = 4, rs_ = 4, ws_ = 4;  // master, param, reduce and wire itemsizes
+  bool wire_ = false, wire_scaled_ = false;
   int64_t dp_ = 1;
   int k_ = 0;
   bool hsdp_ = false, offload_separate_ = false, block_keeps_ = false, root_reshards_ = false;
@@ -684,6 +814,13 @@ void check_config(const nn::GPTConfig& g, const MemoryConfig& c) {
     bad(fmt::format("{} heads do not split evenly over the {} ranks of tp", g.heads, c.tp));
   if (c.prefetch < 0 || c.prefetch > 2) bad(fmt::format("prefetch {}: expected 0, 1 or 2", c.prefetch));
   if (c.optimizer_states < 0) bad(fmt::format("optimizer_states {}: expected >= 0", c.optimizer_states));
+  if (c.lora_rank < 0) bad(fmt::format("lora_rank {}: expected >= 0 (0: no LoRA)", c.lora_rank));
+  if (c.lora_rank > 0 && c.tp > 1)
+    bad(fmt::format("lora_rank {} with tp {}: LoRA under tensor parallelism is not modelled", c.lora_rank, c.tp));
+  if (c.quantized_weights && c.fsdp && c.options.reshard_after_forward.kind == ReshardAfterForward::Kind::kInt &&
+      c.options.reshard_after_forward.k != 1 && c.options.reshard_after_forward.k != c.dp_shard)
+    bad(fmt::format("quantized_weights with reshard_after_forward = {}: fully_shard refuses extensions with a k buffer",
+                    c.options.reshard_after_forward.k));
   if (c.options.reshard_after_forward.kind == ReshardAfterForward::Kind::kInt) {
     const int k = c.options.reshard_after_forward.k;
     if (k < 1 || c.dp_shard % k != 0)
@@ -728,6 +865,8 @@ MemoryEstimate estimate_memory(const nn::GPTConfig& g, const MemoryConfig& c) {
   m.pos = g.pos_embedding;
   m.tie = g.tie_embeddings;
   m.ckpt = g.checkpoint_blocks;
+  m.r = c.lora_rank;
+  m.quant = c.quantized_weights.has_value();
   Sim sim(c.options.offload_policy.offload_to_cpu && !c.device.is_cpu());
   Replay(m, c, sim).run();
   return sim.result();

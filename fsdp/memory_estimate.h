@@ -19,6 +19,9 @@
 // outputs, FSDP's buffers and the redistribute buffers; kernel-internal scratch and host copies
 // (tensors made by kernels::Tensor::to / contiguous) are outside it, as they are outside a
 // trainer's limit. Sizes are per rank; uneven splits count the largest shard (the worst rank).
+// Low precision (issue 27) is replayed too: an all-gather extension's packed codes and its
+// dequantising copies, LoRA adapters and the frozen parameters they leave (no gradient, no
+// reduction, no optimizer state), and a reduce wire's exchange (send, received pieces, sum).
 // The replay follows the code paths of this repository's ops and executor: when those change,
 // tests/fsdp/estimate_test.cpp (the estimate within 5% of the measured peak for every FSDP test
 // configuration) says so.
@@ -28,6 +31,7 @@
 #include <string>
 
 #include "fsdp/fully_shard.h"
+#include "fsdp/lowp.h"
 #include "nn/transformer.h"
 
 namespace fsdp {
@@ -43,8 +47,20 @@ struct MemoryConfig {
   int64_t dp_replicate = 1, dp_shard = 1, tp = 1;  // mesh sizes
   bool fsdp = true;  // fully_shard on every block, then the root (false: tensor parallelism only)
   bool sequence_parallel = true;  // the tp plan is nn::gpt_tensor_parallel_plan(cfg, sp, true)
-  // reshard_after_forward, mp_policy, offload_policy are read; allocators and hooks are not.
+  // reshard_after_forward, mp_policy (reduce_wire too), offload_policy are read; allocators,
+  // hooks and all_gather_extension_fn are not (quantized_weights says what the extension is).
   FullyShardOptions options;
+  // fsdp-train's --all-gather fp8|int8 and --qlora: the blocks' attention and MLP linear weights
+  // are all-gathered through fsdp/lowp.h's extension of this kind (the root's parameters as
+  // usual): the group's gathered buffer holds their codes, and each unshard dequantises them
+  // through one gathered copy per weight. The codes static_scales caches live outside the mesh's
+  // allocator (not counted).
+  std::optional<QuantConfig> quantized_weights;
+  // nn::add_lora's rank (fsdp-train's --qlora; 0: none): adapters lora_A [r, in], lora_B [out, r]
+  // on every block's wq, wk, wv, wo, fc1, fc2, and every other parameter frozen: frozen
+  // parameters have no gradient (neither unsharded nor sharded, no reduction) and no optimizer
+  // state.
+  int64_t lora_rank = 0;
   // Prefetch as fsdp-train's --prefetch: 0 none, 1 FSDP2's implicit one group ahead, 2 explicit
   // lists two blocks ahead in forward and backward.
   int prefetch = 1;
@@ -66,9 +82,11 @@ struct MemoryEstimate {
   int64_t optimizer_state = 0;
   int64_t unsharded = 0;       // unsharded parameters, their all-gather outputs and gradients
                                // (current + prefetched + root groups, the k slices)
-  int64_t reduce_scatter = 0;  // reduce-scatter inputs and outputs in flight, casts of shards
+  int64_t reduce_scatter = 0;  // reduce-scatter inputs and outputs in flight, casts of shards,
+                               // the extensions' packed inputs
   int64_t activations = 0;     // op outputs saved for backward and the activation gradients
-  int64_t transitions = 0;     // buffers inside redistributes (staging, gathered copies)
+  int64_t transitions = 0;     // buffers inside redistributes (staging, gathered copies, a wire
+                               // reduction's exchange) and the extensions' gathered copies
   int64_t peak = 0;            // bytes requested
   // The peak in kernels::CachingAllocator block sizes (each request rounded up: what its
   // limit_bytes counts).

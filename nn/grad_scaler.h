@@ -53,7 +53,8 @@ class GradScaler {
   int64_t growth_tracker() const { return tracker_; }  // clean steps since the last change
   const GradScalerOptions& options() const { return options_; }
 
-  // Above. REQUIRES: the gradients reduced (no Partial), all on one mesh. Collective.
+  // Above. REQUIRES: the gradients reduced (no Partial), on one mesh or on meshes over the same
+  // ranks (FSDP's per-parameter meshes: the flag reduces over the first one's). Collective.
   ScaledStep unscale_clip_(const NamedParameters& params, double max_norm);
   // PyTorch's update(found_inf) alone (unscale_clip_ calls it).
   void update(bool found_inf);

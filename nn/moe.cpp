@@ -74,6 +74,7 @@ class Holder : public Module {
   std::shared_ptr<Parameter> add(std::string name, std::shared_ptr<Parameter> p) {
     return add_parameter(std::move(name), std::move(p));
   }
+  void replace(const std::string& name, std::shared_ptr<Parameter> p) { replace_parameter(name, std::move(p)); }
 
  protected:
   DTensor do_forward(Ctx&, const DTensor&) override {
@@ -125,6 +126,47 @@ void MoE::set_expert_parallel(int mesh_dim) {
   ep_dim_ = mesh_dim;
 }
 
+void MoE::set_expert_parallel(std::shared_ptr<const MeshComms> comms, int mesh_dim) {
+  if (!comms) throw InvalidArgument("MoE::set_expert_parallel: null mesh");
+  const dtensor::DeviceMesh& own = router_->comms()->mesh();
+  const dtensor::DeviceMesh& mesh = comms->mesh();
+  if (mesh_dim < 1 || mesh_dim >= mesh.ndim() || mesh.ndim() != own.ndim() + 1 ||
+      mesh.shape()[mesh_dim - 1] * mesh.shape()[mesh_dim] != own.shape()[mesh_dim - 1])
+    throw InvalidArgument(fmt::format("MoE::set_expert_parallel: mesh {} with ep dim {} is not the module's mesh {} "
+                                      "with dim {} unflattened into (dp_mod_ep, ep)",
+                                      dtensor::to_string(mesh), mesh_dim, dtensor::to_string(own), mesh_dim - 1));
+  std::vector<std::string> names;
+  if (mesh.has_names()) names = {mesh.names()[mesh_dim - 1], mesh.names()[mesh_dim]};
+  if (!(own.unflatten(mesh_dim - 1, Dims{mesh.shape()[mesh_dim - 1], mesh.shape()[mesh_dim]}, names) == mesh))
+    throw InvalidArgument(fmt::format("MoE::set_expert_parallel: mesh {} does not hold the ranks of {} unflattened "
+                                      "at dim {}", dtensor::to_string(mesh), dtensor::to_string(own), mesh_dim - 1));
+  if (!w1_->is_meta() || !w2_->is_meta())
+    throw InvalidArgument("MoE::set_expert_parallel(comms, dim): call on a meta module (before materialize)");
+  if (config_.experts % mesh.shape()[mesh_dim] != 0)
+    throw InvalidArgument(fmt::format("MoE::set_expert_parallel: {} experts do not split over {} ranks "
+                                      "(expected the EP size to divide the expert count)",
+                                      config_.experts, mesh.shape()[mesh_dim]));
+  Placements pl(mesh.ndim(), Replicate{});
+  pl[mesh_dim] = Shard{0};
+  Module* experts = nullptr;
+  for (const auto& [n, c] : children())
+    if (n == "experts") experts = c.get();
+  for (auto* w : {&w1_, &w2_}) {
+    const std::string name = w == &w1_ ? "w1" : "w2";
+    auto moved = std::make_shared<Parameter>(comms, (*w)->shape(), (*w)->dtype(), (*w)->init(), pl, (*w)->device());
+    moved->requires_grad = (*w)->requires_grad;
+    static_cast<Holder*>(experts)->replace(name, moved);
+    *w = moved;
+  }
+  ep_dim_ = mesh_dim;
+  ep_source_dim_ = mesh_dim - 1;
+}
+
+int MoE::source_dim(int j) const {
+  if (!ep_source_dim_ || j <= *ep_source_dim_) return j;
+  return j == *ep_dim_ ? *ep_source_dim_ : j - 1;
+}
+
 DTensor MoE::do_forward(Ctx& ctx, const DTensor& x) {
   const int64_t D = config_.dim, H = config_.hidden, E = config_.experts, K = config_.top_k;
   const int nd = x.spec().tensor_ndim();
@@ -140,11 +182,15 @@ DTensor MoE::do_forward(Ctx& ctx, const DTensor& x) {
                                         "on every mesh dim)", dtensor::to_string(xp)));
     if (dtensor::is_shard(xp[m]) && mesh.shape()[m] > 1) token_dims.push_back(m);
   }
-  if (ep_dim_ && mesh.shape()[*ep_dim_] > 1 &&
-      std::find(token_dims.begin(), token_dims.end(), *ep_dim_) == token_dims.end())
+  const MeshComms& ecomms = ep_source_dim_ ? *w1_->comms() : *x.comms();  // the experts' mesh
+  if (ep_dim_ && ecomms.mesh().shape()[*ep_dim_] > 1 &&
+      std::find(token_dims.begin(), token_dims.end(), source_dim(*ep_dim_)) == token_dims.end())
     throw InvalidArgument(fmt::format("MoE: expert parallel over mesh dim {} needs the tokens split over it "
-                                      "(input placements {})", *ep_dim_, dtensor::to_string(xp)));
-  const int64_t ep = ep_dim_ ? mesh.shape()[*ep_dim_] : 1;
+                                      "(input placements {})", source_dim(*ep_dim_), dtensor::to_string(xp)));
+  if (ep_source_dim_ && !(*x.spec().mesh == router_->comms()->mesh()))
+    throw InvalidArgument(fmt::format("MoE: input on mesh {}, expected the module's mesh {}", dtensor::to_string(mesh),
+                                      dtensor::to_string(router_->comms()->mesh())));
+  const int64_t ep = ep_dim_ ? ecomms.mesh().shape()[*ep_dim_] : 1;
   const int64_t El = E / ep;
 
   auto sv = std::make_shared<Saved>();
@@ -252,7 +298,7 @@ DTensor MoE::do_forward(Ctx& ctx, const DTensor& x) {
     }
   const int64_t sent = static_cast<int64_t>(S.order.size());
   if (ep > 1) {
-    dtensor::RowExchange ex = dtensor::exchange_rows(*x.comms(), *ep_dim_,
+    dtensor::RowExchange ex = dtensor::exchange_rows(ecomms, *ep_dim_,
                                                      make(send, {sent, D + 1}, DType::kF64, x.to_local().device()),
                                                      S.send_rows, "moe dispatch");
     S.recv_rows = ex.recv_rows;
@@ -280,7 +326,7 @@ DTensor MoE::do_forward(Ctx& ctx, const DTensor& x) {
       for (int64_t d = 0; d < D; ++d) yr[d] += a[h] * W2[h * D + d];
   }
   if (ep > 1) {
-    S.y = dtensor::exchange_rows_known(*x.comms(), *ep_dim_, make(out_rows, {m, D}, DType::kF64, x.to_local().device()),
+    S.y = dtensor::exchange_rows_known(ecomms, *ep_dim_, make(out_rows, {m, D}, DType::kF64, x.to_local().device()),
                                        S.recv_rows, S.send_rows, "moe combine")
               .wait()
               .to_vector();
@@ -308,7 +354,8 @@ std::optional<DTensor> MoE::do_backward(Ctx& ctx, const DTensor& dy) {
   const int64_t D = config_.dim, H = config_.hidden, E = config_.experts, K = config_.top_k, n = S.n;
   const DTensor& x = *S.x_like;
   const dtensor::DeviceMesh& mesh = *x.spec().mesh;
-  const int64_t ep = ep_dim_ ? mesh.shape()[*ep_dim_] : 1;
+  const MeshComms& ecomms = ep_source_dim_ ? *w1_->comms() : *x.comms();  // the experts' mesh
+  const int64_t ep = ep_dim_ ? ecomms.mesh().shape()[*ep_dim_] : 1;
   const std::vector<double> dY = local_values(dy.placements() == x.placements() ? dy : dy.redistribute(x.placements(), {ctx.ops().choose.planner}));
   if (static_cast<int64_t>(dY.size()) != n * D)
     throw InvalidArgument(fmt::format("MoE: output gradient of shape {} for an input of shape {}", dy.shape(),
@@ -330,7 +377,7 @@ std::optional<DTensor> MoE::do_backward(Ctx& ctx, const DTensor& dy) {
   }
   const int64_t m = static_cast<int64_t>(S.recv_x.size()) / (D + 1);
   std::vector<double> drecv =
-      ep > 1 ? dtensor::exchange_rows_known(*x.comms(), *ep_dim_, make(dsend, {sent, D}, DType::kF64, x.to_local().device()),
+      ep > 1 ? dtensor::exchange_rows_known(ecomms, *ep_dim_, make(dsend, {sent, D}, DType::kF64, x.to_local().device()),
                                             S.send_rows, S.recv_rows, "moe combine backward")
                    .wait()
                    .to_vector()
@@ -363,7 +410,7 @@ std::optional<DTensor> MoE::do_backward(Ctx& ctx, const DTensor& dy) {
     }
   }
   std::vector<double> dxback =
-      ep > 1 ? dtensor::exchange_rows_known(*x.comms(), *ep_dim_, make(dxr, {m, D}, DType::kF64, x.to_local().device()),
+      ep > 1 ? dtensor::exchange_rows_known(ecomms, *ep_dim_, make(dxr, {m, D}, DType::kF64, x.to_local().device()),
                                             S.recv_rows, S.send_rows, "moe dispatch backward")
                    .wait()
                    .to_vector()
@@ -416,6 +463,18 @@ std::optional<DTensor> MoE::do_backward(Ctx& ctx, const DTensor& dy) {
   auto sink = [&](Parameter& p, const std::vector<double>& g, bool expert) {
     if (!p.requires_grad) return;
     const Dims local = expert ? Dims{El, p.shape()[1], p.shape()[2]} : p.shape();
+    if (expert && ep_source_dim_) {  // carved EP: the experts' mesh, Partial where its source dim splits tokens
+      const dtensor::DeviceMesh& em = ecomms.mesh();
+      Placements pl(em.ndim(), Replicate{});
+      for (int j = 0; j < em.ndim(); ++j)
+        if (dtensor::is_shard(x.placements()[source_dim(j)]) && em.shape()[j] > 1) pl[j] = Partial{};
+      pl[*ep_dim_] = Shard{0};
+      DTensor gd(p.comms(), dtensor::make_spec(std::shared_ptr<const dtensor::DeviceMesh>(p.comms(), &em), pl,
+                                               p.shape(), DType::kF64),
+                 make(g, local, DType::kF64, p.data().to_local().device()));
+      ops::sink_grad(p.grad_sink(), gd, ctx.ops());
+      return;
+    }
     DTensor gd(x.comms(), dtensor::make_spec(x.spec().mesh, grad_placements(expert), p.shape(), DType::kF64),
                make(g, local, DType::kF64, p.data().to_local().device()));
     ops::sink_grad(p.grad_sink(), gd, ctx.ops());

@@ -67,6 +67,17 @@ class MoE : public Module {
   // Experts S(0) over mesh dim `mesh_dim` (call on a meta module, before materialize).
   // REQUIRES: the dim's size divides experts.
   void set_expert_parallel(int mesh_dim);
+  // EP carved from a token-splitting (data-parallel) dim: experts.w1/w2 move to `comms`, the
+  // module's mesh with dim mesh_dim - 1 unflattened into (mesh_dim - 1, mesh_dim) = (dp_mod_ep,
+  // ep) (MeshComms::unflatten), S(0) over mesh_dim. The input stays on the module's mesh with
+  // its tokens split over the carved dim; dispatch and combine run over `comms`' ep dim and the
+  // expert gradients are Partial over its other token-splitting dims (FSDP's per-parameter
+  // meshes shard them over dp_mod_ep: fsdp/fully_shard.h).
+  //   auto ep = comms->unflatten(0, {2, 2}, {"dp_mod_ep", "ep"});   // comms: (dp_shard=4)
+  //   moe.set_expert_parallel(ep, 1);
+  // REQUIRES: a meta module; comms' mesh equal to that unflattening (InvalidArgument naming both
+  // meshes otherwise); its ep size divides experts.
+  void set_expert_parallel(std::shared_ptr<const MeshComms> comms, int mesh_dim);
   std::optional<int> expert_parallel_dim() const { return ep_dim_; }
 
  protected:
@@ -77,7 +88,10 @@ class MoE : public Module {
   MoEConfig config_;
   std::shared_ptr<Parameter> router_, w1_, w2_;
   std::shared_ptr<MLP> shared_;
-  std::optional<int> ep_dim_;
+  std::optional<int> ep_dim_;         // on the experts' mesh
+  std::optional<int> ep_source_dim_;  // carved EP: the module's mesh dim split into (dp_mod_ep, ep)
+  // The module-mesh dim an experts'-mesh dim comes from.
+  int source_dim(int expert_mesh_dim) const;
 };
 
 // The stats of the MoE forward recorded in ctx (nullopt when ctx holds none).

@@ -267,65 +267,79 @@ double clip_grad_norm_(const NamedParameters& params, double max_norm, double no
       names.push_back(n);
     }
   if (grads.empty()) return 0.0;
-  const auto& comms = grads[0]->comms();
-  const dtensor::DeviceMesh& mesh = comms->mesh();
-  const int mesh_ndim = mesh.ndim();
-  // The mesh dims any gradient is sharded over: the total is reduced over exactly those.
-  std::vector<char> reduce(mesh_ndim, 0);
+  // Per-parameter meshes (expert parallelism carved from dp): the gradients split by mesh, in
+  // order of first appearance (the same on every rank); one reduction per mesh, then the
+  // meshes' totals (each replicated) combine locally.
+  std::vector<std::vector<size_t>> by_mesh;
   for (size_t i = 0; i < grads.size(); ++i) {
-    if (!(grads[i]->device_mesh() == mesh))
-      throw InvalidArgument(
-          fmt::format("clip_grad_norm_: the gradient of '{}' lives on mesh {}, the others on {}", names[i],
-                      dtensor::to_string(grads[i]->device_mesh()), dtensor::to_string(mesh)));
-    for (int m = 0; m < mesh_ndim; ++m) {
-      if (mesh.size(m) == 1) continue;
-      const auto& pl = grads[i]->placements()[m];
-      if (dtensor::is_partial(pl))
-        throw InvalidArgument(
-            fmt::format("clip_grad_norm_: the gradient of '{}' is still {} on mesh dim {}: its norm is not "
-                        "the sum of the "
-                        "ranks' norms; call nn::reduce_gradients (or finish FSDP's reduce-scatter) first",
-                        names[i], dtensor::to_string(pl), m));
-      if (dtensor::shard_dim(pl)) reduce[m] = 1;
-    }
+    size_t at = by_mesh.size();
+    for (size_t b = 0; b < by_mesh.size(); ++b)
+      if (grads[by_mesh[b].front()]->device_mesh() == grads[i]->device_mesh()) at = b;
+    if (at == by_mesh.size()) by_mesh.emplace_back();
+    by_mesh[at].push_back(i);
   }
-  double local = 0.0;
-  const dtensor::Dims coord = comms->in_mesh() ? comms->coord() : dtensor::Dims{};
-  if (comms->in_mesh()) {
-    for (const DTensor* g : grads) {
-      // A gradient replicated over a mesh dim we reduce over counts on coordinate 0 only.
-      bool counts = true;
-      for (int m = 0; m < mesh_ndim; ++m)
-        if (reduce[m] && dtensor::is_replicate(g->placements()[m]) && coord[m] != 0) counts = false;
-      const Tensor& l = g->to_local();
-      if (!counts || l.numel() == 0) continue;
-      if (inf_norm) {
-        // max skips NaN; the norm must not (as torch's): a NaN anywhere makes the sum of squares
-        // (accumulated in f64) NaN.
-        if (std::isnan(kernels::sum_of_squares(l).item({}))) {
-          local = std::numeric_limits<double>::quiet_NaN();
-          continue;
-        }
-        if (std::isnan(local)) continue;
-        const Tensor flat = l.reshape({l.numel()});
-        const double hi = kernels::max(flat, 0).values.item({});
-        const double lo = -kernels::max(kernels::scale(flat, -1.0), 0).values.item({});
-        local = std::max({local, std::abs(hi), std::abs(lo)});
-      } else {
-        local += kernels::sum_of_squares(l).item({});
+  double reduced = 0.0;
+  for (const std::vector<size_t>& members : by_mesh) {
+    const auto& comms = grads[members.front()]->comms();
+    const dtensor::DeviceMesh& mesh = comms->mesh();
+    const int mesh_ndim = mesh.ndim();
+    // The mesh dims any gradient is sharded over: the total is reduced over exactly those.
+    std::vector<char> reduce(mesh_ndim, 0);
+    for (size_t i : members) {
+      for (int m = 0; m < mesh_ndim; ++m) {
+        if (mesh.size(m) == 1) continue;
+        const auto& pl = grads[i]->placements()[m];
+        if (dtensor::is_partial(pl))
+          throw InvalidArgument(
+              fmt::format("clip_grad_norm_: the gradient of '{}' is still {} on mesh dim {}: its norm is not "
+                          "the sum of the "
+                          "ranks' norms; call nn::reduce_gradients (or finish FSDP's reduce-scatter) first",
+                          names[i], dtensor::to_string(pl), m));
+        if (dtensor::shard_dim(pl)) reduce[m] = 1;
       }
     }
+    double local = 0.0;
+    const dtensor::Dims coord = comms->in_mesh() ? comms->coord() : dtensor::Dims{};
+    if (comms->in_mesh()) {
+      for (size_t i : members) {
+        const DTensor* g = grads[i];
+        // A gradient replicated over a mesh dim we reduce over counts on coordinate 0 only.
+        bool counts = true;
+        for (int m = 0; m < mesh_ndim; ++m)
+          if (reduce[m] && dtensor::is_replicate(g->placements()[m]) && coord[m] != 0) counts = false;
+        const Tensor& l = g->to_local();
+        if (!counts || l.numel() == 0) continue;
+        if (inf_norm) {
+          // max skips NaN; the norm must not (as torch's): a NaN anywhere makes the sum of squares
+          // (accumulated in f64) NaN.
+          if (std::isnan(kernels::sum_of_squares(l).item({}))) {
+            local = std::numeric_limits<double>::quiet_NaN();
+            continue;
+          }
+          if (std::isnan(local)) continue;
+          const Tensor flat = l.reshape({l.numel()});
+          const double hi = kernels::max(flat, 0).values.item({});
+          const double lo = -kernels::max(kernels::scale(flat, -1.0), 0).values.item({});
+          local = std::max({local, std::abs(hi), std::abs(lo)});
+        } else {
+          local += kernels::sum_of_squares(l).item({});
+        }
+      }
+    }
+    Placements pl(mesh_ndim, Replicate{});
+    for (int m = 0; m < mesh_ndim; ++m)
+      if (reduce[m]) pl[m] = Partial{inf_norm ? dtensor::ReduceOp::kMax : dtensor::ReduceOp::kSum};
+    dtensor::DTensorSpec spec = dtensor::make_spec(grads[members.front()]->spec().mesh, pl, {1}, DType::kF64);
+    const kernels::Device device = grads[members.front()]->to_local().device();
+    Tensor t = comms->in_mesh() ? Tensor::full({1}, local, DType::kF64, device)
+                                : Tensor::empty({0}, DType::kF64, device);
+    DTensor total(comms, spec, t);
+    total = total.redistribute(Placements(mesh_ndim, Replicate{}));
+    const double part = comms->in_mesh() ? total.to_local().item({0}) : 0.0;
+    if (!inf_norm) reduced += part;
+    else if (std::isnan(part) || std::isnan(reduced)) reduced = std::numeric_limits<double>::quiet_NaN();
+    else reduced = std::max(reduced, part);
   }
-  Placements pl(mesh_ndim, Replicate{});
-  for (int m = 0; m < mesh_ndim; ++m)
-    if (reduce[m]) pl[m] = Partial{inf_norm ? dtensor::ReduceOp::kMax : dtensor::ReduceOp::kSum};
-  dtensor::DTensorSpec spec = dtensor::make_spec(grads[0]->spec().mesh, pl, {1}, DType::kF64);
-  const kernels::Device device = grads[0]->to_local().device();
-  Tensor t = comms->in_mesh() ? Tensor::full({1}, local, DType::kF64, device)
-                              : Tensor::empty({0}, DType::kF64, device);
-  DTensor total(comms, spec, t);
-  total = total.redistribute(Placements(mesh_ndim, Replicate{}));
-  const double reduced = comms->in_mesh() ? total.to_local().item({0}) : 0.0;
   const double norm = inf_norm ? reduced : std::sqrt(reduced);
   if (error_if_nonfinite && !std::isfinite(norm))
     throw kernels::NonFiniteError(fmt::format(
@@ -333,8 +347,9 @@ double clip_grad_norm_(const NamedParameters& params, double max_norm, double no
         norm_type, norm));
   if (max_norm > 0) {
     const double coef = max_norm / (norm + 1e-6);
-    if (coef < 1.0 && comms->in_mesh())
-      for (const DTensor* g : grads) kernels::scale_out(g->to_local(), g->to_local(), coef);
+    if (coef < 1.0)
+      for (const DTensor* g : grads)
+        if (g->comms()->in_mesh()) kernels::scale_out(g->to_local(), g->to_local(), coef);
   }
   return norm;
 }

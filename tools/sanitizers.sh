@@ -45,7 +45,8 @@ case $kind in
            bad-inputs layout-example api-example dtensor-asan dtensor-asan-planner fsdp fsdp-meta fsdp-estimate fsdp-lowp
            fsdp-dp-chunks checkpoint-save-plan
            checkpoint fsdp-train-fsdp4
-           fsdp-train-hsdp2x2xtp2-bf16 fsdp-train-checkpoint-resume fsdp-train-fp16)
+           fsdp-train-hsdp2x2xtp2-bf16 fsdp-train-checkpoint-resume fsdp-train-fp16
+           fsdp-param-mesh fsdp-train-hsdp2x2-ep2carved)
     ;;
   tsan)
     dir=build-tsan

@@ -27,14 +27,6 @@ std::string join(const std::vector<Placement>& ps) {
   return out;
 }
 
-// The gradient placement of an input under NOTE [gradient transpose] when the op reads it
-// as `p` and its gradient is a sum over the sharded output (spread = true) or not.
-Placement transpose_of(const Placement& p, bool spread) {
-  if (is_partial(p)) return kR;
-  if (is_replicate(p)) return spread ? kP : kR;
-  return p;
-}
-
 }  // namespace
 
 std::string to_string(const Rule& rule) {

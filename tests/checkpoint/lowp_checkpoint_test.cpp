@@ -1,5 +1,6 @@
 // Checkpoints of low-precision parameters (fsdp/lowp_checkpoint.h, issue 27): fp8 e4m3 codes
-// saved as safetensors F8_E4M3 with a "._scale" companion, NF4 as U8 codes with its
+// (per-tensor or row-wise scales) saved as safetensors F8_E4M3 with a "._scale" companion, int8
+// blocks as U8 (two's complement) codes with block scales, NF4 as U8 codes with its
 // double-quantised scales; saved under FSDP 4 and FSDP x TP, loaded under other layouts and one
 // rank, the codes are bit-identical to one rank's quantisation of the full tensor and the
 // dequantised tensor equals fsdp::fake_quantize() bit for bit. Element values are a function of
@@ -92,7 +93,7 @@ struct TempDir {
   }
 };
 
-TEST_CASE("lowp checkpoint: fp8 and nf4 round-trip and reshard bit-exactly", "[checkpoint][lowp]") {
+TEST_CASE("lowp checkpoint: fp8, fp8 row-wise, int8 and nf4 round-trip and reshard bit-exactly", "[checkpoint][lowp]") {
   const std::vector<Mesh> saves = {
       {"fsdp4", {4}, {"dp_shard"}, "S(0)"},
       {"fsdp-x-tp", {2, 2}, {"dp_shard", "tp"}, "S(0),S(1)"},
@@ -104,7 +105,9 @@ TEST_CASE("lowp checkpoint: fp8 and nf4 round-trip and reshard bit-exactly", "[c
       {"hsdp", {2, 2}, {"dp_replicate", "dp_shard"}, "R,S(0)"},
   };
   int compared = 0;
-  for (const QuantConfig q : {QuantConfig{QuantKind::kFp8Tensor}, QuantConfig{QuantKind::kNf4}}) {
+  // int8 blocks of 64: 7.5 blocks, cut by FSDP 3's and 4's shards (and by tp's column split).
+  for (const QuantConfig q : {QuantConfig{QuantKind::kFp8Tensor}, QuantConfig{QuantKind::kFp8Rowwise},
+                              QuantConfig{QuantKind::kInt8Block, 64}, QuantConfig{QuantKind::kNf4}}) {
     const Tensor want = fsdp::fake_quantize(weight(), q, DType::kF32);
     Tensor one_codes;
     for (const Mesh& s : saves)
@@ -121,17 +124,25 @@ TEST_CASE("lowp checkpoint: fp8 and nf4 round-trip and reshard bit-exactly", "[c
         // The file format: the codes' safetensors dtype and the companion scales.
         std::ifstream in(dir.path / "checkpoint.json");
         const auto j = nlohmann::json::parse(in);
-        CHECK(j["tensors"]["w"]["dtype"] == (q.kind == QuantKind::kNf4 ? "U8" : "F8_E4M3"));
+        const bool bytes = q.kind == QuantKind::kNf4 || q.kind == QuantKind::kInt8Block;
+        CHECK(j["tensors"]["w"]["dtype"] == (bytes ? "U8" : "F8_E4M3"));
         CHECK(j["tensors"].contains("w._scale"));
         CHECK(j["tensors"]["w"]["shape"] == std::vector<int64_t>{20, q.kind == QuantKind::kNf4 ? 12 : 24});
-        CHECK(j.dump().find(q.kind == QuantKind::kNf4 ? "\"nf4\"" : "\"fp8-e4m3\"") != std::string::npos);
+        const std::map<QuantKind, std::pair<std::string, std::vector<int64_t>>> kinds = {
+            {QuantKind::kFp8Tensor, {"\"fp8-e4m3\"", {1}}},
+            {QuantKind::kFp8Rowwise, {"\"fp8-e4m3-rowwise\"", {20, 1}}},
+            {QuantKind::kInt8Block, {"\"int8\"", {8}}},
+            {QuantKind::kNf4, {"\"nf4\"", {8}}}};
+        CHECK(j.dump().find(kinds.at(q.kind).first) != std::string::npos);
+        CHECK(j["tensors"]["w._scale"]["shape"] == kinds.at(q.kind).second);
         ++compared;
       }
   }
-  CHECK(compared == 2 * 3 * 3);
+  CHECK(compared == 4 * 3 * 3);
 }
 
-TEST_CASE("lowp checkpoint: refusals name the tensor (nf4 byte cut by a split, int8, bad entries)", "[checkpoint][lowp]") {
+TEST_CASE("lowp checkpoint: refusals name the tensor (nf4 byte cut by a split, int8 block, bad entries)",
+          "[checkpoint][lowp]") {
   // [4, 9] over tp 3 on the last dim: 3 columns each, so rank 0 holds 0..2 and byte 1 (columns 2,
   // 3) would straddle ranks 0 and 1.
   testing_support::Checks checks;
@@ -147,13 +158,24 @@ TEST_CASE("lowp checkpoint: refusals name the tensor (nf4 byte cut by a split, i
       refused = std::string(e.what()).find("blocks.0.mlp.fc2.weight") != std::string::npos;
     }
     checks.check(refused, "nf4 with an odd last-dim split is refused naming the tensor");
-    bool int8 = false;
+    std::string int8;
     try {
-      fsdp::quantize_for_checkpoint("w", x, {QuantKind::kInt8Block});
-    } catch (const kernels::Unsupported&) {
-      int8 = true;
+      fsdp::quantize_for_checkpoint("w", x, {QuantKind::kInt8Block, 0});
+    } catch (const kernels::InvalidArgument& e) {
+      int8 = e.what();
     }
-    checks.check(int8, "int8 checkpoints are refused (fp8 or nf4)");
+    checks.check(int8.find("'w'") != std::string::npos && int8.find("block size 0") != std::string::npos,
+                 "an int8 block of 0 is refused naming the tensor: '" + int8 + "'");
+    // int8 needs its block size: a missing "w._block" is named.
+    nn::StateDict i8 = fsdp::quantized_checkpoint_template("w", x, {QuantKind::kInt8Block, 4});
+    i8.values.erase("w._block");
+    std::string no_block;
+    try {
+      fsdp::dequantize_from_checkpoint(i8, "w", x, DType::kF32);
+    } catch (const kernels::InvalidArgument& e) {
+      no_block = e.what();
+    }
+    checks.check(no_block.find("w._block") != std::string::npos, "a missing int8 block named: '" + no_block + "'");
     // A loaded entry that is not what it should be: InvalidArgument naming the key.
     nn::StateDict t = fsdp::quantized_checkpoint_template("w", x, {QuantKind::kFp8Tensor});
     std::string bad_kind, bad_scale;

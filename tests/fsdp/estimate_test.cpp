@@ -1,6 +1,8 @@
 // fsdp::estimate_memory (issue 26) against the measured peak: for every configuration the FSDP
 // tests run (FSDP, HSDP, FSDP x TP, HSDP x TP, reshard_after_forward k and false, prefetch 0 / 1
-// / 2, bf16, offload, activation checkpointing, gradient accumulation with and without sync),
+// / 2, bf16, offload, activation checkpointing, gradient accumulation with and without sync; and
+// issue 27's low precision: fp8 / int8 all-gather extensions, QLoRA (NF4 base, LoRA adapters,
+// frozen parameters), a bf16 / e5m2 reduce wire, fp16 with the GradScaler),
 // the estimate is within 5% of the largest bytes one rank's mesh allocator held (the maximum
 // over ranks, in requested bytes and in the caching allocator's block sizes), trained as
 // fsdp-train trains. The model is meta until it is sharded (the estimate needs no tensor).
@@ -8,12 +10,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <optional>
 #include <mutex>
 
 #include "collectives/local.h"
 #include "dtensor/dtensor.h"
 #include "fsdp/fully_shard.h"
+#include "fsdp/lowp.h"
 #include "fsdp/memory_estimate.h"
+#include "nn/grad_scaler.h"
 #include "nn/memory.h"
 #include "nn/optim.h"
 #include "nn/tensor_parallel.h"
@@ -37,7 +43,18 @@ struct Case {
   int prefetch = 1;
   bool bf16 = false, offload = false, ckpt = false, no_sync = false;
   int accum = 1;
+  // Low precision (fsdp-train's --all-gather / --qlora / --reduce-wire / --mp fp16).
+  std::optional<fsdp::QuantConfig> quant;  // the blocks' linear weights through the extension
+  int lora = 0;                            // nn::add_lora's rank (quant: NF4, static scales)
+  std::optional<DType> wire;
+  bool fp16 = false;  // param dtype f16, the loss scaled by an nn::GradScaler
 };
+
+// A block's attention or MLP linear weight (what fsdp-train quantises).
+bool quantised(const std::string& name, const nn::Parameter& p) {
+  const bool in_block = name.find("attn.") != std::string::npos || name.find("mlp.") != std::string::npos;
+  return in_block && name.size() > 7 && name.compare(name.size() - 7, 7, ".weight") == 0 && p.shape().size() == 2;
+}
 
 nn::GPTConfig model() {
   nn::GPTConfig c;
@@ -90,12 +107,20 @@ Measured measure(const Case& k, const fsdp::BatchShape& batch) {
       unflatten.push_back(fsdp::reshard_unflattening(mesh, shard_dim, k.raf.k));
     auto comms = std::make_shared<MeshComms>(mesh, world, std::vector<std::vector<int>>{}, mem, unflatten);
     nn::GPT m(nn::ModuleOptions{comms, DType::kF32, {}}, cfg);
+    if (k.lora > 0) nn::add_lora(m, k.lora, 16);
     if (tp_dim >= 0) nn::parallelize_module(m, tp_dim, nn::gpt_tensor_parallel_plan(cfg, true, true));
     fsdp::FullyShardOptions o;
     o.reshard_after_forward = k.raf;
-    if (k.bf16) {
-      o.mp_policy.param_dtype = DType::kBF16;
+    if (k.bf16 || k.fp16) {
+      o.mp_policy.param_dtype = k.fp16 ? DType::kF16 : DType::kBF16;
       o.mp_policy.reduce_dtype = DType::kF32;
+    }
+    o.mp_policy.reduce_wire = k.wire;
+    if (k.quant) {
+      const fsdp::QuantConfig q = *k.quant;  // one extension per parameter (static scales cache codes)
+      o.all_gather_extension_fn = [q](const std::string& name, const nn::Parameter& p) {
+        return quantised(name, p) ? fsdp::make_quantized_all_gather(q) : nullptr;
+      };
     }
     o.offload_policy.offload_to_cpu = k.offload;
     o.unsharded_allocator = unsharded;
@@ -103,6 +128,7 @@ Measured measure(const Case& k, const fsdp::BatchShape& batch) {
     std::vector<fsdp::FSDPModule*> blocks;
     for (const auto& [n, b] : m.blocks().children()) blocks.push_back(&fsdp::fully_shard(*b, comms, o));
     fsdp::FullyShardOptions ro = o;
+    ro.all_gather_extension_fn = nullptr;  // embeddings, norms and lm_head as usual
     if (k.raf.kind == fsdp::ReshardAfterForward::Kind::kInt) ro.reshard_after_forward = {};
     fsdp::FSDPModule& root = fsdp::fully_shard(m, comms, ro);
     root.set_prefetch_depth(k.prefetch >= 1 ? 1 : 0);
@@ -123,8 +149,10 @@ Measured measure(const Case& k, const fsdp::BatchShape& batch) {
     batch_pl[shard_dim] = dtensor::Shard{0};
     const int64_t micro = batch.batch / batch.grad_accum;
     auto shared_mesh = std::shared_ptr<const DeviceMesh>(comms, &comms->mesh());
+    std::optional<nn::GradScaler> scaler;
+    if (k.fp16) scaler.emplace();
     const DTensor dloss(comms, dtensor::make_spec(shared_mesh, Placements(mesh.ndim(), dtensor::Replicate{}), {}, DType::kF64),
-                        Tensor::full({}, 1.0 / batch.grad_accum, DType::kF64));
+                        Tensor::full({}, (scaler ? scaler->scale() : 1.0) / batch.grad_accum, DType::kF64));
     nn::CrossEntropyLoss loss_fn;
     total->reset_peak();
     cache->reset_peak();
@@ -147,8 +175,12 @@ Measured measure(const Case& k, const fsdp::BatchShape& batch) {
       }
       const auto params = m.named_parameters();
       nn::reduce_gradients(params);
-      nn::clip_grad_norm_(params, 1.0);
-      opt.step();
+      if (scaler) {
+        if (scaler->unscale_clip_(params, 1.0).stepped) opt.step();
+      } else {
+        nn::clip_grad_norm_(params, 1.0);
+        opt.step();
+      }
       opt.zero_grad();
     }
     std::lock_guard lk(mu);
@@ -164,10 +196,13 @@ fsdp::MemoryConfig config_of(const Case& k, const fsdp::BatchShape& batch) {
   c.dp_shard = k.shard;
   c.tp = k.tp;
   c.options.reshard_after_forward = k.raf;
-  if (k.bf16) {
-    c.options.mp_policy.param_dtype = DType::kBF16;
+  if (k.bf16 || k.fp16) {
+    c.options.mp_policy.param_dtype = k.fp16 ? DType::kF16 : DType::kBF16;
     c.options.mp_policy.reduce_dtype = DType::kF32;
   }
+  c.options.mp_policy.reduce_wire = k.wire;
+  c.quantized_weights = k.quant;
+  c.lora_rank = k.lora;
   c.options.offload_policy.offload_to_cpu = k.offload;
   c.prefetch = k.prefetch;
   c.no_sync = k.no_sync;
@@ -177,9 +212,18 @@ fsdp::MemoryConfig config_of(const Case& k, const fsdp::BatchShape& batch) {
 
 }  // namespace
 
+// Issue 27's low-precision runs on top of a base case.
+Case lowp(Case base, std::string what, std::function<void(Case&)> set) {
+  base.what = std::move(what);
+  set(base);
+  return base;
+}
+
 TEST_CASE("estimate_memory: within 5% of the measured peak for every FSDP test configuration", "[fsdp][estimate]") {
   using R = fsdp::ReshardAfterForward;
-  const std::vector<Case> cases = {
+  using Q = fsdp::QuantKind;
+  const Case bf16{"", 1, 4, 1, R::automatic(), 1, true};
+  std::vector<Case> cases = {
       {"FSDP 4", 1, 4, 1, R::automatic(), 1},
       {"FSDP 4 no prefetch", 1, 4, 1, R::automatic(), 0},
       {"FSDP 4 prefetch 2", 1, 4, 1, R::automatic(), 2},
@@ -196,6 +240,50 @@ TEST_CASE("estimate_memory: within 5% of the measured peak for every FSDP test c
       {"FSDP 2 activation checkpointing", 1, 2, 1, R::automatic(), 1, false, false, true},
       {"FSDP 2 accumulation, sync", 1, 2, 1, R::automatic(), 1, false, false, false, false, 2},
       {"FSDP 2 accumulation, no sync", 1, 2, 1, R::automatic(), 1, false, false, false, true, 2},
+      lowp(bf16, "FSDP 4 bf16, fp8 all-gather", [](Case& k) { k.quant = fsdp::QuantConfig{Q::kFp8Tensor}; }),
+      lowp(bf16, "FSDP 4 bf16, int8 all-gather", [](Case& k) { k.quant = fsdp::QuantConfig{Q::kInt8Block, 256}; }),
+      lowp(bf16, "FSDP 3 bf16, int8 all-gather (uneven), prefetch 2",
+           [](Case& k) {
+             k.shard = 3;
+             k.prefetch = 2;
+             k.quant = fsdp::QuantConfig{Q::kInt8Block, 256};
+           }),
+      lowp(bf16, "FSDP 4 bf16, QLoRA 8 (NF4 base, frozen parameters)",
+           [](Case& k) {
+             k.quant = fsdp::QuantConfig{Q::kNf4, 256, /*static_scales=*/true};
+             k.lora = 8;
+           }),
+      lowp(bf16, "FSDP 2 bf16, QLoRA 4, no reshard",
+           [](Case& k) {
+             k.shard = 2;
+             k.raf = R::no();
+             k.quant = fsdp::QuantConfig{Q::kNf4, 256, /*static_scales=*/true};
+             k.lora = 4;
+           }),
+      lowp(bf16, "FSDP 4 bf16, reduce wire bf16", [](Case& k) { k.wire = DType::kBF16; }),
+      lowp(bf16, "FSDP 4 bf16, reduce wire e5m2", [](Case& k) { k.wire = DType::kF8E5M2; }),
+      lowp(bf16, "FSDP 4 f32, reduce wire bf16",
+           [](Case& k) {
+             k.bf16 = false;
+             k.wire = DType::kBF16;
+           }),
+      lowp(bf16, "HSDP 2x2 bf16, reduce wire bf16",
+           [](Case& k) {
+             k.rep = 2;
+             k.shard = 2;
+             k.wire = DType::kBF16;
+           }),
+      lowp(bf16, "HSDP 2x2 bf16, reduce wire e5m2",
+           [](Case& k) {
+             k.rep = 2;
+             k.shard = 2;
+             k.wire = DType::kF8E5M2;
+           }),
+      lowp(bf16, "FSDP 4 fp16 with the GradScaler",
+           [](Case& k) {
+             k.bf16 = false;
+             k.fp16 = true;
+           }),
   };
   const fsdp::BatchShape batch{8, 16, 1};
   int ran = 0;
@@ -241,9 +329,26 @@ TEST_CASE("estimate_memory: the kinds add up, sharding divides the state, bad co
     CHECK(e->peak_blocks >= e->peak);
   }
   CHECK_THAT(four.to_json(), Catch::Matchers::Contains("\"peak\":" + std::to_string(four.peak)));
+  // LoRA: only the adapters have gradients and AdamW state (f32, sharded over 4): per block
+  // lora_A [8, in] with in 64 (wq, wk, wv, wo, fc1) or 256 (fc2), lora_B [out, 8] with out 64
+  // (wq, wk, wv, wo, fc2) or 256 (fc1).
+  fsdp::MemoryConfig lora = c;
+  lora.lora_rank = 8;
+  const fsdp::MemoryEstimate lo = fsdp::estimate_memory(model(), lora);
+  const int64_t adapters = 4 * (8 * (5 * 64 + 256) + 8 * (5 * 64 + 256));
+  CHECK(lo.gradients == adapters * 4 / 4);
+  CHECK(lo.optimizer_state == 2 * lo.gradients);
+  CHECK(lo.sharded_parameters > four.sharded_parameters);
+  // The NF4 extension gathers half a byte per quantised weight element instead of four.
+  lora.quantized_weights = fsdp::QuantConfig{fsdp::QuantKind::kNf4, 256, true};
+  CHECK(fsdp::estimate_memory(model(), lora).unsharded < lo.unsharded);
   fsdp::MemoryConfig bad = c;
   bad.tp = 3;  // 4 heads
   CHECK_THROWS_WITH(fsdp::estimate_memory(model(), bad), Catch::Contains("4 heads do not split evenly over the 3 ranks of tp"));
+  bad = c;
+  bad.tp = 2;
+  bad.lora_rank = 4;
+  CHECK_THROWS_WITH(fsdp::estimate_memory(model(), bad), Catch::Contains("lora_rank 4 with tp 2"));
   bad = c;
   bad.batch.grad_accum = 3;
   CHECK_THROWS_WITH(fsdp::estimate_memory(model(), bad), Catch::Contains("grad_accum 3"));

@@ -84,7 +84,9 @@ moe_refusals = [(["--moe-experts", "4", "--tp", "2"], "tensor parallelism"),
                 (["--moe-experts", "6", "--ep", "4"], "--ep 4 does not divide --moe-experts 6"),
                 (["--moe-experts", "4", "--moe-top-k", "5"], "--moe-top-k 5"),
                 (["--ep", "2"], "need --moe-experts"),
-                (["--moe-experts", "4", "--estimate"], "does not model MoE")]
+                (["--moe-experts", "4", "--estimate"], "does not model MoE"),
+                (["--moe-experts", "4", "--ep", "2", "--ep-from-dp"], "--ep-from-dp with --ep 2 and --dp-shard 1"),
+                (["--moe-experts", "4", "--dp-shard", "3", "--ep", "2", "--ep-from-dp"], "dividing --dp-shard")]
 with tempfile.TemporaryDirectory() as d:  # --dump-init names the MoE weights and describes the blocks
     path = os.path.join(d, "moe.safetensors")
     two_blocks = SMALL[:]

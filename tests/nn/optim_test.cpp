@@ -171,6 +171,49 @@ TEST_CASE("optim: clip_grad_norm_ counts every element once, on every rank", "[n
   checks.report();
 }
 
+TEST_CASE("optim: clip_grad_norm_ across meshes (FSDP's per-parameter meshes) is the true global norm",
+          "[nn][optim]") {
+  testing_support::Checks checks;
+  int ran = 0;
+  // 4 ranks: dense gradients on (dp=4), expert-like ones on its unflattening (dp_mod_ep=2, ep=2).
+  const DeviceMesh mesh = DeviceMesh::from_shape({4}, {"dp"});
+  collectives::run_ranks(4, [&](Communicator& world) {
+    auto comms = MeshComms::create(mesh, world, {}, nullptr, {{0, Dims{2, 2}, {"dp_mod_ep", "ep"}}});
+    std::shared_ptr<const MeshComms> ep = comms->unflatten(0, Dims{2, 2}, {"dp_mod_ep", "ep"});
+    auto on = [](std::shared_ptr<const MeshComms> c, Dims shape, const char* pl) {
+      return std::make_shared<Parameter>(c, shape, DType::kF64, Init::zeros(), dtensor::parse_placements(pl));
+    };
+    NamedParameters params{{"a", on(comms, {6, 3}, "S(0)")},
+                           {"b", on(comms, {4}, "R")},
+                           {"c", on(ep, {5, 2}, "S(0),S(0)")},
+                           {"d", on(ep, {3, 4}, "R,S(1)")},
+                           {"e", on(ep, {2}, "R,R")}};
+    double want = 0, inf = 0;
+    for (auto& [n, p] : params) {
+      p->materialize(0, n);
+      Tensor full = values(p->shape(), static_cast<int>(n[0]));
+      for (double v : full.to_vector()) {
+        want += v * v;
+        inf = std::max(inf, std::abs(v));
+      }
+      p->grad() = dtensor::distribute_tensor(full, p->comms(), p->placements(), std::nullopt);
+    }
+    want = std::sqrt(want);
+    const double norm = clip_grad_norm_(params, 0.0);
+    checks.check(std::abs(norm - want) < 1e-12, fmt::format("norm {} vs {}", norm, want));
+    checks.check(std::abs(clip_grad_norm_(params, 0.0, INFINITY) - inf) < 1e-15, "infinity norm");
+    // Clipping scales the gradients on both meshes.
+    clip_grad_norm_(params, want / 2);
+    checks.check(std::abs(clip_grad_norm_(params, 0.0) - want / 2 * want / (want + 1e-6)) < 1e-9, "clipped norm");
+    const double e0 = values({2}, 'e').to_vector()[0];
+    checks.check(std::abs(params[4].second->grad()->to_local().to_vector()[0] - e0 * want / 2 / (want + 1e-6)) < 1e-12,
+                 "the experts' mesh gradient was scaled");
+    if (world.rank() == 0) ran = 1;
+  });
+  checks.report();
+  CHECK(ran == 1);
+}
+
 TEST_CASE("optim: clip_grad_norm_ with error_if_nonfinite stops on a NaN or infinite norm", "[nn][optim]") {
   // One non-finite element on one rank's shard of a sharded gradient: the reduced norm is
   // non-finite on every rank, so every rank throws NonFiniteError (exit 1 in programs) and no
