@@ -126,6 +126,10 @@ std::vector<int> touched_dims(const Step& step);
 bool is_valid_step(const Step& step, const Placements& before, const Dims& global_shape, const Dims& mesh_shape);
 bool is_valid_step(const Step& step, const Placements& before, const Dims& global_shape, const Dims& mesh_shape,
                    WorkBudget& work);
+// The step, its placements before and the shapes as integers, tagged, into `key`: the key of
+// the per-call memos in WorkBudget. False when a RaggedShard is involved (its units may be many).
+bool step_key(int64_t tag, const Step& step, const Placements& before, const Dims& global_shape,
+              const Dims& mesh_shape, WorkBudget::Key& key);
 // True when the step starts from what it converts and no later mesh dim of size > 1 shards a
 // tensor dim it touches: valid for every global shape, and its pieces are contiguous chunks in
 // coordinate order (the classic all_gather / reduce_scatter / all_to_all buffers).
