@@ -14,7 +14,8 @@
 // FSDP (fsdp::fully_shard; applied when --dp-shard or --dp-replicate is given): every
 // transformer block is one group, the root (embeddings, final norm, head) another; the batch is
 // split over the dp dims. --reshard-after-forward true|false|K (default: FSDP2's automatic,
-// blocks reshard, the root not), --offload (sharded state on the CPU), --no-sync (with
+// blocks reshard, the root not), --offload (sharded state on the CPU; on a GPU in pinned memory with
+// copies on the copy stream, fsdp/offload.h, unless --no-pin-memory), --no-sync (with
 // --grad-accum: gradients reduced on the last microbatch only), --prefetch 0|1|2 (implicit
 // prefetch depth in forward and backward; default 1). --mp bf16 under FSDP is the
 // MixedPrecisionPolicy (bf16 parameters, f32 reduction, f32 sharded master weights).
@@ -310,6 +311,8 @@ int run(int argc, char** argv) {
   app.add_option("--reshard-after-forward", a.reshard_after_forward,
                  "true | false | K (a divisor of --dp-shard); default: blocks reshard, the root not");
   app.add_flag("--offload", a.offload, "FSDP CPU offload of the sharded parameters, gradients, optimizer state");
+  app.add_flag("--no-pin-memory", a.no_pin_memory,
+               "with --offload: ordinary host memory and synchronous copies (default on a GPU: pinned, copy stream)");
   app.add_flag("--no-sync", a.no_sync, "with --grad-accum: reduce gradients on the last microbatch only");
   app.add_option("--prefetch", a.prefetch, "FSDP prefetch depth 0 | 1 | 2 (forward and backward)");
   app.add_option("--reduce-wire", a.reduce_wire, "bf16 | e5m2: what FSDP's gradient reductions move (summed in f32)");

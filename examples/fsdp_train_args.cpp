@@ -111,6 +111,7 @@ void validate(const Args& a) {
       bad(fmt::format("--reshard-after-forward {}: expected true, false or a divisor K of --dp-shard {}", r,
                       a.dp_shard));
   }
+  if (a.no_pin_memory && !a.offload) bad("--no-pin-memory needs --offload");
   if ((a.offload || a.no_sync || r != "auto") && !a.fsdp)
     bad("--offload, --no-sync and --reshard-after-forward need FSDP (--dp-shard / --dp-replicate)");
   for (auto [v, n] : {std::pair{a.layers, "--layers"},

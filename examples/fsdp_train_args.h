@@ -79,6 +79,7 @@ struct Args {
   bool fsdp = false;  // --dp-shard or --dp-replicate given
   std::string reshard_after_forward = "auto";
   bool offload = false;
+  bool no_pin_memory = false;  // --offload with ordinary host memory, synchronous copies
   bool no_sync = false;
   int prefetch = 1;
   std::string reduce_wire;  // --reduce-wire bf16 | e5m2 (empty: the reduce dtype itself)

@@ -125,6 +125,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     }
     o.mp_policy.reduce_wire = reduce_wire(a);
     o.offload_policy.offload_to_cpu = a.offload;
+    o.offload_policy.pin_memory = !a.no_pin_memory;
     o.unsharded_allocator = unsharded_mem;
     o.buffer_allocator = buffer_mem;
     std::vector<fsdp::FSDPModule*> blocks;

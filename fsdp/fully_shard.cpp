@@ -10,6 +10,7 @@
 #include "dtensor/layout.h"
 #include "fsdp/byte_pack.h"
 #include "fsdp/dp_chunks.h"
+#include "fsdp/offload.h"
 #include "fsdp/param_mesh.h"
 #include "kernels/error.h"
 #include "kernels/format.h"
@@ -140,6 +141,9 @@ class Group {
   std::shared_ptr<Runtime> rt;
   GroupStats stats;
   std::string note;
+  // Offload with copies on the copy stream (fsdp/offload.h); null: offload copies, if any, are
+  // synchronous.
+  std::unique_ptr<detail::OffloadCopies> offload;
   // Per-parameter meshes (fsdp/param_mesh.h): one follower per other mesh, registered on no
   // module; this group's unshard, reshard and gradient steps run theirs first.
   std::vector<std::shared_ptr<Group>> followers;
@@ -219,10 +223,35 @@ class Group {
             name, s.name));
   }
 
+  // Where the sharded parameters and gradients live: pinned host memory under offload's copy
+  // engine, else the mesh's allocator.
+  std::shared_ptr<kernels::Allocator> state_alloc() const {
+    std::shared_ptr<kernels::Allocator> a = offload ? offload->engine()->host_allocator() : nullptr;
+    return a ? a : comms->allocator();
+  }
+  // Offload: the sharded parameters host -> device on the copy stream (issued ahead by
+  // copy_ahead, or by the unshard itself), then the all-gather input in the parameter dtype.
+  void start_copy_in() {
+    for (auto& f : followers) f->start_copy_in();
+    if (!offload || offload->has_copy_in() || byte_mode() || state != State::kSharded) return;
+    for (const Slot& s : slots)
+      if (!s.sharded) return;  // still meta: the unshard refuses
+    const Tensor& local = flat_shard();
+    offload->copy_in(Tensor::empty(local.shape(), orig_dtype, compute_device, buffer_alloc), local);
+  }
+  Tensor copied_in() {
+    start_copy_in();
+    Tensor t = offload->take_copy_in();
+    if (t.dtype() == param_dtype) return t;
+    Tensor c = Tensor::empty(t.shape(), param_dtype, compute_device, buffer_alloc);
+    c.copy_(t);
+    return c;
+  }
+
   // The sharded flat buffer, allocated (zero: the padding stays zero) on first use.
   const Tensor& flat_shard() {
     if (!sharded_flat) {
-      Tensor flat = Tensor::empty(Dims{slot_numel}, orig_dtype, storage_device, comms->allocator());
+      Tensor flat = Tensor::empty(Dims{slot_numel}, orig_dtype, storage_device, state_alloc());
       flat.fill_(0.0);
       sharded_flat = DTensor(dp_comms, flat_spec(flat_sharded_placements(), orig_dtype), flat);
     }
@@ -274,6 +303,9 @@ class Group {
         src = DTensor(dp_comms,
                       dtensor::make_spec(mesh_ptr(dp_comms), flat_sharded_placements(), Dims{dp * rank_bytes}, DType::kU8),
                       ag_input);
+      } else if (offload) {
+        ag_input = copied_in();
+        src = DTensor(dp_comms, flat_spec(flat_sharded_placements(), param_dtype), ag_input);
       } else if (local.dtype() != param_dtype || local.device() != compute_device) {
         ag_input = Tensor::empty(local.shape(), param_dtype, compute_device, buffer_alloc);
         const kernels::TraceSpan span(tracer(), trace_pid(), "copies", "FSDP copy-in");
@@ -325,6 +357,7 @@ class Group {
       ag_handle.reset();
       ag_input = Tensor();
     }
+    if (offload) offload->drop_copy_in();
     for (const Slot& s : slots)
       if (s.sharded) s.param->set_data(*s.sharded);
     if (param_storage) param_storage->free();
@@ -361,6 +394,15 @@ class Group {
         g->issue_unshard();
         ++g->stats.prefetches;
       }
+  }
+  // Offload: the copy-in of the group one past the implicit prefetch (NOTE [offload ordering]).
+  void copy_ahead(bool forward) const {
+    if (!rt) return;
+    const auto& order = rt->order;
+    auto it = std::find(order.begin(), order.end(), this);
+    if (it == order.end()) return;
+    const ptrdiff_t q = (it - order.begin()) + (forward ? 1 : -1) * (std::max(rt->prefetch_depth, 0) + 1);
+    if (q >= 0 && q < static_cast<ptrdiff_t>(order.size())) order[q]->start_copy_in();
   }
   std::vector<Group*> implicit_targets(bool forward) const {
     std::vector<Group*> out;
@@ -411,7 +453,7 @@ class Group {
     }
   }
   void allocate_grad_flat() {
-    grad_flat = Tensor::empty(Dims{grad_numel}, orig_dtype, storage_device, comms->allocator());
+    grad_flat = Tensor::empty(Dims{grad_numel}, orig_dtype, storage_device, state_alloc());
     grad_flat.fill_(0.0);
   }
   void install_grads() {
@@ -529,7 +571,7 @@ class Group {
     ro.reduce_dtype = reduce_dtype;
     ro.divide_factor = divide_factor;
     ro.wire_dtype = reduce_wire;
-    p.into_grad = !has_sharded_grad && !p.to_partial && !p.all_reduce_after && storage_device == compute_device;
+    p.into_grad = !has_sharded_grad && !p.to_partial && !p.all_reduce_after && storage_device == compute_device && !offload;
     if (p.into_grad) {
       if (!grad_flat.defined()) allocate_grad_flat();
       p.out = grad_flat;
@@ -586,6 +628,13 @@ class Group {
           r = c;
         }
         kernels::add_out(grad_flat, grad_flat, r);
+      } else if (offload) {  // the cast on the device, the move on the copy stream
+        Tensor r = result;
+        if (r.dtype() != orig_dtype) {
+          r = Tensor::empty(result.shape(), orig_dtype, compute_device, buffer_alloc);
+          r.copy_(result);
+        }
+        offload->copy_out(grad_flat, r);
       } else {
         grad_flat.copy_(result);  // cast and device move (offload: to the CPU)
       }
@@ -643,6 +692,7 @@ void Group::on_pre_forward(nn::Ctx& ctx, DTensor& input) {
     rt->current.push_back(this);
     wait_unshard();
     prefetch(fwd_prefetch ? *fwd_prefetch : implicit_targets(true));
+    if (!fwd_prefetch) copy_ahead(true);
   }
   const auto& mp = opts.mp_policy;
   if (mp.param_dtype && mp.cast_forward_inputs && kernels::is_floating_point(input.dtype()) &&
@@ -675,6 +725,7 @@ void Group::on_pre_backward(nn::Ctx& ctx, DTensor& grad_output) {
   stash_grads();
   wait_unshard();
   prefetch(bwd_prefetch ? *bwd_prefetch : implicit_targets(false));
+  if (!bwd_prefetch) copy_ahead(false);
 }
 
 void Group::on_post_backward(nn::Ctx& ctx, std::optional<DTensor>& grad_input) {
@@ -699,6 +750,11 @@ void Group::finalize_backward() {
     g->fwd_pre = g->fwd_post = g->bwd_pre = g->bwd_post = 0;
     if (g->state == State::kResharded || g->state == State::kUnsharding) g->reshard();
     else if (g->state == State::kUnsharded && (g->reshard_after_backward || g->requires_gradient_sync)) g->reshard();
+  }
+  for (Group* g : rt->groups) {  // the optimizer reads and writes the offloaded state next
+    if (g->offload) g->offload->drain();
+    for (auto& f : g->followers)
+      if (f->offload) f->offload->drain();
   }
 }
 
@@ -1089,12 +1145,7 @@ std::shared_ptr<Group> shard_group(const std::vector<nn::Module*>& modules, std:
                                       g.name, kernels::to_string(*mp.reduce_wire), kernels::to_string(g.reduce_dtype)));
   g.reduce_wire = mp.reduce_wire;
   g.storage_device = options.offload_policy.offload_to_cpu ? kernels::Device{} : g.compute_device;
-  if (options.offload_policy.offload_to_cpu && options.offload_policy.pin_memory)
-    g.note = g.compute_device.is_cpu()
-                 ? "offload_policy.pin_memory is a no-op here: the compute device is the CPU, so the offloaded state "
-                   "stays in the same (ordinary) host memory"
-                 : "offload_policy.pin_memory is a no-op in this build: kernels/cuda has no pinned host allocator or "
-                   "copy streams, so offload copies are synchronous (default stream)";
+  g.offload = detail::make_offload_copies(options.offload_policy, g.compute_device, g.note);
   g.unsharded_alloc = options.unsharded_allocator ? options.unsharded_allocator : comms->allocator();
   g.buffer_alloc = options.buffer_allocator ? options.buffer_allocator : comms->allocator();
 

@@ -68,12 +68,16 @@ struct MixedPrecisionPolicy {
 // FSDP2's CPUOffloadPolicy: sharded parameters, gradients (and so the optimizer state) live on
 // the CPU; each unshard copies the shard to the compute device first and each reduction copies
 // the sharded gradient back.
-// pin_memory asks for page-locked host memory and asynchronous copies on their own stream; no
-// build has them yet (kernels/cuda has neither a pinned allocator nor streams), so it is a no-op
-// that FSDPModule::note() says once: on a CPU compute device the two memories are one anyway.
+// pin_memory (on a CUDA compute device): the sharded parameters and gradients in pinned host
+// memory, the copies issued ahead on the device's copy stream so they overlap compute
+// (fsdp/offload.h, NOTE [offload ordering]). On a CPU compute device it is a no-op that
+// FSDPModule::note() says once: the two memories are one. copy_engine: tests only, an engine for
+// the copies to use instead (also on the CPU); null: the default.
+class CopyEngine;
 struct OffloadPolicy {
   bool offload_to_cpu = false;
   bool pin_memory = true;
+  std::shared_ptr<CopyEngine> copy_engine;
 };
 
 // True / False / int k / automatic (FSDP2's None: the root keeps its parameters, other groups
@@ -230,7 +234,7 @@ class FSDPModule {
   // With per-parameter meshes: sums over the group's meshes (so are the byte counts above).
   const GroupStats& stats() const;
   // How the options were honoured where it differs from what they ask (empty otherwise), e.g.
-  // "offload_policy.pin_memory: ... a no-op here"; a trainer prints it once.
+  // "offload_policy.pin_memory is a no-op here" on a CPU compute device; a trainer prints it once.
   const std::string& note() const;
   Group& group() const { return *group_; }
 

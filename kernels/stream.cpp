@@ -24,6 +24,14 @@ Stream Stream::compute(Device device) {
   return s;
 }
 
+Stream Stream::copy(Device device) {
+  Stream s;
+  s.device_ = device;
+  if (device.is_cuda())  // not owned: the kernels layer keeps it
+    s.handle_ = std::shared_ptr<void>(detail::cuda_copy_stream(device.index), [](void*) {});
+  return s;
+}
+
 void Stream::wait(const Event& event) const {
   if (event.device_.is_cpu()) return;  // complete
   if (device_.is_cpu()) return event.synchronize();  // the host is this stream

@@ -31,6 +31,10 @@ class Stream {
   static Stream create(Device device);
   // The stream the kernels layer runs on for `device` (the CPU stream for the CPU).
   static Stream compute(Device device);
+  // The device's copy stream, for host <-> device copies that overlap the compute stream's
+  // kernels (kernels/async_copy.h): one per device, created on first use and kept, like the
+  // compute stream. The CPU stream for the CPU.
+  static Stream copy(Device device);
 
   Device device() const { return device_; }
   // An opaque handle (the cudaStream_t), equal for copies of one stream; 0 for the CPU.

@@ -26,8 +26,8 @@
 # Checks (name: what; a row of the table each):
 #   env                  nvidia-smi -L, the driver
 #   libs                 every carried binary's shared libraries resolve (ldd)
-#   kernels-gpu, kernels-gpu-ops, nn-gpu, fsdp-meta-gpu, collectives-nccl-gpu, collectives-nccl
-#                        the [gpu] test programs (exit 77, skipped, counts as a failure here)
+#   kernels-gpu, kernels-gpu-ops, nn-gpu, fsdp-meta-gpu, fsdp-offload-gpu, collectives-nccl-gpu,
+#   collectives-nccl     the [gpu] test programs (exit 77, skipped, counts as a failure here)
 #   local-cuda-2/4/8     dtensor-check redistribute --device cuda on the local backend, 2, 4, 8 ranks
 #   fuzz-cuda            dtensor-check fuzz --device cuda: same cases, routes and expected errors
 #                        as the same seed on the CPU, every case passing on both
@@ -38,6 +38,8 @@
 #   gpt-bf16             fsdp-train --mp bf16 on a dim-1024 8-layer GPT: tokens/s, TFLOP/s
 #   torch-bf16           bench/gpu_step_torch.py, the same model under PyTorch (skip: no torch)
 #   overlap              gpu-bench overlap: an nccl all_reduce hidden behind a matmul
+#   offload-overlap      fsdp-train --offload: ms/step with pinned memory and the copy stream
+#                        (default), with --no-pin-memory (synchronous copies), and without offload
 # A "low" or "skip" row does not fail the run except where said; "FAIL" does.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -51,7 +53,7 @@ STOCK_LIBS="linux-vdso.so.1 ld-linux-x86-64.so.2 libc.so.6 libm.so.6 libdl.so.2 
 DEVICE_LIBS="libcuda.so.1 libcublas.so.13 libcublasLt.so.13 libnccl.so.2"
 # Programs carried: path under the build tree.
 BINS="tests/kernels/kernels_gpu_test tests/kernels/kernels_gpu_ops_test tests/nn/nn_gpu_test
-tests/fsdp/fsdp_gpu_meta_test tests/collectives/collectives_nccl_gpu_test
+tests/fsdp/fsdp_gpu_meta_test tests/fsdp/fsdp_gpu_offload_test tests/collectives/collectives_nccl_gpu_test
 tests/collectives/collectives_nccl_test tools/dtensor-check examples/fsdp-train bench/gpu-bench"
 MAX_CARRY_MIB=48   # the working tree (~9 MiB) travels beside it, 64 MiB in all
 
@@ -253,7 +255,8 @@ else
 fi
 
 for t in kernels_gpu_test:kernels-gpu kernels_gpu_ops_test:kernels-gpu-ops nn_gpu_test:nn-gpu \
-         fsdp_gpu_meta_test:fsdp-meta-gpu collectives_nccl_gpu_test:collectives-nccl-gpu \
+         fsdp_gpu_meta_test:fsdp-meta-gpu fsdp_gpu_offload_test:fsdp-offload-gpu \
+         collectives_nccl_gpu_test:collectives-nccl-gpu \
          collectives_nccl_test:collectives-nccl; do
   check "${t#*:}" 120 "$BIN/${t%%:*}"
   done_check "${t#*:}" "$(catch2_detail)"
@@ -359,6 +362,32 @@ if [[ $rc == 0 ]]; then
   row overlap pass "$secs" "$(tail -n 1 "$log" | sed 's/[{}"]//g')"
 else
   done_check overlap ""
+fi
+
+# FSDP offload on the GPU (fsdp/offload.h): the step time with pinned memory and copies on the
+# copy stream, with synchronous copies from ordinary memory, and without offload; the same model.
+OB=8 OT=512
+om=(--backend nccl --dp-shard 1 --steps 6 --log-every 1 --mp bf16 --dim 768 --layers 6 --heads 12 --seq $OT
+    --batch $OB --vocab 8192)
+if ((dry)); then
+  check offload-overlap 90 "$BIN/fsdp-train" "${om[@]}" --offload
+else
+  t0=$SECONDS bad="" ms=()
+  for v in "--offload" "--offload --no-pin-memory" ""; do
+    check offload-overlap 90 "$BIN/fsdp-train" "${om[@]}" $v
+    tps=$(tail -n 1 "$log" | grep -o '"tokens_per_s":[0-9.]*' | cut -d: -f2)
+    if ((rc != 0)) || [[ -z $tps ]] || ! awk -v t="$tps" 'BEGIN {exit !(t > 0)}'; then
+      bad="${v:-no offload}: $(why)"
+      break
+    fi
+    ms+=("$(awk -v t="$tps" 'BEGIN {printf "%.1f", 1000 * '$OB' * '$OT' / t}')")
+  done
+  secs=$((SECONDS - t0))
+  if [[ -z $bad ]]; then
+    row offload-overlap pass $secs "ms/step: pinned ${ms[0]}, pageable ${ms[1]}, no offload ${ms[2]} (pageable / pinned $(awk 'BEGIN {printf "%.2f", '"${ms[1]}"' / '"${ms[0]}"'}'))"
+  else
+    rc=1; row offload-overlap FAIL $secs "$bad"
+  fi
 fi
 
 table=$(printf '| check | status | s | detail |\n|---|---|---|---|\n'; printf '%s\n' "${rows[@]}")

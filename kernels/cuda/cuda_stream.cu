@@ -1,7 +1,10 @@
 // CUDA implementations of kernels/cuda/cuda_stream.h. No fmt here (nvcc 13 cannot compile fmt 9).
 #include <cuda_runtime.h>
 
+#include <map>
+#include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cuda/cuda_ops.h"
@@ -123,6 +126,40 @@ void cuda_event_synchronize(void* event, int device) {
 void cuda_stream_wait_event(void* stream, void* event, int device) {
   DeviceGuard guard(device);
   check(cudaStreamWaitEvent(as_stream(stream), static_cast<cudaEvent_t>(event), 0), "cudaStreamWaitEvent", device);
+}
+
+void* cuda_copy_stream(int device) {
+  cuda_check_device(device);
+  static auto* const streams = new std::pair<std::mutex, std::map<int, void*>>();  // never freed
+  std::lock_guard lk(streams->first);
+  auto it = streams->second.find(device);
+  if (it != streams->second.end()) return it->second;
+  void* s = cuda_stream_create(device);
+  streams->second.emplace(device, s);
+  return s;
+}
+
+void cuda_memcpy_async_host(void* dst, const void* src, size_t nbytes, void* stream, int device) {
+  if (nbytes == 0) return;
+  DeviceGuard guard(device);
+  check(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, as_stream(stream)), "cudaMemcpyAsync (host)", device);
+}
+
+void* cuda_host_alloc(size_t nbytes) {
+  void* p = nullptr;
+  const cudaError_t err = cudaHostAlloc(&p, nbytes, cudaHostAllocPortable);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw ResourceError("cudaHostAlloc of " + std::to_string(nbytes) + " bytes of pinned host memory failed: " +
+                        cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
+  }
+  return p;
+}
+
+void cuda_host_free(void* p) noexcept {
+  if (p == nullptr) return;
+  (void)cudaFreeHost(p);
+  (void)cudaGetLastError();
 }
 
 void cuda_memcpy_async(void* dst, const void* src, size_t nbytes, void* stream, int device) {

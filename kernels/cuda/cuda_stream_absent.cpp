@@ -21,7 +21,13 @@ bool cuda_event_query(void*, int) { no_cuda(); }
 void cuda_event_synchronize(void*, int) { no_cuda(); }
 void cuda_stream_wait_event(void*, void*, int) { no_cuda(); }
 void* cuda_compute_stream(int) { no_cuda(); }
+void* cuda_copy_stream(int) { no_cuda(); }
 void cuda_memcpy_async(void*, const void*, size_t, void*, int) { no_cuda(); }
+void cuda_memcpy_async_host(void*, const void*, size_t, void*, int) { no_cuda(); }
+void* cuda_host_alloc(size_t) {
+  throw Unsupported("pinned (page-locked) host memory requested but this build has no CUDA (configure with -Dcuda=enabled)");
+}
+void cuda_host_free(void*) noexcept {}
 std::unique_ptr<EventOps> cuda_event_ops(int) { no_cuda(); }
 
 }  // namespace kernels::detail

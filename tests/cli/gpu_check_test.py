@@ -37,6 +37,8 @@ esac"""
 TRAIN = """case "$*" in
   *--check-parity*) echo '{"steps":5,"first_loss":4.1,"last_loss":3.9,"parity":"PARITY","max_rel_loss_diff":1.5e-07,"max_param_diff":3.9e-06,"tokens_per_s":1000}'
                     [ PARITY = ok ] ;;
+  *--no-pin-memory*) echo '{"steps":6,"parity":"skipped","tokens_per_s":40000,"peak_bytes":1}' ;;
+  *--offload*) echo '{"steps":6,"parity":"skipped","tokens_per_s":80000,"peak_bytes":1}' ;;
   *) echo 'step 6/6 loss 9.1 ms 100.0'; echo '{"steps":6,"first_loss":9.2,"last_loss":9.1,"parity":"skipped","tokens_per_s":100000,"peak_bytes":1}' ;;
 esac"""
 
@@ -55,7 +57,7 @@ def scenario(name, parity="ok", cuda_summary=None, skipped_test=None):
         for d in (carry + "/bin", carry + "/lib", path):
             os.makedirs(d)
         for b in ("kernels_gpu_test", "kernels_gpu_ops_test", "nn_gpu_test", "fsdp_gpu_meta_test",
-                  "collectives_nccl_gpu_test", "collectives_nccl_test"):
+                  "fsdp_gpu_offload_test", "collectives_nccl_gpu_test", "collectives_nccl_test"):
             write(f"{carry}/bin/{b}", 'echo "skipped: no GPU"; exit 77' if b == skipped_test else CATCH2)
         fuzz = FUZZ
         if cuda_summary:
@@ -80,9 +82,9 @@ def scenario(name, parity="ok", cuda_summary=None, skipped_test=None):
 # Every check passes (torch-bf16: pass or skip, whichever this python allows).
 r, rows = scenario("all pass")
 check(r.returncode == 0, f"all pass: exit 0, got {r.returncode}: {r.stdout[-400:]} {r.stderr[-400:]}")
-expected = ["env", "libs", "kernels-gpu", "kernels-gpu-ops", "nn-gpu", "fsdp-meta-gpu", "collectives-nccl-gpu",
-            "collectives-nccl", "local-cuda-2", "local-cuda-4", "local-cuda-8", "fuzz-cuda", "nccl-1", "bandwidth",
-            "fsdp-fp32", "fsdp-bf16", "gpt-bf16", "torch-bf16", "overlap"]
+expected = ["env", "libs", "kernels-gpu", "kernels-gpu-ops", "nn-gpu", "fsdp-meta-gpu", "fsdp-offload-gpu",
+            "collectives-nccl-gpu", "collectives-nccl", "local-cuda-2", "local-cuda-4", "local-cuda-8", "fuzz-cuda",
+            "nccl-1", "bandwidth", "fsdp-fp32", "fsdp-bf16", "gpt-bf16", "torch-bf16", "overlap", "offload-overlap"]
 check(sorted(rows) == sorted(expected), f"all pass: rows {sorted(rows)}")
 for name, cells in rows.items():
     ok = {"bandwidth": ("low",), "torch-bf16": ("pass", "skip")}.get(name, ("pass",))
@@ -101,6 +103,10 @@ if "fuzz-cuda" in rows:
     check("as the CPU" in rows["fuzz-cuda"][3], f"fuzz-cuda: {rows['fuzz-cuda'][3]}")
 if "overlap" in rows:
     check("hidden:0.943" in rows["overlap"][3], f"overlap: {rows['overlap'][3]}")
+if "offload-overlap" in rows:
+    # 8 x 512 tokens per step at 80000 / 40000 / 100000 tokens/s.
+    check("pinned 51.2, pageable 102.4, no offload 41.0 (pageable / pinned 2.00)" in rows["offload-overlap"][3],
+          f"offload-overlap: {rows['offload-overlap'][3]}")
 if "local-cuda-8" in rows:
     check("6 redistributes" in rows["local-cuda-8"][3], f"local-cuda-8: {rows['local-cuda-8'][3]}")
 

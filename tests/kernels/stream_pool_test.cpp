@@ -12,7 +12,9 @@
 
 #include "kernels/device.h"
 #include "kernels/error.h"
+#include "kernels/async_copy.h"
 #include "kernels/stream.h"
+#include "kernels/tensor.h"
 
 using kernels::detail::EventId;
 using kernels::detail::EventOps;
@@ -155,5 +157,36 @@ TEST_CASE("streams and events on the CPU are no-ops; CUDA ones refuse without a 
   if (kernels::cuda_device_count() == 0) {  // CI: no GPU (a CUDA build or not)
     CHECK_THROWS_AS(Stream::create(Device::cuda(0)), kernels::Unsupported);
     CHECK_THROWS_AS(Stream::compute(Device::cuda(0)), kernels::Unsupported);
+    CHECK_THROWS_AS(Stream::copy(Device::cuda(0)), kernels::Unsupported);
+  }
+  CHECK(Stream::copy(Device::cpu()) == Stream());
+}
+
+TEST_CASE("copy_async on the CPU copies at once; pinned memory and bad operands are refused", "[kernels][stream]") {
+  using kernels::Device;
+  using kernels::DType;
+  using kernels::Tensor;
+  const Tensor src = Tensor::arange({12}, DType::kF32);
+  Tensor dst = Tensor::empty({12}, DType::kF32);
+  dst.fill_(-1.0);
+  const kernels::Event e = kernels::copy_async(dst, src, kernels::Stream::copy(Device::cpu()));
+  CHECK(e.query());
+  const auto got = dst.to_vector();
+  REQUIRE(got.size() == 12);
+  int checked = 0;
+  for (size_t i = 0; i < got.size(); ++i, ++checked) CHECK(got[i] == static_cast<double>(i));
+  CHECK(checked == 12);
+  CHECK_THROWS_WITH(kernels::copy_async(Tensor::empty({11}, DType::kF32), src, kernels::Stream()),
+                    Catch::Contains("expected the same shape and dtype"));
+  CHECK_THROWS_WITH(kernels::copy_async(Tensor::empty({12}, DType::kBF16), src, kernels::Stream()),
+                    Catch::Contains("f32"));
+  CHECK_THROWS_WITH(kernels::copy_async(Tensor::empty({6, 2}, DType::kF32).transpose(0, 1),
+                                        Tensor::empty({2, 6}, DType::kF32), kernels::Stream()),
+                    Catch::Contains("expected both contiguous"));
+  kernels::PinnedHostAllocator pinned;
+  CHECK_THROWS_WITH(pinned.allocate(64, Device::cuda(0)), Catch::Contains("cuda:0: expected the CPU"));
+  if (!kernels::cuda_built()) {
+    CHECK_THROWS_WITH(pinned.allocate(64, Device::cpu()), Catch::Contains("no CUDA"));
+    CHECK(pinned.allocated_bytes() == 0);
   }
 }
