@@ -308,9 +308,6 @@ IndexRuns chain_positions(int64_t n, std::span<const Split> splits, std::span<co
   return held;
 }
 
-bool compare_later_owners(int64_t n, const std::optional<Split>& a, const std::optional<Split>& b,
-                          std::span<const Split> later, WorkBudget& work);
-
 bool same_later_owners(int64_t n, const std::optional<Split>& a, const std::optional<Split>& b,
                        std::span<const Split> later, WorkBudget& work) {
   if (later.empty() || n == 0 || (!a && !b)) return true;
@@ -335,20 +332,33 @@ namespace {
 // and position q has code code0 + ((q - h) / w) x step (step 0: one code). A family of equal
 // sub-chunks whose windows each hold one later owner is one segment (its codes step by the later
 // splits' product), so the segments of a chain number about its families, not its runs.
+// Two levels (W > 0): outer windows of W positions from h, each cut into inner windows of w
+// from its start; code0 + ((q - h) / W) x S + (((q - h) % W) / w) x step. A family whose windows
+// each hold one single-level pattern of the next split is one such segment. Codes strictly
+// increase at every window edge of either level (S exceeds the inner codes' range).
+// Example: 8 pieces of 1024 cut into 256 windows of 4, each window's 4 positions owned by
+// coordinates 0..3 of a next split of 8: one segment per piece with W 4, S 8, w 1, step 1.
 struct Seg {
   int64_t lo, hi, h, w, code0, step;
-  int64_t at(int64_t q) const { return step == 0 ? code0 : code0 + (q - h) / w * step; }
-  int64_t next_change(int64_t q) const {  // the first window start after q (INT64_MAX: none)
-    return step == 0 ? std::numeric_limits<int64_t>::max() : h + ((q - h) / w + 1) * w;
+  int64_t W = 0, S = 0;
+  int64_t at(int64_t q) const {
+    if (W == 0) return step == 0 ? code0 : code0 + (q - h) / w * step;
+    return code0 + (q - h) / W * S + (q - h) % W / w * step;
   }
+  int64_t next_change(int64_t q) const {  // the first window start after q (INT64_MAX: none)
+    if (W == 0) return step == 0 ? std::numeric_limits<int64_t>::max() : h + ((q - h) / w + 1) * w;
+    const int64_t r = (q - h) % W;
+    return q - r + std::min(W, (r / w + 1) * w);
+  }
+  bool varies() const { return step != 0 || W != 0; }
 };
 
 void emit_seg(std::vector<Seg>& out, Seg s) {
   if (s.hi <= s.lo) return;
-  if (s.step == 0) s.h = s.lo, s.w = s.hi - s.lo;
+  if (s.step == 0 && s.W == 0) s.h = s.lo, s.w = s.hi - s.lo;
   if (!out.empty()) {
     Seg& b = out.back();
-    if (b.hi == s.lo && b.step == 0 && s.step == 0 && b.code0 == s.code0) {
+    if (b.hi == s.lo && !b.varies() && !s.varies() && b.code0 == s.code0) {
       b.hi = s.hi;
       b.w = b.hi - b.lo;
       return;
@@ -357,10 +367,30 @@ void emit_seg(std::vector<Seg>& out, Seg s) {
   out.push_back(s);
 }
 
+// The whole windows [h, h + count x W), window i with prefix code0 + i x S, each holding the
+// single-level pattern g of [0, W): one segment when g covers its window with inner windows from
+// its start (two levels, or one when the inner windows tile the outer ones seamlessly); false
+// when the caller must expand the windows one by one.
+bool emit_windows(std::vector<Seg>& out, int64_t h, int64_t count, int64_t W, int64_t code0, int64_t S, const Seg& g,
+                  bool nest) {
+  if (g.W != 0 || g.lo != 0 || g.hi != W) return false;
+  if (!g.varies()) {
+    emit_seg(out, {h, h + count * W, h, W, code0 + g.code0, S});
+    return true;
+  }
+  if (!nest || g.h > 0 || (-g.h) % g.w != 0) return false;
+  const int64_t first = g.at(0), last = g.at(W - 1);
+  if (last - first >= S) return false;  // codes would not increase at the outer edges
+  if (W % g.w == 0 && S == W / g.w * g.step) emit_seg(out, {h, h + count * W, h, g.w, code0 + first, g.step});
+  else if (W <= g.w) emit_seg(out, {h, h + count * W, h, W, code0 + first, S});
+  else emit_seg(out, {h, h + count * W, h, g.w, code0 + first, g.step, W, S});
+  return true;
+}
+
 // Positions [lo, hi) of a list of n under splits[level..] as segments (codes prefixed by `code`,
-// positions shifted by delta). REQUIRES: 0 <= lo <= hi <= n.
+// positions shifted by delta); two-level segments only when `nest`. REQUIRES: 0 <= lo <= hi <= n.
 void affine_rec(int64_t n, std::span<const Split> splits, size_t level, int64_t lo, int64_t hi, int64_t code,
-                int64_t delta, std::vector<Seg>& out, WorkBudget& work) {
+                int64_t delta, std::vector<Seg>& out, WorkBudget& work, bool nest) {
   if (hi <= lo) return;
   work.add(1);
   if (level == splits.size()) return emit_seg(out, {lo + delta, hi + delta, lo + delta, hi - lo, code, 0});
@@ -389,7 +419,7 @@ void affine_rec(int64_t n, std::span<const Split> splits, size_t level, int64_t 
         const int64_t x = std::max(a, c * cs), z = std::min(b, c * cs + w);
         if (z > x)
           affine_rec(list, splits, level + 1, x - c * cs + before, z - c * cs + before, code * s.k + c,
-                     delta + start + c * cs - before, out, work);
+                     delta + start + c * cs - before, out, work, nest);
       };
       // Whole windows [cf, cg); the (at most two) clipped ones at the ends one by one.
       const int64_t cf = std::max(cl, ceil_div(a, cs)), cg = std::min(ch, floor_div(b - w, cs) + 1);
@@ -402,11 +432,9 @@ void affine_rec(int64_t n, std::span<const Split> splits, size_t level, int64_t 
         window(cf);
       } else {
         one.clear();
-        affine_rec(list, splits, level + 1, before, before + w, 0, -before, one, work);
-        if (one.size() == 1 && one[0].step == 0) {
-          const int64_t h = delta + start + cf * cs;
-          emit_seg(out, {h, h + (cg - cf) * w, h, w, (code * s.k + cf) * k_rest + one[0].code0, k_rest});
-        } else {
+        affine_rec(list, splits, level + 1, before, before + w, 0, -before, one, work, nest);
+        if (!(one.size() == 1 && emit_windows(out, delta + start + cf * cs, cg - cf, w, (code * s.k + cf) * k_rest,
+                                              k_rest, one[0], nest))) {
           work.add((cg - cf) * static_cast<int64_t>(one.size()));
           for (int64_t c = cf; c < cg; ++c) {
             const int64_t off = delta + start + c * cs, prefix = (code * s.k + c) * k_rest;
@@ -427,20 +455,20 @@ void affine_rec(int64_t n, std::span<const Split> splits, size_t level, int64_t 
 struct Periodic {
   int64_t h0, w, count;
   std::vector<Seg> g;
-  bool varies() const { return g.size() > 1 || g[0].step != 0; }
+  bool varies() const { return g.size() > 1 || g[0].varies(); }
 };
 
 std::vector<Periodic> side(int64_t n, const std::optional<Split>& x, std::span<const Split> later, WorkBudget& work) {
   std::vector<Periodic> out;
   if (!x) {
     out.push_back({0, n, 1, {}});
-    affine_rec(n, later, 0, 0, n, 0, 0, out.back().g, work);
+    affine_rec(n, later, 0, 0, n, 0, 0, out.back().g, work, /*nest=*/true);
     return out;
   }
   for (const Family& f : families(n, *x)) {
     out.push_back({f.h0, f.w, f.count, {}});
     Periodic& p = out.back();
-    affine_rec(f.list, later, 0, f.before, f.before + f.w, 0, -f.before, p.g, work);
+    affine_rec(f.list, later, 0, f.before, f.before + f.w, 0, -f.before, p.g, work, /*nest=*/true);
     if (!p.varies()) {  // one code over the whole hull
       p.w *= p.count;
       p.count = 1;
@@ -461,7 +489,7 @@ class Cursor {
       const int64_t off = p_.h0 + j_ * p_.w;
       if (j_ >= p_.count || off >= hi_) return false;
       const Seg& s = p_.g[k_++];
-      out = {std::max(lo_, s.lo + off), std::min(hi_, s.hi + off), s.h + off, s.w, s.code0, s.step};
+      out = {std::max(lo_, s.lo + off), std::min(hi_, s.hi + off), s.h + off, s.w, s.code0, s.step, s.W, s.S};
       if (out.hi > out.lo) return true;
     }
   }
@@ -472,15 +500,19 @@ class Cursor {
   size_t k_ = 0;
 };
 
-// Two segments with equal codes over [x, r) (both cover it).
-bool equal_on(const Seg& a, const Seg& b, int64_t x, int64_t r) {
-  if (a.at(x) != b.at(x)) return false;
-  const int64_t na = a.next_change(x), nb = b.next_change(x);
-  if (na >= r && nb >= r) return true;
-  if (na != nb) return false;
-  if (a.w == b.w && a.step == b.step) return true;  // the same windows from na on, the same steps
-  // One change each inside [x, r), at the same place.
-  return na + a.w >= r && nb + b.w >= r && a.at(na) == b.at(nb);
+// Two segments with equal codes over [x, r) (both cover it), compared window edge by window edge
+// (every edge changes the code) until both have the same windows from there on.
+bool equal_on(const Seg& a, const Seg& b, int64_t x, int64_t r, WorkBudget& work) {
+  for (;;) {
+    if (a.at(x) != b.at(x)) return false;
+    const int64_t na = a.next_change(x), nb = b.next_change(x);
+    if (na >= r && nb >= r) return true;
+    if (na != nb) return false;
+    if (a.W == b.W && a.w == b.w && a.step == b.step && a.S == b.S && (a.W == 0 || (a.h - b.h) % a.W == 0))
+      return true;  // the same windows from na on, the same steps
+    work.add(1);
+    x = na;
+  }
 }
 
 // x and y (overlapping families) with equal codes over [lo, hi). Codes never decrease along a
@@ -495,7 +527,7 @@ bool equal_over(const Periodic& x, const Periodic& y, int64_t lo, int64_t hi, Wo
     work.add(1);
     if ((y_repeats && a.hi - a.lo > y.w) || (x_repeats && b.hi - b.lo > x.w)) return false;
     const int64_t p = std::max(a.lo, b.lo), r = std::min(a.hi, b.hi);
-    if (!equal_on(a, b, p, r)) return false;
+    if (!equal_on(a, b, p, r, work)) return false;
     const bool step_a = a.hi == r, step_b = b.hi == r;
     if (step_a) more = cx.next(a);
     if (step_b) more = more && cy.next(b);
@@ -508,7 +540,7 @@ bool equal_over(const Periodic& x, const Periodic& y, int64_t lo, int64_t hi, Wo
 void owner_segments(int64_t n, std::span<const Split> splits, int64_t lo, int64_t hi, std::vector<OwnerSegment>& out,
                     WorkBudget& work) {
   std::vector<Seg> segs;
-  affine_rec(n, splits, 0, lo, hi, 0, 0, segs, work);
+  affine_rec(n, splits, 0, lo, hi, 0, 0, segs, work, /*nest=*/false);
   for (const Seg& s : segs) out.push_back({s.lo, s.hi, s.h, s.w, s.code0, s.step});
 }
 
@@ -539,14 +571,17 @@ int64_t later_code_at(int64_t n, const std::optional<Split>& x, std::span<const 
 // Both sides as periodic families; on the overlap of two families both owner functions repeat
 // with period lcm(wa, wb), so one period decides it (NOTE [layout algebra]).
 bool compare_later_owners(int64_t n, const std::optional<Split>& a, const std::optional<Split>& b,
-                          std::span<const Split> later, WorkBudget& work) {
+                          std::span<const Split> later, WorkBudget& work, bool probes) {
+  if (later.empty() || n == 0 || (!a && !b)) return true;
   // Most unequal pairs differ near the start or at a piece boundary: a few positions checked
   // directly first, so those never build the families (a match proves nothing; the check follows).
   constexpr int64_t kProbes = 16;
-  work.add(2 * kProbes);
-  for (int64_t i = 0; i < kProbes; ++i)
-    for (const int64_t q : {std::min(i, n - 1), i * (n / kProbes)})
-      if (later_code_at(n, a, later, q) != later_code_at(n, b, later, q)) return false;
+  if (probes) {
+    work.add(2 * kProbes);
+    for (int64_t i = 0; i < kProbes; ++i)
+      for (const int64_t q : {std::min(i, n - 1), i * (n / kProbes)})
+        if (later_code_at(n, a, later, q) != later_code_at(n, b, later, q)) return false;
+  }
   const std::vector<Periodic> pa = side(n, a, later, work), pb = side(n, b, later, work);
   size_t i = 0, j = 0;
   while (i < pa.size() && j < pb.size()) {

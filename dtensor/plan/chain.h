@@ -36,6 +36,7 @@
 #pragma once
 
 #include <boost/container/small_vector.hpp>
+#include <boost/container_hash/hash.hpp>
 
 #include <cstdint>
 #include <functional>
@@ -44,6 +45,7 @@
 #include <span>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 #include "dtensor/layout.h"
@@ -92,6 +94,13 @@ class WorkBudget {
   std::map<Key, bool> owner_checks;
   // The least a rank keeps through a same-dim regroup (traffic.cpp), by its inputs.
   std::map<Key, int64_t> kept_checks;
+  // Step traffic in elements (sent, received; -1: moves nothing) already computed in this
+  // planning call, by step_key (step.h): the search asks for an exchange's twice (inside the
+  // LocalChunk check, then for its cost).
+  struct KeyHash {
+    size_t operator()(const Key& k) const { return boost::hash_range(k.begin(), k.end()); }
+  };
+  std::unordered_map<Key, std::pair<int64_t, int64_t>, KeyHash> step_elements;
 
  private:
   [[noreturn]] void fail() const;
@@ -171,5 +180,11 @@ std::vector<std::pair<int64_t, int64_t>> overlapping_pieces(int64_t n, const Spl
 // later ones (NOTE [layout algebra]: the equality of owners behind step validity).
 bool same_later_owners(int64_t n, const std::optional<Split>& a, const std::optional<Split>& b,
                        std::span<const Split> later, WorkBudget& work);
+
+// same_later_owners without its per-call cache; `probes` false also skips the few positions
+// checked directly first (they decide most unequal pairs before the families are built), so tests
+// can check the family comparison alone.
+bool compare_later_owners(int64_t n, const std::optional<Split>& a, const std::optional<Split>& b,
+                          std::span<const Split> later, WorkBudget& work, bool probes = true);
 
 }  // namespace dtensor

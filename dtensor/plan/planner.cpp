@@ -1,5 +1,6 @@
 #include "dtensor/plan/planner.h"
 
+#include <boost/container_hash/hash.hpp>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -9,6 +10,7 @@
 #include <unordered_map>
 
 #include "kernels/error.h"
+#include "kernels/overloaded.h"
 
 namespace dtensor {
 
@@ -53,9 +55,10 @@ class Context {
   }
 
   bool valid(const Step& step, const Placements& before) {
-    const Placements after = apply_step(step, before);
+    // apply_step changes only the step's mesh dim.
+    const std::optional<int> d = shard_dim(placement_after(step));
     for (const Dims& s : shapes_)
-      if (!shards_within(before, s.size()) || !shards_within(after, s.size())) return false;
+      if (!shards_within(before, s.size()) || (d && *d >= s.size())) return false;
     for (const Dims& s : shapes_)
       if (!oracle_.valid(step, before, s, t_.mesh_shape, work_)) return false;
     return true;
@@ -167,6 +170,32 @@ Plan greedy(Context& ctx) {
   return b.finish();
 }
 
+// Placements as a hash key (RaggedShard by its dim and sizes; equality compares its units).
+struct StateHash {
+  size_t operator()(const Placements& ps) const {
+    size_t h = ps.size();
+    for (const Placement& p : ps) {
+      boost::hash_combine(h, p.index());
+      std::visit(kernels::Overloaded{
+                     [&](const Shard& s) { boost::hash_combine(h, s.dim); },
+                     [&](const StridedShard& s) {
+                       boost::hash_combine(h, s.dim);
+                       boost::hash_combine(h, s.split_factor);
+                     },
+                     [](const Replicate&) {},
+                     [&](const Partial& s) { boost::hash_combine(h, static_cast<int>(s.op)); },
+                     [&](const RaggedShard& s) {
+                       boost::hash_combine(h, s.dim);
+                       boost::hash_combine(h, s.units.size());
+                       boost::hash_combine(h, s.align);
+                     },
+                 },
+                 p);
+    }
+    return h;
+  }
+};
+
 // Dijkstra over placement states; edges are the valid single steps (NOTE [step validity]), the
 // ones PyTorch lacks included (Regroup, P -> _S). Every edge draws kEdgeWork units on the work
 // budget besides what its validity and cost take, so a mesh of many dims (millions of states)
@@ -197,55 +226,81 @@ Plan search(Context& ctx) {
   struct Entry {
     double cost;
     uint64_t order;
-    std::string key;
+    size_t node;
     bool operator>(const Entry& o) const { return cost != o.cost ? cost > o.cost : order > o.order; }
   };
   struct Node {
     Placements state;
     double cost;
-    std::string parent;
+    size_t parent;
     std::optional<Step> via;
     bool done = false;
   };
-  std::unordered_map<std::string, Node> nodes;
+  std::vector<Node> nodes;
+  std::unordered_map<Placements, size_t, StateHash> index;
   std::priority_queue<Entry, std::vector<Entry>, std::greater<>> queue;
   uint64_t order = 0;
-  const std::string start = to_string(src), goal = to_string(dst);
-  nodes[start] = {src, 0.0, "", std::nullopt};
-  queue.push({0.0, order++, start});
+  nodes.push_back({src, 0.0, 0, std::nullopt});
+  index.emplace(src, 0);
+  queue.push({0.0, order++, 0});
+  std::optional<size_t> goal, goal_seen;  // settled; reached
+  if (src == dst) goal_seen = 0;
   while (!queue.empty()) {
-    Entry e = queue.top();
+    const Entry e = queue.top();
     queue.pop();
-    Node& node = nodes[e.key];
-    if (node.done) continue;
-    node.done = true;
-    if (e.key == goal) break;
+    if (nodes[e.node].done) continue;
+    nodes[e.node].done = true;
+    if (nodes[e.node].state == dst) {
+      goal = e.node;
+      break;
+    }
     ctx.work().add(1);
-    const Placements state = node.state;
+    const Placements state = nodes[e.node].state;
     for (int m = 0; m < ndim; ++m)
       for (const Placement& c : candidates[m]) {
         if (c == state[m]) continue;
         if (is_partial(c) && !partial_allowed(m, c)) continue;
         ctx.work().add(kEdgeWork);
+        // Every step on mesh dim m to c leads to the same state; a state already settled never
+        // takes a new parent, so its edges are not evaluated.
+        Placements next = state;
+        next[m] = c;
+        const auto it = index.find(next);
+        if (it != index.end() && nodes[it->second].done) continue;
         std::optional<Step> step = step_between(m, state[m], c, /*direct=*/true);
+        const bool local_possible = shard_dim(state[m]) && !is_partial(c);
+        // No cost below `least` (a moving step costs its latency and more): an edge that cannot
+        // improve on the state's current cost, or reach it below the goal's, changes nothing.
+        double least = step && ctx.moves(*step) ? t.cost.latency_us : 1e-9;
+        if (local_possible) least = std::min(least, 1e-9);
+        if (it != index.end() && e.cost + least >= nodes[it->second].cost) continue;
+        if (goal_seen && e.cost + least >= nodes[*goal_seen].cost) continue;
         // A shard whose ranks already hold the new layout moves nothing: a local step.
-        if (shard_dim(state[m]) && !is_partial(c) && ctx.valid(LocalChunk{m, c}, state)) step = LocalChunk{m, c};
-        if (!step || !ctx.valid(*step, state)) continue;
+        bool checked = false;
+        if (local_possible && ctx.valid(LocalChunk{m, c}, state)) {
+          step = LocalChunk{m, c};
+          checked = true;
+        }
+        if (!step || (!checked && !ctx.valid(*step, state))) continue;
         step = ctx.with_wire(*step);
-        Placements next = apply_step(*step, state);
+        if (mesh_dim_of(*step) != m || placement_after(*step) != c)
+          throw kernels::InternalError(fmt::format("step {} from [{}] does not lead to [{}]", to_string(*step),
+                                                   to_string(state), to_string(next)));
         const double total = e.cost + ctx.cost(*step, state);
-        std::string key = to_string(next);
-        auto it = nodes.find(key);
-        if (it == nodes.end() || (!it->second.done && total < it->second.cost)) {
-          nodes[key] = {std::move(next), total, e.key, step};
-          queue.push({total, order++, std::move(key)});
+        if (it == index.end()) {
+          if (next == dst) goal_seen = nodes.size();
+          index.emplace(next, nodes.size());
+          queue.push({total, order++, nodes.size()});
+          nodes.push_back({std::move(next), total, e.node, step});
+        } else if (total < nodes[it->second].cost) {
+          nodes[it->second] = {std::move(next), total, e.node, step};
+          queue.push({total, order++, it->second});
         }
       }
   }
-  if (!nodes.count(goal) || !nodes[goal].done)
-    throw Unsupported(fmt::format("no route from [{}] to [{}]", to_string(src), to_string(dst)));
+  if (!goal) throw Unsupported(fmt::format("no route from [{}] to [{}]", to_string(src), to_string(dst)));
   std::vector<Step> steps;
-  for (std::string key = goal; key != start; key = nodes[key].parent) steps.push_back(*nodes[key].via);
+  for (size_t n = *goal; n != 0; n = nodes[n].parent) steps.push_back(*nodes[n].via);
   std::reverse(steps.begin(), steps.end());
   Builder b(ctx, PlannerKind::kSearch);
   for (const Step& s : steps) b.add(s);

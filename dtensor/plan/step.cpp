@@ -93,8 +93,12 @@ bool communicates(const Step& step) {
 
 Placements apply_step(const Step& step, const Placements& placements) {
   Placements out = placements;
-  const int m = mesh_dim_of(step);
-  out[m] = std::visit(
+  out[mesh_dim_of(step)] = placement_after(step);
+  return out;
+}
+
+Placement placement_after(const Step& step) {
+  return std::visit(
       Overloaded{
           [](const AllGather&) -> Placement { return Replicate{}; },
           [](const StridedAllGather&) -> Placement { return Replicate{}; },
@@ -111,7 +115,6 @@ Placements apply_step(const Step& step, const Placements& placements) {
           [](const LocalEmbed&) -> Placement { return Partial{ReduceOp::kSum}; },
       },
       step);
-  return out;
 }
 
 std::string to_string(const Step& step) {
@@ -221,6 +224,63 @@ bool is_plain_step(const Step& step, const Placements& before, const Dims& mesh_
   return true;
 }
 
+namespace {
+
+bool append_placement(WorkBudget::Key& key, const Placement& p) {
+  key.push_back(static_cast<int64_t>(p.index()));
+  return std::visit(Overloaded{
+                        [&](const Shard& s) { return key.push_back(s.dim), true; },
+                        [&](const StridedShard& s) { return key.insert(key.end(), {s.dim, s.split_factor}), true; },
+                        [](const Replicate&) { return true; },
+                        [&](const Partial& s) { return key.push_back(static_cast<int64_t>(s.op)), true; },
+                        [](const RaggedShard&) { return false; },
+                    },
+                    p);
+}
+
+int64_t wire_code(const std::optional<kernels::DType>& wire) { return wire ? static_cast<int64_t>(*wire) : -1; }
+
+}  // namespace
+
+bool step_key(int64_t tag, const Step& step, const Placements& before, const Dims& global_shape,
+              const Dims& mesh_shape, WorkBudget::Key& key) {
+  key.assign({tag, static_cast<int64_t>(global_shape.size())});
+  key.insert(key.end(), global_shape.begin(), global_shape.end());
+  key.push_back(static_cast<int64_t>(mesh_shape.size()));
+  key.insert(key.end(), mesh_shape.begin(), mesh_shape.end());
+  key.push_back(static_cast<int64_t>(step.index()));
+  const bool plain = std::visit(
+      Overloaded{
+          [&](const AllGather& s) { return key.insert(key.end(), {s.mesh_dim, s.tensor_dim}), true; },
+          [&](const StridedAllGather& s) {
+            return key.insert(key.end(), {s.mesh_dim, s.tensor_dim, s.split_factor}), true;
+          },
+          [&](const AllToAll& s) { return key.insert(key.end(), {s.mesh_dim, s.from_dim, s.to_dim}), true; },
+          [&](const AllReduce& s) {
+            return key.insert(key.end(), {int64_t{s.mesh_dim}, static_cast<int64_t>(s.op), wire_code(s.wire)}), true;
+          },
+          [&](const ReduceScatter& s) {
+            if (s.ragged) return false;
+            return key.insert(key.end(), {int64_t{s.mesh_dim}, int64_t{s.tensor_dim}, static_cast<int64_t>(s.op),
+                                          int64_t{s.split_factor}, wire_code(s.wire)}),
+                   true;
+          },
+          [&](const LocalChunk& s) { return key.push_back(s.mesh_dim), append_placement(key, s.to); },
+          [&](const LocalPartial& s) { return key.insert(key.end(), {s.mesh_dim, static_cast<int>(s.op)}), true; },
+          [&](const Regroup& s) {
+            key.push_back(s.mesh_dim);
+            return append_placement(key, s.from) && append_placement(key, s.to);
+          },
+          [&](const LocalEmbed& s) { return key.insert(key.end(), {s.mesh_dim, s.tensor_dim}), true; },
+      },
+      step);
+  if (!plain) return false;
+  key.push_back(static_cast<int64_t>(before.size()));
+  for (const Placement& p : before)
+    if (!append_placement(key, p)) return false;
+  return true;
+}
+
 bool is_valid_step(const Step& step, const Placements& before, const Dims& global_shape, const Dims& mesh_shape,
                    WorkBudget& work) {
   if (!starts_from(step, before, mesh_shape)) return false;
@@ -254,6 +314,10 @@ bool is_valid_step(const Step& step, const Placements& before, const Dims& globa
     for (const Split& s : b_chain)
       if (s.mesh_dim == m) b = s;
     if (later.empty()) continue;
+    if (prefix.empty()) {  // one list: the whole dim
+      if (!same_later_owners(global_shape[t], a, b, span_of(later), work)) return false;
+      continue;
+    }
     for (int64_t n : distinct_sizes(global_shape[t], span_of(prefix), mesh_shape, work))
       if (!same_later_owners(n, a, b, span_of(later), work)) return false;
   }

@@ -103,6 +103,8 @@ int mesh_dim_of(const Step& step);
 bool communicates(const Step& step);
 // The placements after the step. REQUIRES: the step starts from placements[mesh_dim].
 Placements apply_step(const Step& step, const Placements& placements);
+// The placement the step leaves on its mesh dim (apply_step without the copy).
+Placement placement_after(const Step& step);
 // "AG(1)", "_AG(0,sf=2)", "A2A(0:0->1)", "AR(1,sum)", "RS(0:0,sum)", "RS(0:_S(0,4),sum)", "RS(0:Rg(0,[1,2],1),sum)",
 // "RS(0:0,sum,wire=bf16)", "AR(1,avg,wire=f8e5m2)", "chunk(1->S(0))", "partial(1,sum)", "regroup(0:_S(0,2)->S(0))", "embed(0:S(0)->P(sum))".
 std::string to_string(const Step& step);
@@ -133,6 +135,10 @@ std::optional<bool> ragged_step_valid(const Step& step, const Placements& before
                                       const Dims& view_shape, const Dims& mesh_shape);
 bool is_valid_step(const Step& step, const Placements& before, const Dims& global_shape, const Dims& mesh_shape,
                    WorkBudget& work);
+// The step, its placements before and the shapes as integers, tagged, into `key`: the key of
+// the per-call memos in WorkBudget. False when a RaggedShard is involved (its units may be many).
+bool step_key(int64_t tag, const Step& step, const Placements& before, const Dims& global_shape,
+              const Dims& mesh_shape, WorkBudget::Key& key);
 // True when the step starts from what it converts and no later mesh dim of size > 1 shards a
 // tensor dim it touches: valid for every global shape, and its pieces are contiguous chunks in
 // coordinate order (the classic all_gather / reduce_scatter / all_to_all buffers).

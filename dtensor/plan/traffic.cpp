@@ -45,18 +45,32 @@ struct Term {
   std::vector<int> dims;
 };
 
+// A step's bytes per element moved and its fp8 scales' bytes (Term's item and scale_bytes).
+struct WireBytes {
+  int64_t item = 4, scale = 0;
+  bool wire_ar = false;
+};
+WireBytes wire_bytes(const Step& step, const Dims& mesh, DType dtype) {
+  WireBytes out;
+  const int64_t k = mesh[mesh_dim_of(step)];
+  std::optional<DType> wire;
+  if (const auto* a = std::get_if<AllReduce>(&step)) wire = a->wire;
+  if (const auto* r = std::get_if<ReduceScatter>(&step)) wire = r->wire;
+  out.item = static_cast<int64_t>(kernels::itemsize(wire.value_or(dtype)));
+  out.wire_ar = wire.has_value() && std::holds_alternative<AllReduce>(step);
+  if (wire && (*wire == DType::kF8E4M3 || *wire == DType::kF8E5M2)) out.scale = 4 * (k - 1) * (out.wire_ar ? 2 : 1);
+  return out;
+}
+
 Term make_term(const Step& step, const Placements& before, const Dims& shape, const Dims& mesh, ChainSet& set,
                DType dtype) {
   Term term;
   const int m = mesh_dim_of(step);
   term.k = mesh[m];
-  std::optional<DType> wire;
-  if (const auto* a = std::get_if<AllReduce>(&step)) wire = a->wire;
-  if (const auto* r = std::get_if<ReduceScatter>(&step)) wire = r->wire;
-  term.item = static_cast<int64_t>(kernels::itemsize(wire.value_or(dtype)));
-  term.wire_ar = wire.has_value() && std::holds_alternative<AllReduce>(step);
-  if (wire && (*wire == DType::kF8E4M3 || *wire == DType::kF8E5M2))
-    term.scale_bytes = 4 * (term.k - 1) * (term.wire_ar ? 2 : 1);
+  const WireBytes wb = wire_bytes(step, mesh, dtype);
+  term.item = wb.item;
+  term.wire_ar = wb.wire_ar;
+  term.scale_bytes = wb.scale;
   if (!communicates(step) || term.k == 1) return term;
   for (int t = 0; t < shape.size(); ++t) term.a.push_back(set.add(shape[t], chain_of(before, mesh, t)));
   const Placements after = apply_step(step, before);
@@ -542,8 +556,33 @@ Traffic step_traffic(const Step& step, const Placements& before, const Dims& glo
                      DType dtype, WorkBudget& work) {
   if (std::optional<Traffic> r = ragged_step_traffic(step, before, global_shape, mesh_shape, dtype, work)) return *r;
   ChainSet set(mesh_shape);
-  const std::vector<Term> terms = {make_term(step, before, global_shape, mesh_shape, set, dtype)};
-  return busiest(terms, set, global_shape, dtype, work);
+  WorkBudget::Key key;
+  if (!step_key(1, step, before, global_shape, mesh_shape, key)) {
+    std::vector<Term> terms;
+    terms.push_back(make_term(step, before, global_shape, mesh_shape, set, dtype));
+    return busiest(terms, set, global_shape, dtype, work);
+  }
+  // One term: every rank moves elements x item + scale bytes, so the busiest rank's elements
+  // (memoised per planning call, whatever the dtype: the LocalChunk check asks in u8, the search
+  // then in the tensor's) give its bytes.
+  const WireBytes wb = wire_bytes(step, mesh_shape, dtype);
+  auto it = work.step_elements.find(key);
+  if (it == work.step_elements.end()) {
+    std::pair<int64_t, int64_t> elements{-1, -1};
+    std::vector<Term> terms;
+    terms.push_back(make_term(step, before, global_shape, mesh_shape, set, dtype));
+    if (terms.front().kind != Term::kNone) {
+      terms.front().item = 1;
+      terms.front().scale_bytes = 0;
+      const Traffic e = busiest(terms, set, global_shape, dtype, work);
+      elements = {e.sent, e.received};
+    }
+    it = work.step_elements.emplace(key, elements).first;
+  }
+  const auto [sent, received] = it->second;
+  if (sent < 0) return {};  // moves nothing
+  return {to_bytes(Wide{sent} * wb.item + wb.scale, global_shape, dtype),
+          to_bytes(Wide{received} * wb.item + wb.scale, global_shape, dtype)};
 }
 
 Traffic route_traffic(std::span<const Step> steps, std::span<const Placements> states, const Dims& global_shape,

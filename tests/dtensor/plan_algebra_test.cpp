@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <array>
 #include <random>
 #include <ranges>
 
@@ -66,6 +67,26 @@ bool shards_within(const Placements& ps, int ndim) {
   for (const Placement& p : ps)
     if (auto d = shard_dim(p); d && *d >= ndim) return false;
   return true;
+}
+
+// The later owner code of every position of a list of n under (x, later), x optional, rank by
+// rank (chain_positions of every coordinate).
+std::vector<int64_t> later_owner_codes(int64_t n, const std::optional<Split>& x, const SplitList& later) {
+  SplitList chain;
+  if (x) chain.push_back(*x);
+  chain.insert(chain.end(), later.begin(), later.end());
+  std::vector<int64_t> code(static_cast<size_t>(n), -1);
+  std::vector<int64_t> coords(chain.size(), 0);
+  for (;;) {
+    int64_t later_code = 0;
+    for (size_t i = x ? 1 : 0; i < chain.size(); ++i) later_code = later_code * chain[i].k + coords[i];
+    for (const IndexRun& r : chain_positions(n, span_of(chain), coords))
+      for (int64_t q = r.start; q < r.start + r.length; ++q) code[static_cast<size_t>(q)] = later_code;
+    size_t i = 0;
+    while (i < chain.size() && ++coords[i] == chain[i].k) coords[i++] = 0;
+    if (i == chain.size()) break;
+  }
+  return code;
 }
 
 }  // namespace
@@ -402,24 +423,7 @@ TEST_CASE("owner equality of two chains equals the position-by-position check", 
     const int64_t sfs[] = {0, 0, 2, 3, 4, 8};
     return Split{mesh_dim, pick(2, 9), sfs[pick(0, 5)]};
   };
-  // The later owner code of every position under (x, later), x optional.
-  auto owners = [&](int64_t n, const std::optional<Split>& x, const SplitList& later) {
-    SplitList chain;
-    if (x) chain.push_back(*x);
-    chain.insert(chain.end(), later.begin(), later.end());
-    std::vector<int64_t> code(static_cast<size_t>(n), -1);
-    std::vector<int64_t> coords(chain.size(), 0);
-    for (;;) {
-      int64_t later_code = 0;
-      for (size_t i = x ? 1 : 0; i < chain.size(); ++i) later_code = later_code * chain[i].k + coords[i];
-      for (const IndexRun& r : chain_positions(n, span_of(chain), coords))
-        for (int64_t q = r.start; q < r.start + r.length; ++q) code[static_cast<size_t>(q)] = later_code;
-      size_t i = 0;
-      while (i < chain.size() && ++coords[i] == chain[i].k) coords[i++] = 0;
-      if (i == chain.size()) break;
-    }
-    return code;
-  };
+  const auto& owners = later_owner_codes;
   int cases = 0, same = 0;
   for (int iter = 0; iter < 3000; ++iter) {
     const int64_t n = iter % 3 == 0 ? pick(1, 24) : pick(1, 400);
@@ -440,12 +444,62 @@ TEST_CASE("owner equality of two chains equals the position-by-position check", 
                                               }),
                                               ",")));
     REQUIRE(same_later_owners(n, a, b, span_of(later), work) == expected);
+    REQUIRE(compare_later_owners(n, a, b, span_of(later), work, /*probes=*/false) == expected);
     ++cases;
     same += expected ? 1 : 0;
   }
   CHECK(cases == test_support::sampled_count(3000));
   CHECK(same > cases / 30);  // both answers occur
   CHECK(same < cases - cases / 30);
+}
+
+// The owner comparisons of HSDP x TP planning (3-D meshes, strided splits at every level): the
+// windows of a strided split hold two-level owner patterns (pieces cut into windows, each window
+// into the next split's coordinates), which compare as one segment per piece, not one per window.
+// Lists of up to 10^6 positions, the family comparison also checked without the direct probes.
+TEST_CASE("owner equality on two-level patterns equals the position-by-position check", "[dtensor][planner][algebra]") {
+  std::mt19937 rng(2026);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  const int64_t ks[] = {2, 4, 8, 16, 64}, sfs[] = {0, 2, 4, 8};
+  auto split = [&](int mesh_dim) { return Split{mesh_dim, ks[pick(0, 4)], sfs[pick(0, 3)]}; };
+  int ran = 0, same = 0;
+  for (int iter = 0; iter < 400; ++iter) {
+    std::optional<Split> a = split(0), b = split(0);
+    if (iter % 4 == 0) b.reset();
+    if (iter % 4 == 1) b = Split{0, a->k, a->sf == 0 ? a->k : 0};  // S vs _S of the same size
+    if (iter % 4 == 2) b = Split{0, a->k, sfs[pick(0, 3)]};
+    const SplitList later = {split(1), split(2)};
+    const int64_t n = a->k * later[0].k * later[1].k * pick(1, 4) + (iter % 2 == 0 ? pick(-9, 9) : 0);
+    if (n <= 0 || !test_support::sampled(iter)) continue;
+    const bool expected = later_owner_codes(n, a, later) == later_owner_codes(n, b, later);
+    WorkBudget work(kMaxPlanWork);
+    INFO("n " << n << " a " << a->k << "/" << a->sf << " b " << (b ? fmt::format("{}/{}", b->k, b->sf) : "-")
+              << " later " << later[0].k << "/" << later[0].sf << "," << later[1].k << "/" << later[1].sf);
+    REQUIRE(same_later_owners(n, a, b, span_of(later), work) == expected);
+    REQUIRE(compare_later_owners(n, a, b, span_of(later), work, /*probes=*/false) == expected);
+    ++ran;
+    same += expected ? 1 : 0;
+  }
+  CHECK(ran == test_support::sampled_count(400));
+  CHECK(same > ran / 10);  // both answers occur
+  CHECK(same < ran - ran / 10);
+}
+
+// The HSDP x TP unshard's comparison at 8 x 256 x 8 ([R,_S(0,8),S(0)] planning, 65,536 rows):
+// a few segments per piece of each side; the windows one by one took 2^13 units and more.
+TEST_CASE("owner equality of strided chains costs their pieces, not their windows", "[dtensor][planner][algebra]") {
+  const SplitList later = {{1, 256, 8}, {2, 8, 8}};
+  int ran = 0;
+  for (const int64_t n : {65536, 65535, 8192}) {
+    INFO("n " << n);
+    const std::optional<Split> a = Split{0, 8, 8}, b = Split{0, 8, 0};
+    REQUIRE(later_owner_codes(n, a, later) == later_owner_codes(n, b, later));
+    WorkBudget work(kMaxPlanWork);
+    CHECK(same_later_owners(n, a, b, span_of(later), work));
+    CHECK(work.used() < 1000);
+    ++ran;
+  }
+  CHECK(ran == 3);
 }
 
 // least_kept_in_box (traffic.h) by owner segments against the owner-run reference: random lists,
