@@ -6,6 +6,7 @@
 #include <cmath>
 #include <numeric>
 
+#include "dtensor/layout.h"
 #include "dtensor/row_exchange.h"
 #include "kernels/checked.h"
 #include "kernels/error.h"
@@ -308,9 +309,17 @@ DTensor MoE::do_forward(Ctx& ctx, const DTensor& x) {
     for (int64_t e = 0; e < E; ++e) stat[E + e] += s[e];
     stat[2 * E] += 1;
   }
+  // Rows an expert keeps of `assigned` from a rank routing `tokens` tokens (capacity drops).
+  const auto capacity = [&](int64_t tokens) {
+    return static_cast<int64_t>(
+        std::ceil(config_.capacity_factor * static_cast<double>(tokens * K) / static_cast<double>(E)));
+  };
+  const auto kept_rows = [&](double assigned, double tokens) {
+    const auto a = static_cast<int64_t>(std::llround(assigned));
+    return config_.capacity_factor > 0 ? std::min(a, capacity(static_cast<int64_t>(std::llround(tokens)))) : a;
+  };
   if (config_.capacity_factor > 0) {
-    const auto cap = static_cast<int64_t>(std::ceil(config_.capacity_factor * static_cast<double>(n * K) /
-                                                    static_cast<double>(E)));
+    const int64_t cap = capacity(n);
     std::vector<int64_t> used(E, 0);
     int64_t dropped = 0;
     for (int64_t a = 0; a < n * K; ++a)
@@ -321,14 +330,24 @@ DTensor MoE::do_forward(Ctx& ctx, const DTensor& x) {
     ctx.values["moe.dropped"] = dropped;
   }
 
-  // Global routing statistics: a Partial(sum) over the token-splitting dims, made Replicate.
+  // Global routing statistics: every token-splitting rank's row, all-gathered (S(0) over the
+  // token dims -> Replicate), summed here in row order. The rows also give the dispatch's receive
+  // counts (below), so the dispatch needs no count exchange of its own.
+  const int64_t W = 2 * E + 1;
+  std::vector<double> rows = stat;  // [R, W]: R token-splitting ranks
+  Placements gp(mesh.ndim(), Replicate{});
+  int64_t R = 1;
   if (!token_dims.empty()) {
-    Placements pp(mesh.ndim(), Replicate{});
-    for (int m : token_dims) pp[m] = Partial{};
-    const Dims shape{2 * E + 1};
-    DTensor part(x.comms(), dtensor::make_spec(x.spec().mesh, pp, shape, DType::kF64),
-                 make(stat, shape, DType::kF64, x.to_local().device()));
-    stat = part.redistribute(Placements(mesh.ndim(), Replicate{}), {ctx.ops().choose.planner}).to_local().to_vector();
+    for (int m : token_dims) {
+      gp[m] = Shard{0};
+      R *= mesh.shape()[m];
+    }
+    DTensor part(x.comms(), dtensor::make_spec(x.spec().mesh, gp, Dims{R, W}, DType::kF64),
+                 make(stat, {1, W}, DType::kF64, x.to_local().device()));
+    rows = part.redistribute(Placements(mesh.ndim(), Replicate{}), {ctx.ops().choose.planner}).to_local().to_vector();
+    std::fill(stat.begin(), stat.end(), 0.0);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t j = 0; j < W; ++j) stat[j] += rows[r * W + j];
   }
   S.n_global = static_cast<int64_t>(std::llround(stat[2 * E]));
   MoEStats stats;
@@ -373,11 +392,26 @@ DTensor MoE::do_forward(Ctx& ctx, const DTensor& x) {
   const DType cdt = expert_dtype(*w1_);
   std::vector<double> recv_x;  // [m, D + 1]: rows at the experts, last column the local expert
   if (ep > 1) {
-    dtensor::RowExchange ex = dtensor::exchange_rows(ecomms, *ep_dim_,
-                                                     make(send, {sent, D + 1}, cdt, x.to_local().device()),
-                                                     S.send_rows, "moe dispatch");
-    S.recv_rows = ex.recv_rows;
-    recv_x = ex.rows.to_vector();
+    // Member p of my EP group (my coordinates with the EP one set to p; the same tp coordinate)
+    // sends me the rows it kept for my local experts. Its statistics row is at its offset in the
+    // gathered [R, W].
+    const int src = source_dim(*ep_dim_);
+    const int64_t me = ecomms.coord()[*ep_dim_];
+    S.recv_rows.assign(ep, 0);
+    for (int64_t p = 0; p < ep; ++p) {
+      Dims c = x.comms()->coord();
+      c[src] = c[src] / ep * ep + p;  // carved: the source dim unflattens row-major to (dp, ep)
+      const int64_t r = dtensor::compute_layout(Dims{R, W}, mesh.shape(), gp, c).global_offset[0];
+      for (int64_t e = me * El; e < (me + 1) * El; ++e)
+        S.recv_rows[p] += kept_rows(rows[r * W + e], rows[r * W + 2 * E]);
+    }
+    if (S.recv_rows[me] != S.send_rows[me])
+      throw kernels::InternalError(fmt::format("MoE: {} rows kept for my own experts, the statistics say {}",
+                                      S.send_rows[me], S.recv_rows[me]));
+    recv_x = dtensor::exchange_rows_known(ecomms, *ep_dim_, make(send, {sent, D + 1}, cdt, x.to_local().device()),
+                                          S.send_rows, S.recv_rows, "moe dispatch")
+                 .wait()
+                 .to_vector();
   } else {
     S.recv_rows = S.send_rows;
     recv_x = std::move(send);

@@ -277,13 +277,20 @@ TEST_CASE("MoE: set_aux_grad_scale scales the aux loss's gradient with the loss 
   CHECK(grads[0].size() == 24);
 }
 
-TEST_CASE("MoE: EP forward + backward is one count exchange and four row exchanges", "[nn][moe][ep]") {
-  testing_support::Recorder rec;
-  run(MoEConfig{.dim = 6, .hidden = 5, .experts = 8, .top_k = 2}, 4, {4, 3, 6}, &rec);
-  CHECK(rec.check_same_calls() == "");
-  // all_to_all (counts) + all_to_all_v x 2 (dispatch, combine) forward, x 2 backward, plus the
-  // routing statistics' Partial -> Replicate all_reduce.
-  CHECK(rec.calls() == 6);
+TEST_CASE("MoE: EP forward + backward is one statistics all_gather and four row exchanges", "[nn][moe][ep]") {
+  using collectives::CollectiveKind;
+  for (const double cf : {0.0, 1.0}) {  // 1.0: some assignments dropped, the counts must agree
+    CAPTURE(cf);
+    testing_support::Recorder rec;
+    run(MoEConfig{.dim = 6, .hidden = 5, .experts = 8, .top_k = 2, .capacity_factor = cf}, 4, {4, 3, 6}, &rec);
+    CHECK(rec.check_same_calls() == "");
+    // The routing statistics' all_gather (which also gives the dispatch its receive counts) and
+    // all_to_all_v x 2 (dispatch, combine) forward, x 2 backward; no count all_to_all.
+    CHECK(rec.calls() == 5);
+    CHECK(rec.calls(CollectiveKind::kAllGather) == 1);
+    CHECK(rec.calls(CollectiveKind::kAllToAllV) == 4);
+    CHECK(rec.calls(CollectiveKind::kAllToAll) == 0);
+  }
 }
 
 TEST_CASE("MoE: bad configurations and inputs are named", "[nn][moe]") {

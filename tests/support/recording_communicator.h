@@ -61,6 +61,14 @@ class Recorder {
     for (const auto& [group, members] : logs_) n += members.begin()->second.size();
     return n;
   }
+  // The calls of one kind, counted like calls().
+  size_t calls(collectives::CollectiveKind kind) const {
+    std::lock_guard lk(mu_);
+    size_t n = 0;
+    for (const auto& [group, members] : logs_)
+      for (const auto& c : members.begin()->second) n += c.kind == kind ? 1 : 0;
+    return n;
+  }
   size_t groups() const {
     std::lock_guard lk(mu_);
     return logs_.size();
