@@ -29,9 +29,11 @@
 // Expert parallelism: set_expert_parallel(mesh_dim) shards experts.w1/w2 S(0) over that mesh dim
 // (E divisible by its size); the input's tokens must be split over it (x Shard on a token dim).
 // Each assignment's row goes to the rank holding its expert and the result comes back by
-// all-to-all-v over that dim (dtensor/row_exchange.h: counts, then rows); backward sends the
-// output gradients the same way and the input gradients back. Routing is per token, so EP gives
-// one rank's routing, outputs and gradients (up to summation order).
+// all-to-all-v over that dim (dtensor/row_exchange.h, counts known: the routing statistics are an
+// all-gather of every token-splitting rank's per-expert counts, from which each rank reads what
+// its EP peers send it); backward sends the output gradients the same way and the input
+// gradients back. Collectives per forward: that all-gather and two all-to-all-v. Routing is per
+// token, so EP gives one rank's routing, outputs and gradients (up to summation order).
 //
 // Tensor parallelism (torchtitan's layout for grouped experts): set_tensor_parallel(mesh_dim)
 // shards each expert's hidden dim over that mesh dim: experts.w1 [E, D, H] S(2) (column-wise),
