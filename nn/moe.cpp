@@ -407,7 +407,7 @@ DTensor MoE::do_forward(Ctx& ctx, const DTensor& x) {
     }
     if (S.recv_rows[me] != S.send_rows[me])
       throw kernels::InternalError(fmt::format("MoE: {} rows kept for my own experts, the statistics say {}",
-                                      S.send_rows[me], S.recv_rows[me]));
+                                               S.send_rows[me], S.recv_rows[me]));
     recv_x = dtensor::exchange_rows_known(ecomms, *ep_dim_, make(send, {sent, D + 1}, cdt, x.to_local().device()),
                                           S.send_rows, S.recv_rows, "moe dispatch")
                  .wait()
