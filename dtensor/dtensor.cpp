@@ -287,10 +287,6 @@ DTensor::DTensor(std::shared_ptr<const MeshComms> comms, DTensorSpec spec, Tenso
                                       spec_.mesh ? to_string(*spec_.mesh) : "(null)",
                                       to_string(comms_->mesh())));
   spec_.placements = normalize_placements(spec_.placements, spec_.mesh->ndim(), spec_.tensor_ndim());
-  for (const Placement& p : spec_.placements)
-    if (is_ragged(p))
-      throw Unsupported(fmt::format("DTensor: {} is not supported by DTensor yet (layouts only: dtensor/layout.h)",
-                                    to_string(p)));
   if (spec_.stride.size() != spec_.shape.size())
     throw InvalidArgument(fmt::format("DTensor: stride {} has {} entries for shape {}",
                                       shape_text(spec_.stride), spec_.stride.size(),

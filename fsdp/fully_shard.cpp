@@ -1033,6 +1033,8 @@ std::shared_ptr<Group> shard_group(const std::vector<nn::Module*>& modules, std:
   if (!comms) throw InvalidArgument("fully_shard: no mesh given");
   if (options.copy_threads < 0)
     throw InvalidArgument(fmt::format("fully_shard: copy_threads {}: expected 0 (by size) or more", options.copy_threads));
+  if (options.layout == Layout::kContiguous)
+    throw Unsupported("fully_shard: the contiguous layout is not built yet (use Layout::kPadded)");
   auto group = std::make_shared<Group>();
   Group& g = *group;
   g.modules = modules;

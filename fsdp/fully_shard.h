@@ -135,8 +135,19 @@ struct ParamMesh {
 // Per parameter (name relative to the module): its mesh, or nullopt for the mesh given to fully_shard.
 using ParamMeshFn = std::function<std::optional<ParamMesh>(const std::string& name, const nn::Parameter&)>;
 
+// How a group's shards are laid out (issue 28).
+//   kPadded:     each parameter split along its dim over dp with padding, so the all-gathered
+//                buffer is rank-major: unshard copies each rank's piece out into the parameters
+//                and gradient sync copies the gradients into the flat reduce-scatter input.
+//   kContiguous: the group's parameters parameter-major in one buffer (each aligned), that
+//                buffer RaggedShard over dp with ranges balanced by bytes: the unsharded
+//                parameters are views of the all-gather output and backward writes gradients
+//                into the views of the reduce-scatter input, so neither copy happens.
+enum class Layout { kPadded, kContiguous };
+
 struct FullyShardOptions {
   std::optional<DataParallelMeshDims> mesh_dims;
+  Layout layout = Layout::kPadded;
   ParamMeshFn mesh_fn;  // per-parameter meshes (above); unset: every parameter on the given mesh
   ReshardAfterForward reshard_after_forward;
   ShardPlacementFn shard_placement_fn;
@@ -187,6 +198,10 @@ struct GroupStats {
   int64_t all_gather_bytes = 0;  // this rank's bytes sent by the unshard plans (bytes_per_rank)
   int64_t extension_bytes = 0;   // this rank's bytes sent by the extensions' own collectives
   int64_t reduce_bytes = 0;      // bytes the gradient reductions' plans moved (busiest rank)
+  // This rank's bytes FSDP copied around its collectives (read + written once each counted as
+  // the bytes written): copy-out after the all-gather, copy-in before the reduction, and the
+  // dtype casts (param_dtype of the shard, reduce_dtype of the gradients).
+  int64_t copy_bytes = 0;
 };
 
 // The FSDP state of one fully_shard call (FSDP2's FSDPModule methods).

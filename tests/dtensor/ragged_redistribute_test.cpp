@@ -10,6 +10,7 @@
 #include <mutex>
 
 #include "collectives/local.h"
+#include "dtensor/dtensor.h"
 #include "dtensor/exec/executor.h"
 #include "dtensor/plan/reference.h"
 #include "kernels/error.h"
@@ -318,4 +319,51 @@ TEST_CASE("ragged_boundaries lists ragged_chunk's pieces in one pass", "[dtensor
       }
     }
   CHECK(checked == 6 * (4 + 4 + 8 + 1 + 5));
+}
+
+TEST_CASE("DTensor holds RaggedShard placements and redistributes them", "[dtensor][ragged][redistribute]") {
+  // A [9,4] tensor over 4 ranks: Rg(0,[1,2,0,1],4) holds 1-D ranges of its flattening, one empty.
+  const Dims shape = {9, 4};
+  auto mesh = mesh_of({4});
+  const Placements rg = parse_placements("Rg(0,[1,2,0,1],4)");
+  const Placements rg2 = parse_placements("Rg(0,[1,1,1,1],1)");
+  std::mutex mu;
+  std::vector<std::string> failures;
+  int64_t ranks = 0;
+  collectives::run_ranks(4, [&](Communicator& world) {
+    auto comms = MeshComms::create(*mesh, world);
+    std::vector<std::string> errs;
+    try {
+      const DTensor x(comms, make_spec(mesh, rg, shape, DType::kF32),
+                      make_local(data_spec(mesh, rg, shape, DType::kF32), world.rank()));
+      if (x.to_local().shape().size() != 1) errs.push_back(fmt::format("local rank {}", x.to_local().shape().size()));
+      // Rg -> R (full_tensor), R -> Rg (a view), Rg -> Rg' (one exchange), Rg -> S(0).
+      if (auto e = check_local(make_spec(mesh, parse_placements("R"), shape, DType::kF32), world.rank(),
+                               x.full_tensor());
+          !e.empty())
+        errs.push_back("full_tensor: " + e);
+      const DTensor r = x.redistribute(parse_placements("R"));
+      for (const Placements& dst : {rg, rg2, parse_placements("S(0)")}) {
+        for (const DTensor& from : {x, r}) {
+          const DTensor y = from.redistribute(dst);
+          if (auto e = check_local(data_spec(mesh, dst, shape, DType::kF32), world.rank(), y.to_local()); !e.empty())
+            errs.push_back(fmt::format("[{}] -> [{}]: {}", to_string(from.placements()), to_string(dst), e));
+        }
+      }
+      // A local shape that is no rank's range (ranges of 8, 16, 0, 12 elements) is refused.
+      try {
+        (void)DTensor(comms, make_spec(mesh, rg, shape, DType::kF32), Tensor::zeros({5}, DType::kF32));
+        errs.push_back("a wrong local shape was accepted");
+      } catch (const kernels::InvalidArgument& e) {
+        if (std::string(e.what()).find("gives it [") == std::string::npos) errs.push_back(e.what());
+      }
+    } catch (const std::exception& e) {
+      errs.push_back(e.what());
+    }
+    std::lock_guard lk(mu);
+    ++ranks;
+    for (auto& e : errs) failures.push_back(fmt::format("rank {}: {}", world.rank(), e));
+  });
+  for (const std::string& f : failures) FAIL_CHECK(f);
+  CHECK(ranks == 4);
 }
