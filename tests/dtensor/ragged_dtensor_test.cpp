@@ -271,3 +271,53 @@ TEST_CASE("ragged ops: element-wise ops keep a RaggedShard; others refuse it nam
   CHECK(ran == 1);
   CHECK(refused == 7);
 }
+
+TEST_CASE("ragged redistributes keep their recipe in the plan cache and reuse it", "[dtensor][ragged][redistribute]") {
+  // NOTE [ragged plans]: the recipe is of the view; the second and third calls find it (the same
+  // object) and still move every rank's data, into a caller's buffer too.
+  struct Case {
+    Dims mesh, shape;
+    std::string src, dst;
+  };
+  const std::vector<Case> cases = {
+      {{4}, {9, 4}, "S(0)", "Rg(0,[1,2,0,1],1)"},
+      {{4}, {9, 4}, "Rg(0,[1,2,0,1],4)", "S(0)"},
+      {{2, 2}, {9, 4}, "P,P", "R,Rg(0,[1,2],2)"},
+      {{2, 2}, {7, 3}, "R,Rg(0,[0,3],1)", "R,R"},
+  };
+  testing_support::Checks checks;
+  int64_t ran = 0;
+  std::mutex mu;
+  for (const Case& c : cases) {
+    auto mesh = mesh_of(c.mesh);
+    collectives::run_ranks(static_cast<int>(mesh->size()), [&](Communicator& world) {
+      const std::string what = fmt::format("[{}] -> [{}] rank {}", c.src, c.dst, world.rank());
+      try {
+        auto comms = MeshComms::create(*mesh, world);
+        const DTensor x = make_dtensor(comms, mesh, c.src, c.shape, DType::kF32, world.rank());
+        const Placements dst = parse_placements(c.dst);
+        const Transition t = make_transition(x.spec(), dst);
+        const DTensorSpec want = data_spec(mesh, dst, c.shape, DType::kF32);
+        std::shared_ptr<const Recipe> first;
+        for (int call = 0; call < 3; ++call) {
+          Tensor out;
+          if (call == 2) out = Tensor::zeros(make_spec(mesh, dst, c.shape, DType::kF32).layout(world.rank())->local_shape, DType::kF32);
+          const DTensor y = call < 2 ? x.redistribute(dst) : x.redistribute(dst, out);
+          const std::shared_ptr<const Recipe> recipe = comms->plans().find(t).recipe;
+          checks.check(recipe != nullptr, what + ": no recipe cached");
+          if (call == 0) first = recipe;
+          checks.check(recipe == first, fmt::format("{}: call {} made a new recipe", what, call));
+          checks.check(y.placements() == dst, what + ": placements");
+          const std::string e = check_local(want, world.rank(), call < 2 ? y.to_local() : out);
+          checks.check(e.empty(), fmt::format("{} call {}: {}", what, call, e));
+        }
+      } catch (const std::exception& e) {
+        checks.add(what + ": " + e.what());
+      }
+      std::lock_guard lk(mu);
+      if (world.rank() == 0) ++ran;
+    });
+  }
+  checks.report();
+  CHECK(ran == static_cast<int64_t>(cases.size()));
+}
