@@ -356,8 +356,7 @@ TEST_CASE("exchange_rows: counts first, then rows, packed in member order; back 
   std::vector<std::vector<double>> got(3), sent(3), back(3);
   std::vector<std::vector<int64_t>> counts(3);
   testing_support::Checks checks;
-  collectives::run_ranks(3, [&](Communicator& world) {
-    auto comms = std::make_shared<MeshComms>(DeviceMesh::from_shape({3}), world);
+  on_mesh({3}, [&](std::shared_ptr<MeshComms> comms, Communicator&) {
     const int r = comms->rank();
     std::vector<int64_t> send;
     std::vector<double> rows;
