@@ -5,7 +5,7 @@ ours -> torch:
   1. fsdp-train --tp 2 trains the GPT a few steps and saves (--save-dir): TP shards S(0), S(1)
      and replicated norms. checkpoint-tool demo saves layouts fsdp-train cannot make yet
      (FSDP x TP _S(0,2),S(0) on 2x2; _S(0,2) over 4 ranks, where each rank writes two boxes;
-     uneven S(0) over 3).
+     uneven S(0) over 3; RaggedShard ranges over 4 and HSDP [R, Rg], each range several boxes).
   2. PyTorch (4 gloo processes) loads each with dcp.load + HuggingFaceStorageReader into
      DTensors on OTHER meshes (2x2 [Shard(0), Shard(1)] or [R, Shard(0)]; 1-D of 4 [Shard(-1)]),
      model parameters and the AdamW state, and compares every full tensor with the expected
@@ -103,7 +103,8 @@ def load_worker(rank: int, world: int, cfg: dict, port: int, out_path: str) -> N
     # The demo layouts: closed-form values.
     for label, path in cfg["demos"].items():
         exp = {}
-        for k, (name, shape) in enumerate((("demo.a", (13, 10)), ("demo.b", (16, 8)), ("demo.c", (7,)))):
+        for k, (name, shape) in enumerate((("demo.a", (13, 10)), ("demo.b", (16, 8)), ("demo.c", (7,)),
+                                           ("demo.d", (3, 4, 5)))):
             n = 1
             for s in shape:
                 n *= s
@@ -222,6 +223,8 @@ def main() -> int:
         "strided 4 _S(0,2)": ["--mesh", "4", "--placements", "_S(0,2)"],
         "uneven 3 S(0)": ["--mesh", "3", "--placements", "S(0)"],
         "hsdp 2x2 R,S(0)": ["--mesh", "2,2", "--placements", "R,S(0)"],
+        "ragged 4 Rg(0,[1,2,0,1],4)": ["--mesh", "4", "--placements", "Rg(0,[1,2,0,1],4)"],
+        "ragged hsdp 2x2 R,Rg(0,[1,3],2)": ["--mesh", "2,2", "--placements", "R,Rg(0,[1,3],2)"],
     }
     demo_dirs = {}
     for i, (label, flags) in enumerate(demos.items()):
