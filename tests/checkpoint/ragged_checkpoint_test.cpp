@@ -18,6 +18,7 @@
 #include "dtensor/layout.h"
 #include "kernels/format.h"
 #include "support/checks.h"
+#include "support/local_mesh.h"
 
 namespace fs = std::filesystem;
 using collectives::Communicator;
@@ -28,6 +29,7 @@ using dtensor::MeshComms;
 using dtensor::Placements;
 using kernels::DType;
 using kernels::Tensor;
+using testing_support::on_mesh;
 
 namespace {
 
@@ -126,12 +128,6 @@ nn::StateDict make_sd(const Layout& l, const std::shared_ptr<MeshComms>& comms, 
   return sd;
 }
 
-void run_on(const Dims& mesh_shape, const std::function<void(std::shared_ptr<MeshComms>, Communicator&)>& fn) {
-  const DeviceMesh mesh = DeviceMesh::from_shape(mesh_shape);
-  collectives::run_ranks(static_cast<int>(mesh.size()),
-                         [&](Communicator& world) { fn(std::make_shared<MeshComms>(mesh, world), world); });
-}
-
 bool same_bits(const Tensor& x, const Tensor& y) {
   if (!(x.shape() == y.shape()) || x.dtype() != y.dtype()) return false;
   const Tensor cx = x.contiguous(), cy = y.contiguous();
@@ -147,14 +143,14 @@ TEST_CASE("checkpoint: RaggedShard saves load under every layout and the reverse
   checkpoint::SaveOptions blocks;
   blocks.block_bytes = 32;  // partial reads verify blocks
   for (size_t s = 0; s < ls.size(); ++s)
-    run_on(ls[s].mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+    on_mesh(ls[s].mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
       checkpoint::save(tmp.str(ls[s].name), make_sd(ls[s], comms, s + 1), world, blocks);
     });
   testing_support::Checks checks;
   int pairs = 0;
   for (size_t s = 0; s < ls.size(); ++s)
     for (const Layout& dst : ls) {
-      run_on(dst.mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+      on_mesh(dst.mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
         const nn::StateDict expected = make_sd(dst, comms, s + 1);
         for (checkpoint::Verify v : {checkpoint::Verify::kNone, checkpoint::Verify::kRead}) {
           nn::StateDict target = make_sd(dst, comms, 999);  // other values: all must be overwritten
@@ -186,7 +182,7 @@ TEST_CASE("checkpoint: a ragged range is saved as boxes of the tensor's dims, re
   for (const auto& [mesh, ps] : std::vector<std::pair<Dims, std::string>>{{{3}, "Rg(0,[7,45,8],1)"},
                                                                            {{2, 3}, "R,Rg(0,[7,45,8],1)"}}) {
     const std::string dir = tmp.str(fmt::format("{}", mesh.product()));
-    run_on(mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+    on_mesh(mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
       nn::StateDict sd;
       sd.tensors.emplace_back("x", make_tensor(comms, shape, DType::kF32, dtensor::parse_placements(ps), 1, 0));
       checkpoint::save(dir, sd, world);
@@ -267,12 +263,12 @@ TEST_CASE("checkpoint: an FSDP-like packed state dict of ragged parameters cross
   int loads = 0;
   for (int k_save : {3, 4}) {
     const std::string dir = tmp.str(fmt::format("k{}", k_save));
-    run_on({k_save}, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+    on_mesh({k_save}, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
       checkpoint::save(dir, packed(comms, k_save, 7).sd, world);
     });
     // Into other packings (the buffers' views, in place), and into S(0) / R targets.
     for (int k_load : {1, 2, 3, 4}) {
-      run_on({k_load}, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+      on_mesh({k_load}, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
         Packed target = packed(comms, k_load, 99);
         checkpoint::load(dir, target.sd, world);
         checks.check(buffer_ok(target, 7), fmt::format("k {} -> {}: rank {}'s buffer", k_save, k_load, world.rank()));
@@ -280,7 +276,7 @@ TEST_CASE("checkpoint: an FSDP-like packed state dict of ragged parameters cross
       ++loads;
     }
     for (const char* ps : {"S(0)", "R"}) {
-      run_on({2}, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+      on_mesh({2}, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
         nn::StateDict target, expected;
         for (size_t p = 0; p < shapes.size(); ++p) {
           target.tensors.emplace_back(fmt::format("p{}", p), make_tensor(comms, shapes[p], DType::kF32,
@@ -303,7 +299,7 @@ TEST_CASE("checkpoint: an FSDP-like packed state dict of ragged parameters cross
 TEST_CASE("checkpoint: a ragged target of another shape is refused naming the key and shapes",
           "[checkpoint][ragged]") {
   TempDir tmp("shape");
-  run_on({2}, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+  on_mesh({2}, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
     nn::StateDict sd;
     sd.tensors.emplace_back("w", make_tensor(comms, {7, 5}, DType::kF32, dtensor::parse_placements("Rg(0,[1,2],1)"),
                                              1, 0));
@@ -312,7 +308,7 @@ TEST_CASE("checkpoint: a ragged target of another shape is refused naming the ke
   testing_support::Checks checks;
   int ran = 0;
   for (const Dims& other : {Dims{5, 7}, Dims{35}, Dims{7, 5, 1}}) {
-    run_on({2}, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+    on_mesh({2}, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
       nn::StateDict target;
       target.tensors.emplace_back(
           "w", make_tensor(comms, other, DType::kF32, dtensor::parse_placements("Rg(0,[1,2],1)"), 2, 0));
