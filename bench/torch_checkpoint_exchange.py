@@ -5,12 +5,14 @@ ours -> torch:
   1. fsdp-train --tp 2 trains the GPT a few steps and saves (--save-dir): TP shards S(0), S(1)
      and replicated norms. checkpoint-tool demo saves layouts fsdp-train cannot make yet
      (FSDP x TP _S(0,2),S(0) on 2x2; _S(0,2) over 4 ranks, where each rank writes two boxes;
-     uneven S(0) over 3).
+     uneven S(0) over 3; RaggedShard ranges over 4 and HSDP [R, Rg], each range several boxes).
   2. PyTorch (4 gloo processes) loads each with dcp.load + HuggingFaceStorageReader into
      DTensors on OTHER meshes (2x2 [Shard(0), Shard(1)] or [R, Shard(0)]; 1-D of 4 [Shard(-1)]),
      model parameters and the AdamW state, and compares every full tensor with the expected
      values: our consolidated export (checkpoint-tool export, assembled by our code) and, for the
-     demo layouts, the closed-form values (i % 1000) * 0.5 + k computed in torch.
+     demo layouts, the closed-form values (i % 1000) * 0.5 + k computed in torch. PyTorch then
+     saves the demo tensors as 2x2 [S(0),S(1)] DTensors, and checkpoint-tool demo-check loads
+     them under three RaggedShard layouts.
 torch -> ours:
   3. PyTorch trains the same GPT (from fsdp-train --dump-init, same batches) with FSDP2
      (fully_shard per block and the root, 2 gloo processes) for K steps, takes get_state_dict
@@ -103,12 +105,21 @@ def load_worker(rank: int, world: int, cfg: dict, port: int, out_path: str) -> N
     # The demo layouts: closed-form values.
     for label, path in cfg["demos"].items():
         exp = {}
-        for k, (name, shape) in enumerate((("demo.a", (13, 10)), ("demo.b", (16, 8)), ("demo.c", (7,)))):
+        for k, (name, shape) in enumerate((("demo.a", (13, 10)), ("demo.b", (16, 8)), ("demo.c", (7,)),
+                                           ("demo.d", (3, 4, 5)))):
             n = 1
             for s in shape:
                 n *= s
             exp[name] = ((torch.arange(n, dtype=torch.float64) % 1000) * 0.5 + k).to(torch.float32).reshape(shape)
         load_and_compare(path, exp, f"demo {label}")
+    if cfg.get("torch_demo"):
+        # The demo tensors saved by PyTorch as DTensors on 2x2 (several chunks per tensor), for
+        # checkpoint-tool demo-check under RaggedShard layouts.
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+        mesh22 = init_device_mesh("cpu", (2, 2))
+        sd = {k: distribute_tensor(v, mesh22, [Shard(0), Shard(1)] if v.dim() >= 2 else [Replicate(), Shard(0)])
+              for k, v in exp.items()}
+        dcp.save(sd, storage_writer=HuggingFaceStorageWriter(cfg["torch_demo"], save_distributed=True))
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
@@ -222,13 +233,16 @@ def main() -> int:
         "strided 4 _S(0,2)": ["--mesh", "4", "--placements", "_S(0,2)"],
         "uneven 3 S(0)": ["--mesh", "3", "--placements", "S(0)"],
         "hsdp 2x2 R,S(0)": ["--mesh", "2,2", "--placements", "R,S(0)"],
+        "ragged 4 Rg(0,[1,2,0,1],4)": ["--mesh", "4", "--placements", "Rg(0,[1,2,0,1],4)"],
+        "ragged hsdp 2x2 R,Rg(0,[1,3],2)": ["--mesh", "2,2", "--placements", "R,Rg(0,[1,3],2)"],
     }
     demo_dirs = {}
     for i, (label, flags) in enumerate(demos.items()):
         d = os.path.join(tmp, f"demo{i}")
         run([tool, "demo", d] + flags)
         demo_dirs[label] = d
-    cfg = {"world": 4, "ours": ours, "export": os.path.join(tmp, "export", "model.safetensors"), "demos": demo_dirs}
+    cfg = {"world": 4, "ours": ours, "export": os.path.join(tmp, "export", "model.safetensors"), "demos": demo_dirs,
+           "torch_demo": os.path.join(tmp, "torch_demo")}
     out = os.path.join(tmp, "load.json")
     run([args.python, os.path.abspath(__file__), "--torch-worker", "load_worker", "--torch-config", json.dumps(cfg),
          "--torch-out", out], timeout=600)
@@ -238,6 +252,16 @@ def main() -> int:
     report["ours_to_torch"] = {"tensors_compared": len(checks), "mismatches": len(bad)}
     for c in bad:
         log(f"MISMATCH {c}")
+    # PyTorch's 2x2 [S(0),S(1)] save of the demo tensors loads into RaggedShard layouts.
+    for mesh, ps in (("4", "Rg(0,[1,2,0,1],4)"), ("2,2", "R,Rg(0,[1,3],2)"), ("3", "Rg(1,[1,0,2],1)")):
+        p = subprocess.run([tool, "demo-check", cfg["torch_demo"], "--mesh", mesh, "--placements", ps],
+                           capture_output=True, text=True)
+        ok_rg = p.returncode == 0
+        checks.append({"check": f"torch 2x2 [S(0),S(1)] -> ours {mesh} [{ps}]", "ok": ok_rg})
+        if not ok_rg:
+            bad.append(checks[-1])
+            log(f"MISMATCH torch -> {mesh} [{ps}]: exit {p.returncode} {p.stdout.strip()} {p.stderr.strip()}")
+    report["ours_to_torch"] = {"tensors_compared": len(checks), "mismatches": len(bad)}
 
     # ---- torch -> ours ----
     init = os.path.join(tmp, "init.safetensors")

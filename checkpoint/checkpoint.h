@@ -24,7 +24,8 @@
 //       byte_offset, nbytes, xxh64 of the bytes and, for chunks larger than a block, the block
 //       shape and each block's xxh64), every file's size, and the non-tensor values.
 // A chunk is a box in global coordinates. A rank whose shard is not one box (_StridedShard,
-// nested uneven shards) writes several. Chunks replicated over ranks are written once: each rank
+// nested uneven shards, a RaggedShard's flat range: a partial first row, full rows, a partial
+// last row, dtensor::flat_range_boxes) writes several. Chunks replicated over ranks are written once: each rank
 // plans its own chunks from its coordinate and the specs (checkpoint/save_plan.h), and rank 0
 // writes checkpoint.json from what the ranks report (one gather, and the commit's agreement).
 //

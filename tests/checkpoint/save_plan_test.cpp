@@ -1,9 +1,9 @@
 // The save plan without other ranks' layouts (issue 25 item 2): every rank's own plan
 // (make_local_save_plan), put together, writes exactly the chunks of the whole-world reference
 // (make_save_plan_by_rank), each exactly once, with the same hash, on every layout of the
-// checkpoint tests and more (HSDP x TP, tp-replicated tensors, empty and 0-d tensors); and the
-// busiest rank writes as much as under the reference where all replicated keys share one replica
-// group (within 20% where groups mix).
+// checkpoint tests and more (HSDP x TP, tp-replicated tensors, empty and 0-d tensors, RaggedShard
+// FSDP and HSDP); and the busiest rank writes as much as under the reference where all
+// replicated keys share one replica group (within 20% where groups mix).
 // A hidden [bench] case times both planners at 8 to 16,384 ranks.
 #include <catch2/catch.hpp>
 
@@ -134,6 +134,10 @@ std::vector<Config> configs() {
   out.push_back({"gpt HSDP 2x4", {2, 4}, gpt_tensors("R,S(0)", "R,S(0)", "R,S(0)")});
   out.push_back({"gpt FSDP x TP 2x4", {2, 4}, gpt_tensors("_S(0,4),S(0)", "S(0),S(1)", "S(0),R")});
   out.push_back({"gpt HSDP x TP 2x2x4", {2, 2, 4}, gpt_tensors("R,_S(0,4),S(0)", "R,S(0),S(1)", "R,S(0),R")});
+  // RaggedShard: each rank's range as several boxes (a zero unit: an empty rank).
+  out.push_back({"gpt ragged FSDP 4", {4}, gpt_tensors("Rg(0,[1,2,0,3],1)", "Rg(0,[1,2,0,3],1)", "Rg(0,[1,2,0,3],1)")});
+  out.push_back({"gpt ragged HSDP 2x4", {2, 4},
+                 gpt_tensors("R,Rg(0,[3,1,2,2],4)", "R,Rg(0,[3,1,2,2],4)", "R,Rg(0,[3,1,2,2],4)")});
   return out;
 }
 
@@ -160,8 +164,8 @@ TEST_CASE("save plan: every rank's own plan writes the reference's chunks exactl
     }
     ++ran;
   }
-  CHECK(ran == 18);
-  CHECK(same == 14);
+  CHECK(ran == 20);
+  CHECK(same == 16);
 }
 
 TEST_CASE("save plan: a mesh naming a rank outside the world is refused, naming the key", "[checkpoint][save-plan]") {
