@@ -9,6 +9,7 @@
 
 #include "dtensor/layout.h"
 #include "fsdp/byte_pack.h"
+#include "fsdp/contiguous.h"
 #include "fsdp/dp_chunks.h"
 #include "fsdp/offload.h"
 #include "fsdp/param_mesh.h"
@@ -79,6 +80,9 @@ struct Slot {
   std::vector<dtensor::Chunk> chunks;  // per dp shard coordinate
   std::optional<DTensor> sharded;      // view into the sharded flat buffer
   int64_t unsharded_offset = 0;        // in elements of the unsharded parameter storage
+  // Contiguous layout: offset is the global flat offset (unsharded_offset the same), padded_numel
+  // the parameter's numel; this rank's overlap with it is [local_begin, + local_numel) of its shard.
+  int64_t local_begin = 0, local_numel = 0;
   Tensor accum;                        // no-sync: the unsharded gradient so far (reduce dtype)
   bool released = false;  // quantize_frozen: no master; its extension keeps its gathered inputs
 };
@@ -104,10 +108,17 @@ class Group {
   std::shared_ptr<kernels::Allocator> unsharded_alloc, buffer_alloc;
   std::vector<Slot> slots;
   int64_t slot_numel = 0;  // P: one rank's flat elements
+  int64_t flat_numel = 0;  // the flat buffer's global elements (padded: dp * P)
+  // Layout::kContiguous (fsdp/contiguous.h): the parameter-major layout and this rank's range;
+  // unset: padded.
+  std::optional<detail::ContiguousLayout> clayout;
+  Tensor grad_in;           // contiguous: the flat reduce-scatter input the gradients are written into
+  bool grad_in_accumulating = false;  // it holds earlier no-sync microbatches' sums
   // The trainable prefix: parameters with requires_grad come first in the slots, so gradients
   // (reduce-scatter, sharded gradient buffer) cover only the first grad_numel of the P
   // elements; frozen parameters (QLoRA's base weights) send and keep no gradient bytes.
   int64_t grad_numel = 0;
+  int64_t grad_flat_numel = 0;  // the gradient flat buffer's global elements (padded: dp * grad_numel)
   size_t grad_slots = 0;
   kernels::ChunkCatLayout grad_layout;
   kernels::ChunkCatLayout layout;  // the slots, rank-major: chunk_cat / split_copy copies
@@ -155,16 +166,22 @@ class Group {
   bool hsdp() const { return rep_mesh_dim.has_value(); }
   int dp_ndim() const { return static_cast<int>(dp_dims.size()); }
 
+  bool contiguous() const { return clayout.has_value(); }
   Placements flat_sharded_placements() const {
     Placements p = filled(dp_ndim(), dtensor::Replicate{});
-    p[dp_index] = dtensor::Shard{0};
+    p[dp_index] = contiguous() ? clayout->flat_placement() : Placement{dtensor::Shard{0}};
+    return p;
+  }
+  Placements grad_flat_sharded_placements() const {
+    Placements p = filled(dp_ndim(), dtensor::Replicate{});
+    p[dp_index] = contiguous() ? clayout->grad_flat_placement() : Placement{dtensor::Shard{0}};
     return p;
   }
   DTensorSpec flat_spec(const Placements& p, DType dtype) const {
-    return dtensor::make_spec(mesh_ptr(dp_comms), p, Dims{dp * slot_numel}, dtype);
+    return dtensor::make_spec(mesh_ptr(dp_comms), p, Dims{flat_numel}, dtype);
   }
   DTensorSpec grad_flat_spec(const Placements& p, DType dtype) const {
-    return dtensor::make_spec(mesh_ptr(dp_comms), p, Dims{dp * grad_numel}, dtype);
+    return dtensor::make_spec(mesh_ptr(dp_comms), p, Dims{grad_flat_numel}, dtype);
   }
 
   bool reshards_after_forward() const {
@@ -187,14 +204,14 @@ class Group {
                                   Tensor::contiguous_strides(Dims{dp * rank_bytes}));
     }
     if (!flat_storage)
-      flat_storage = Storage::allocate(static_cast<size_t>(dp * slot_numel) * kernels::itemsize(param_dtype),
+      flat_storage = Storage::allocate(static_cast<size_t>(flat_numel) * kernels::itemsize(param_dtype),
                                        compute_device, unsharded_alloc);
     else
       flat_storage->reallocate();
-    return Tensor::from_storage(flat_storage, param_dtype, Dims{dp * slot_numel},
-                                Tensor::contiguous_strides(Dims{dp * slot_numel}));
+    return Tensor::from_storage(flat_storage, param_dtype, Dims{flat_numel}, Tensor::contiguous_strides(Dims{flat_numel}));
   }
   void ensure_param_storage() {
+    if (contiguous()) return;  // the parameters are views of the all-gather output
     if (!param_storage)
       param_storage = Storage::allocate(static_cast<size_t>(unsharded_numel) * kernels::itemsize(param_dtype),
                                         compute_device, unsharded_alloc);
@@ -202,10 +219,11 @@ class Group {
       param_storage->reallocate();
   }
   Tensor unsharded_local(const Slot& s) const {
-    return Tensor::from_storage(param_storage, param_dtype, s.local_shape, Tensor::contiguous_strides(s.local_shape),
+    return Tensor::from_storage(contiguous() ? flat_storage : param_storage, param_dtype, s.local_shape, Tensor::contiguous_strides(s.local_shape),
                                 s.unsharded_offset);
   }
   DTensor sharded_grad_view(const Slot& s) const {
+    if (contiguous()) return DTensor(comms, s.sharded_spec, grad_flat.narrow(0, s.local_begin, s.local_numel));
     Tensor l = grad_flat.narrow(0, s.offset, s.padded_numel)
                    .view(s.padded_shape)
                    .narrow(s.shard_dim, 0, s.chunks[my_coord].size);
@@ -260,6 +278,7 @@ class Group {
   }
   // Slot i's shard inside the flat buffer: [c.size] rows of its padded slot along the shard dim.
   Tensor shard_view(const Slot& s) {
+    if (contiguous()) return flat_shard().narrow(0, s.local_begin, s.local_numel);
     const dtensor::Chunk& c = s.chunks[my_coord];
     return flat_shard().narrow(0, s.offset, s.padded_numel).view(s.padded_shape).narrow(s.shard_dim, 0, c.size);
   }
@@ -306,11 +325,13 @@ class Group {
           padded.push_back(s.released ? Tensor() : local.narrow(0, s.offset, s.padded_numel).view(s.padded_shape));
         const kernels::TraceSpan span(tracer(), trace_pid(), "copies", "FSDP copy-in (extensions)");
         stats.extension_bytes += detail::pack(bslots, padded, ag_input);
+        stats.copy_bytes += rank_bytes;
         src = DTensor(dp_comms,
                       dtensor::make_spec(mesh_ptr(dp_comms), flat_sharded_placements(), Dims{dp * rank_bytes}, DType::kU8),
                       ag_input);
       } else if (offload) {
         ag_input = copied_in();
+        if (param_dtype != orig_dtype) stats.copy_bytes += static_cast<int64_t>(ag_input.nbytes());
         src = DTensor(dp_comms, flat_spec(flat_sharded_placements(), param_dtype), ag_input);
       } else if (local.dtype() != param_dtype || local.device() != compute_device) {
         ag_input = Tensor::empty(local.shape(), param_dtype, compute_device, buffer_alloc);
@@ -319,6 +340,7 @@ class Group {
           kernels::chunk_cat(ag_input, {local}, kernels::ChunkCatLayout({local.shape()}, 1), opts.copy_threads);
         else
           ag_input.copy_(local);  // offload: host -> device (and cast)
+        if (param_dtype != orig_dtype) stats.copy_bytes += static_cast<int64_t>(ag_input.nbytes());
         src = DTensor(dp_comms, flat_spec(flat_sharded_placements(), param_dtype), ag_input);
       }
       stats.all_gather_bytes += src.plan_to(filled(dp_ndim(), dtensor::Replicate{})).bytes_per_rank();
@@ -334,20 +356,24 @@ class Group {
     issue_unshard();
     std::optional<kernels::TraceSpan> span(std::in_place, tracer(), trace_pid(), "waits", "FSDP unshard wait");
     DTensor full = ag_handle->wait();
-    span.emplace(tracer(), trace_pid(), "copies", "FSDP copy-out");
+    if (contiguous()) span.reset();
+    else span.emplace(tracer(), trace_pid(), "copies", "FSDP copy-out");
     ag_handle.reset();
     ag_input = Tensor();
     k_buffer.reset();
-    const Tensor flat = full.to_local();
-    ensure_param_storage();
-    // Split-copy: every rank's piece of every parameter into its unsharded tensor, one pass.
-    std::vector<Tensor> outs;
-    outs.reserve(slots.size());
-    for (const Slot& s : slots) outs.push_back(unsharded_local(s));
-    if (byte_mode()) detail::unpack(bslots, flat, rank_bytes, dp, param_dtype, outs, buffer_alloc);
-    else kernels::split_copy(outs, flat, layout, opts.copy_threads);
-    span.reset();
-    flat_storage->free();
+    if (!contiguous()) {  // contiguous: the parameters are views of `full`, nothing to copy
+      const Tensor flat = full.to_local();
+      ensure_param_storage();
+      // Split-copy: every rank's piece of every parameter into its unsharded tensor, one pass.
+      std::vector<Tensor> outs;
+      outs.reserve(slots.size());
+      for (const Slot& s : slots) outs.push_back(unsharded_local(s));
+      if (byte_mode()) detail::unpack(bslots, flat, rank_bytes, dp, param_dtype, outs, buffer_alloc);
+      else kernels::split_copy(outs, flat, layout, opts.copy_threads);
+      stats.copy_bytes += unsharded_numel * static_cast<int64_t>(kernels::itemsize(param_dtype));
+      span.reset();
+      flat_storage->free();
+    }
     for (const Slot& s : slots) {
       DTensorSpec spec = s.unsharded_spec;
       spec.dtype = param_dtype;
@@ -415,6 +441,7 @@ class Group {
     }
     const int64_t released = (slot_numel - kept) * static_cast<int64_t>(kernels::itemsize(orig_dtype));
     slot_numel = kept;
+    flat_numel = dp * kept;
     sharded_flat = DTensor(dp_comms, flat_spec(flat_sharded_placements(), orig_dtype), flat);
     for (size_t i = 0; i < slots.size(); ++i) {
       Slot& s = slots[i];
@@ -555,7 +582,74 @@ class Group {
     return l;
   }
 
+  // ---- gradients, contiguous layout ----
+  // Before backward: every trainable parameter's gradient buffer is its view of the flat
+  // reduce-scatter input (reduce dtype, Partial over dp), so backward writes the gradient there:
+  // over it for the first write of this sync window (the gaps between parameters zeroed once at
+  // allocation), added for tied weights and later no-sync microbatches.
+  void set_grad_buffers() {
+    if (clayout->grad_numel == 0) return;  // (the global prefix: a rank with an empty range reduces too)
+    if (!grad_in.defined()) {
+      grad_in = Tensor::empty(Dims{clayout->grad_numel}, reduce_dtype, compute_device, buffer_alloc);
+      for (size_t i = 0; i < grad_slots; ++i) {  // the alignment gaps: zero (they are reduced too)
+        const int64_t end = i + 1 < grad_slots ? slots[i + 1].offset : clayout->grad_numel;
+        const int64_t from = slots[i].offset + slots[i].padded_numel;
+        if (end > from) grad_in.narrow(0, from, end - from).fill_(0.0);
+      }
+      grad_in_accumulating = false;
+    }
+    for (size_t i = 0; i < grad_slots; ++i) {
+      Slot& s = slots[i];
+      if (!s.param->requires_grad) continue;
+      Placements pl = s.unsharded_spec.placements;
+      for (int m : dp_dims) pl[m] = dtensor::Partial{};
+      const DTensorSpec spec = dtensor::make_spec(mesh_ptr(comms), pl, s.unsharded_spec.shape, reduce_dtype);
+      s.param->set_grad_buffer(
+          DTensor(comms, spec, grad_in.narrow(0, s.offset, s.padded_numel).view(s.local_shape)),
+          grad_in_accumulating);
+    }
+  }
+  // After backward: the gradients are already in grad_in. A parameter that got no gradient in
+  // this window contributes zeros.
+  void post_backward_contiguous() {
+    bool any = false;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      check_frozen(i);
+      Slot& s = slots[i];
+      any = any || s.param->requires_grad;
+      if (i < grad_slots && s.param->requires_grad && !grad_in_accumulating && s.param->grad_unwritten())
+        grad_in.narrow(0, s.offset, s.padded_numel).fill_(0.0);
+      s.param->grad().reset();
+    }
+    if (!requires_gradient_sync) {
+      grad_in_accumulating = grad_in.defined();
+      if (has_sharded_grad) install_grads();
+      if (reshard_after_backward) reshard();
+      return;
+    }
+    if (!any || !grad_in.defined()) {
+      if (has_sharded_grad) install_grads();
+      reshard();
+      return;
+    }
+    if (rt && !is_follower)
+      while (!rt->pending.empty()) {
+        Group* g = rt->pending.front();
+        rt->pending.erase(rt->pending.begin());
+        g->finish_reduce();
+      }
+    DTensor flat_in(dp_comms, grad_flat_spec(filled(dp_ndim(), dtensor::Partial{}), reduce_dtype), grad_in);
+    issue_reduce(flat_in, grad_in);
+    grad_in = Tensor();
+    grad_in_accumulating = false;
+    reshard();
+  }
+
   void post_backward() {
+    if (contiguous()) {
+      post_backward_contiguous();
+      return;
+    }
     std::vector<Tensor> grads(slots.size());
     // Whether to reduce is decided by requires_grad (the same on every rank), never by which
     // gradients this rank happens to hold: a rank without one contributes zeros.
@@ -615,13 +709,20 @@ class Group {
     {
       const kernels::TraceSpan span(tracer(), trace_pid(), "copies", "FSDP gradient copy-in");
       kernels::chunk_cat(in, grads, grad_layout, opts.copy_threads);
+      stats.copy_bytes += static_cast<int64_t>(in.nbytes());
     }
     grads.clear();
     DTensor flat_in(dp_comms, grad_flat_spec(filled(dp_ndim(), dtensor::Partial{}), reduce_dtype), in);
+    issue_reduce(flat_in, in);
+    reshard();  // a synchronising backward: the optimizer steps the sharded parameters next
+  }
+
+  // The flat P input -> the sharded gradient flat buffer (or a temporary), asynchronously.
+  void issue_reduce(const DTensor& flat_in, const Tensor& in) {
     Pending p;
     p.to_partial = hsdp() && !requires_all_reduce;
     p.all_reduce_after = hsdp() && requires_all_reduce && partial_acc.defined();
-    Placements target = flat_sharded_placements();
+    Placements target = grad_flat_sharded_placements();
     if (p.to_partial || p.all_reduce_after) {
       for (int m = 0; m < dp_ndim(); ++m)
         if (m != dp_index) target[m] = dtensor::Partial{};
@@ -644,7 +745,6 @@ class Group {
     if (hsdp() && !p.to_partial && !p.all_reduce_after) ++stats.all_reduces;
     pending = std::move(p);
     if (rt) rt->pending.push_back(this);
-    reshard();  // a synchronising backward: the optimizer steps the sharded parameters next
   }
 
   void finish_reduce() {
@@ -696,6 +796,7 @@ class Group {
         offload->copy_out(grad_flat, r);
       } else {
         grad_flat.copy_(result);  // cast and device move (offload: to the CPU)
+        if (result.dtype() != orig_dtype) stats.copy_bytes += static_cast<int64_t>(grad_flat.nbytes());
       }
     }
     has_sharded_grad = true;
@@ -783,6 +884,7 @@ void Group::on_pre_backward(nn::Ctx& ctx, DTensor& grad_output) {
   if (!rt) lazy_init();
   stash_grads();
   wait_unshard();
+  if (contiguous()) set_grad_buffers();
   prefetch(bwd_prefetch ? *bwd_prefetch : implicit_targets(false));
   if (!bwd_prefetch) copy_ahead(false);
 }
@@ -921,6 +1023,8 @@ int64_t FSDPModule::unsharded_bytes() const {
   for (const Group* g : own_groups(*group_)) {
     if (g->byte_mode())
       n += g->unsharded_numel * static_cast<int64_t>(kernels::itemsize(g->param_dtype)) + g->dp * g->rank_bytes;
+    else if (g->contiguous())  // the parameters are views of the all-gather output
+      n += g->flat_numel * static_cast<int64_t>(kernels::itemsize(g->param_dtype));
     else
       n += (g->unsharded_numel + g->dp * g->slot_numel) * static_cast<int64_t>(kernels::itemsize(g->param_dtype));
   }
@@ -929,7 +1033,7 @@ int64_t FSDPModule::unsharded_bytes() const {
 int64_t FSDPModule::reduce_scatter_input_bytes() const {
   int64_t n = 0;
   for (const Group* g : own_groups(*group_))
-    n += g->dp * g->grad_numel * static_cast<int64_t>(kernels::itemsize(g->reduce_dtype));
+    n += g->grad_flat_numel * static_cast<int64_t>(kernels::itemsize(g->reduce_dtype));
   return n;
 }
 int64_t FSDPModule::sharded_bytes() const {
@@ -957,6 +1061,7 @@ const GroupStats& FSDPModule::stats() const {
     merged_stats_.all_gather_bytes += o.all_gather_bytes;
     merged_stats_.extension_bytes += o.extension_bytes;
     merged_stats_.reduce_bytes += o.reduce_bytes;
+    merged_stats_.copy_bytes += o.copy_bytes;
   }
   return merged_stats_;
 }
@@ -1025,6 +1130,38 @@ FSDPModule& fully_shard(nn::Module& module, std::shared_ptr<const MeshComms> mes
 
 namespace {
 
+// Layout::kContiguous: the slots re-laid out parameter-major (fsdp/contiguous.h), each sharded
+// parameter Rg(0,[its overlaps],1) of its global shape. The padded slot fields computed before
+// are replaced.
+void lay_out_contiguous(Group& g) {
+  std::vector<int64_t> numels;
+  for (const Slot& s : g.slots) {
+    if (s.local_shape.product() == 0)
+      throw Unsupported(fmt::format("fully_shard({}): parameter '{}' has no elements (shape {}): layout contiguous "
+                                    "shards elements; ignore it (ignored_params) or use Layout::kPadded",
+                                    g.name, s.name, kernels::to_string(s.local_shape)));
+    numels.push_back(s.local_shape.product());
+  }
+  g.clayout = detail::lay_out_contiguous(numels, g.grad_slots, g.dp,
+                                         detail::contiguous_align(g.orig_dtype, g.param_dtype, g.reduce_dtype));
+  const detail::ContiguousLayout& l = *g.clayout;
+  const int64_t me = g.my_coord;
+  for (size_t i = 0; i < g.slots.size(); ++i) {
+    Slot& s = g.slots[i];
+    s.offset = s.unsharded_offset = l.offsets[i];
+    s.padded_numel = l.numels[i];
+    s.local_begin = l.overlap_start(i, me) - l.begin(me);
+    s.local_numel = l.overlap_size(i, me);
+    Placements p = s.unsharded_spec.placements;
+    p[g.shard_mesh_dim] = l.param_placement(i);
+    s.sharded_spec = dtensor::make_spec(mesh_ptr(g.comms), p, s.unsharded_spec.shape, s.unsharded_spec.dtype);
+  }
+  g.slot_numel = l.size(me);
+  g.flat_numel = g.unsharded_numel = l.numel;
+  g.grad_numel = l.grad_size(me);
+  g.grad_flat_numel = l.grad_numel;
+}
+
 // One group on `comms`. given: a follower's parameters (per-parameter meshes), which registers
 // no hooks and no module state: its leader drives it.
 std::shared_ptr<Group> shard_group(const std::vector<nn::Module*>& modules, std::shared_ptr<const MeshComms> comms,
@@ -1033,8 +1170,17 @@ std::shared_ptr<Group> shard_group(const std::vector<nn::Module*>& modules, std:
   if (!comms) throw InvalidArgument("fully_shard: no mesh given");
   if (options.copy_threads < 0)
     throw InvalidArgument(fmt::format("fully_shard: copy_threads {}: expected 0 (by size) or more", options.copy_threads));
-  if (options.layout == Layout::kContiguous)
-    throw Unsupported("fully_shard: the contiguous layout is not built yet (use Layout::kPadded)");
+  if (options.layout == Layout::kContiguous) {
+    // What the contiguous layout does not do yet, refused before anything changes.
+    const char* refused = options.mesh_fn                     ? "per-parameter meshes (mesh_fn)"
+                          : options.shard_placement_fn        ? "shard_placement_fn (Shard(d > 0))"
+                          : options.all_gather_extension_fn   ? "all-gather extensions (all_gather_extension_fn)"
+                          : options.offload_policy.offload_to_cpu ? "CPU offload (offload_policy)"
+                                                                  : nullptr;
+    if (refused)
+      throw Unsupported(fmt::format("fully_shard: layout contiguous does not support {} yet; use Layout::kPadded",
+                                    refused));
+  }
   auto group = std::make_shared<Group>();
   Group& g = *group;
   g.modules = modules;
@@ -1064,6 +1210,20 @@ std::shared_ptr<Group> shard_group(const std::vector<nn::Module*>& modules, std:
   if (!comms->in_mesh()) throw Unsupported("fully_shard: this rank is not in the mesh");
   g.my_coord = comms->coord()[dims.shard];
   g.dp_comms = comms->slice_dims(g.dp_dims);
+  if (options.layout == Layout::kContiguous) {
+    if (dims.replicate)
+      throw Unsupported("fully_shard: layout contiguous does not support HSDP (a dp_replicate mesh dim) yet; use "
+                        "Layout::kPadded");
+    if (mesh.ndim() != 1)
+      throw Unsupported(fmt::format("fully_shard: layout contiguous needs a 1-D data-parallel mesh; {} has other dims "
+                                    "(FSDP x TP is not supported yet); use Layout::kPadded",
+                                    dtensor::to_string(mesh)));
+    const auto& r = options.reshard_after_forward;
+    if (r.kind == ReshardAfterForward::Kind::kInt && r.k > 1 && r.k < g.dp)
+      throw Unsupported(fmt::format("fully_shard: layout contiguous does not support reshard_after_forward = {} yet "
+                                    "(only true / false); use Layout::kPadded",
+                                    r.k));
+  }
 
   // Parameters: everything under the modules not owned by a nested group; a parameter of a
   // nested group used outside that group's modules is an error (tie in the common ancestor).
@@ -1185,12 +1345,14 @@ std::shared_ptr<Group> shard_group(const std::vector<nn::Module*>& modules, std:
     g.slots.push_back(std::move(s));
   }
   g.slot_numel = offset;
+  g.flat_numel = g.dp * offset;
   g.unsharded_numel = uoffset;
   for (const Slot& s : g.slots) {
     if (!s.param->requires_grad) break;
     ++g.grad_slots;
     g.grad_numel += s.padded_numel;
   }
+  g.grad_flat_numel = g.dp * g.grad_numel;
   {
     std::vector<Dims> shapes;
     std::vector<int> dims;
@@ -1215,6 +1377,7 @@ std::shared_ptr<Group> shard_group(const std::vector<nn::Module*>& modules, std:
                                       "reduce dtype {}",
                                       g.name, kernels::to_string(*mp.reduce_wire), kernels::to_string(g.reduce_dtype)));
   g.reduce_wire = mp.reduce_wire;
+  if (options.layout == Layout::kContiguous) lay_out_contiguous(g);
   g.storage_device = options.offload_policy.offload_to_cpu ? kernels::Device{} : g.compute_device;
   g.offload = detail::make_offload_copies(options.offload_policy, g.compute_device, g.note);
   g.unsharded_alloc = options.unsharded_allocator ? options.unsharded_allocator : comms->allocator();
@@ -1290,7 +1453,13 @@ std::shared_ptr<Group> shard_group(const std::vector<nn::Module*>& modules, std:
     }
     const dtensor::Chunk& c = s.chunks[g.my_coord];
     Tensor view = g.shard_view(s);
-    if (c.size > 0) view.copy_(s.param->data().to_local().narrow(s.shard_dim, c.offset, c.size));
+    if (g.contiguous()) {
+      if (s.local_numel > 0)
+        view.copy_(s.param->data().to_local().contiguous().reshape(Dims{s.padded_numel}).narrow(
+            0, g.clayout->overlap_start(i, g.my_coord) - s.offset, s.local_numel));
+    } else if (c.size > 0) {
+      view.copy_(s.param->data().to_local().narrow(s.shard_dim, c.offset, c.size));
+    }
     s.sharded = DTensor(comms, s.sharded_spec, view);
     s.param->grad().reset();
     s.param->set_data(*s.sharded);
