@@ -371,38 +371,6 @@ FSDPModule& fully_shard(nn::Module& module, std::shared_ptr<const MeshComms> mes
 
 namespace {
 
-// Layout::kContiguous: the slots re-laid out parameter-major (fsdp/contiguous.h), each sharded
-// parameter Rg(0,[its overlaps],1) of its global shape. The padded slot fields computed before
-// are replaced.
-void lay_out_contiguous(Group& g) {
-  std::vector<int64_t> numels;
-  for (const Slot& s : g.slots) {
-    if (s.local_shape.product() == 0)
-      throw Unsupported(fmt::format("fully_shard({}): parameter '{}' has no elements (shape {}): layout contiguous "
-                                    "shards elements; ignore it (ignored_params) or use Layout::kPadded",
-                                    g.name, s.name, kernels::to_string(s.local_shape)));
-    numels.push_back(s.local_shape.product());
-  }
-  g.clayout = detail::lay_out_contiguous(numels, g.grad_slots, g.dp,
-                                         detail::contiguous_align(g.orig_dtype, g.param_dtype, g.reduce_dtype));
-  const detail::ContiguousLayout& l = *g.clayout;
-  const int64_t me = g.my_coord;
-  for (size_t i = 0; i < g.slots.size(); ++i) {
-    Slot& s = g.slots[i];
-    s.offset = s.unsharded_offset = l.offsets[i];
-    s.padded_numel = l.numels[i];
-    s.local_begin = l.overlap_start(i, me) - l.begin(me);
-    s.local_numel = l.overlap_size(i, me);
-    Placements p = s.unsharded_spec.placements;
-    p[g.shard_mesh_dim] = l.param_placement(i);
-    s.sharded_spec = dtensor::make_spec(mesh_ptr(g.comms), p, s.unsharded_spec.shape, s.unsharded_spec.dtype);
-  }
-  g.slot_numel = l.size(me);
-  g.flat_numel = g.unsharded_numel = l.numel;
-  g.grad_numel = l.grad_size(me);
-  g.grad_flat_numel = l.grad_numel;
-}
-
 // One group on `comms`. given: a follower's parameters (per-parameter meshes), which registers
 // no hooks and no module state: its leader drives it.
 std::shared_ptr<Group> shard_group(const std::vector<nn::Module*>& modules, std::shared_ptr<const MeshComms> comms,

@@ -566,68 +566,12 @@ class Group {
     return l;
   }
 
-  // ---- gradients, contiguous layout ----
+  // ---- gradients, contiguous layout (fsdp/contiguous.cpp) ----
   // Before backward: every trainable parameter's gradient buffer is its view of the flat
-  // reduce-scatter input (reduce dtype, Partial over dp), so backward writes the gradient there:
-  // over it for the first write of this sync window (the gaps between parameters zeroed once at
-  // allocation), added for tied weights and later no-sync microbatches.
-  void set_grad_buffers() {
-    if (clayout->grad_numel == 0) return;  // (the global prefix: a rank with an empty range reduces too)
-    if (!grad_in.defined()) {
-      grad_in = Tensor::empty(Dims{clayout->grad_numel}, reduce_dtype, compute_device, buffer_alloc);
-      for (size_t i = 0; i < grad_slots; ++i) {  // the alignment gaps: zero (they are reduced too)
-        const int64_t end = i + 1 < grad_slots ? slots[i + 1].offset : clayout->grad_numel;
-        const int64_t from = slots[i].offset + slots[i].padded_numel;
-        if (end > from) grad_in.narrow(0, from, end - from).fill_(0.0);
-      }
-      grad_in_accumulating = false;
-    }
-    for (size_t i = 0; i < grad_slots; ++i) {
-      Slot& s = slots[i];
-      if (!s.param->requires_grad) continue;
-      Placements pl = s.unsharded_spec.placements;
-      for (int m : dp_dims) pl[m] = dtensor::Partial{};
-      const DTensorSpec spec = dtensor::make_spec(mesh_ptr(comms), pl, s.unsharded_spec.shape, reduce_dtype);
-      s.param->set_grad_buffer(
-          DTensor(comms, spec, grad_in.narrow(0, s.offset, s.padded_numel).view(s.local_shape)),
-          grad_in_accumulating);
-    }
-  }
-  // After backward: the gradients are already in grad_in. A parameter that got no gradient in
-  // this window contributes zeros.
-  void post_backward_contiguous() {
-    bool any = false;
-    for (size_t i = 0; i < slots.size(); ++i) {
-      check_frozen(i);
-      Slot& s = slots[i];
-      any = any || s.param->requires_grad;
-      if (i < grad_slots && s.param->requires_grad && !grad_in_accumulating && s.param->grad_unwritten())
-        grad_in.narrow(0, s.offset, s.padded_numel).fill_(0.0);
-      s.param->grad().reset();
-    }
-    if (!requires_gradient_sync) {
-      grad_in_accumulating = grad_in.defined();
-      if (has_sharded_grad) install_grads();
-      if (reshard_after_backward) reshard();
-      return;
-    }
-    if (!any || !grad_in.defined()) {
-      if (has_sharded_grad) install_grads();
-      reshard();
-      return;
-    }
-    if (rt && !is_follower)
-      while (!rt->pending.empty()) {
-        Group* g = rt->pending.front();
-        rt->pending.erase(rt->pending.begin());
-        g->finish_reduce();
-      }
-    DTensor flat_in(dp_comms, grad_flat_spec(filled(dp_ndim(), dtensor::Partial{}), reduce_dtype), grad_in);
-    issue_reduce(flat_in, grad_in);
-    grad_in = Tensor();
-    grad_in_accumulating = false;
-    reshard();
-  }
+  // reduce-scatter input (reduce dtype, Partial over dp), so backward writes the gradient there.
+  void set_grad_buffers();
+  // After backward: the flat input P -> the sharded gradients (or kept, without gradient sync).
+  void post_backward_contiguous();
 
   void post_backward() {
     if (contiguous()) {
@@ -795,5 +739,9 @@ class Group {
   void on_post_backward(nn::Ctx& ctx, std::optional<DTensor>& grad_input);
   void finalize_backward();
 };
+
+// Layout::kContiguous at fully_shard: the group's slots re-laid out parameter-major
+// (fsdp/contiguous.h), each sharded parameter Rg(0,[its overlaps],1) of its global shape.
+void lay_out_contiguous(Group& g);
 
 }  // namespace fsdp
