@@ -125,8 +125,6 @@ void validate(const Args& a) {
                        : r != "auto" && r != "true" && r != "false" && r != "1" && r != std::to_string(a.dp_shard)
                            ? "--reshard-after-forward K"
                        : a.estimate || a.memory_limit > 0 ? "--estimate / --memory-limit (the estimate models the padded layout)"
-                       : !a.save_dir.empty() || !a.resume_from.empty() || !a.init_from.empty()
-                           ? "--save-dir / --resume-from / --init-from (checkpoints of RaggedShard parameters)"
                            : nullptr;
     if (with) bad(fmt::format("--fsdp-layout contiguous does not support {} yet; use --fsdp-layout padded", with));
   }

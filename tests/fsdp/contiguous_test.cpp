@@ -6,12 +6,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
+#include "checkpoint/checkpoint.h"
 #include "collectives/local.h"
 #include "dtensor/dtensor.h"
 #include "fsdp/contiguous.h"
@@ -409,4 +413,97 @@ TEST_CASE("fsdp contiguous: refuses what it does not support yet, naming the opt
   }, "shard_placement_fn");
   checks.report();
   CHECK(cases == 7);
+}
+
+namespace {
+
+// Shards a fresh meta GPT (dp ranks, the given layout), materialises it (seed), trains `steps`
+// steps with AdamW; then `then(model, opt, comms, world)` on every rank.
+void with_trained(int64_t dp, fsdp::Layout layout, uint64_t seed, int steps,
+                  const std::function<void(nn::GPT&, nn::AdamW&, std::shared_ptr<MeshComms>, Communicator&)>& then) {
+  const DeviceMesh mesh = DeviceMesh::from_shape(Dims{dp}, {"dp_shard"});
+  collectives::run_ranks(static_cast<int>(dp), [&](Communicator& world) {
+    auto comms = MeshComms::create(mesh, world);
+    const nn::GPTConfig cfg = small(true);
+    nn::GPT model(nn::ModuleOptions{comms, DType::kF32, {}}, cfg);
+    fsdp::FullyShardOptions o;
+    o.layout = layout;
+    shard(model, comms, o);
+    nn::materialize(model, seed);
+    kernels::AdamWOptions ao;
+    ao.lr = 1e-2;
+    nn::AdamW opt(model.named_parameters(), ao);
+    nn::CrossEntropyLoss loss_fn;
+    auto shared_mesh = std::shared_ptr<const DeviceMesh>(comms, &comms->mesh());
+    const DTensor dloss(comms, dtensor::make_spec(shared_mesh, Placements{dtensor::Replicate{}}, {}, DType::kF64),
+                        Tensor::full({}, 1.0, DType::kF64));
+    for (int step = 0; step < steps; ++step) {
+      const DTensor x = dtensor::distribute_tensor(batch_ids(step, step * 6, 6, cfg.max_seq, cfg.vocab, 0), comms,
+                                                   Placements{dtensor::Shard{0}}, std::nullopt);
+      const DTensor y = dtensor::distribute_tensor(batch_ids(step, step * 6, 6, cfg.max_seq, cfg.vocab, 1), comms,
+                                                   Placements{dtensor::Shard{0}}, std::nullopt);
+      nn::Ctx ctx, lctx;
+      DTensor loss = loss_fn.forward(lctx, model.forward(ctx, x), y);
+      model.backward(ctx, loss_fn.backward(lctx, dloss));
+      opt.step();
+      opt.zero_grad();
+    }
+    then(model, opt, comms, world);
+  });
+}
+
+nn::StateDict full_state(nn::GPT& model, nn::AdamW& opt) {
+  nn::StateDict sd = model.state_dict();
+  sd.merge(opt.state_dict(), "optim.");
+  return sd;
+}
+
+}  // namespace
+
+TEST_CASE("fsdp contiguous: a checkpoint saved under one layout loads under the other bit for bit",
+          "[fsdp][contiguous][checkpoint]") {
+  int ran = 0;
+  for (const bool from_contiguous : {true, false}) {
+    DYNAMIC_SECTION((from_contiguous ? "contiguous dp 3 -> padded dp 2" : "padded dp 3 -> contiguous dp 2")) {
+      const fsdp::Layout save_layout = from_contiguous ? fsdp::Layout::kContiguous : fsdp::Layout::kPadded;
+      const fsdp::Layout load_layout = from_contiguous ? fsdp::Layout::kPadded : fsdp::Layout::kContiguous;
+      const std::filesystem::path dir =
+          std::filesystem::temp_directory_path() / ("fsdp-contiguous-ckpt-" + std::to_string(::getpid()));
+      std::filesystem::remove_all(dir);
+      testing_support::Checks checks;
+      std::map<std::string, Tensor> saved, loaded;
+      with_trained(3, save_layout, 5, 2, [&](nn::GPT& model, nn::AdamW& opt, std::shared_ptr<MeshComms>, Communicator& world) {
+        const nn::StateDict sd = full_state(model, opt);
+        checkpoint::save(dir.string(), sd, world);
+        nn::for_each_full_tensor(sd, true, [&](const std::string& key, const Tensor& full) { saved[key] = full.clone(); });
+      });
+      // Another layout, another dp size, other initial values: everything comes from the files.
+      with_trained(2, load_layout, 6, 0, [&](nn::GPT& model, nn::AdamW& opt, std::shared_ptr<MeshComms>, Communicator& world) {
+        opt.init_state();
+        nn::StateDict sd = full_state(model, opt);
+        checkpoint::load(dir.string(), sd, world);
+        opt.load_state_dict(sd.sub("optim."));
+        const nn::StateDict after = full_state(model, opt);
+        int ragged = 0;
+        for (const auto& [key, t] : after.tensors) ragged += dtensor::is_ragged(t.placements()[0]) ? 1 : 0;
+        checks.check((ragged > 0) == (load_layout == fsdp::Layout::kContiguous), "the loaded state's placements");
+        nn::for_each_full_tensor(after, true, [&](const std::string& key, const Tensor& full) { loaded[key] = full.clone(); });
+      });
+      std::filesystem::remove_all(dir);
+      checks.report();
+      REQUIRE(saved.size() == loaded.size());
+      CHECK(saved.size() > 30);  // parameters, exp_avg and exp_avg_sq of each
+      int compared = 0;
+      for (const auto& [key, t] : saved) {
+        auto it = loaded.find(key);
+        REQUIRE(it != loaded.end());
+        INFO(key);
+        CHECK(t.to_vector() == it->second.to_vector());
+        ++compared;
+      }
+      CHECK(compared == static_cast<int>(saved.size()));
+      ++ran;
+    }
+  }
+  CHECK(ran == 1);
 }
