@@ -293,8 +293,9 @@ TEST_CASE("mpi: a member that joined but cannot finish is told apart from a miss
         w->wait(300ms),
         Contains(
             fmt::format("send_recv on group 'world' [{}] (call #0) timed out after 300 ms: every "
-                        "member joined, ranks [1] have not completed it; collective mismatch: rank "
-                        "1 called send_recv(1 ops) but rank 0 called send_recv(0 ops)",
+                        "member joined, ranks [1] have not completed it and are still polling MPI; "
+                        "collective mismatch: rank 1 called send_recv(1 ops) but rank 0 called "
+                        "send_recv(0 ops)",
                         fmt::join(std::vector<int>(W().ranks()), ","))));
   else
     fresh->wait(w);
