@@ -1,19 +1,20 @@
-// Internal to the mpi backend: who holds up a timed-out call, from two reads of the members'
+// Internal to the mpi backend: who holds up a timed-out call, from one read of the members'
 // progress board entries (NOTE [mpi progress board] in collectives/mpi.h). Pure functions over
 // plain records, with no MPI, so that they are tested without mpirun
 // (tests/collectives/mpi_attribution_test.cpp).
 //
-//   // call #7 (number 8) timed out on rank 0; rank 2 entered #9 but completed only #6 and its
-//   // heartbeat did not move between the reads; rank 1 and 3 are polling
-//   Attribution a = attribute(8, {{0, 8, 7, 0, true}, {1, 9, 7, 0, true}, {2, 10, 7, 0, false},
-//                                 {3, 8, 7, 0, true}});
-//   attribution_text(a, 500ms, "") ==
-//       "every member joined, ranks [2] joined but have not completed it and made no MPI progress "
-//       "in 500 ms (stopped, or not calling into MPI); ranks [0,1,3] have not completed it and "
-//       "are still polling MPI"
+//   // call #7 (number 8) timed out on rank 0; rank 2 entered #9 but completed only #6 (a
+//   // stopped member can be several calls ahead); ranks 1 and 3 entered #7, #8 and have not
+//   // completed #7 either
+//   Attribution a = attribute(8, {{0, 8, 7, 0}, {1, 9, 7, 0}, {2, 10, 7, 0}, {3, 8, 7, 0}});
+//   attribution_text(a, "") ==
+//       "every member joined, ranks [0,1,2,3] joined but have not completed it (a member that "
+//       "stopped calling into MPI stalls the others; MPI does not check that members pass "
+//       "matching counts, dtypes, ops and roots)"
+//   // The board says what each member entered, completed and gave up, not whether it still polls
+//   // MPI: a stopped member and one waiting for it look the same here, so neither is singled out.
 #pragma once
 
-#include <chrono>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -28,18 +29,15 @@ struct MemberRecord {
   int64_t entered = 0;        // calls entered on the communicator
   int64_t completed = 0;      // highest call completed, plus one
   int64_t gave_up = 0;        // highest call given up after a timeout here, plus one
-  bool progressed = false;    // its MPI heartbeat moved between the two reads (the caller: true)
   bool answered = true;       // false: the entry could not be read; the other fields mean nothing
 };
 
 // Members by what holds the call up, each list in group order. A member that completed the call
 // is in none of them.
 struct Attribution {
-  std::vector<int> missing;          // never entered the call ...
-  std::vector<int> missing_stalled;  // ... and of those, made no MPI progress either
+  std::vector<int> missing;          // never entered the call
   std::vector<int> gave_up_earlier;  // never entered it: gave up an earlier call on the group
-  std::vector<int> stalled;          // entered it (or a later call), not completed, no progress
-  std::vector<int> waiting;          // entered it, not completed, still polling MPI
+  std::vector<int> inside;           // entered it (or a later call), not completed, not given up
   std::vector<int> gave_up;          // entered it and gave it up after their own timeout
   std::vector<int> unanswered;       // entry unreadable: state unknown
 };
@@ -49,11 +47,9 @@ struct Attribution {
 // "joined" is entered >= number, whatever the member's latest call.
 Attribution attribute(int64_t number, std::span<const MemberRecord> members);
 
-// The timeout line's tail: "ranks [3] never joined", "every member joined, ranks [2] joined but
-// have not completed it and made no MPI progress in 500 ms (...)", ... `window` is the time
-// between the two reads; `mismatch` ("collective mismatch: ...") or empty. Names every member
-// that holds the call up; names nobody only when every member completed the call.
-std::string attribution_text(const Attribution& a, std::chrono::milliseconds window,
-                             const std::string& mismatch);
+// The timeout line's tail: "ranks [3] never joined", "every member joined, ranks [0,1,2,3] joined
+// but have not completed it (...)", ... `mismatch` ("collective mismatch: ...") or empty. Names
+// every member that holds the call up; names nobody only when every member completed the call.
+std::string attribution_text(const Attribution& a, const std::string& mismatch);
 
 }  // namespace collectives::detail

@@ -217,33 +217,21 @@ std::string CommState::pending_text(uint64_t seq, const CallDesc& mine, Millisec
         "the ranks that never joined are unknown (more than {} communicators: no progress board "
         "slot for this one)",
         kMpiBoardSlots);
-  // Two reads of the members' entries and heartbeats, `window` apart; meanwhile this rank beats
-  // on, so that members reading at the same time see it alive.
-  const auto slots1 = world->board_read(slot, ranks, grace);
-  const auto beats1 = world->board_read(0, ranks, grace);
-  const Milliseconds window = std::clamp(grace / 4, Milliseconds{1}, Milliseconds{kBeatWindow});
-  const auto start = Clock::now();
-  while (Clock::now() - start < window) {
-    world->beat();
-    std::this_thread::sleep_for(kBeatPeriod);
-  }
-  const auto slots2 = world->board_read(slot, ranks, grace);
-  const auto beats2 = world->board_read(0, ranks, grace);
+  const auto entries = world->board_read(slot, ranks, grace);
   std::vector<MemberRecord> members(ranks.size());
   const int64_t number = static_cast<int64_t>(seq) + 1;
   std::string mismatch;
   for (size_t i = 0; i < ranks.size(); ++i) {
     MemberRecord& m = members[i];
     m.rank = ranks[i];
-    const auto& e = slots2[i] ? slots2[i] : slots1[i];  // the latest state read
-    if (!e || !beats1[i] || !beats2[i]) {
+    const auto& e = entries[i];
+    if (!e) {
       m.answered = false;
       continue;
     }
     m.entered = (*e)[kEnteredWord];
     m.completed = (*e)[kCompletedWord];
     m.gave_up = (*e)[kGaveUpWord];
-    m.progressed = static_cast<int>(i) == rank || (*beats2[i])[kBeatWord] > (*beats1[i])[kBeatWord];
     if (m.entered == number && mismatch.empty()) {
       const CallDesc theirs = CallDesc::unpack(&(*e)[kDescWord]);
       if (!(theirs == mine))
@@ -251,7 +239,7 @@ std::string CommState::pending_text(uint64_t seq, const CallDesc& mine, Millisec
                                ranks[static_cast<size_t>(rank)], mine.describe(), ranks[i], theirs.describe());
     }
   }
-  return attribution_text(attribute(number, members), window, mismatch);
+  return attribution_text(attribute(number, members), mismatch);
 }
 
 }  // namespace collectives::detail

@@ -164,18 +164,13 @@ struct CallDesc {
 };
 
 // ---- progress board layout: kSlotWords int64 per communicator per rank ----
-constexpr int kSlotWords = 9;
+constexpr int kSlotWords = 8;
 constexpr int kDescWord = 0;       // CallDesc of the latest call entered (CallDesc::kWords words)
 constexpr int kEnteredWord = 5;    // calls entered on this communicator (call #k entered -> k+1)
 constexpr int kCompletedWord = 6;  // highest call number completed here, plus one
 constexpr int kGaveUpWord = 7;     // highest call number given up after a timeout here, plus one
-constexpr int kBeatWord = 8;       // slot 0 only: this process's MPI heartbeat (grows while it polls)
 static_assert(kDescWord + CallDesc::kWords == kEnteredWord);
 using BoardEntry = std::array<int64_t, kSlotWords>;
-// A process that polls MPI bumps its heartbeat at most this often; a timed-out call reads the
-// board twice, kBeatWindow apart at most, and names members whose heartbeat did not move.
-constexpr std::chrono::milliseconds kBeatPeriod{5};
-constexpr std::chrono::milliseconds kBeatWindow{500};
 
 
 class CommState;
@@ -217,17 +212,6 @@ class MpiWorldState {
   std::vector<std::optional<BoardEntry>> board_read(int slot, const std::vector<int>& world_ranks,
                                                     Milliseconds grace);
   bool board_ok() const { return board_error_.empty(); }
-  // Bumps this process's heartbeat (slot 0, kBeatWord) unless it did so within kBeatPeriod.
-  // Called wherever this process polls MPI, from any thread.
-  void beat() {
-    const int64_t now = Clock::now().time_since_epoch().count();
-    int64_t next = next_beat_.load(std::memory_order_relaxed);
-    if (now < next ||
-        !next_beat_.compare_exchange_strong(next, now + Clock::duration(kBeatPeriod).count()))
-      return;
-    const int64_t n = beats_.fetch_add(1) + 1;
-    board_put(0, kBeatWord, &n, 1, MPI_MAX);
-  }
   const std::string& board_error() const { return board_error_; }
 
   // Keeps a pending call's buffers alive until MPI is done with them (or finalised).
@@ -268,8 +252,6 @@ class MpiWorldState {
   // User-defined ops by [dtype][ReduceOp]; MPI_OP_NULL where a built-in op serves.
   std::array<std::array<MPI_Op, 5>, 9> user_ops_{};
   std::vector<std::shared_ptr<Pending>> graveyard_;  // guarded by mu_
-  std::atomic<int64_t> next_beat_{0};  // Clock ticks: no heartbeat before then
-  std::atomic<int64_t> beats_{0};
 };
 
 // What a communicator's Works share: the MPI communicator, the group, the call counter and the
@@ -311,8 +293,8 @@ class CommState {
   }
   // Where call `seq` stands, for a timeout: "ranks [3] never joined" (NOTE [mpi progress board]).
   std::string pending_text(uint64_t seq, const CallDesc& mine, Milliseconds grace);
-  // Records giving call `seq` up after a timeout, so that members still waiting in it do not
-  // take this rank for a stalled one.
+  // Records giving call `seq` up after a timeout (one board write, only then), so that members
+  // still waiting in it name this rank as one that gave it up.
   void mark_gave_up(uint64_t seq) {
     const int64_t number = static_cast<int64_t>(seq) + 1;
     world->board_put(slot, kGaveUpWord, &number, 1, MPI_MAX);
@@ -404,7 +386,6 @@ class MpiRequests final {
     if (state_ == State::kFailed) throw CommError(error_);
     CommState& c = *p_->comm;
     if (c.world->closed()) fail(c.unusable(desc_), false);
-    c.world->beat();
     std::vector<MPI_Status> statuses(p_->requests.size());
     int flag = 1;
     if (!p_->requests.empty()) {
