@@ -131,6 +131,7 @@ class MpiCall final : public QueuedCall {
   void abandon(const std::string& why) override {
     // MPI cannot cancel a collective: the communicator is unusable from now on.
     st_->set_poison(why);
+    if (const int64_t seq = seq_.load(); seq >= 0) st_->mark_gave_up(static_cast<uint64_t>(seq));
   }
 
   std::string describe() const override {

@@ -15,10 +15,14 @@
 // NOTE [mpi progress board] MPI cannot say which members of a communicator have not joined a
 // collective, so every rank keeps a small table in an RMA window (MPI_Win_allocate over the
 // world, passive target, locked once): per communicator, the number of calls this rank has
-// entered and completed and a description of its latest call. A call that times out reads
-// every member's entry (MPI_Rget_accumulate, no-op) and names the members whose count is
-// below this call's number ("ranks [3] never joined"); when all joined it names members still
-// inside the call and, where their latest calls differ, the mismatch. Limits:
+// entered, completed and given up after a timeout (written only then), and a description of
+// its latest call. A call that times out reads every member's entry (MPI_Rget_accumulate,
+// no-op) and sorts the members that hold it up (collectives/mpi/attribution.h): "ranks [3] never
+// joined"; "ranks [0,2] joined but have not completed it" (members run several calls at once, so
+// one that entered later calls has joined this one too); members that gave it up themselves;
+// and, where the latest calls differ, the mismatch. The board cannot tell a stopped member from
+// one still polling MPI, so a member that joined and stopped is named among all that joined and
+// have not completed. Limits:
 //  - On one node OpenMPI serves the window from shared memory (osc/sm): reading never waits for
 //    the target. Across nodes, a transport without hardware RMA needs the target to enter MPI to
 //    answer; an entry not read within a grace period is reported as unknown, not as missing.

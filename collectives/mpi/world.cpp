@@ -210,49 +210,36 @@ void MpiWorldState::shutdown() noexcept {
 // ---- CommState ----
 
 std::string CommState::pending_text(uint64_t seq, const CallDesc& mine, Milliseconds grace) {
-  std::string text;
   if (!world->board_ok())
-    return text + "the ranks that never joined are unknown (" + world->board_error() + ")";
+    return "the ranks that never joined are unknown (" + world->board_error() + ")";
   if (slot >= kMpiBoardSlots)
-    return text + fmt::format(
-                      "the ranks that never joined are unknown (more than {} communicators: "
-                      "no progress board slot for this one)",
-                      kMpiBoardSlots);
+    return fmt::format(
+        "the ranks that never joined are unknown (more than {} communicators: no progress board "
+        "slot for this one)",
+        kMpiBoardSlots);
   const auto entries = world->board_read(slot, ranks, grace);
+  std::vector<MemberRecord> members(ranks.size());
   const int64_t number = static_cast<int64_t>(seq) + 1;
-  std::vector<int> missing, unanswered, inside;
   std::string mismatch;
   for (size_t i = 0; i < ranks.size(); ++i) {
-    if (!entries[i]) {
-      unanswered.push_back(ranks[i]);
+    MemberRecord& m = members[i];
+    m.rank = ranks[i];
+    const auto& e = entries[i];
+    if (!e) {
+      m.answered = false;
       continue;
     }
-    const BoardEntry& e = *entries[i];
-    if (e[kEnteredWord] < number) {
-      missing.push_back(ranks[i]);
-    } else if (e[kEnteredWord] == number) {
-      if (e[kCompletedWord] < number) inside.push_back(ranks[i]);
-      const CallDesc theirs = CallDesc::unpack(&e[kDescWord]);
-      if (mismatch.empty() && !(theirs == mine))
-        mismatch = fmt::format("; collective mismatch: rank {} called {} but rank {} called {}",
-                               ranks[static_cast<size_t>(rank)], mine.describe(), ranks[i],
-                               theirs.describe());
+    m.entered = (*e)[kEnteredWord];
+    m.completed = (*e)[kCompletedWord];
+    m.gave_up = (*e)[kGaveUpWord];
+    if (m.entered == number && mismatch.empty()) {
+      const CallDesc theirs = CallDesc::unpack(&(*e)[kDescWord]);
+      if (!(theirs == mine))
+        mismatch = fmt::format("collective mismatch: rank {} called {} but rank {} called {}",
+                               ranks[static_cast<size_t>(rank)], mine.describe(), ranks[i], theirs.describe());
     }
   }
-  if (!missing.empty()) {
-    text += fmt::format("ranks {} never joined", join_ranks(missing));
-  } else if (unanswered.size() < ranks.size()) {
-    text += fmt::format(
-        "every member joined, ranks {} have not completed it{} (MPI does not check "
-        "that members pass matching counts, dtypes, ops and roots; a member that "
-        "stopped calling into MPI also stalls the others)",
-        join_ranks(inside), mismatch);
-  }
-  if (!unanswered.empty())
-    text += fmt::format("{}ranks {} did not answer the progress query (state unknown)",
-                        missing.empty() && unanswered.size() == ranks.size() ? "" : "; ",
-                        join_ranks(unanswered));
-  return text;
+  return attribution_text(attribute(number, members), mismatch);
 }
 
 }  // namespace collectives::detail

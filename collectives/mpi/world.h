@@ -30,14 +30,13 @@
 #include "collectives/call_queue.h"
 #include "collectives/communicator.h"
 #include "collectives/mpi.h"
+#include "collectives/mpi/attribution.h"
 #include "kernels/error.h"
 
 namespace collectives::detail {
 
 using kernels::CommError;
 using kernels::DType;
-using Clock = std::chrono::steady_clock;
-
 using Clock = std::chrono::steady_clock;
 
 // ---- small helpers ----
@@ -169,6 +168,7 @@ constexpr int kSlotWords = 8;
 constexpr int kDescWord = 0;       // CallDesc of the latest call entered (CallDesc::kWords words)
 constexpr int kEnteredWord = 5;    // calls entered on this communicator (call #k entered -> k+1)
 constexpr int kCompletedWord = 6;  // highest call number completed here, plus one
+constexpr int kGaveUpWord = 7;     // highest call number given up after a timeout here, plus one
 static_assert(kDescWord + CallDesc::kWords == kEnteredWord);
 using BoardEntry = std::array<int64_t, kSlotWords>;
 
@@ -293,6 +293,12 @@ class CommState {
   }
   // Where call `seq` stands, for a timeout: "ranks [3] never joined" (NOTE [mpi progress board]).
   std::string pending_text(uint64_t seq, const CallDesc& mine, Milliseconds grace);
+  // Records giving call `seq` up after a timeout (one board write, only then), so that members
+  // still waiting in it name this rank as one that gave it up.
+  void mark_gave_up(uint64_t seq) {
+    const int64_t number = static_cast<int64_t>(seq) + 1;
+    world->board_put(slot, kGaveUpWord, &number, 1, MPI_MAX);
+  }
   // The CommError text for call `seq` that did not complete within `timeout`.
   std::string timeout_message(uint64_t seq, const CallDesc& mine, Milliseconds timeout) {
     return fmt::format("{} on {} (call #{}) timed out after {} ms: {}", mine.name(), group(), seq, timeout.count(),
@@ -420,7 +426,9 @@ class MpiRequests final {
   }
 
   [[noreturn]] void timed_out(Milliseconds timeout) {
-    fail(p_->comm->timeout_message(seq_, desc_, timeout), true);
+    std::string why = p_->comm->timeout_message(seq_, desc_, timeout);
+    p_->comm->mark_gave_up(seq_);
+    fail(why, true);
   }
   // A waiter gave the call up: it fails, and the communicator is poisoned (MPI cannot cancel).
   void give_up(const std::string& why) {

@@ -2,7 +2,8 @@
 """Under mpirun, a rank process that is stopped (SIGSTOP) or killed (SIGKILL) in the middle of a
 run makes the whole job end within --timeout-ms plus 10 s, and the failure names that rank:
   - stopped: every survivor's collective times out and its one line names the stopped rank
-    among the ranks that never joined or never completed (exit 4, communication failure);
+    among the ranks that never joined, or among those that joined but have not completed the
+    call, and no line names nobody ("ranks []") (exit 4, communication failure);
   - killed: mpirun aborts the job and names the rank that died.
 The job runs on 4 processes for far longer than the test waits: dtensor-bench timing S(0) -> R,
 or fsdp-train training with FSDP over 4 ranks (--dp-shard 4), chosen by the program's name.
@@ -92,8 +93,13 @@ def one(sig):
         # The survivors' lines (mpirun continues the victim before it terminates it, so the victim
         # may print a line of its own).
         ours = [l for l in err.splitlines() if l.startswith(NAME + ":") and not l.startswith(f"{NAME}: rank {VICTIM}:")]
-        named = [l for l in ours if re.search(r"ranks \[[0-9,]*\b%d\b[0-9,]*\] (never joined|have not completed)" % VICTIM, l)]
+        # The honest outcomes: the victim never joined the call, or joined it (a stopped member may
+        # have entered later calls as well) and has not completed it; a line naming nobody
+        # ("ranks []") is wrong.
+        victim_in = r"ranks \[(?:[0-9]+,)*%d(?:,[0-9]+)*\] " % VICTIM
+        named = [l for l in ours if re.search(victim_in + r"(never joined|joined but have not completed it)", l)]
         check(len(ours) >= 1 and len(named) == len(ours), f"SIGSTOP: not every line names rank {VICTIM}: {ours}")
+        check(not any("ranks []" in l for l in ours), f"SIGSTOP: a line names nobody: {ours}")
         # Every survivor names it: a line from each of the other ranks.
         speakers = {int(m.group(1)) for l in ours for m in [re.match(NAME + r": rank (\d+): ", l)] if m}
         check(set(range(4)) - {VICTIM} <= speakers, f"SIGSTOP: lines from ranks {sorted(speakers)}, want every survivor")

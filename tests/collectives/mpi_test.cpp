@@ -6,10 +6,11 @@
 // out of place, views, batches, splits, argument errors and aliasing), then what is the mpi
 // backend's own: its CPU-only and int-count limits, a receive longer than its message,
 // check_calls mismatches, splits that disagree, a straggler that never joins (the timeout names
-// it, the group is poisoned, and the straggler still completes later), a split that a rank
-// never joins, NaN in min / max, and the in-order engine (calls complete while a rank makes no
-// MPI call at all; chains across communicators through wait_for and host tasks, issued at once;
-// a call held up by a dependency names what it waits for).
+// it, the group is poisoned, and the straggler still completes later), a member stopped
+// (SIGSTOP) after entering several calls (named among those that joined), a split that a rank never joins,
+// NaN in min / max, and the in-order engine (calls complete while a rank makes no MPI call at
+// all; chains across communicators through wait_for and host tasks, issued at once; a call held
+// up by a dependency names what it waits for).
 #include "collectives/mpi.h"
 
 #include <fmt/format.h>
@@ -22,10 +23,14 @@
 #include <chrono>
 #include <climits>
 #include <cmath>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
+#include <regex>
 #include <thread>
 
 #include <unistd.h>
@@ -293,11 +298,81 @@ TEST_CASE("mpi: a member that joined but cannot finish is told apart from a miss
         w->wait(300ms),
         Contains(
             fmt::format("send_recv on group 'world' [{}] (call #0) timed out after 300 ms: every "
-                        "member joined, ranks [1] have not completed it; collective mismatch: rank "
-                        "1 called send_recv(1 ops) but rank 0 called send_recv(0 ops)",
+                        "member joined, ranks [1] joined but have not completed it (a member that "
+                        "stopped calling into MPI stalls the others; MPI does not check that members "
+                        "pass matching counts, dtypes, ops and roots); collective mismatch: rank 1 "
+                        "called send_recv(1 ops) but rank 0 called send_recv(0 ops)",
                         fmt::join(std::vector<int>(W().ranks()), ","))));
   else
     fresh->wait(w);
+  W().wait(W().barrier());
+}
+
+namespace {
+// The state letter of process `pid` in /proc (R, S, T for stopped, ...), or '?'.
+char process_state(int64_t pid) {
+  std::ifstream f(fmt::format("/proc/{}/stat", pid));
+  std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const size_t close = stat.rfind(')');  // the command name may hold spaces and parentheses
+  return close == std::string::npos || close + 2 >= stat.size() ? '?' : stat[close + 2];
+}
+}  // namespace
+
+TEST_CASE("mpi: a stopped member that entered later calls is named as joined", "[mpi]") {
+  // The fsdp-train-stop-kill-mpi flake: a member stops (SIGSTOP) after entering several calls.
+  // The others time out on the first and must name it among the members that joined but have not
+  // completed it, not "every member joined, ranks [] have not completed it". Barriers: a
+  // dissemination barrier of 3 or more members has a round that needs the victim to forward
+  // what it receives only after it stopped (with 2, its one message may already be out).
+  const int n = W().size(), me = W().rank();
+  if (n < 3) return;
+  const int victim = n - 1;
+  Tensor pids = Tensor::full({1}, static_cast<double>(::getpid()), DType::kI64);
+  Tensor all_pids = Tensor::zeros({n}, DType::kI64);
+  W().wait(W().all_gather(pids, all_pids));
+  const auto victim_pid = static_cast<int64_t>(all_pids.item({victim}));
+  std::vector<int> survivors;
+  for (int r = 0; r < n; ++r)
+    if (r != victim) survivors.push_back(r);
+  // The survivors meet on their own group while the victim is stopped.
+  auto others = W().split(me == victim ? std::vector<int>{victim} : survivors, me == victim ? "victim" : "survivors");
+  auto fresh = mpi_test::mpi->communicator(30'000ms);
+  constexpr int kCalls = 3;
+  std::vector<WorkPtr> works;
+  if (me == victim) {
+    for (int k = 0; k < kCalls; ++k) works.push_back(fresh->barrier());
+    // Its worker enters all the calls (board, MPI_Ibarrier) well within this; nobody else has
+    // posted them, so none completes. Then it stops until rank 0 continues it.
+    std::this_thread::sleep_for(200ms);
+    ::raise(SIGSTOP);
+    for (WorkPtr& w : works) fresh->wait(w);  // the others' abandoned calls are still posted
+  } else {
+    char state = '?';
+    for (int i = 0; i < 1000 && (state = process_state(victim_pid)) != 'T'; ++i) std::this_thread::sleep_for(10ms);
+    REQUIRE(state == 'T');
+    for (int k = 0; k < kCalls; ++k) works.push_back(fresh->barrier());
+    std::string error;
+    try {
+      works[0]->wait(1000ms);
+    } catch (const CommError& e) {
+      error = e.what();
+    }
+    // Some survivors may finish (their rounds of the barrier need nothing more from the victim):
+    // at least one must time out, and every one that does names the victim.
+    Tensor timed_out = Tensor::full({1}, error.empty() ? 0 : 1, DType::kI32);
+    others->wait(others->all_reduce(timed_out, timed_out, ReduceOp::kSum));  // all have read the board
+    if (me == 0) ::kill(static_cast<pid_t>(victim_pid), SIGCONT);
+    CHECK(timed_out.item({0}) >= 1);
+    INFO(error);
+    if (!error.empty()) {
+      CHECK_THAT(error, Contains("barrier on group 'world'") && Contains("(call #0) timed out after 1000 ms"));
+      const std::regex victim_joined(
+          fmt::format(R"(ranks \[([0-9]+,)*{}(,[0-9]+)*\] joined but have not completed it \(a member that stopped)",
+                      victim));
+      CHECK(std::regex_search(error, victim_joined));
+    }
+    CHECK_THAT(error, !Contains("ranks []"));
+  }
   W().wait(W().barrier());
 }
 
