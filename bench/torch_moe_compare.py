@@ -4,7 +4,7 @@ item 6).
 
 Both sides train from the same initial weights (one `fsdp-train --moe-experts E --dump-init`
 run writes them, with the MoE settings in the safetensors header), on the same batches
-(torch_train_compare.py's generator, fsdp-train's bit for bit), with the same AdamW
+(torch_common.py's generator, fsdp-train's bit for bit), with the same AdamW
 (foreach=False), gradient clipping and hyper-parameters; torch runs on one process.
 
 The torch MoE is nn/moe.h's maths written plainly: router logits x Wr^T, softmax (or sigmoid)
@@ -36,14 +36,15 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import torch_train_compare as ttc  # noqa: E402
+import torch_common as tc  # noqa: E402  (no torch at import time)
+
+TAG = "torch_moe_compare"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -58,38 +59,14 @@ def build_moe_gpt(cfg: dict):
     import torch.nn.functional as F
     from safetensors.torch import load_file
 
-    D, Hd, V, T = cfg["dim"], cfg["heads"], cfg["vocab"], cfg["seq"]
-    Eh = D // Hd
+    D, V, T = cfg["dim"], cfg["vocab"], cfg["seq"]
     Hm = cfg["mlp_hidden"]
     moe = cfg["moe"]
     E, K = moe["experts"], moe["top_k"]
     if moe.get("capacity_factor", 0) > 0:
         raise SystemExit("torch_moe_compare: capacity factors are not modelled (dropless only)")
 
-    class Attention(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wq = nn.Linear(D, D, bias=False)
-            self.wk = nn.Linear(D, D, bias=False)
-            self.wv = nn.Linear(D, D, bias=False)
-            self.wo = nn.Linear(D, D, bias=False)
-
-        def forward(self, x):
-            B, Tq = x.shape[0], x.shape[1]
-            q = self.wq(x).view(B, Tq, Hd, Eh).transpose(1, 2)
-            k = self.wk(x).view(B, Tq, Hd, Eh).transpose(1, 2)
-            v = self.wv(x).view(B, Tq, Hd, Eh).transpose(1, 2)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return self.wo(a.transpose(1, 2).reshape(B, Tq, D))
-
-    class MLP(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1 = nn.Linear(D, Hm, bias=False)
-            self.fc2 = nn.Linear(Hm, D, bias=False)
-
-        def forward(self, x):
-            return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+    Attention, MLP = tc.gpt_modules(cfg)
 
     class Holder(nn.Module):
         pass
@@ -166,40 +143,16 @@ def build_moe_gpt(cfg: dict):
 
 
 def torch_worker(cfg: dict, out_path: str) -> None:
-    import time
-
     import torch
-    import torch.nn.functional as F
 
     torch.manual_seed(0)
     torch.set_num_threads(cfg["threads"])
     model = build_moe_gpt(cfg)
     params = list(model.parameters())
-    opt = ttc.make_adamw(params, cfg)
-    positions = torch.arange(cfg["seq"])
-    M, micro = cfg["grad_accum"], cfg["batch"] // cfg["grad_accum"]
-    losses, auxes, times = [], [], []
-    for step in range(cfg["steps"]):
-        t0 = time.perf_counter()
-        step_loss = step_aux = 0.0
-        for m in range(M):
-            ids, targets = ttc.make_batch(cfg["seed"], step, step * cfg["batch"] + m * micro, micro, cfg["seq"],
-                                          cfg["vocab"])
-            logits, aux = model(torch.tensor(ids, dtype=torch.long), positions)
-            ce = F.cross_entropy(logits.flatten(0, 1), torch.tensor(targets, dtype=torch.long).flatten(0, 1))
-            # fsdp-train seeds the loss with 1 / M and scales each MoE's aux gradient by the same.
-            ((ce + aux) / M).backward()
-            step_loss += ce.item() / M
-            step_aux += aux.item() / M
-        if cfg["clip"] > 0:
-            torch.nn.utils.clip_grad_norm_(params, cfg["clip"])
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-        losses.append(step_loss)
-        auxes.append(step_aux)
+    step_fn = tc.TrainStep(model, params, tc.make_adamw(params, cfg), cfg, torch.arange(cfg["seq"]))
+    losses, times = tc.timed_steps(step_fn, cfg["steps"])
     with open(out_path, "w") as f:
-        json.dump({"losses": losses, "aux": auxes, "times": times}, f)
+        json.dump({"losses": losses, "aux": step_fn.aux_losses, "times": times}, f)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,30 +160,21 @@ def torch_worker(cfg: dict, out_path: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def run_ours(args, ep: int, model_args: list[str], dump: str | None) -> dict:
-    exe = ttc.fsdp_train_exe(args.build_dir)
+    exe = tc.fsdp_train_exe(args.build_dir)
     threads = max(1, args.cores // ep)
     cmd = [exe, "--backend", "local", "--log-every", "1", "--threads", str(threads)] + model_args
     if ep > 1:
         cmd += ["--ep", str(ep)]
     if dump:
         cmd += ["--dump-init", dump]
-    print("[torch_moe_compare] ours: " + " ".join(cmd), file=sys.stderr, flush=True)
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.exit(f"fsdp-train failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
-    out = ttc.parse_progress(r.stdout)
-    aux = []
-    for line in r.stdout.splitlines():
-        words = line.split()
-        if words and words[0] == "step" and "aux_loss" in words:
-            aux.append(float(words[words.index("aux_loss") + 1]))
-    out["aux"] = aux
+    out = tc.run_fsdp_train(cmd, TAG)
+    out["aux"] = [p["aux_loss"] for p in out["progress"] if "aux_loss" in p]
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ttc.add_common_args(ap, "ep1,ep4")
+    tc.add_common_args(ap, "ep1,ep4")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--moe-every", type=int, default=1)
@@ -240,12 +184,12 @@ def main() -> int:
         torch_worker(json.loads(args.torch_config), args.torch_out)
         return 0
 
-    py = ttc.torch_python(args.python)
+    py = tc.torch_python(args.python)
     work = tempfile.mkdtemp(prefix="torch_moe_compare.")
     dump = os.path.join(work, "init.safetensors")
     moe_args = ["--moe-experts", str(args.experts), "--moe-top-k", str(args.top_k), "--moe-every",
                 str(args.moe_every)] + (["--moe-shared"] if args.shared else [])
-    model_args = ttc.ours_model_args(args) + moe_args
+    model_args = tc.ours_model_args(args) + moe_args
     results = []
     torch_runs = []
     configs = [c for c in args.configs.split(",") if c]
@@ -262,16 +206,14 @@ def main() -> int:
                 with open(dump, "rb") as f:
                     header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
                 meta = json.loads(header["__metadata__"]["config"])
-                cfg = dict(ttc.torch_model_cfg(args, dump), moe=meta["moe"], threads=args.cores, world=1,
+                cfg = dict(tc.torch_model_cfg(args, dump), moe=meta["moe"], threads=args.cores, world=1,
                            name="one process")
-                torch_runs.append(ttc.run_torch(py, cfg, script=os.path.abspath(__file__), tag="torch_moe_compare"))
+                torch_runs.append(tc.run_torch(py, cfg, os.path.abspath(__file__), TAG))
         ours_losses, torch_losses = ours_runs[0]["losses"], torch_runs[0]["losses"]
-        if len(ours_losses) != args.steps or len(torch_losses) != args.steps:
-            sys.exit(f"{name}: expected {args.steps} losses, got ours {len(ours_losses)} torch {len(torch_losses)}")
-        rel = ttc.max_rel_diff(ours_losses, torch_losses)
-        rel_aux = ttc.max_rel_diff(ours_runs[0]["aux"], torch_runs[0]["aux"]) if ours_runs[0]["aux"] else None
-        ours_ms = statistics.median(ttc.median_ms(r["ms"]) for r in ours_runs)
-        torch_ms = statistics.median(ttc.median_ms([t * 1e3 for t in r["times"]]) for r in torch_runs)
+        rel = tc.compared_losses(name, args.steps, ours_losses, torch_losses)
+        rel_aux = tc.max_rel_diff(ours_runs[0]["aux"], torch_runs[0]["aux"]) if ours_runs[0]["aux"] else None
+        ours_ms = statistics.median(tc.median_ms(r["ms"]) for r in ours_runs)
+        torch_ms = statistics.median(tc.median_ms([t * 1e3 for t in r["times"]]) for r in torch_runs)
         entry = {"config": name, "max_rel_loss_diff": rel, "max_rel_aux_diff": rel_aux,
                  "ours_step_ms": round(ours_ms, 3), "torch_step_ms": round(torch_ms, 3),
                  "ours_over_torch_time": round(ours_ms / torch_ms, 3), "first_loss": ours_losses[0],
@@ -280,12 +222,9 @@ def main() -> int:
         print(f"{name:5s} max rel loss diff {rel:.3e}  aux {rel_aux if rel_aux is None else f'{rel_aux:.3e}'}   "
               f"step ms ours {ours_ms:8.3f} torch {torch_ms:8.3f}   loss {ours_losses[0]:.4f} -> "
               f"{ours_losses[-1]:.4f}", flush=True)
-        for i, (a, b) in enumerate(zip(ours_losses, torch_losses)):
-            print(f"    step {i + 1:3d} ours {a:.8f} torch {b:.8f} rel {abs(a - b) / abs(b):.2e}")
+        tc.print_steps(ours_losses, torch_losses)
     shutil.rmtree(work, ignore_errors=True)
-    top = max(r["max_rel_loss_diff"] for r in results) if results else 0.0
-    print(json.dumps({"max_rel_loss_diff": top, "configs": results}))
-    return 0 if top <= args.tolerance else 1
+    return tc.finish(results, args.tolerance)
 
 
 if __name__ == "__main__":

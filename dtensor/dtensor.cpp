@@ -10,6 +10,7 @@
 #include "dtensor/plan/cache.h"
 #include "kernels/error.h"
 #include "kernels/format.h"
+#include "kernels/hash.h"
 #include "kernels/reduce.h"
 
 namespace dtensor {
@@ -18,6 +19,7 @@ using collectives::Communicator;
 using collectives::P2POp;
 using kernels::Device;
 using kernels::InvalidArgument;
+using kernels::mix64;
 using kernels::Unsupported;
 
 namespace {
@@ -148,14 +150,6 @@ DTensor make_factory(const char* name, const Dims& shape, DType dtype,
   if (!comms->in_mesh()) return DTensor(comms, spec, empty_outside(dtype));
   const ShardLayout layout = *spec.layout(comms->rank());
   return DTensor(comms, spec, fill(layout));
-}
-
-// splitmix64's finaliser: a bijective 64-bit mix.
-uint64_t mix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
 }
 
 // Significand bits of a floating dtype: rand draws multiples of 2^-bits, exact in the dtype, so

@@ -50,7 +50,9 @@ class RowExchangeHandle {
 RowExchangeHandle exchange_rows_known(const MeshComms& comms, int mesh_dim, const kernels::Tensor& rows,
                                       std::span<const int64_t> send_rows, std::span<const int64_t> recv_rows,
                                       std::string_view label = "exchange_rows");
-// The counts are exchanged first (blocking), then the rows (waited for here).
+// exchange_rows_known for callers that do not know what they receive: the counts are exchanged
+// first (one all_to_all, blocking, labelled "<label> counts"), then the rows (waited for here).
+// Same REQUIRES as exchange_rows_known for send_rows.
 RowExchange exchange_rows(const MeshComms& comms, int mesh_dim, const kernels::Tensor& rows,
                           std::span<const int64_t> send_rows, std::string_view label = "exchange_rows");
 

@@ -1,6 +1,8 @@
 // fsdp-train's flags checked, its mesh, data and model (examples/fsdp_train.cpp documents them).
 #include "examples/fsdp_train_args.h"
 
+#include "kernels/hash.h"
+
 namespace fsdp_train {
 
 MeshPlan mesh_plan(const Args& a, bool parallel) {
@@ -20,17 +22,6 @@ MeshPlan mesh_plan(const Args& a, bool parallel) {
   return m;
 }
 
-namespace {
-
-uint64_t mix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-}  // namespace
-
 // Inputs and targets [rows, seq] of samples first_sample .. first_sample + rows - 1.
 std::pair<Tensor, Tensor> make_batch(const Args& a, int step, int64_t first_sample, int64_t rows) {
   Tensor ids = Tensor::empty({rows, a.seq}, DType::kI64), targets = Tensor::empty({rows, a.seq}, DType::kI64);
@@ -40,7 +31,7 @@ std::pair<Tensor, Tensor> make_batch(const Args& a, int step, int64_t first_samp
   for (int64_t r = 0; r < rows; ++r) {
     const uint64_t g = static_cast<uint64_t>(first_sample + r);
     uint64_t t =
-        mix64(a.seed * 0x100000001B3ull + static_cast<uint64_t>(step) * 0x9E3779B97F4A7C15ull + g) % V;
+        kernels::mix64(a.seed * 0x100000001B3ull + static_cast<uint64_t>(step) * 0x9E3779B97F4A7C15ull + g) % V;
     for (int64_t i = 0; i < a.seq; ++i) {
       pi[r * a.seq + i] = static_cast<int64_t>(t);
       t = (5 * t + 3) % V;

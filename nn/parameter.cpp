@@ -11,20 +11,14 @@
 #include "kernels/checked.h"
 #include "kernels/error.h"
 #include "kernels/format.h"
+#include "kernels/hash.h"
 
 namespace nn {
 
 using kernels::InvalidArgument;
+using kernels::mix64;
 
 namespace {
-
-// splitmix64's finaliser: a bijective 64-bit mix.
-uint64_t mix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
 
 uint64_t fnv1a(std::string_view s) {
   uint64_t h = 1469598103934665603ull;

@@ -25,6 +25,7 @@
 #include "nn/transformer.h"
 #include "layouts.h"
 #include "support/checks.h"
+#include "support/local_mesh.h"
 
 namespace fs = std::filesystem;
 using collectives::Communicator;
@@ -37,6 +38,7 @@ using kernels::DType;
 using kernels::Tensor;
 using checkpoint_tests::Layout;
 using checkpoint_tests::layouts;
+using testing_support::on_mesh;
 
 namespace {
 
@@ -100,12 +102,6 @@ nn::StateDict make_sd(const Layout& l, const std::shared_ptr<const MeshComms>& c
   return sd;
 }
 
-void run_on(const Dims& mesh_shape, const std::function<void(std::shared_ptr<MeshComms>, Communicator&)>& fn) {
-  const DeviceMesh mesh = DeviceMesh::from_shape(mesh_shape);
-  collectives::run_ranks(static_cast<int>(mesh.size()),
-                         [&](Communicator& world) { fn(std::make_shared<MeshComms>(mesh, world), world); });
-}
-
 bool same_local(const DTensor& a, const DTensor& b) {
   const Tensor& x = a.to_local();
   const Tensor& y = b.to_local();
@@ -126,7 +122,7 @@ nn::GPTConfig tiny_gpt() {
 }
 
 void save_layout(const Layout& l, const std::string& dir, uint64_t salt, checkpoint::SaveOptions options = {}) {
-  run_on(l.mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+  on_mesh(l.mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
     checkpoint::save(dir, make_sd(l, comms, salt), world, options);
   });
 }
@@ -155,7 +151,7 @@ TEST_CASE("checkpoint: every layout loads bit-identically under every other, rea
   uint64_t read = 0, needed = 0;
   for (size_t s = 0; s < ls.size(); ++s)
     for (const Layout& dst : ls) {
-      run_on(dst.mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+      on_mesh(dst.mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
         const nn::StateDict expected = make_sd(dst, comms, s + 1);
         // kNone reads exactly the bytes needed; the default (kRead) reads whole blocks, checked.
         for (checkpoint::Verify v : {checkpoint::Verify::kNone, checkpoint::Verify::kRead}) {
@@ -243,7 +239,7 @@ TEST_CASE("checkpoint: module and optimizer state round trip across tensor-paral
   std::map<std::string, std::vector<double>> saved;  // full values of params and state (rank 0)
   std::mutex mu;
   // Source: TP over 2 ranks, two AdamW steps.
-  run_on({2}, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+  on_mesh({2}, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
     nn::GPT model(nn::ModuleOptions{comms, DType::kF32, {}}, cfg);
     nn::parallelize_module(model, 0, nn::gpt_tensor_parallel_plan(cfg, true, true));
     nn::materialize(model, 3);
@@ -299,7 +295,7 @@ TEST_CASE("checkpoint: module and optimizer state round trip across tensor-paral
   testing_support::Checks checks;
   int ran = 0;
   for (const Target& t : targets) {
-    run_on(t.mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+    on_mesh(t.mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
       nn::GPT model(nn::ModuleOptions{comms, DType::kF32, {}}, cfg);
       if (t.tp > 1) nn::parallelize_module(model, 0, nn::gpt_tensor_parallel_plan(cfg, true, true));
       if (t.tp == 0)
@@ -356,7 +352,7 @@ TEST_CASE("checkpoint: corrupt, truncated, incomplete and incompatible checkpoin
                             checkpoint::LoadOptions options = {},
                             std::function<void(nn::StateDict&)> edit = nullptr) {
     ++cases;
-    run_on(l.mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+    on_mesh(l.mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
       nn::StateDict target = make_sd(l, comms, 42);
       if (edit) edit(target);
       std::vector<Tensor> before;
@@ -435,7 +431,7 @@ TEST_CASE("checkpoint: corrupt, truncated, incomplete and incompatible checkpoin
   CHECK(cases == 9);
 
   // Non-strict: the unexpected key is skipped.
-  run_on({4}, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+  on_mesh({4}, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
     nn::StateDict target = make_sd(fsdp4, comms, 42);
     target.tensors.pop_back();
     checkpoint::LoadOptions o;
@@ -443,7 +439,7 @@ TEST_CASE("checkpoint: corrupt, truncated, incomplete and incompatible checkpoin
     checkpoint::load(tmp.str("good"), target, world, o);
   });
   // A Partial tensor cannot be saved.
-  run_on({2}, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+  on_mesh({2}, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
     nn::StateDict sd;
     const auto mesh = std::shared_ptr<const DeviceMesh>(comms, &comms->mesh());
     sd.tensors.emplace_back("p", DTensor(comms, dtensor::make_spec(mesh, dtensor::parse_placements("P"), Dims{4}, DType::kF32),
@@ -458,7 +454,7 @@ TEST_CASE("checkpoint: async save snapshots the state; training may change it be
   TempDir tmp("async");
   const Layout l = layouts()[5];
   testing_support::Checks checks;
-  run_on(l.mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+  on_mesh(l.mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
     nn::StateDict sd = make_sd(l, comms, 7);
     checkpoint::SaveHandle h = checkpoint::async_save(tmp.str("a"), sd, world);
     for (auto& [k, t] : sd.tensors) {
@@ -500,7 +496,7 @@ TEST_CASE("checkpoint: export writes consolidated safetensors (one file, or seve
   save_layout(l, tmp.str("ck"), 3);
   std::map<std::string, Tensor> full;
   std::mutex mu;
-  run_on({1}, [&](std::shared_ptr<MeshComms> comms, Communicator&) {
+  on_mesh({1}, [&](std::shared_ptr<MeshComms> comms, Communicator&) {
     for (const auto& [k, t] : make_sd(layouts()[3], comms, 3).tensors) {
       std::lock_guard lk(mu);
       full[k] = t.to_local().clone();
@@ -532,7 +528,7 @@ TEST_CASE("checkpoint: export writes consolidated safetensors (one file, or seve
 TEST_CASE("state dicts: Module / Optimizer load_state_dict check everything before writing", "[checkpoint][nn]") {
   const nn::GPTConfig cfg = tiny_gpt();
   testing_support::Checks checks;
-  run_on({2}, [&](std::shared_ptr<MeshComms> comms, Communicator&) {
+  on_mesh({2}, [&](std::shared_ptr<MeshComms> comms, Communicator&) {
     nn::GPT a(nn::ModuleOptions{comms, DType::kF32, {}}, cfg);
     nn::parallelize_module(a, 0, nn::gpt_tensor_parallel_plan(cfg, true, true));
     nn::materialize(a, 1);
@@ -650,7 +646,7 @@ TEST_CASE("checkpoint: a resharded load verifies the blocks it reads (default op
   TempDir tmp("blocks");
   checkpoint::SaveOptions so;
   so.block_bytes = 4096;
-  run_on({1}, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+  on_mesh({1}, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
     nn::StateDict sd;
     sd.tensors.emplace_back("w", indexed(comms, {256, 64}, 1, "R"));
     sd.tensors.emplace_back("v", indexed(comms, {96, 40}, 2, "R"));
@@ -678,7 +674,7 @@ TEST_CASE("checkpoint: a resharded load verifies the blocks it reads (default op
     uint64_t read = 0, needed = 0;
     int loads = 0;
     for (const Target& t : targets) {
-      run_on(t.mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+      on_mesh(t.mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
         nn::StateDict target, expected;
         target.tensors.emplace_back("w", dtensor::zeros(Dims{256, 64}, DType::kF32, comms,
                                                         dtensor::parse_placements(t.placements)));
@@ -794,7 +790,7 @@ TEST_CASE("checkpoint: hostile checkpoint.json values fail naming the file, the 
     nlohmann::ordered_json j = read_json(meta);
     c.edit(j);
     write_json(meta, j);
-    run_on(one.mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+    on_mesh(one.mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
       nn::StateDict target = make_sd(one, comms, 42);
       try {
         checkpoint::load(tmp.str(c.name), target, world);
@@ -910,7 +906,7 @@ TEST_CASE("checkpoint: only regular files are opened; write errors map to the ex
     fs::remove(tmp.path / "fifo-data" / file);
     REQUIRE(::mkfifo((tmp.path / "fifo-data" / file).c_str(), 0644) == 0);
     testing_support::Checks checks;
-    run_on(one.mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+    on_mesh(one.mesh, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
       nn::StateDict target = make_sd(one, comms, 42);
       checks.throws<kernels::InvalidArgument>([&] { checkpoint::load(tmp.str("fifo-data"), target, world); },
                                               file + "': it is a FIFO", "a FIFO data file");
@@ -948,7 +944,7 @@ TEST_CASE("checkpoint: only regular files are opened; write errors map to the ex
   // A save under a regular file (not a directory): InvalidArgument on every rank, naming it.
   {
     testing_support::Checks checks;
-    run_on({2}, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+    on_mesh({2}, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
       checks.throws<kernels::InvalidArgument>(
           [&] { checkpoint::save(tmp.str("plain-file/ck"), make_sd(layouts()[0], comms, 1), world); },
           "plain-file/ck", "save under a file");

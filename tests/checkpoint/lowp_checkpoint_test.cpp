@@ -21,6 +21,7 @@
 #include "fsdp/lowp_checkpoint.h"
 #include "nn/transformer.h"
 #include "support/checks.h"
+#include "support/local_mesh.h"
 
 namespace {
 
@@ -34,6 +35,7 @@ using fsdp::QuantConfig;
 using fsdp::QuantKind;
 using kernels::DType;
 using kernels::Tensor;
+using testing_support::on_mesh;
 
 // [20, 24]: 480 elements, 7.5 blocks of 64 (FSDP 3 and uneven shards cut blocks); magnitudes
 // vary by row so the blocks' absmax differ.
@@ -58,15 +60,13 @@ struct Mesh {
 std::pair<Tensor, Tensor> round_trip(const QuantConfig& q, const Mesh& save, const Mesh& load, const std::string& dir,
                                      testing_support::Checks& checks) {
   const Tensor w = weight();
-  collectives::run_ranks(static_cast<int>(save.shape.product()), [&](Communicator& world) {
-    auto comms = MeshComms::create(DeviceMesh::from_shape(save.shape, save.dims), world);
+  on_mesh(DeviceMesh::from_shape(save.shape, save.dims), [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
     const DTensor x = dtensor::distribute_tensor(w, comms, dtensor::parse_placements(save.placements), std::nullopt);
     nn::StateDict sd = fsdp::quantize_for_checkpoint("w", x, q);
     checkpoint::save(dir, sd, world);
   });
   std::pair<Tensor, Tensor> out;
-  collectives::run_ranks(static_cast<int>(load.shape.product()), [&](Communicator& world) {
-    auto comms = MeshComms::create(DeviceMesh::from_shape(load.shape, load.dims), world);
+  on_mesh(DeviceMesh::from_shape(load.shape, load.dims), [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
     const DTensor like = dtensor::distribute_tensor(Tensor::zeros({20, 24}, DType::kF32), comms,
                                                     dtensor::parse_placements(load.placements), std::nullopt);
     nn::StateDict t = fsdp::quantized_checkpoint_template("w", like, q);
@@ -149,8 +149,7 @@ TEST_CASE("lowp checkpoint: refusals name the tensor (nf4 byte cut by a split, i
   // [4, 9] over tp 3 on the last dim: 3 columns each, so rank 0 holds 0..2 and byte 1 (columns 2,
   // 3) would straddle ranks 0 and 1.
   testing_support::Checks checks;
-  collectives::run_ranks(3, [&](Communicator& world) {
-    auto comms = MeshComms::create(DeviceMesh::from_shape({3}, {"tp"}), world);
+  on_mesh(DeviceMesh::from_shape({3}, {"tp"}), [&](std::shared_ptr<MeshComms> comms, Communicator&) {
     Tensor w = Tensor::empty({4, 9}, DType::kF32);
     w.fill_index_([](std::span<const int64_t> i) { return 0.1 * static_cast<double>(i[0] * 9 + i[1]); });
     const DTensor x = dtensor::distribute_tensor(w, comms, dtensor::parse_placements("S(1)"), std::nullopt);
@@ -211,8 +210,7 @@ TEST_CASE("lowp checkpoint: frozen NF4 weights stored as codes only; save and lo
   testing_support::Checks checks;
   TempDir dir("frozen-nf4");
   int weights_checked = 0;
-  collectives::run_ranks(3, [&](Communicator& world) {
-    auto comms = MeshComms::create(DeviceMesh::from_shape({3}, {"dp_shard"}), world);
+  on_mesh(DeviceMesh::from_shape({3}, {"dp_shard"}), [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
     nn::GPTConfig cfg;
     cfg.vocab = 16;
     cfg.dim = 24;  // wq..wo [24, 24], fc1 [96, 24], fc2 [24, 96]: 8, 8, 32, 8 rows per rank

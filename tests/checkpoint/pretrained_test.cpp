@@ -21,6 +21,7 @@
 #include "nn/tensor_parallel.h"
 #include "nn/transformer.h"
 #include "support/checks.h"
+#include "support/local_mesh.h"
 
 namespace fs = std::filesystem;
 using collectives::Communicator;
@@ -30,6 +31,7 @@ using dtensor::DTensor;
 using dtensor::MeshComms;
 using kernels::DType;
 using kernels::Tensor;
+using testing_support::on_mesh;
 
 namespace {
 
@@ -61,8 +63,7 @@ nn::GPTConfig config() {
 // The model's full initial weights (seed 9) as host tensors, keyed by name.
 nn::NamedTensors reference_weights() {
   nn::NamedTensors out;
-  collectives::run_ranks(1, [&](Communicator& world) {
-    auto comms = MeshComms::create(DeviceMesh::from_shape({1}), world);
+  on_mesh({1}, [&](std::shared_ptr<MeshComms> comms, Communicator&) {
     nn::GPT m(nn::ModuleOptions{comms, DType::kF32, {}}, config());
     nn::materialize(m, 9);
     for (const auto& [n, p] : m.named_parameters()) out.emplace_back(n, p->data().to_local().clone());
@@ -208,8 +209,7 @@ TEST_CASE("load_pretrained: an index of two files, and checkpoint directories", 
   }
   SECTION("our checkpoint directory and PyTorch's (its files alone), saved under TP 2, into meta FSDP 4 and FSDP x TP 2x2") {
     TempDir tmp("ours");
-    collectives::run_ranks(2, [&](Communicator& world) {
-      auto comms = MeshComms::create(DeviceMesh::from_shape({2}, {"tp"}), world);
+    on_mesh(DeviceMesh::from_shape({2}, {"tp"}), [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
       nn::GPT m(nn::ModuleOptions{comms, DType::kF32, {}}, config());
       nn::parallelize_module(m, 0, nn::gpt_tensor_parallel_plan(config(), true, true));
       nn::materialize(m, 9);
@@ -233,9 +233,7 @@ TEST_CASE("load_pretrained: an index of two files, and checkpoint directories", 
     int loaded = 0;
     for (const std::string dir : {"ck", "pt"})
       for (const Layout& l : {layouts()[1], layouts()[4]}) {
-        const DeviceMesh mesh = DeviceMesh::from_shape(l.mesh, l.names);
-        collectives::run_ranks(static_cast<int>(mesh.size()), [&](Communicator& world) {
-          auto comms = MeshComms::create(mesh, world);
+        on_mesh(DeviceMesh::from_shape(l.mesh, l.names), [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
           auto m = meta_model(l, comms);
           const checkpoint::LoadStats st = checkpoint::load_pretrained(tmp.str(dir), *m, world);
           checks.check(st.bytes_read >= st.bytes_needed && st.bytes_needed > 0,
@@ -307,8 +305,7 @@ TEST_CASE("load_pretrained: missing, unexpected, mis-shaped and non-floating key
   CHECK(ran == 4);
   // strict = false skips the unexpected key; skip_prefixes skips by prefix.
   testing_support::Checks checks;
-  collectives::run_ranks(2, [&](Communicator& world) {
-    auto comms = MeshComms::create(DeviceMesh::from_shape({2}, {"dp_shard"}), world);
+  on_mesh(DeviceMesh::from_shape({2}, {"dp_shard"}), [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
     auto m = meta_model(layouts()[1], comms);
     checkpoint::PretrainedOptions po;
     po.skip_prefixes = {"blocks.9."};
@@ -322,8 +319,7 @@ TEST_CASE("load_pretrained: missing, unexpected, mis-shaped and non-floating key
   nn::save_safetensors(tmp.str("b.safetensors"), {{"pos_emb.weight", ref[1].second}});
   std::ofstream(tmp.str("notes.txt")) << "hello";
   std::string index_error, kind_error;
-  collectives::run_ranks(1, [&](Communicator& world) {
-    auto comms = MeshComms::create(DeviceMesh::from_shape({1}, {"dp_shard"}), world);
+  on_mesh(DeviceMesh::from_shape({1}, {"dp_shard"}), [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
     auto m = meta_model(layouts()[1], comms);
     try {
       checkpoint::load_pretrained(tmp.str("bad.index.json"), *m, world);

@@ -1,9 +1,10 @@
-// ReduceOp names, Device names and Dims.
+// ReduceOp names, Device names, Dims and mix64.
 #include <catch2/catch.hpp>
 
 #include "kernels/device.h"
 #include "kernels/dims.h"
 #include "kernels/error.h"
+#include "kernels/hash.h"
 #include "kernels/reduce_op.h"
 
 using namespace kernels;
@@ -85,4 +86,13 @@ TEST_CASE("parse_shape: the programs' shape grammar", "[kernels][dims]") {
   CHECK_THROWS_WITH(parse_shape("3,"), Catch::Contains("malformed at ''"));
   CHECK_THROWS_WITH(parse_shape("99999999999999999999"), Catch::Contains("out of range"));
   CHECK_THROWS_WITH(parse_shape("1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1"), Catch::Contains("more than"));
+}
+
+TEST_CASE("mix64 is splitmix64's finaliser", "[kernels][hash]") {
+  // splitmix64's outputs from state 0: mix64(k * golden) for k = 0, 1, 2 (the state before the add).
+  const uint64_t golden = 0x9E3779B97F4A7C15ull;
+  CHECK(mix64(0) == 0xE220A8397B1DCDAFull);
+  CHECK(mix64(golden) == 0x6E789E6AA1B965F4ull);
+  CHECK(mix64(2 * golden) == 0x06C45D188009454Full);
+  STATIC_REQUIRE(mix64(0) == 0xE220A8397B1DCDAFull);  // usable in constant expressions
 }

@@ -348,12 +348,15 @@ TEST_CASE("MoE: tensor parallelism and EP carved from dp are refused together, e
   checks.report();
 }
 
-TEST_CASE("exchange_rows: counts first, then rows, packed in member order", "[nn][moe][ep]") {
+// exchange_rows (the counts exchanged first) is the public form for callers that do not know what
+// they receive; nn::MoE knows it and calls exchange_rows_known. The way back is the header's example.
+TEST_CASE("exchange_rows: counts first, then rows, packed in member order; back with the counts known",
+          "[nn][moe][ep]") {
   // Rank r sends (r + j) % 3 rows to member j; row values are a function of (sender, row).
-  std::vector<std::vector<double>> got(3);
+  std::vector<std::vector<double>> got(3), sent(3), back(3);
   std::vector<std::vector<int64_t>> counts(3);
-  collectives::run_ranks(3, [&](Communicator& world) {
-    auto comms = std::make_shared<MeshComms>(DeviceMesh::from_shape({3}), world);
+  testing_support::Checks checks;
+  on_mesh({3}, [&](std::shared_ptr<MeshComms> comms, Communicator&) {
     const int r = comms->rank();
     std::vector<int64_t> send;
     std::vector<double> rows;
@@ -362,10 +365,22 @@ TEST_CASE("exchange_rows: counts first, then rows, packed in member order", "[nn
       for (int i = 0; i < (r + j) % 3; ++i) rows.insert(rows.end(), {100.0 * r + 10 * j + i, -1.0 * r});
     }
     const int64_t n = static_cast<int64_t>(rows.size()) / 2;
-    dtensor::RowExchange ex = dtensor::exchange_rows(*comms, 0, Tensor::from_vector(rows, {n, 2}, DType::kF32), send);
+    const Tensor x = Tensor::from_vector(rows, {n, 2}, DType::kF32);
+    dtensor::RowExchange ex = dtensor::exchange_rows(*comms, 0, x, send);
     got[r] = ex.rows.to_vector();
     counts[r] = ex.recv_rows;
+    sent[r] = rows;
+    back[r] = dtensor::exchange_rows_known(*comms, 0, ex.rows, ex.recv_rows, send).wait().to_vector();
+    // Refused on every rank before any collective: one count per member, summing to the rows.
+    const std::vector<int64_t> two = {n, 0}, over = {n, 1, 0}, negative = {n + 1, -1, 0};
+    checks.throws<kernels::InvalidArgument>([&] { dtensor::exchange_rows(*comms, 0, x, two); },
+                                            "2 send row counts for 3 members", "two counts");
+    checks.throws<kernels::InvalidArgument>([&] { dtensor::exchange_rows_known(*comms, 0, x, over, over); },
+                                            "do not sum to the", "counts over the rows");
+    checks.throws<kernels::InvalidArgument>([&] { dtensor::exchange_rows(*comms, 0, x, negative); },
+                                            "negative count", "negative count");
   });
+  checks.report();
   for (int r = 0; r < 3; ++r) {
     std::vector<double> want;
     std::vector<int64_t> want_counts;
@@ -375,5 +390,6 @@ TEST_CASE("exchange_rows: counts first, then rows, packed in member order", "[nn
     }
     CHECK(counts[r] == want_counts);
     CHECK(got[r] == want);
+    CHECK(back[r] == sent[r]);
   }
 }

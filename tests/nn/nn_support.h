@@ -14,6 +14,7 @@
 #include "dtensor/dtensor.h"
 #include "kernels/tensor.h"
 #include "nn/module.h"
+#include "support/local_mesh.h"
 
 namespace nn_test {
 
@@ -26,14 +27,8 @@ using dtensor::Placements;
 using kernels::DType;
 using kernels::Tensor;
 
-// fn(comms, world) on every rank of a local world shaped like mesh_shape.
-inline void on_mesh(const Dims& mesh_shape,
-                    const std::function<void(std::shared_ptr<MeshComms>, Communicator&)>& fn,
-                    std::vector<std::string> names = {}) {
-  const DeviceMesh mesh = DeviceMesh::from_shape(mesh_shape, names);
-  collectives::run_ranks(static_cast<int>(mesh.size()),
-                         [&](Communicator& world) { fn(std::make_shared<MeshComms>(mesh, world), world); });
-}
+// fn(comms, world) on every rank of a local world shaped like a mesh.
+using testing_support::on_mesh;
 
 // Values in [-1, 1) as a function of the flat index and a salt.
 inline Tensor values(const Dims& shape, int salt, DType dtype = DType::kF64) {
