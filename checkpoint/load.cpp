@@ -174,6 +174,7 @@ void read_shard(FileCache& files, const std::string& key, const TensorInfo& ti, 
   auto layout = t.spec().layout(t.comms()->rank());
   for (const Box& b : boxes_of(*layout, t.shape())) {
     stats.bytes_needed += static_cast<uint64_t>(b.sizes.product()) * kernels::itemsize(ti.dtype);
+    const Tensor box_dst = box_view(dst, b);  // b.sizes; a ragged box's flat range viewed as a box
     for (const ChunkInfo& c : ti.chunks) {
       Dims lo(b.offsets), sz(b.sizes);
       bool any = true;
@@ -185,8 +186,8 @@ void read_shard(FileCache& files, const std::string& key, const TensorInfo& ti, 
       }
       if (!any) continue;
       Dims at(lo);
-      for (int d = 0; d < at.size(); ++d) at[d] = b.local[d] + lo[d] - b.offsets[d];
-      Tensor region_dst = narrow_box(dst, at, sz);
+      for (int d = 0; d < at.size(); ++d) at[d] = lo[d] - b.offsets[d];
+      Tensor region_dst = narrow_box(box_dst, at, sz);
       Tensor region = read_region(files, key, ti, c, lo, sz, verify, stats, region_dst);
       if (region.data_ptr() != region_dst.data_ptr()) region_dst.copy_(region);
     }

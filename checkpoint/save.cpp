@@ -270,7 +270,7 @@ SaveHandle start_save(const std::string& dir, const nn::StateDict& sd, collectiv
     for (size_t i = 0; i < chunks.size(); ++i) {
       const PlannedChunk& c = chunks[i];
       const Tensor& local = sd.tensors[c.key].second.to_local();
-      Tensor view = c.nbytes == 0 ? Tensor::empty(c.box.sizes, local.dtype()) : narrow_box(local, c.box.local, c.box.sizes);
+      Tensor view = c.nbytes == 0 ? Tensor::empty(c.box.sizes, local.dtype()) : box_view(local, c.box);
       // async: a copy, the caller may change its tensors as soon as we return.
       Tensor host;
       if (copy && cache) {

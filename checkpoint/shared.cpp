@@ -58,9 +58,12 @@ Failure capture(const std::exception_ptr& e) {
 // ---- boxes ----
 
 std::vector<Box> boxes_of(const dtensor::ShardLayout& layout, const Dims& shape) {
-  const int nd = shape.size();
+  const int nd = static_cast<int>(layout.runs.size());  // the view's dims: shape's, or d + 1
   for (int d = 0; d < nd; ++d)
     if (layout.local_shape[d] == 0) return {};
+  const bool ragged = nd < shape.size();
+  Dims tail;  // the flattened dims of a ragged view
+  for (int d = nd - 1; ragged && d < shape.size(); ++d) tail.push_back(shape[d]);
   std::vector<Box> out;
   Box cur;
   cur.offsets.resize(nd);
@@ -69,6 +72,28 @@ std::vector<Box> boxes_of(const dtensor::ShardLayout& layout, const Dims& shape)
   std::function<void(int)> rec = [&](int d) {
     if (d == nd) {
       out.push_back(cur);
+      return;
+    }
+    if (ragged && d == nd - 1) {
+      // The flat dim: each run (one in practice) as boxes of the flattened dims.
+      int64_t pos = 0;
+      for (const auto& run : layout.runs[d]) {
+        for (const dtensor::FlatBox& fb : dtensor::flat_range_boxes(tail, run.start, run.length)) {
+          Box b;
+          for (int t = 0; t < d; ++t) {
+            b.offsets.push_back(cur.offsets[t]);
+            b.sizes.push_back(cur.sizes[t]);
+          }
+          b.local = cur.local;
+          for (int t = 0; t < tail.size(); ++t) {
+            b.offsets.push_back(fb.offsets[t]);
+            b.sizes.push_back(fb.sizes[t]);
+          }
+          b.local[d] = pos + (fb.flat - run.start);
+          out.push_back(std::move(b));
+        }
+        pos += run.length;
+      }
       return;
     }
     int64_t pos = 0;
@@ -89,6 +114,23 @@ Tensor narrow_box(const Tensor& t, const Dims& start, const Dims& sizes) {
   Tensor v = t;
   for (int d = 0; d < sizes.size(); ++d) v = v.narrow(d, start[d], sizes[d]);
   return v;
+}
+
+Tensor box_view(const Tensor& local, const Box& b) {
+  const int nl = b.local.size();
+  if (nl == b.sizes.size()) return narrow_box(local, b.local, b.sizes);
+  Tensor v = local;
+  Dims shape;
+  for (int d = 0; d + 1 < nl; ++d) {
+    v = v.narrow(d, b.local[d], b.sizes[d]);
+    shape.push_back(b.sizes[d]);
+  }
+  int64_t n = 1;
+  for (int d = nl - 1; d < b.sizes.size(); ++d) {
+    n *= b.sizes[d];
+    shape.push_back(b.sizes[d]);
+  }
+  return v.narrow(nl - 1, b.local[nl - 1], n).view(shape);
 }
 
 std::string file_name(int rank, int slot, int slots) {

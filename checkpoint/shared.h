@@ -48,16 +48,28 @@ void sync_dir(const std::string& dir);
 
 // ---- boxes ----
 
-// A box of a rank's shard: global offsets and sizes, and where it starts in the local tensor.
+// A box of a rank's shard: global offsets and sizes (the tensor's dims), and where it starts in
+// the local tensor (the local tensor's dims: with a RaggedShard(d) over dims d..n-1 of an n-d
+// tensor, d + 1 of them, the last the box's first position in the rank's flat range).
 struct Box {
   Dims offsets, sizes, local;
 };
 
-// The boxes of one rank's layout: the product over tensor dims of the runs of held indices
-// (each run is contiguous in global coordinates and in local order).
+// The boxes of one rank's layout of a tensor of `shape`: the product over tensor dims of the
+// runs of held indices (each run is contiguous in global coordinates and in local order). A
+// layout of a RaggedShard's view (fewer dims than `shape`, NOTE [ragged view]) has its flat
+// runs cut by dtensor::flat_range_boxes: per run of the dims before d, a partial first row,
+// full rows and a partial last row, at most 2 (n - d) - 1 boxes.
+//   shape (3,4) under Rg(0,[1,1],1) on 2 ranks, rank 0 holds flat [0, 6):
+//     offsets (0,0) sizes (1,4) local (0); offsets (1,0) sizes (1,2) local (4)
+// REQUIRES: layout is compute_layout's for `shape` (and the placements it was computed for).
 std::vector<Box> boxes_of(const dtensor::ShardLayout& layout, const Dims& shape);
 
 kernels::Tensor narrow_box(const kernels::Tensor& t, const Dims& start, const Dims& sizes);
+// The view of `local` (a rank's local tensor) that holds box b, shaped as b.sizes: narrow_box
+// for a box of the tensor's own dims; for a ragged box the narrowed flat dim viewed as the
+// box's trailing dims (one contiguous range of the flattening, so always a view).
+kernels::Tensor box_view(const kernels::Tensor& local, const Box& b);
 
 // shard-{rank+1:05}-model-{slot+1:05}-of-{slots:05}.safetensors
 std::string file_name(int rank, int slot, int slots);

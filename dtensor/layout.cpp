@@ -117,6 +117,62 @@ Dims ragged_view(const Dims& global_shape, const Placements& placements) {
   return view;
 }
 
+std::vector<FlatBox> flat_range_boxes(const Dims& dims, int64_t start, int64_t length) {
+  const int n = dims.size();
+  // inner[k]: elements of one index of dim k (the product of dims k+1..n-1).
+  std::vector<int64_t> inner(static_cast<size_t>(n) + 1, 1);
+  for (int k = n - 1; k >= 0; --k) {
+    if (dims[k] < 0)
+      throw InvalidArgument(fmt::format("flat_range_boxes: shape [{}] has a negative size", fmt::join(dims, ",")));
+    inner[static_cast<size_t>(k)] =
+        kernels::checked_mul(inner[static_cast<size_t>(k) + 1], dims[k], "flat_range_boxes: the shape's size");
+  }
+  const int64_t total = inner[0];
+  if (start < 0 || length < 0 || start > total || length > total - start)
+    throw InvalidArgument(fmt::format("flat_range_boxes: range [{}, {} + {}) outside the {} elements of shape [{}]",
+                                      start, start, length, total, fmt::join(dims, ",")));
+  std::vector<FlatBox> out;
+  if (length == 0) return out;
+  if (n == 0) {
+    out.push_back({{}, {}, 0});
+    return out;
+  }
+  Dims off = Dims::filled(n, 0);
+  auto emit = [&](int k, int64_t first, int64_t count, int64_t flat) {
+    FlatBox b;
+    for (int t = 0; t < n; ++t) {
+      b.offsets.push_back(t < k ? off[t] : t == k ? first : 0);
+      b.sizes.push_back(t < k ? 1 : t == k ? count : dims[t]);
+    }
+    b.flat = flat;
+    out.push_back(std::move(b));
+  };
+  // [a, b) of the sub-tensor of dims k..n-1 at off[0..k), whose first element has flat index base.
+  auto rec = [&](auto&& self, int k, int64_t a, int64_t b, int64_t base) -> void {
+    if (a >= b) return;
+    const int64_t in = inner[static_cast<size_t>(k) + 1];
+    int64_t ra = a / in, rb = b / in;
+    const int64_t ca = a % in, cb = b % in;
+    if (ra == rb) {  // inside one index of dim k
+      off[k] = ra;
+      self(self, k + 1, ca, cb, base + ra * in);
+      return;
+    }
+    if (ca > 0) {  // the partial first index
+      off[k] = ra;
+      self(self, k + 1, ca, in, base + ra * in);
+      ++ra;
+    }
+    if (rb > ra) emit(k, ra, rb - ra, base + ra * in);
+    if (cb > 0) {  // the partial last index
+      off[k] = rb;
+      self(self, k + 1, 0, cb, base + rb * in);
+    }
+  };
+  rec(rec, 0, start, start + length, 0);
+  return out;
+}
+
 IndexRuns split_positions(int64_t n, int64_t k, int64_t index, int split_factor) {
   IndexRuns out;
   if (split_factor == 0) {

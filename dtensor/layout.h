@@ -58,6 +58,29 @@ std::vector<int64_t> ragged_boundaries(int64_t n, const std::vector<int64_t>& un
 // compose with the RaggedShard, InvalidArgument for a ragged dim out of range or an overflow.
 Dims ragged_view(const Dims& global_shape, const Placements& placements);
 
+// A box (global offsets and sizes per dim) that is one contiguous range of a row-major
+// flattening; `flat` is the flat index of its first element.
+struct FlatBox {
+  Dims offsets, sizes;
+  int64_t flat = 0;
+  friend bool operator==(const FlatBox&, const FlatBox&) = default;
+};
+// The boxes of the flat range [start, start + length) of a row-major tensor of shape `dims`, in
+// flat order: a partial first row, the full rows, a partial last row, each partial row split the
+// same way one dim further in. At most 2 x dims.size() - 1 boxes (one when the range is whole
+// rows), each contiguous in the flattening; none for an empty range. This is how a RaggedShard's
+// 1-D range (NOTE [ragged view]) becomes boxes of the tensor's own dims (checkpoints: DCP chunks).
+//   flat_range_boxes({3,4,5}, 7, 45): [7, 52) from (0,1,2) to (2,2,1) inclusive:
+//     offsets (0,1,2) sizes (1,1,3) flat 7     the rest of row (0,1)
+//     offsets (0,2,0) sizes (1,2,5) flat 10    the rest of plane 0
+//     offsets (1,0,0) sizes (1,4,5) flat 20    plane 1 whole
+//     offsets (2,0,0) sizes (1,2,5) flat 40    plane 2 up to row (2,2)
+//     offsets (2,2,0) sizes (1,1,2) flat 50    row (2,2) up to column 2
+//   flat_range_boxes({4,6}, 6, 12): one box, offsets (1,0) sizes (2,6) flat 6
+// REQUIRES: dims non-negative with a product that fits int64, 0 <= start, 0 <= length,
+// start + length <= the product (InvalidArgument naming the range and shape otherwise).
+std::vector<FlatBox> flat_range_boxes(const Dims& dims, int64_t start, int64_t length);
+
 // A run of consecutive global indices [start, start + length).
 struct IndexRun {
   int64_t start = 0;

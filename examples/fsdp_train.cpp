@@ -34,16 +34,19 @@
 //
 // Output: one progress line per --log-every steps on rank 0 (the step's wall time in ms too),
 //   step 3/30 loss 3.91234567 ms 6.21 tokens/s 41234 peak_bytes 1234567 param_bytes 123 grad_bytes 45
-//   optim_bytes 90 buffer_bytes 67 all_gather_bytes 89 reduce_bytes 8192
+//   optim_bytes 90 buffer_bytes 67 all_gather_bytes 89 reduce_bytes 8192 fsdp_copy_bytes 0
 // (rank 0's peaks: parameters = sharded plus unsharded, gradients = sharded, optimizer state,
 // buffers = FSDP's reduce-scatter inputs and casts; the bytes rank 0's unshards sent this step;
 // reduce_bytes: what the step's gradient reductions moved per rank, from their plans; 0 without
-// FSDP)
+// FSDP; fsdp_copy_bytes: rank 0's bytes FSDP copied around its collectives this step, copy-in,
+// copy-out and dtype casts, fsdp::GroupStats::copy_bytes)
 // and, last, one JSON object:
 //   {"steps":30,"first_loss":4.16,"last_loss":0.93,"parity":"ok","max_rel_loss_diff":2e-7,
 //    "max_param_diff":3e-8,"tokens_per_s":41234,"peak_bytes":1234567,...,"all_gather_bytes":89,
-//    "reduce_bytes":8192}
-// (reduce_bytes: the progress lines' reduce_bytes averaged over the steps run)
+//    "reduce_bytes":8192,"fsdp_copy_bytes":0}
+// (reduce_bytes, fsdp_copy_bytes: the progress lines' averaged over the steps run; null without FSDP)
+// --fsdp-layout padded|contiguous (default padded): fsdp::Layout; contiguous copies nothing in
+// f32 (fsdp_copy_bytes 0) and only the dtype casts under --mp bf16 (fsdp/README.md).
 // parity: "skipped" without --check-parity (then the two diffs are null); max_rel_loss_diff is the
 // largest |loss - loss_ref| / |loss_ref| over the steps, max_param_diff the relative L2
 // difference of all final parameters flattened together; limits in parity_limits() (1e-5 and
@@ -228,13 +231,15 @@ int finish(const Args& a, const Outcome& o) {
   fmt::print(
       "{{\"steps\":{},\"first_loss\":{},\"last_loss\":{},\"parity\":\"{}\",\"max_rel_loss_diff\":{},"
       "\"max_param_diff\":{},\"tokens_per_s\":{},\"peak_bytes\":{},\"peak_block_bytes\":{},"
-      "\"estimated_peak_bytes\":{},\"estimated_peak_block_bytes\":{},\"all_gather_bytes\":{},\"reduce_bytes\":{}}}\n",
+      "\"estimated_peak_bytes\":{},\"estimated_peak_block_bytes\":{},\"all_gather_bytes\":{},\"reduce_bytes\":{},"
+      "\"fsdp_copy_bytes\":{}}}\n",
       a.steps, json_number(got.losses.front()), json_number(got.losses.back()), o.parity,
       o.cmp ? json_number(o.cmp->max_rel_loss_diff) : "null", o.cmp ? json_number(o.cmp->max_param_diff) : "null",
       json_number(std::round(got.tokens_per_s)), got.peak_bytes, got.peak_block_bytes,
       o.estimate ? std::to_string(o.estimate->peak) : "null", o.estimate ? std::to_string(o.estimate->peak_blocks) : "null",
       got.all_gather_bytes ? std::to_string(*got.all_gather_bytes) : "null",
-      got.reduce_bytes ? std::to_string(*got.reduce_bytes) : "null");
+      got.reduce_bytes ? std::to_string(*got.reduce_bytes) : "null",
+      got.copy_bytes ? std::to_string(*got.copy_bytes) : "null");
   std::fflush(stdout);
   return o.parity == "fail" ? program::kMismatch : program::kOk;
 }
@@ -316,6 +321,9 @@ int run(int argc, char** argv) {
   app.add_flag("--no-pin-memory", a.no_pin_memory,
                "with --offload: ordinary host memory and synchronous copies (default on a GPU: pinned, copy stream)");
   app.add_flag("--no-sync", a.no_sync, "with --grad-accum: reduce gradients on the last microbatch only");
+  app.add_option("--fsdp-layout", a.fsdp_layout,
+                 "padded | contiguous: FSDP's flat buffers (contiguous: parameter-major, RaggedShard over dp, no "
+                 "copy-in / copy-out; FSDP on --dp-shard only)");
   app.add_option("--prefetch", a.prefetch, "FSDP prefetch depth 0 | 1 | 2 (forward and backward)");
   app.add_option("--reduce-wire", a.reduce_wire, "bf16 | e5m2: what FSDP's gradient reductions move (summed in f32)");
   app.add_option("--tp", a.tp, "tensor-parallel ranks");

@@ -78,6 +78,7 @@ struct Args {
   // FSDP
   bool fsdp = false;  // --dp-shard or --dp-replicate given
   std::string reshard_after_forward = "auto";
+  std::string fsdp_layout = "padded";  // --fsdp-layout padded | contiguous (fsdp::Layout)
   bool offload = false;
   bool no_pin_memory = false;  // --offload with ordinary host memory, synchronous copies
   bool no_sync = false;
@@ -141,6 +142,7 @@ struct RunResult {
   int64_t peak_block_bytes = 0;  // the same in the caching allocator's block sizes (what a limit counts)
   std::optional<int64_t> all_gather_bytes;  // per step, this rank's unshards (FSDP only)
   std::optional<int64_t> reduce_bytes;  // per step: what the gradient reductions' plans moved (FSDP only)
+  std::optional<int64_t> copy_bytes;    // per step, this rank: FSDP's copies and casts (GroupStats::copy_bytes)
 };
 
 // --reduce-wire: MixedPrecisionPolicy::reduce_wire (validate() checked the text).

@@ -123,8 +123,14 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     for (const fsdp::FSDPModule* g : groups) n += g->stats().reduce_bytes;
     return n;
   };
+  auto copy_total = [&] {
+    int64_t n = 0;
+    for (const fsdp::FSDPModule* g : groups) n += g->stats().copy_bytes;
+    return n;
+  };
   if (use_fsdp) {
     fsdp::FullyShardOptions o;
+    o.layout = a.fsdp_layout == "contiguous" ? fsdp::Layout::kContiguous : fsdp::Layout::kPadded;
     if (a.reshard_after_forward == "true") o.reshard_after_forward = fsdp::ReshardAfterForward::yes();
     else if (a.reshard_after_forward == "false") o.reshard_after_forward = fsdp::ReshardAfterForward::no();
     else if (reshard_k > 0) o.reshard_after_forward = fsdp::ReshardAfterForward::to(reshard_k);
@@ -321,10 +327,12 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
   const int64_t ag_bytes_start = fsdp_train::all_gather_bytes(groups);
   cache->reset_peak();
   const int64_t reduce_start = reduce_total();
+  const int64_t copy_start = copy_total();
   for (int step = first_step; step < a.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t ag_bytes_before = fsdp_train::all_gather_bytes(groups);
     const int64_t reduce_before = reduce_total();
+    const int64_t copy_before = copy_total();
     const std::string step_name = tracer != nullptr ? fmt::format("step {}", step + 1) : std::string();
     const kernels::TraceSpan step_span(tracer, me, "compute", step_name);
     double step_loss = 0;
@@ -407,10 +415,11 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     if (print && rank0 && ((step + 1) % a.log_every == 0 || step + 1 == a.steps)) {
       fmt::print(
           "step {}/{} loss {:.9g} ms {:.3f} tokens/s {:.0f} peak_bytes {} param_bytes {} grad_bytes {} "
-          "optim_bytes {} buffer_bytes {} all_gather_bytes {} reduce_bytes {}{}\n",
+          "optim_bytes {} buffer_bytes {} all_gather_bytes {} reduce_bytes {} fsdp_copy_bytes {}{}\n",
           step + 1, a.steps, step_loss, seconds * 1e3, static_cast<double>(a.batch * a.seq) / seconds,
           total_mem->peak_bytes(), param_bytes + unsharded_mem->peak_bytes(), grad_bytes, optim_bytes, buffer_mem->peak_bytes(),
           fsdp_train::all_gather_bytes(groups) - ag_bytes_before, reduce_total() - reduce_before,
+          copy_total() - copy_before,
           a.moe.experts > 0 ? moe_step.text() : "");
       if (scaler) fmt::print("  loss_scale {} skipped_steps {}\n", loss_scale, skipped_steps);
       std::fflush(stdout);
@@ -427,6 +436,7 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
     result.all_gather_bytes =
         (fsdp_train::all_gather_bytes(groups) - ag_bytes_start) / static_cast<int64_t>(result.losses.size());
     result.reduce_bytes = (reduce_total() - reduce_start) / static_cast<int64_t>(result.losses.size());
+    result.copy_bytes = (copy_total() - copy_start) / static_cast<int64_t>(result.losses.size());
   }
   result.tokens_per_s = med > 0 ? static_cast<double>(a.batch * a.seq) / med : 0;
   // The training's peak, before the full parameters are gathered for the parity check.

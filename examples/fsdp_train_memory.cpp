@@ -58,6 +58,7 @@ fsdp::MemoryConfig memory_config(const Args& a) {
   c.lora_rank = a.qlora;
   c.options.offload_policy.offload_to_cpu = a.offload;
   c.prefetch = a.prefetch;
+  if (a.fsdp_layout == "contiguous") c.options.layout = fsdp::Layout::kContiguous;  // refused: not modelled
   c.no_sync = a.no_sync;
   c.optimizer_states = a.optimizer == "adamw" ? 2 : 1;  // AdamW's two moments; SGD's momentum
   c.device = a.backend == "nccl" ? kernels::Device::cuda(0) : kernels::Device{};

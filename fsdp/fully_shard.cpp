@@ -1,5 +1,7 @@
 #include "fsdp/fully_shard.h"
 
+#include "fsdp/group.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -9,6 +11,7 @@
 
 #include "dtensor/layout.h"
 #include "fsdp/byte_pack.h"
+#include "fsdp/contiguous.h"
 #include "fsdp/dp_chunks.h"
 #include "fsdp/offload.h"
 #include "fsdp/param_mesh.h"
@@ -34,8 +37,6 @@ namespace {
 
 constexpr const char* kExtension = "fsdp";
 
-Placements filled(int n, Placement p) { return Placements(static_cast<size_t>(n), p); }
-
 DTensor cast(const DTensor& d, DType dtype) {
   if (d.dtype() == dtype) return d;
   DTensorSpec spec = d.spec();
@@ -49,667 +50,8 @@ std::string join_name(const std::string& prefix, const std::string& name) {
   return prefix + "." + name;
 }
 
-std::shared_ptr<const dtensor::DeviceMesh> mesh_ptr(const std::shared_ptr<const MeshComms>& c) {
-  return std::shared_ptr<const dtensor::DeviceMesh>(c, &c->mesh());
-}
-
 }  // namespace
 
-// The groups under one root share this: the forward order (for implicit prefetch), the
-// reductions in flight (bounded: at most two reduce-scatter inputs alive) and the depth.
-struct Runtime {
-  Group* root = nullptr;
-  std::vector<Group*> groups;
-  std::vector<Group*> order;    // pre-forward order of the last complete forward
-  std::vector<Group*> current;  // being recorded
-  std::vector<Group*> pending;  // groups with a reduction in flight, oldest first
-  int prefetch_depth = 1;
-};
-
-// One parameter of a group.
-struct Slot {
-  std::string name;
-  std::shared_ptr<nn::Parameter> param;
-  DTensorSpec unsharded_spec;  // on the full mesh, orig dtype (dp dims Replicate)
-  DTensorSpec sharded_spec;
-  Dims local_shape;   // the unsharded local (tensor-parallel) shape
-  int shard_dim = 0;  // tensor dim split over the dp shard dim
-  Dims padded_shape;  // local_shape with shard_dim -> ceil(n / dp)
-  int64_t offset = 0, padded_numel = 0;
-  std::vector<dtensor::Chunk> chunks;  // per dp shard coordinate
-  std::optional<DTensor> sharded;      // view into the sharded flat buffer
-  int64_t unsharded_offset = 0;        // in elements of the unsharded parameter storage
-  Tensor accum;                        // no-sync: the unsharded gradient so far (reduce dtype)
-  bool released = false;  // quantize_frozen: no master; its extension keeps its gathered inputs
-};
-
-class Group {
- public:
-  enum class State { kSharded, kUnsharding, kUnsharded, kResharded };
-
-  std::string name;
-  std::vector<nn::Module*> modules;
-  std::shared_ptr<const MeshComms> comms, dp_comms, k_comms;
-  std::vector<int> dp_dims;  // mesh dims of the full mesh that are data parallel, ascending
-  int shard_mesh_dim = 0;
-  std::optional<int> rep_mesh_dim;
-  int dp_index = 0;  // the shard dim's index in dp_comms' mesh
-  int64_t dp = 1;
-  int64_t my_coord = 0;
-  FullyShardOptions opts;
-  ReshardAfterForward reshard_mode;
-  DType orig_dtype = DType::kF32, param_dtype = DType::kF32, reduce_dtype = DType::kF32;
-  std::optional<DType> reduce_wire;  // MixedPrecisionPolicy::reduce_wire
-  kernels::Device compute_device, storage_device;
-  std::shared_ptr<kernels::Allocator> unsharded_alloc, buffer_alloc;
-  std::vector<Slot> slots;
-  int64_t slot_numel = 0;  // P: one rank's flat elements
-  // The trainable prefix: parameters with requires_grad come first in the slots, so gradients
-  // (reduce-scatter, sharded gradient buffer) cover only the first grad_numel of the P
-  // elements; frozen parameters (QLoRA's base weights) send and keep no gradient bytes.
-  int64_t grad_numel = 0;
-  size_t grad_slots = 0;
-  kernels::ChunkCatLayout grad_layout;
-  kernels::ChunkCatLayout layout;  // the slots, rank-major: chunk_cat / split_copy copies
-  int64_t unsharded_numel = 0;
-  // With all-gather extensions: one ByteSlot per slot and the bytes of one rank's u8 buffer
-  // (fsdp/byte_pack.h); empty otherwise.
-  std::vector<detail::ByteSlot> bslots;
-  int64_t rank_bytes = 0;
-  std::optional<DTensor> sharded_flat;
-  std::shared_ptr<Storage> flat_storage, param_storage;
-  Tensor grad_flat;    // sharded gradients (orig dtype, storage device)
-  Tensor partial_acc;  // HSDP without all-reduce: the [P,S(0)] partial sum so far
-  State state = State::kSharded;
-  std::optional<dtensor::RedistributeHandle> ag_handle;
-  Tensor ag_input;
-  std::optional<DTensor> k_buffer;
-  struct Pending {
-    dtensor::RedistributeHandle handle;
-    Tensor input, out;
-    bool to_partial = false;       // RS only (HSDP without all-reduce)
-    bool all_reduce_after = false;  // add the partial sum, then all-reduce over the replicate dim
-    bool into_grad = false;         // out is grad_flat itself
-  };
-  std::optional<Pending> pending;
-
-  bool requires_gradient_sync = true, reshard_after_backward = true, requires_all_reduce = true;
-  bool is_last_backward = true;
-  double divide_factor = 1.0;
-  bool has_sharded_grad = false;
-  std::optional<std::vector<Group*>> fwd_prefetch, bwd_prefetch;
-  size_t fwd_pre = 0, fwd_post = 0, bwd_pre = 0, bwd_post = 0;
-  std::shared_ptr<Runtime> rt;
-  GroupStats stats;
-  std::string note;
-  // Offload with copies on the copy stream (fsdp/offload.h); null: offload copies, if any, are
-  // synchronous.
-  std::unique_ptr<detail::OffloadCopies> offload;
-  // Per-parameter meshes (fsdp/param_mesh.h): one follower per other mesh, registered on no
-  // module; this group's unshard, reshard and gradient steps run theirs first.
-  std::vector<std::shared_ptr<Group>> followers;
-  bool is_follower = false;
-
-  bool is_root() const { return rt && rt->root == this; }
-  bool byte_mode() const { return !bslots.empty(); }
-  bool hsdp() const { return rep_mesh_dim.has_value(); }
-  int dp_ndim() const { return static_cast<int>(dp_dims.size()); }
-
-  Placements flat_sharded_placements() const {
-    Placements p = filled(dp_ndim(), dtensor::Replicate{});
-    p[dp_index] = dtensor::Shard{0};
-    return p;
-  }
-  DTensorSpec flat_spec(const Placements& p, DType dtype) const {
-    return dtensor::make_spec(mesh_ptr(dp_comms), p, Dims{dp * slot_numel}, dtype);
-  }
-  DTensorSpec grad_flat_spec(const Placements& p, DType dtype) const {
-    return dtensor::make_spec(mesh_ptr(dp_comms), p, Dims{dp * grad_numel}, dtype);
-  }
-
-  bool reshards_after_forward() const {
-    switch (reshard_mode.kind) {
-      case ReshardAfterForward::Kind::kAuto: return !is_root();
-      case ReshardAfterForward::Kind::kTrue: return true;
-      case ReshardAfterForward::Kind::kFalse: return false;
-      case ReshardAfterForward::Kind::kInt: return true;
-    }
-    return true;
-  }
-  bool reshard_to_k() const { return reshard_mode.kind == ReshardAfterForward::Kind::kInt && k_comms; }
-
-  // ---- storage ----
-  Tensor flat_view() {
-    if (byte_mode()) {
-      if (!flat_storage) flat_storage = Storage::allocate(static_cast<size_t>(dp * rank_bytes), compute_device, unsharded_alloc);
-      else flat_storage->reallocate();
-      return Tensor::from_storage(flat_storage, DType::kU8, Dims{dp * rank_bytes},
-                                  Tensor::contiguous_strides(Dims{dp * rank_bytes}));
-    }
-    if (!flat_storage)
-      flat_storage = Storage::allocate(static_cast<size_t>(dp * slot_numel) * kernels::itemsize(param_dtype),
-                                       compute_device, unsharded_alloc);
-    else
-      flat_storage->reallocate();
-    return Tensor::from_storage(flat_storage, param_dtype, Dims{dp * slot_numel},
-                                Tensor::contiguous_strides(Dims{dp * slot_numel}));
-  }
-  void ensure_param_storage() {
-    if (!param_storage)
-      param_storage = Storage::allocate(static_cast<size_t>(unsharded_numel) * kernels::itemsize(param_dtype),
-                                        compute_device, unsharded_alloc);
-    else
-      param_storage->reallocate();
-  }
-  Tensor unsharded_local(const Slot& s) const {
-    return Tensor::from_storage(param_storage, param_dtype, s.local_shape, Tensor::contiguous_strides(s.local_shape),
-                                s.unsharded_offset);
-  }
-  DTensor sharded_grad_view(const Slot& s) const {
-    Tensor l = grad_flat.narrow(0, s.offset, s.padded_numel)
-                   .view(s.padded_shape)
-                   .narrow(s.shard_dim, 0, s.chunks[my_coord].size);
-    return DTensor(comms, s.sharded_spec, l);
-  }
-
-  // ---- unshard / reshard ----
-  // Every parameter materialised (nn::materialize, or a loader's to_empty): an unshard of a
-  // group still (partly) meta is refused naming the parameter.
-  void require_materialized() const {
-    for (const Slot& s : slots)
-      if (!s.sharded && !s.released)
-        throw InvalidArgument(fmt::format(
-            "FSDP group '{}': parameter '{}' is still meta: materialize the model (nn::materialize) or load its "
-            "weights before forward",
-            name, s.name));
-  }
-
-  // Where the sharded parameters and gradients live: pinned host memory under offload's copy
-  // engine, else the mesh's allocator.
-  std::shared_ptr<kernels::Allocator> state_alloc() const {
-    std::shared_ptr<kernels::Allocator> a = offload ? offload->engine()->host_allocator() : nullptr;
-    return a ? a : comms->allocator();
-  }
-  // Offload: the sharded parameters host -> device on the copy stream (issued ahead by
-  // copy_ahead, or by the unshard itself), then the all-gather input in the parameter dtype.
-  void start_copy_in() {
-    for (auto& f : followers) f->start_copy_in();
-    if (!offload || offload->has_copy_in() || byte_mode() || state != State::kSharded) return;
-    for (const Slot& s : slots)
-      if (!s.sharded) return;  // still meta: the unshard refuses
-    const Tensor& local = flat_shard();
-    offload->copy_in(Tensor::empty(local.shape(), orig_dtype, compute_device, buffer_alloc), local);
-  }
-  Tensor copied_in() {
-    start_copy_in();
-    Tensor t = offload->take_copy_in();
-    if (t.dtype() == param_dtype) return t;
-    Tensor c = Tensor::empty(t.shape(), param_dtype, compute_device, buffer_alloc);
-    c.copy_(t);
-    return c;
-  }
-
-  // The sharded flat buffer, allocated (zero: the padding stays zero) on first use.
-  const Tensor& flat_shard() {
-    if (!sharded_flat) {
-      Tensor flat = Tensor::empty(Dims{slot_numel}, orig_dtype, storage_device, state_alloc());
-      flat.fill_(0.0);
-      sharded_flat = DTensor(dp_comms, flat_spec(flat_sharded_placements(), orig_dtype), flat);
-    }
-    return sharded_flat->to_local();
-  }
-  // Slot i's shard inside the flat buffer: [c.size] rows of its padded slot along the shard dim.
-  Tensor shard_view(const Slot& s) {
-    const dtensor::Chunk& c = s.chunks[my_coord];
-    return flat_shard().narrow(0, s.offset, s.padded_numel).view(s.padded_shape).narrow(s.shard_dim, 0, c.size);
-  }
-  // Where nn's materialize / to_empty write a meta parameter of this group: its view in the flat
-  // buffer (which the first call allocates), from then on the sharded parameter.
-  Tensor materialize_target(size_t i) {
-    if (state != State::kSharded)
-      throw InvalidArgument(fmt::format("FSDP group '{}': parameter '{}' materialised while the group is unsharded",
-                                        name, slots[i].name));
-    Slot& s = slots[i];
-    if (s.released)
-      throw InvalidArgument(fmt::format("FSDP group '{}': parameter '{}' is stored as its all-gather extension's codes "
-                                        "(fsdp::quantize_frozen): its master is gone; load the codes instead",
-                                        name, s.name));
-    Tensor view = shard_view(s);
-    s.sharded = DTensor(comms, s.sharded_spec, view);
-    return view;
-  }
-
-  // The communicators' tracer (kernels/trace.h; null: not traced) and this rank's process in it.
-  kernels::Tracer* tracer() const { return dp_comms->mesh().ndim() > 0 ? dp_comms->dim(0).tracer() : nullptr; }
-  int trace_pid() const { return dp_comms->mesh().ndim() > 0 ? dp_comms->dim(0).global_rank() : 0; }
-
-  void issue_unshard() {
-    for (auto& f : followers) f->issue_unshard();
-    if (state == State::kUnsharding || state == State::kUnsharded) return;
-    if (state == State::kSharded) require_materialized();
-    Tensor out = flat_view();
-    if (state == State::kResharded) {
-      stats.all_gather_bytes += k_buffer->plan_to(filled(k_comms->mesh().ndim(), dtensor::Replicate{})).bytes_per_rank();
-      ag_handle = dtensor::redistribute_async(*k_buffer, filled(k_comms->mesh().ndim(), dtensor::Replicate{}), {}, out);
-    } else {
-      // Copy-in: the shard on the compute device, in the parameter dtype (so the all-gather
-      // moves param_dtype bytes; FSDP2 casts before communicating).
-      const Tensor& local = flat_shard();
-      DTensor src = *sharded_flat;
-      if (byte_mode()) {
-        // Every slot's gathered pieces (extensions' or the plain cast shard) packed by bytes.
-        ag_input = Tensor::empty(Dims{rank_bytes}, DType::kU8, compute_device, buffer_alloc);
-        ag_input.fill_(0.0);
-        std::vector<Tensor> padded;
-        padded.reserve(slots.size());
-        for (const Slot& s : slots)
-          padded.push_back(s.released ? Tensor() : local.narrow(0, s.offset, s.padded_numel).view(s.padded_shape));
-        const kernels::TraceSpan span(tracer(), trace_pid(), "copies", "FSDP copy-in (extensions)");
-        stats.extension_bytes += detail::pack(bslots, padded, ag_input);
-        src = DTensor(dp_comms,
-                      dtensor::make_spec(mesh_ptr(dp_comms), flat_sharded_placements(), Dims{dp * rank_bytes}, DType::kU8),
-                      ag_input);
-      } else if (offload) {
-        ag_input = copied_in();
-        src = DTensor(dp_comms, flat_spec(flat_sharded_placements(), param_dtype), ag_input);
-      } else if (local.dtype() != param_dtype || local.device() != compute_device) {
-        ag_input = Tensor::empty(local.shape(), param_dtype, compute_device, buffer_alloc);
-        const kernels::TraceSpan span(tracer(), trace_pid(), "copies", "FSDP copy-in");
-        if (local.device() == compute_device)
-          kernels::chunk_cat(ag_input, {local}, kernels::ChunkCatLayout({local.shape()}, 1), opts.copy_threads);
-        else
-          ag_input.copy_(local);  // offload: host -> device (and cast)
-        src = DTensor(dp_comms, flat_spec(flat_sharded_placements(), param_dtype), ag_input);
-      }
-      stats.all_gather_bytes += src.plan_to(filled(dp_ndim(), dtensor::Replicate{})).bytes_per_rank();
-      ag_handle = dtensor::redistribute_async(src, filled(dp_ndim(), dtensor::Replicate{}), {}, out);
-    }
-    ++stats.all_gathers;
-    state = State::kUnsharding;
-  }
-
-  void wait_unshard() {
-    for (auto& f : followers) f->wait_unshard();
-    if (state == State::kUnsharded) return;
-    issue_unshard();
-    std::optional<kernels::TraceSpan> span(std::in_place, tracer(), trace_pid(), "waits", "FSDP unshard wait");
-    DTensor full = ag_handle->wait();
-    span.emplace(tracer(), trace_pid(), "copies", "FSDP copy-out");
-    ag_handle.reset();
-    ag_input = Tensor();
-    k_buffer.reset();
-    const Tensor flat = full.to_local();
-    ensure_param_storage();
-    // Split-copy: every rank's piece of every parameter into its unsharded tensor, one pass.
-    std::vector<Tensor> outs;
-    outs.reserve(slots.size());
-    for (const Slot& s : slots) outs.push_back(unsharded_local(s));
-    if (byte_mode()) detail::unpack(bslots, flat, rank_bytes, dp, param_dtype, outs, buffer_alloc);
-    else kernels::split_copy(outs, flat, layout, opts.copy_threads);
-    span.reset();
-    flat_storage->free();
-    for (const Slot& s : slots) {
-      DTensorSpec spec = s.unsharded_spec;
-      spec.dtype = param_dtype;
-      s.param->set_data(DTensor(comms, spec, unsharded_local(s)));
-    }
-    state = State::kUnsharded;
-  }
-
-  void reshard() {
-    for (auto& f : followers) f->reshard();
-    if (state == State::kUnsharding) {  // a prefetch nobody used
-      ag_handle->wait();
-      ag_handle.reset();
-      ag_input = Tensor();
-    }
-    if (offload) offload->drop_copy_in();
-    for (const Slot& s : slots) {
-      if (s.sharded) s.param->set_data(*s.sharded);
-      if (s.released) release_master(s);
-    }
-    if (param_storage) param_storage->free();
-    if (flat_storage) flat_storage->free();
-    k_buffer.reset();
-    state = State::kSharded;
-  }
-
-  void release_master(const Slot& s) const {
-    s.param->release_data();
-    s.param->set_placements(s.sharded_spec.placements);
-    s.param->set_dtype(orig_dtype);
-  }
-
-  // fsdp::quantize_frozen: each frozen parameter whose extension keeps its inputs runs its
-  // (collective) pre_all_gather once, then the flat buffer is re-laid out without it. Returns the
-  // bytes released.
-  int64_t quantize_frozen() {
-    std::vector<size_t> drop;
-    for (size_t i = 0; i < bslots.size(); ++i)
-      if (!slots[i].released && bslots[i].ext && bslots[i].ext->keeps_inputs() && !slots[i].param->requires_grad)
-        drop.push_back(i);
-    if (drop.empty()) return 0;
-    if (state != State::kSharded)
-      throw InvalidArgument(fmt::format("fsdp::quantize_frozen: group '{}' is unsharded; call it between steps", name));
-    require_materialized();
-    const Tensor old = flat_shard();
-    for (size_t i : drop) {
-      const Slot& s = slots[i];
-      stats.extension_bytes += bslots[i].ext->pre_all_gather(old.narrow(0, s.offset, s.padded_numel).view(s.padded_shape),
-                                                             bslots[i].ctx).communicated_bytes;
-    }
-    for (size_t i : drop) {
-      slots[i].released = true;
-      slots[i].sharded.reset();
-      release_master(slots[i]);
-    }
-    int64_t kept = 0;
-    for (const Slot& s : slots) kept += s.released ? 0 : s.padded_numel;
-    Tensor flat = Tensor::empty(Dims{kept}, orig_dtype, storage_device, state_alloc());
-    int64_t off = 0;
-    for (Slot& s : slots) {
-      if (s.released) continue;
-      flat.narrow(0, off, s.padded_numel).copy_(old.narrow(0, s.offset, s.padded_numel));
-      s.offset = off;
-      off += s.padded_numel;
-    }
-    const int64_t released = (slot_numel - kept) * static_cast<int64_t>(kernels::itemsize(orig_dtype));
-    slot_numel = kept;
-    sharded_flat = DTensor(dp_comms, flat_spec(flat_sharded_placements(), orig_dtype), flat);
-    for (size_t i = 0; i < slots.size(); ++i) {
-      Slot& s = slots[i];
-      if (s.released || !s.sharded) continue;
-      s.sharded = DTensor(comms, s.sharded_spec, shard_view(s));
-      s.param->set_data(*s.sharded);
-    }
-    return released;
-  }
-
-  // Post-forward with k: the unsharded parameters packed rank-major (the all-gather layout),
-  // viewed on (.., dp / k, k) and moved R -> S(0) over the k ranks (a local slice), kept until
-  // backward.
-  void reshard_to_k_buffer() {
-    const Tensor flat = flat_view();
-    std::vector<Tensor> ins;
-    ins.reserve(slots.size());
-    for (const Slot& s : slots) ins.push_back(unsharded_local(s));
-    kernels::chunk_cat(flat, ins, layout, opts.copy_threads);
-    DTensor whole(dp_comms, flat_spec(filled(dp_ndim(), dtensor::Replicate{}), param_dtype), flat);
-    const int kn = k_comms->mesh().ndim();
-    DTensor on_k = whole.view_on(k_comms, filled(kn, dtensor::Replicate{}));
-    Placements to = filled(kn, dtensor::Replicate{});
-    to[kn - 1] = dtensor::Shard{0};
-    const int64_t k = k_comms->mesh().size(kn - 1);
-    Tensor out = Tensor::empty(Dims{dp * slot_numel / k}, param_dtype, compute_device, unsharded_alloc);
-    DTensor kept = on_k.redistribute(to, out);
-    reshard();
-    k_buffer = kept;
-    state = State::kResharded;
-  }
-
-  void prefetch(const std::vector<Group*>& targets) {
-    for (Group* g : targets)
-      if (g->state == State::kSharded || g->state == State::kResharded) {
-        g->issue_unshard();
-        ++g->stats.prefetches;
-      }
-  }
-  // Offload: the copy-in of the group one past the implicit prefetch (NOTE [offload ordering]).
-  void copy_ahead(bool forward) const {
-    if (!rt) return;
-    const auto& order = rt->order;
-    auto it = std::find(order.begin(), order.end(), this);
-    if (it == order.end()) return;
-    const ptrdiff_t q = (it - order.begin()) + (forward ? 1 : -1) * (std::max(rt->prefetch_depth, 0) + 1);
-    if (q >= 0 && q < static_cast<ptrdiff_t>(order.size())) order[q]->start_copy_in();
-  }
-  std::vector<Group*> implicit_targets(bool forward) const {
-    std::vector<Group*> out;
-    if (!rt || rt->prefetch_depth <= 0) return out;
-    const auto& order = rt->order;
-    auto it = std::find(order.begin(), order.end(), this);
-    if (it == order.end()) return out;
-    const ptrdiff_t pos = it - order.begin();
-    for (int i = 1; i <= rt->prefetch_depth; ++i) {
-      const ptrdiff_t q = forward ? pos + i : pos - i;
-      if (q < 0 || q >= static_cast<ptrdiff_t>(order.size())) break;
-      out.push_back(order[q]);
-    }
-    return out;
-  }
-
-  // ---- gradients ----
-  // A parameter frozen at fully_shard (after the trainable prefix) has no gradient storage.
-  void check_frozen(size_t i) const {
-    const Slot& s = slots[i];
-    if (i >= grad_slots && (s.param->requires_grad || s.param->grad()))
-      throw InvalidArgument(fmt::format(
-          "FSDP group '{}': parameter '{}' was frozen (requires_grad false) at fully_shard but now {}; set "
-          "requires_grad before fully_shard",
-          name, s.name, s.param->grad() ? "holds a gradient" : "requires a gradient"));
-  }
-  void stash_grads() {
-    for (auto& f : followers) f->stash_grads();
-    has_sharded_grad = false;
-    for (size_t i = 0; i < slots.size(); ++i) {
-      check_frozen(i);
-      Slot& s = slots[i];
-      auto& g = s.param->grad();
-      if (!g) continue;
-      if (!grad_flat.defined()) allocate_grad_flat();
-      DTensor view = sharded_grad_view(s);
-      if (g->to_local().data_ptr() != view.to_local().data_ptr() || !(g->placements() == s.sharded_spec.placements)) {
-        if (!(g->placements() == s.sharded_spec.placements) || !(g->shape() == s.sharded_spec.shape))
-          throw InvalidArgument(fmt::format(
-              "FSDP group '{}': parameter '{}' holds a gradient with placements {} before backward; expected "
-              "its sharded placements {} (or none)",
-              name, s.name, dtensor::to_string(g->placements()), dtensor::to_string(s.sharded_spec.placements)));
-        Tensor v = view.to_local();
-        v.copy_(g->to_local());
-      }
-      has_sharded_grad = true;
-      g.reset();
-    }
-  }
-  void allocate_grad_flat() {
-    grad_flat = Tensor::empty(Dims{grad_numel}, orig_dtype, storage_device, state_alloc());
-    grad_flat.fill_(0.0);
-  }
-  void install_grads() {
-    for (size_t i = 0; i < grad_slots; ++i)
-      if (slots[i].param->requires_grad) slots[i].param->grad() = sharded_grad_view(slots[i]);
-  }
-
-  // The unsharded gradient of s as the local tensor of its placements on the non-dp dims, dp
-  // dims Partial (a Replicate dp dim counts on coordinate 0 only). Undefined when absent.
-  Tensor take_grad(Slot& s) {
-    auto& g = s.param->grad();
-    if (!g) return Tensor();
-    DTensor gd = *g;
-    g.reset();
-    Placements want = gd.placements();
-    bool move = false, zero = false;
-    for (int m = 0; m < static_cast<int>(want.size()); ++m) {
-      const bool is_dp = std::find(dp_dims.begin(), dp_dims.end(), m) != dp_dims.end();
-      if (is_dp) {
-        if (dtensor::is_replicate(want[m])) {
-          if (comms->coord()[m] != 0) zero = true;
-        } else if (!dtensor::is_partial(want[m])) {
-          throw InvalidArgument(fmt::format(
-              "FSDP group '{}': the gradient of '{}' is {} on data-parallel mesh dim {}; expected Partial "
-              "(the batch split over dp) or Replicate",
-              name, s.name, dtensor::to_string(want[m]), m));
-        }
-      } else if (!(want[m] == s.unsharded_spec.placements[m])) {
-        want[m] = s.unsharded_spec.placements[m];
-        move = true;
-      }
-    }
-    if (move) gd = gd.redistribute(want);  // e.g. a sequence-parallel norm's P on tp -> R
-    Tensor l = gd.to_local();
-    if (zero) {
-      Tensor z = Tensor::empty(l.shape(), l.dtype(), l.device());
-      z.fill_(0.0);
-      return z;
-    }
-    return l;
-  }
-
-  void post_backward() {
-    std::vector<Tensor> grads(slots.size());
-    // Whether to reduce is decided by requires_grad (the same on every rank), never by which
-    // gradients this rank happens to hold: a rank without one contributes zeros.
-    bool any = false;
-    for (size_t i = 0; i < slots.size(); ++i) {
-      check_frozen(i);
-      grads[i] = take_grad(slots[i]);
-      any = any || slots[i].param->requires_grad;
-    }
-    if (!requires_gradient_sync) {
-      // No sync: unsharded gradients accumulate (in the reduce dtype) until a synchronising
-      // backward reduces their sum once.
-      for (size_t i = 0; i < slots.size(); ++i) {
-        if (!grads[i].defined()) continue;
-        Slot& s = slots[i];
-        if (!s.accum.defined()) {
-          s.accum = Tensor::empty(s.local_shape, reduce_dtype, compute_device, buffer_alloc);
-          s.accum.copy_(grads[i]);
-        } else {
-          kernels::add_out(s.accum, s.accum, grads[i].dtype() == reduce_dtype ? grads[i] : grads[i].to(reduce_dtype));
-        }
-      }
-      if (has_sharded_grad) install_grads();
-      if (reshard_after_backward) reshard();
-      return;
-    }
-    if (!any) {
-      if (has_sharded_grad) install_grads();
-      reshard();  // a synchronising backward: the optimizer steps the sharded parameters next
-      return;
-    }
-    // Keep at most two reduce-scatter inputs alive: finish the older reductions first (a
-    // follower leaves that to its leader, which just did it: its own reduction overlaps too).
-    if (rt && !is_follower)
-      while (!rt->pending.empty()) {
-        Group* g = rt->pending.front();
-        rt->pending.erase(rt->pending.begin());
-        g->finish_reduce();
-      }
-    // Chunk-cat copy-in: one pass over every gradient and rank, the cast to the reduce dtype
-    // and the zero padding (and zeros for a gradient this rank lacks) fused into it.
-    for (size_t i = 0; i < slots.size(); ++i) {
-      Slot& s = slots[i];
-      if (!s.accum.defined()) continue;
-      Tensor& g = grads[i];
-      if (g.defined()) kernels::add_out(s.accum, s.accum, g.dtype() == reduce_dtype ? g : g.to(reduce_dtype));
-      g = s.accum;
-      s.accum = Tensor();
-    }
-    for (size_t i = 0; i < slots.size(); ++i)
-      if (grads[i].defined() && !(grads[i].shape() == slots[i].local_shape))
-        throw InvalidArgument(fmt::format("FSDP group '{}': the gradient of '{}' has local shape {}, expected {}", name,
-                                          slots[i].name, kernels::to_string(grads[i].shape()),
-                                          kernels::to_string(slots[i].local_shape)));
-    Tensor in = Tensor::empty(Dims{dp * grad_numel}, reduce_dtype, compute_device, buffer_alloc);
-    grads.resize(grad_slots);  // the frozen slots (after the prefix) hold no gradient
-    {
-      const kernels::TraceSpan span(tracer(), trace_pid(), "copies", "FSDP gradient copy-in");
-      kernels::chunk_cat(in, grads, grad_layout, opts.copy_threads);
-    }
-    grads.clear();
-    DTensor flat_in(dp_comms, grad_flat_spec(filled(dp_ndim(), dtensor::Partial{}), reduce_dtype), in);
-    Pending p;
-    p.to_partial = hsdp() && !requires_all_reduce;
-    p.all_reduce_after = hsdp() && requires_all_reduce && partial_acc.defined();
-    Placements target = flat_sharded_placements();
-    if (p.to_partial || p.all_reduce_after) {
-      for (int m = 0; m < dp_ndim(); ++m)
-        if (m != dp_index) target[m] = dtensor::Partial{};
-    }
-    dtensor::RedistributeOptions ro;
-    ro.reduce_dtype = reduce_dtype;
-    ro.divide_factor = divide_factor;
-    ro.wire_dtype = reduce_wire;
-    p.into_grad = !has_sharded_grad && !p.to_partial && !p.all_reduce_after && storage_device == compute_device && !offload;
-    if (p.into_grad) {
-      if (!grad_flat.defined()) allocate_grad_flat();
-      p.out = grad_flat;
-    } else {
-      p.out = Tensor::empty(Dims{grad_numel}, reduce_dtype, compute_device, buffer_alloc);
-    }
-    p.input = in;
-    p.handle = dtensor::redistribute_async(flat_in, target, ro, p.out);
-    stats.reduce_bytes += flat_in.plan_to(target, ro).bytes_per_rank();
-    ++stats.reduce_scatters;
-    if (hsdp() && !p.to_partial && !p.all_reduce_after) ++stats.all_reduces;
-    pending = std::move(p);
-    if (rt) rt->pending.push_back(this);
-    reshard();  // a synchronising backward: the optimizer steps the sharded parameters next
-  }
-
-  void finish_reduce() {
-    if (!pending) return;
-    Pending p = std::move(*pending);
-    pending.reset();
-    {
-      const kernels::TraceSpan span(tracer(), trace_pid(), "waits", "FSDP reduce-scatter wait");
-      p.handle.wait();
-    }
-    p.input = Tensor();
-    if (p.to_partial) {
-      if (!partial_acc.defined()) partial_acc = p.out;
-      else kernels::add_out(partial_acc, partial_acc, p.out);
-      if (has_sharded_grad) install_grads();
-      return;
-    }
-    Tensor result = p.out;
-    if (p.all_reduce_after) {
-      kernels::add_out(result, result, partial_acc);
-      partial_acc = Tensor();
-      Placements from = flat_sharded_placements();
-      for (int m = 0; m < dp_ndim(); ++m)
-        if (m != dp_index) from[m] = dtensor::Partial{};
-      DTensor part(dp_comms, grad_flat_spec(from, reduce_dtype), result);
-      dtensor::RedistributeOptions ro;
-      ro.reduce_dtype = reduce_dtype;
-      ro.wire_dtype = reduce_wire;
-      result = part.redistribute(flat_sharded_placements(), ro).to_local();
-      stats.reduce_bytes += part.plan_to(flat_sharded_placements(), ro).bytes_per_rank();
-      ++stats.all_reduces;
-    }
-    if (!p.into_grad) {
-      if (!grad_flat.defined()) allocate_grad_flat();
-      if (has_sharded_grad) {
-        Tensor r = result;
-        if (r.dtype() != orig_dtype || r.device() != storage_device) {
-          Tensor c = Tensor::empty(r.shape(), orig_dtype, storage_device);
-          c.copy_(r);
-          r = c;
-        }
-        kernels::add_out(grad_flat, grad_flat, r);
-      } else if (offload) {  // the cast on the device, the move on the copy stream
-        Tensor r = result;
-        if (r.dtype() != orig_dtype) {
-          r = Tensor::empty(result.shape(), orig_dtype, compute_device, buffer_alloc);
-          r.copy_(result);
-        }
-        offload->copy_out(grad_flat, r);
-      } else {
-        grad_flat.copy_(result);  // cast and device move (offload: to the CPU)
-      }
-    }
-    has_sharded_grad = true;
-    install_grads();
-  }
-
-  // ---- hooks ----
-  void lazy_init();
-  void on_pre_forward(nn::Ctx& ctx, DTensor& input);
-  void on_post_forward(nn::Ctx& ctx, DTensor& output);
-  void on_pre_backward(nn::Ctx& ctx, DTensor& grad_output);
-  void on_post_backward(nn::Ctx& ctx, std::optional<DTensor>& grad_input);
-  void finalize_backward();
-};
 
 void Group::lazy_init() {
   rt = std::make_shared<Runtime>();
@@ -783,6 +125,7 @@ void Group::on_pre_backward(nn::Ctx& ctx, DTensor& grad_output) {
   if (!rt) lazy_init();
   stash_grads();
   wait_unshard();
+  if (contiguous()) set_grad_buffers();
   prefetch(bwd_prefetch ? *bwd_prefetch : implicit_targets(false));
   if (!bwd_prefetch) copy_ahead(false);
 }
@@ -921,6 +264,8 @@ int64_t FSDPModule::unsharded_bytes() const {
   for (const Group* g : own_groups(*group_)) {
     if (g->byte_mode())
       n += g->unsharded_numel * static_cast<int64_t>(kernels::itemsize(g->param_dtype)) + g->dp * g->rank_bytes;
+    else if (g->contiguous())  // the parameters are views of the all-gather output
+      n += g->flat_numel * static_cast<int64_t>(kernels::itemsize(g->param_dtype));
     else
       n += (g->unsharded_numel + g->dp * g->slot_numel) * static_cast<int64_t>(kernels::itemsize(g->param_dtype));
   }
@@ -929,7 +274,7 @@ int64_t FSDPModule::unsharded_bytes() const {
 int64_t FSDPModule::reduce_scatter_input_bytes() const {
   int64_t n = 0;
   for (const Group* g : own_groups(*group_))
-    n += g->dp * g->grad_numel * static_cast<int64_t>(kernels::itemsize(g->reduce_dtype));
+    n += g->grad_flat_numel * static_cast<int64_t>(kernels::itemsize(g->reduce_dtype));
   return n;
 }
 int64_t FSDPModule::sharded_bytes() const {
@@ -957,6 +302,7 @@ const GroupStats& FSDPModule::stats() const {
     merged_stats_.all_gather_bytes += o.all_gather_bytes;
     merged_stats_.extension_bytes += o.extension_bytes;
     merged_stats_.reduce_bytes += o.reduce_bytes;
+    merged_stats_.copy_bytes += o.copy_bytes;
   }
   return merged_stats_;
 }
@@ -1033,8 +379,17 @@ std::shared_ptr<Group> shard_group(const std::vector<nn::Module*>& modules, std:
   if (!comms) throw InvalidArgument("fully_shard: no mesh given");
   if (options.copy_threads < 0)
     throw InvalidArgument(fmt::format("fully_shard: copy_threads {}: expected 0 (by size) or more", options.copy_threads));
-  if (options.layout == Layout::kContiguous)
-    throw Unsupported("fully_shard: the contiguous layout is not built yet (use Layout::kPadded)");
+  if (options.layout == Layout::kContiguous) {
+    // What the contiguous layout does not do yet, refused before anything changes.
+    const char* refused = options.mesh_fn                     ? "per-parameter meshes (mesh_fn)"
+                          : options.shard_placement_fn        ? "shard_placement_fn (Shard(d > 0))"
+                          : options.all_gather_extension_fn   ? "all-gather extensions (all_gather_extension_fn)"
+                          : options.offload_policy.offload_to_cpu ? "CPU offload (offload_policy)"
+                                                                  : nullptr;
+    if (refused)
+      throw Unsupported(fmt::format("fully_shard: layout contiguous does not support {} yet; use Layout::kPadded",
+                                    refused));
+  }
   auto group = std::make_shared<Group>();
   Group& g = *group;
   g.modules = modules;
@@ -1064,6 +419,20 @@ std::shared_ptr<Group> shard_group(const std::vector<nn::Module*>& modules, std:
   if (!comms->in_mesh()) throw Unsupported("fully_shard: this rank is not in the mesh");
   g.my_coord = comms->coord()[dims.shard];
   g.dp_comms = comms->slice_dims(g.dp_dims);
+  if (options.layout == Layout::kContiguous) {
+    if (dims.replicate)
+      throw Unsupported("fully_shard: layout contiguous does not support HSDP (a dp_replicate mesh dim) yet; use "
+                        "Layout::kPadded");
+    if (mesh.ndim() != 1)
+      throw Unsupported(fmt::format("fully_shard: layout contiguous needs a 1-D data-parallel mesh; {} has other dims "
+                                    "(FSDP x TP is not supported yet); use Layout::kPadded",
+                                    dtensor::to_string(mesh)));
+    const auto& r = options.reshard_after_forward;
+    if (r.kind == ReshardAfterForward::Kind::kInt && r.k > 1 && r.k < g.dp)
+      throw Unsupported(fmt::format("fully_shard: layout contiguous does not support reshard_after_forward = {} yet "
+                                    "(only true / false); use Layout::kPadded",
+                                    r.k));
+  }
 
   // Parameters: everything under the modules not owned by a nested group; a parameter of a
   // nested group used outside that group's modules is an error (tie in the common ancestor).
@@ -1185,12 +554,14 @@ std::shared_ptr<Group> shard_group(const std::vector<nn::Module*>& modules, std:
     g.slots.push_back(std::move(s));
   }
   g.slot_numel = offset;
+  g.flat_numel = g.dp * offset;
   g.unsharded_numel = uoffset;
   for (const Slot& s : g.slots) {
     if (!s.param->requires_grad) break;
     ++g.grad_slots;
     g.grad_numel += s.padded_numel;
   }
+  g.grad_flat_numel = g.dp * g.grad_numel;
   {
     std::vector<Dims> shapes;
     std::vector<int> dims;
@@ -1215,6 +586,7 @@ std::shared_ptr<Group> shard_group(const std::vector<nn::Module*>& modules, std:
                                       "reduce dtype {}",
                                       g.name, kernels::to_string(*mp.reduce_wire), kernels::to_string(g.reduce_dtype)));
   g.reduce_wire = mp.reduce_wire;
+  if (options.layout == Layout::kContiguous) lay_out_contiguous(g);
   g.storage_device = options.offload_policy.offload_to_cpu ? kernels::Device{} : g.compute_device;
   g.offload = detail::make_offload_copies(options.offload_policy, g.compute_device, g.note);
   g.unsharded_alloc = options.unsharded_allocator ? options.unsharded_allocator : comms->allocator();
@@ -1290,7 +662,13 @@ std::shared_ptr<Group> shard_group(const std::vector<nn::Module*>& modules, std:
     }
     const dtensor::Chunk& c = s.chunks[g.my_coord];
     Tensor view = g.shard_view(s);
-    if (c.size > 0) view.copy_(s.param->data().to_local().narrow(s.shard_dim, c.offset, c.size));
+    if (g.contiguous()) {
+      if (s.local_numel > 0)
+        view.copy_(s.param->data().to_local().contiguous().reshape(Dims{s.padded_numel}).narrow(
+            0, g.clayout->overlap_start(i, g.my_coord) - s.offset, s.local_numel));
+    } else if (c.size > 0) {
+      view.copy_(s.param->data().to_local().narrow(s.shard_dim, c.offset, c.size));
+    }
     s.sharded = DTensor(comms, s.sharded_spec, view);
     s.param->grad().reset();
     s.param->set_data(*s.sharded);

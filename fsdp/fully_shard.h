@@ -142,7 +142,21 @@ using ParamMeshFn = std::function<std::optional<ParamMesh>(const std::string& na
 //   kContiguous: the group's parameters parameter-major in one buffer (each aligned), that
 //                buffer RaggedShard over dp with ranges balanced by bytes: the unsharded
 //                parameters are views of the all-gather output and backward writes gradients
-//                into the views of the reduce-scatter input, so neither copy happens.
+//                into the views of the reduce-scatter input, so neither copy happens
+//                (fsdp/contiguous.h; fsdp/README.md "The contiguous layout").
+// Example (kContiguous, f32, dp 3): a group of w [2,5] (10 elements), b [6] and g [3] (frozen).
+// Offsets are rounded up to 16 bytes of the narrowest of the param / reduce / original dtypes
+// (here 4 elements): w at 0, b at 12, g at 20; N = 23. The flat buffer is Rg(0,[1,1,1],4):
+// rank ranges [0,4) [4,12) [12,23). Sharded parameters (their own global shape):
+//   w: Rg(0,[4,6,0],1)  rank 0 holds w's flat [0,4), rank 1 [4,10), rank 2 nothing
+//   b: Rg(0,[0,0,6],1)  g: Rg(0,[0,0,3],1)
+// unshard: flat Rg -> R into one N-element buffer (param dtype); w, b, g are views at 0, 12, 20.
+// gradient sync: w and b (the trainable prefix, Ng = 18) are backward's gradient buffers at 0
+// and 12 of an 18-element P buffer (gap [10,12) zero); P -> Rg(0,[4,8,6],1) into the sharded
+// gradient buffer whose views are the sharded parameters' grads.
+// Refused for now (Unsupported naming the option; use kPadded): HSDP, other mesh dims (FSDP x
+// TP), reshard_after_forward = k, all-gather extensions, offload, mesh_fn, shard_placement_fn,
+// parameters without elements.
 enum class Layout { kPadded, kContiguous };
 
 struct FullyShardOptions {
@@ -200,7 +214,7 @@ struct GroupStats {
   int64_t reduce_bytes = 0;      // bytes the gradient reductions' plans moved (busiest rank)
   // This rank's bytes FSDP copied around its collectives (read + written once each counted as
   // the bytes written): copy-out after the all-gather, copy-in before the reduction, and the
-  // dtype casts (param_dtype of the shard, reduce_dtype of the gradients).
+  // dtype casts (param_dtype of the shard, reduce_dtype of the gradients). kContiguous in f32: 0.
   int64_t copy_bytes = 0;
 };
 

@@ -816,6 +816,9 @@ class Replay {
 
 void check_config(const nn::GPTConfig& g, const MemoryConfig& c) {
   auto bad = [](const std::string& what) { throw InvalidArgument("estimate_memory: " + what); };
+  if (c.fsdp && c.options.layout == Layout::kContiguous)
+    bad("layout contiguous is not modelled (its gradient buffers live through backward); estimate the padded "
+        "layout");
   if (c.dp_replicate < 1 || c.dp_shard < 1 || c.tp < 1)
     bad(fmt::format("mesh sizes dp_replicate {} dp_shard {} tp {}: expected >= 1", c.dp_replicate, c.dp_shard, c.tp));
   if (c.batch.batch < 1 || c.batch.seq < 1 || c.batch.grad_accum < 1 || c.batch.batch % c.batch.grad_accum != 0)

@@ -111,6 +111,9 @@ class Parameter {
   // Where the next gradient goes (for the layers' backward). Marks the gradient as written:
   // writes after this one accumulate.
   dtensor::ops::GradSink grad_sink();
+  // True while a buffer given by set_grad_buffer(.., false) has not been handed to a backward:
+  // no gradient was written over it yet (FSDP zeroes such a parameter's part of a flat buffer).
+  bool grad_unwritten() const { return !accumulate_next_; }
 
  private:
   std::shared_ptr<const MeshComms> comms_;

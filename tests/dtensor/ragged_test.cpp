@@ -4,12 +4,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fmt/format.h>
 
 #include "dtensor/layout.h"
 #include "dtensor/plan/reference.h"
 #include "dtensor/plan/transition.h"
 #include "dtensor/spec.h"
 #include "kernels/error.h"
+#include "kernels/format.h"
 
 using namespace dtensor;
 using Catch::Contains;
@@ -263,4 +265,53 @@ TEST_CASE("RaggedShard composes with S, R and P: every element on the ranks that
         ++cases;
       }
   CHECK(cases == 4 * 3 * 2);
+}
+
+TEST_CASE("flat_range_boxes: a flat range as boxes of the tensor's dims", "[dtensor][layout][ragged]") {
+  // The header's worked examples.
+  const std::vector<FlatBox> ex = flat_range_boxes({3, 4, 5}, 7, 45);
+  const std::vector<FlatBox> want = {{{0, 1, 2}, {1, 1, 3}, 7},
+                                     {{0, 2, 0}, {1, 2, 5}, 10},
+                                     {{1, 0, 0}, {1, 4, 5}, 20},
+                                     {{2, 0, 0}, {1, 2, 5}, 40},
+                                     {{2, 2, 0}, {1, 1, 2}, 50}};
+  CHECK(ex == want);
+  CHECK(flat_range_boxes({4, 6}, 6, 12) == std::vector<FlatBox>{{{1, 0}, {2, 6}, 6}});
+  CHECK(flat_range_boxes({4, 6}, 5, 0).empty());
+  // Every range of small shapes: boxes in flat order, each contiguous from `flat`, covering the
+  // range exactly, at most 2 n - 1 of them (the bound met).
+  int cases = 0;
+  size_t most = 0;
+  for (const Dims& dims : {Dims{7}, Dims{3, 5}, Dims{2, 3, 4}, Dims{3, 2, 2, 3}, Dims{2, 0, 3}}) {
+    const int64_t total = dims.product();
+    for (int64_t a = 0; a <= total; ++a)
+      for (int64_t b = a; b <= total; ++b) {
+        ++cases;
+        const std::vector<FlatBox> boxes = flat_range_boxes(dims, a, b - a);
+        most = std::max(most, boxes.size());
+        CHECK(boxes.size() <= static_cast<size_t>(2 * dims.size() - 1));
+        int64_t next = a;
+        for (const FlatBox& box : boxes) {
+          CHECK(box.flat == next);
+          // The box's elements in row-major order have consecutive flat indices from box.flat.
+          Dims idx = Dims::filled(dims.size(), 0);
+          int64_t expect = box.flat, count = box.sizes.product();
+          REQUIRE(count > 0);
+          for (int64_t e = 0; e < count; ++e) {
+            int64_t flat = 0;
+            for (int t = 0; t < dims.size(); ++t) flat = flat * dims[t] + box.offsets[t] + idx[t];
+            if (flat != expect) FAIL_CHECK(fmt::format("dims {} range [{},{}) box at {}: element {} is {}", dims, a, b,
+                                                       box.offsets, e, flat));
+            ++expect;
+            for (int t = dims.size() - 1; t >= 0 && ++idx[t] == box.sizes[t]; --t) idx[t] = 0;
+          }
+          next += count;
+        }
+        CHECK(next == b);
+      }
+  }
+  CHECK(cases == 36 + 136 + 325 + 703 + 1);  // (T + 1)(T + 2) / 2 ranges of T elements
+  CHECK(most == 7);
+  CHECK_THROWS_WITH(flat_range_boxes({3, 4}, 5, 8), Contains("range [5, 5 + 8) outside the 12 elements of shape [3,4]"));
+  CHECK_THROWS_WITH(flat_range_boxes({3, -1}, 0, 0), Contains("negative"));
 }

@@ -48,7 +48,7 @@ for ag in ("bf16", "fp8", "int8", "qlora"):
     if last is None:
         continue
     runs[ag] = last
-    progress = [int(m.group(1)) for m in (re.search(r" all_gather_bytes (\d+) reduce_bytes \d+$", l) for l in lines) if m]
+    progress = [int(m.group(1)) for m in (re.search(r" all_gather_bytes (\d+) reduce_bytes \d+ fsdp_copy_bytes \d+$", l) for l in lines) if m]
     progress_of[ag] = lines
     if ag == "qlora":
         # The frozen base is quantised (its NF4 absmax all-reduced) once, by fsdp::quantize_frozen

@@ -19,7 +19,7 @@ exe = sys.argv[1]
 failures = []
 runs = 0
 MODEL = ["--mp", "bf16", "--dim", "256", "--layers", "2", "--vocab", "64", "--log-every", "1"]
-STEP = re.compile(r"^step (\d+)/\d+ loss (\S+) .* reduce_bytes (\d+)$")
+STEP = re.compile(r"^step (\d+)/\d+ loss (\S+) .* reduce_bytes (\d+) fsdp_copy_bytes \d+$")
 
 
 def check(ok, what):

@@ -19,7 +19,7 @@ checks = 0
 SMALL = ["--layers", "1", "--dim", "16", "--heads", "2", "--vocab", "24", "--seq", "8", "--batch", "4"]
 KEYS = ["steps", "first_loss", "last_loss", "parity", "max_rel_loss_diff", "max_param_diff", "tokens_per_s",
         "peak_bytes", "peak_block_bytes", "estimated_peak_bytes", "estimated_peak_block_bytes", "all_gather_bytes",
-        "reduce_bytes"]
+        "reduce_bytes", "fsdp_copy_bytes"]
 
 
 def check(ok, what):
@@ -46,7 +46,8 @@ check(last["tokens_per_s"] > 0 and last["peak_bytes"] > 0, "throughput and memor
 progress = [l for l in lines[:-1] if l.startswith("step ")]
 check(len(progress) == 30, f"{len(progress)} progress lines for 30 steps")
 pat = re.compile(r"^step (\d+)/30 loss (\S+) ms (\S+) tokens/s (\S+) peak_bytes (\d+) param_bytes (\d+) "
-                 r"grad_bytes (\d+) optim_bytes (\d+) buffer_bytes (\d+) all_gather_bytes (\d+) reduce_bytes (\d+)$")
+                 r"grad_bytes (\d+) optim_bytes (\d+) buffer_bytes (\d+) all_gather_bytes (\d+) reduce_bytes (\d+) "
+                 r"fsdp_copy_bytes (\d+)$")
 check(all(pat.match(l) for l in progress), f"progress line format: {progress[:1]}")
 check(abs(float(pat.match(progress[0]).group(2)) - last["first_loss"]) < 1e-6, "first progress loss = first_loss")
 
@@ -76,7 +77,7 @@ check(last["parity"] == "ok" and last["max_rel_loss_diff"] <= 1e-5 and last["max
 # combinations not built yet are refused with exit 2 naming them.
 r = run(SMALL + ["--moe-experts", "4", "--ep", "2", "--steps", "2", "--log-every", "1", "--check-parity"])
 check(r.returncode == 0, f"--ep 2 exit {r.returncode}: {r.stderr}")
-moe_pat = re.compile(r" all_gather_bytes \d+ reduce_bytes \d+ aux_loss (\S+) imbalance (\S+)$")
+moe_pat = re.compile(r" all_gather_bytes \d+ reduce_bytes \d+ fsdp_copy_bytes \d+ aux_loss (\S+) imbalance (\S+)$")
 moe_lines = [moe_pat.search(l) for l in r.stdout.splitlines() if l.startswith("step ")]
 check(len(moe_lines) == 2 and all(m is not None and float(m.group(1)) > 0 and float(m.group(2)) >= 1
                                   for m in moe_lines), f"MoE progress lines: {r.stdout[:300]}")

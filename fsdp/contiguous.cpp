@@ -1,0 +1,159 @@
+#include "fsdp/contiguous.h"
+
+#include <algorithm>
+
+#include "dtensor/layout.h"
+#include "fsdp/group.h"
+#include "kernels/checked.h"
+
+namespace fsdp::detail {
+
+int64_t ContiguousLayout::grad_begin(int64_t rank) const { return std::min(bounds[rank], grad_numel); }
+int64_t ContiguousLayout::grad_size(int64_t rank) const {
+  return std::min(bounds[rank + 1], grad_numel) - grad_begin(rank);
+}
+int64_t ContiguousLayout::overlap_start(size_t i, int64_t rank) const {
+  return std::clamp(offsets[i], bounds[rank], bounds[rank + 1]);
+}
+int64_t ContiguousLayout::overlap_size(size_t i, int64_t rank) const {
+  const int64_t end = std::clamp(offsets[i] + numels[i], bounds[rank], bounds[rank + 1]);
+  return end - overlap_start(i, rank);
+}
+
+dtensor::Placement ContiguousLayout::flat_placement() const {
+  return dtensor::RaggedShard{0, std::vector<int64_t>(static_cast<size_t>(dp()), 1), align};
+}
+dtensor::Placement ContiguousLayout::grad_flat_placement() const {
+  std::vector<int64_t> units;
+  for (int64_t r = 0; r < dp(); ++r) units.push_back(grad_size(r));
+  return dtensor::RaggedShard{0, std::move(units), 1};
+}
+dtensor::Placement ContiguousLayout::param_placement(size_t i) const {
+  std::vector<int64_t> units;
+  for (int64_t r = 0; r < dp(); ++r) units.push_back(overlap_size(i, r));
+  return dtensor::RaggedShard{0, std::move(units), 1};
+}
+
+int64_t contiguous_align(kernels::DType orig, kernels::DType param, kernels::DType reduce) {
+  const int64_t narrowest = static_cast<int64_t>(
+      std::min({kernels::itemsize(orig), kernels::itemsize(param), kernels::itemsize(reduce)}));
+  return std::max<int64_t>(1, 16 / narrowest);
+}
+
+ContiguousLayout lay_out_contiguous(const std::vector<int64_t>& numels, size_t trainable, int64_t dp, int64_t align) {
+  ContiguousLayout l;
+  l.align = align;
+  l.numels = numels;
+  int64_t end = 0;
+  for (size_t i = 0; i < numels.size(); ++i) {
+    const int64_t off = kernels::checked_mul(kernels::checked_ceil_div(end, align, "FSDP flat offset"), align,
+                                             "FSDP flat offset");
+    l.offsets.push_back(off);
+    end = kernels::checked_add(off, numels[i], "FSDP flat buffer elements");
+    if (i + 1 == trainable) l.grad_numel = end;
+  }
+  l.numel = end;
+  l.bounds = dtensor::ragged_boundaries(l.numel, std::vector<int64_t>(static_cast<size_t>(dp), 1), align);
+  return l;
+}
+
+}  // namespace fsdp::detail
+
+namespace fsdp {
+
+// Layout::kContiguous: the slots re-laid out parameter-major (fsdp/contiguous.h), each sharded
+// parameter Rg(0,[its overlaps],1) of its global shape. The padded slot fields computed before
+// are replaced.
+void lay_out_contiguous(Group& g) {
+  std::vector<int64_t> numels;
+  for (const Slot& s : g.slots) {
+    if (s.local_shape.product() == 0)
+      throw Unsupported(fmt::format("fully_shard({}): parameter '{}' has no elements (shape {}): layout contiguous "
+                                    "shards elements; ignore it (ignored_params) or use Layout::kPadded",
+                                    g.name, s.name, kernels::to_string(s.local_shape)));
+    numels.push_back(s.local_shape.product());
+  }
+  g.clayout = detail::lay_out_contiguous(numels, g.grad_slots, g.dp,
+                                         detail::contiguous_align(g.orig_dtype, g.param_dtype, g.reduce_dtype));
+  const detail::ContiguousLayout& l = *g.clayout;
+  const int64_t me = g.my_coord;
+  for (size_t i = 0; i < g.slots.size(); ++i) {
+    Slot& s = g.slots[i];
+    s.offset = s.unsharded_offset = l.offsets[i];
+    s.padded_numel = l.numels[i];
+    s.local_begin = l.overlap_start(i, me) - l.begin(me);
+    s.local_numel = l.overlap_size(i, me);
+    Placements p = s.unsharded_spec.placements;
+    p[g.shard_mesh_dim] = l.param_placement(i);
+    s.sharded_spec = dtensor::make_spec(mesh_ptr(g.comms), p, s.unsharded_spec.shape, s.unsharded_spec.dtype);
+  }
+  g.slot_numel = l.size(me);
+  g.flat_numel = g.unsharded_numel = l.numel;
+  g.grad_numel = l.grad_size(me);
+  g.grad_flat_numel = l.grad_numel;
+}
+
+// Before backward: every trainable parameter's gradient buffer is its view of the flat
+// reduce-scatter input (reduce dtype, Partial over dp), so backward writes the gradient there:
+// over it for the first write of this sync window (the gaps between parameters zeroed once at
+// allocation), added for tied weights and later no-sync microbatches.
+void Group::set_grad_buffers() {
+  if (clayout->grad_numel == 0) return;  // (the global prefix: a rank with an empty range reduces too)
+  if (!grad_in.defined()) {
+    grad_in = Tensor::empty(Dims{clayout->grad_numel}, reduce_dtype, compute_device, buffer_alloc);
+    for (size_t i = 0; i < grad_slots; ++i) {  // the alignment gaps: zero (they are reduced too)
+      const int64_t end = i + 1 < grad_slots ? slots[i + 1].offset : clayout->grad_numel;
+      const int64_t from = slots[i].offset + slots[i].padded_numel;
+      if (end > from) grad_in.narrow(0, from, end - from).fill_(0.0);
+    }
+    grad_in_accumulating = false;
+  }
+  for (size_t i = 0; i < grad_slots; ++i) {
+    Slot& s = slots[i];
+    if (!s.param->requires_grad) continue;
+    Placements pl = s.unsharded_spec.placements;
+    for (int m : dp_dims) pl[m] = dtensor::Partial{};
+    const DTensorSpec spec = dtensor::make_spec(mesh_ptr(comms), pl, s.unsharded_spec.shape, reduce_dtype);
+    s.param->set_grad_buffer(
+        DTensor(comms, spec, grad_in.narrow(0, s.offset, s.padded_numel).view(s.local_shape)),
+        grad_in_accumulating);
+  }
+}
+
+// After backward: the gradients are already in grad_in. A parameter that got no gradient in
+// this window contributes zeros.
+void Group::post_backward_contiguous() {
+  bool any = false;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    check_frozen(i);
+    Slot& s = slots[i];
+    any = any || s.param->requires_grad;
+    if (i < grad_slots && s.param->requires_grad && !grad_in_accumulating && s.param->grad_unwritten())
+      grad_in.narrow(0, s.offset, s.padded_numel).fill_(0.0);
+    s.param->grad().reset();
+  }
+  if (!requires_gradient_sync) {
+    grad_in_accumulating = grad_in.defined();
+    if (has_sharded_grad) install_grads();
+    if (reshard_after_backward) reshard();
+    return;
+  }
+  if (!any || !grad_in.defined()) {
+    if (has_sharded_grad) install_grads();
+    reshard();
+    return;
+  }
+  if (rt && !is_follower)
+    while (!rt->pending.empty()) {
+      Group* g = rt->pending.front();
+      rt->pending.erase(rt->pending.begin());
+      g->finish_reduce();
+    }
+  DTensor flat_in(dp_comms, grad_flat_spec(filled(dp_ndim(), dtensor::Partial{}), reduce_dtype), grad_in);
+  issue_reduce(flat_in, grad_in);
+  grad_in = Tensor();
+  grad_in_accumulating = false;
+  reshard();
+}
+
+}  // namespace fsdp
