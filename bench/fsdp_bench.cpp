@@ -13,7 +13,8 @@
 //             (its model, gradients, activations, FSDP buffers; each layout and the replicated
 //             copy live on meshes of their own)
 //   copy      bytes FSDP copied around its collectives in one step (sum of GroupStats::copy_bytes)
-// and the ratios contiguous / padded of step time and peak. A layout fully_shard refuses
+// and the ratios contiguous / padded of step time (of the medians, and the median of the
+// per-round quotients) and peak. A layout fully_shard refuses
 // (kernels::Unsupported) is one "skipped: <why>" row. With --host-cost, FSDP's host time per
 // group per step: (FSDP step - plain step) / groups on a one-rank mesh (collectives trivial)
 // with a tiny model of many blocks.
@@ -111,6 +112,7 @@ struct Row {
   int prefetch = 0;
   double step_ms = 0, compute_ms = 0, comm_ms = 0, exposed = 0;
   int64_t peak_bytes = 0, copy_bytes = 0;
+  std::vector<double> rounds;  // the step's time in each round (s), for ratios paired by round
   std::string skipped;  // non-empty: why fully_shard refused this layout (no figures)
 };
 
@@ -302,7 +304,7 @@ std::vector<Row> measure(Communicator& world, const Args& a, int threads) {
     for (size_t k = 0; k < a.prefetch.size(); ++k) {
       const double st = median(s.steps[k]);
       rows.push_back({s.layout, a.prefetch[k], st * 1e3, c * 1e3, m * 1e3, m > 0 ? (st - c) / m : 0, s.peaks[k],
-                      s.copies[k], ""});
+                      s.copies[k], s.steps[k], ""});
     }
   }
   return rows;
@@ -458,9 +460,20 @@ int run(int argc, char** argv) {
       if (p.skipped.empty() && c.skipped.empty() && p.layout == fsdp::Layout::kPadded &&
           c.layout == fsdp::Layout::kContiguous && p.prefetch == c.prefetch && p.step_ms > 0 && p.peak_bytes > 0) {
         const double step = c.step_ms / p.step_ms, peak = static_cast<double>(c.peak_bytes) / p.peak_bytes;
-        ratios += fmt::format("contiguous / padded, prefetch {}: step time {:.3f}, peak memory {:.3f}\n", p.prefetch, step, peak);
-        lines += nlohmann::json{{"mode", mode},         {"backend", a.backend},  {"ratio", "contiguous/padded"},
-                                {"prefetch", p.prefetch}, {"step_ratio", step}, {"peak_ratio", peak}}
+        // Paired: the median over rounds of the two steps' quotient in the same round (load drift cancels).
+        std::vector<double> per_round;
+        for (size_t i = 0; i < p.rounds.size() && i < c.rounds.size(); ++i)
+          if (p.rounds[i] > 0) per_round.push_back(c.rounds[i] / p.rounds[i]);
+        const double paired = median(per_round);
+        ratios += fmt::format("contiguous / padded, prefetch {}: step time {:.3f} (paired by round {:.3f}), peak memory {:.3f}\n",
+                              p.prefetch, step, paired, peak);
+        lines += nlohmann::json{{"mode", mode},
+                                {"backend", a.backend},
+                                {"ratio", "contiguous/padded"},
+                                {"prefetch", p.prefetch},
+                                {"step_ratio", step},
+                                {"step_ratio_paired", paired},
+                                {"peak_ratio", peak}}
                      .dump() +
                  "\n";
       }

@@ -88,6 +88,9 @@ def check_layouts(what, records, layouts, prefetch):
         check(q.get("ratio") == "contiguous/padded" and close(q["step_ratio"], c["step_ms"] / p["step_ms"], 1e-6)
               and close(q["peak_ratio"], c["peak_bytes"] / p["peak_bytes"], 1e-6),
               f"{what} prefetch {q['prefetch']}: ratios are the rows' quotients")
+        # --iters 1: the paired ratio is that one round's quotient, the same as the medians'.
+        check(close(q.get("step_ratio_paired", -1), q["step_ratio"], 1e-6),
+              f"{what} prefetch {q['prefetch']}: one round, paired ratio == ratio of medians")
         check(c["copy_bytes_per_step"] <= p["copy_bytes_per_step"],
               f"{what} prefetch {q['prefetch']}: contiguous copies no more than padded "
               f"({c['copy_bytes_per_step']} vs {p['copy_bytes_per_step']})")
