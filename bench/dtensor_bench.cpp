@@ -99,6 +99,14 @@ Case make_case(const Dims& mesh_shape, std::string src, std::string dst) {
   return c;
 }
 
+// A RaggedShard over k ranks: units 1,2,0,1,2,0,... (uneven, one empty range in three) with
+// alignment `align`, or all 1 with align 1 (a rebalance's target).
+std::string ragged_units(int64_t k, int64_t align) {
+  std::vector<int64_t> units;
+  for (int64_t i = 0; i < k; ++i) units.push_back(align == 1 ? 1 : (i % 3 == 2 ? 0 : i % 3 + 1));
+  return fmt::format("Rg(0,[{}],{})", fmt::join(units, ","), align);
+}
+
 // The representative set (docs/pytorch-semantics.md sections 3 and 6.2): every single-mesh-dim
 // collective, the StridedShard pair, and 2-D / 3-D pairs of PyTorch's redistribute tests.
 // "single" keeps the 1-D entries only.
@@ -132,6 +140,9 @@ std::vector<Case> suite_cases(const Options& opt, int world) {
   if (auto m = mesh_for(1)) {
     for (auto [s, d] : {std::pair{"S(0)", "R"}, {"R", "S(0)"}, {"P", "R"}, {"P", "S(0)"}, {"S(0)", "S(1)"}})
       out.push_back(make_case(*m, s, d));
+    // RaggedShard (FSDP's flat buffers): unshard, gradient reduce-scatter, rebalance.
+    const std::string u = ragged_units((*m)[0], 4), v = ragged_units((*m)[0], 1);
+    for (auto [s, d] : {std::pair{u, std::string("R")}, {"P", u}, {u, v}}) out.push_back(make_case(*m, s, d));
   }
   if (opt.suite == "single") return out;
   if (auto m = mesh_for(2)) {
@@ -140,6 +151,7 @@ std::vector<Case> suite_cases(const Options& opt, int world) {
     out.push_back(make_case(*m, strided, "S(0),S(0)"));
     out.push_back(make_case(*m, "S(0),R", "R,R"));        // FSDP unshard on the dp dim (2-D)
     out.push_back(make_case(*m, "P,S(0)", "R,S(0)"));     // HSDP: reduce across replicas
+    out.push_back(make_case(*m, "P,P", "R," + ragged_units((*m)[1], 4)));  // HSDP's flat gradient reduce
     out.push_back(make_case(*m, "S(0),S(1)", "S(0),S(0)"));
     out.push_back(make_case(*m, "S(0),S(1)", "S(1),S(0)"));
     out.push_back(make_case(*m, "S(0),S(0)", "S(1),S(1)"));
@@ -335,7 +347,7 @@ Row run_one(Env& env, const Case& c, int64_t requested_bytes) {
   for (int rank : spec.mesh->ranks())
     row.local_bytes = std::max(row.local_bytes, spec.layout(rank)->local_shape.product() * item);
   row.bytes_per_rank = plan.traffic.max_received();
-  row.lower_bound = dtensor::lower_bound_traffic(spec, plan.dst).max_received();
+  row.lower_bound = dtensor::lower_bound_traffic(spec, plan.on_view() ? plan.user_dst : plan.dst).max_received();
   row.raw_ops = raw_ops(plan, spec);
   row.has_raw = !row.raw_ops.empty();
   for (const RawOp& op : row.raw_ops)

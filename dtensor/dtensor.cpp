@@ -35,6 +35,9 @@ std::shared_ptr<const DeviceMesh> mesh_of(const std::shared_ptr<const MeshComms>
 
 Tensor empty_outside(DType dtype) { return Tensor::empty({0}, dtype); }
 
+// The caller's placements after the plan (a plan on a RaggedShard view runs on the view's).
+Placements result_placements(const Plan& plan) { return plan.on_view() ? plan.user_dst : plan.dst; }
+
 std::string shape_text(const Dims& dims) { return fmt::format("[{}]", fmt::join(dims, ",")); }
 
 // Compact index list: "0-3,8-11"; "-" when nothing is held.
@@ -313,13 +316,14 @@ const Plan& DTensor::plan_to(const Placements& placements, const RedistributeOpt
 DTensor DTensor::redistribute(const Placements& placements, const RedistributeOptions& options) const {
   if (placements == spec_.placements && options.divide_factor == 1.0) return *this;  // shares the local tensor
   const Transition t = make_transition(spec_, placements, options.planner, options.reduce_policy());
-  if (std::equal(t.dst.begin(), t.dst.end(), spec_.placements.begin(), spec_.placements.end()) &&
+  const PlacementList& target = t.tensor_shape.empty() ? t.dst : t.user_dst;  // NOTE [ragged plans]
+  if (std::equal(target.begin(), target.end(), spec_.placements.begin(), spec_.placements.end()) &&
       options.divide_factor == 1.0)
     return *this;
   const PlanCache::Found found = comms_->plans().find(t);  // planned once, on the first call
   ExecHandle h = issue_cached(t, *found.plan, found.recipe, spec_, local_, *comms_);
   DTensorSpec out = spec_;
-  out.placements = found.plan->dst;
+  out.placements = result_placements(*found.plan);
   Tensor result = h.wait()[0];
   return DTensor(Trusted{}, comms_, std::move(out), std::move(result));
 }
@@ -426,6 +430,12 @@ DTensor distribute_tensor(const Tensor& tensor, std::shared_ptr<const MeshComms>
           "would truncate (use a floating dtype)",
           to_string(spec.placements[m]), m, mesh.size(m), mesh.size(m), kernels::to_string(tensor.dtype())));
   }
+  if (const int r = ragged_mesh_dim(spec.placements); r >= 0) {
+    // Replicated over the ragged mesh dim first, then cut to the ranges (a local chunk).
+    Placements replicated = spec.placements;
+    replicated[r] = Replicate{};
+    return distribute_tensor(tensor, comms, replicated, src_data_rank).redistribute(spec.placements);
+  }
   if (!comms->in_mesh()) return DTensor(comms, std::move(spec), empty_outside(tensor.dtype()));
   Tensor current = tensor;
   for (int m = 0; m < mesh.ndim(); ++m)
@@ -498,7 +508,7 @@ RedistributeHandle redistribute_async(const DTensor& tensor, const Placements& p
   const Transition t = make_transition(tensor.spec(), placements, options.planner, options.reduce_policy(),
                                        out.defined() ? std::optional(out.dtype()) : std::nullopt);
   const PlanCache::Found found = h.comms_->plans().find(t);
-  h.spec_.placements = found.plan->dst;
+  h.spec_.placements = result_placements(*found.plan);
   h.pending_ = std::make_unique<RedistributeHandle::Pending>();
   h.pending_->exec = issue_cached(t, *found.plan, found.recipe, tensor.spec(), tensor.to_local(), *h.comms_, out,
                                   /*background=*/true);
@@ -549,6 +559,16 @@ std::vector<DTensor> redistribute_batch(std::span<const DTensor> tensors, const 
   }
   const Placements& dst = dsts[0];
   if (dst == first.placements() && outs.empty() && options.divide_factor == 1.0) return {tensors.begin(), tensors.end()};
+  if (ragged_mesh_dim(dst) >= 0 || ragged_mesh_dim(first.placements()) >= 0) {
+    // NOTE [ragged plans]: a plan on a RaggedShard view is made per shape, so the batch moves
+    // tensor by tensor, every redistribute issued before the first is waited for.
+    std::vector<RedistributeHandle> pending;
+    for (size_t i = 0; i < tensors.size(); ++i)
+      pending.push_back(redistribute_async(tensors[i], dst, options, outs.empty() ? Tensor() : outs[i]));
+    std::vector<DTensor> out;
+    for (RedistributeHandle& h : pending) out.push_back(h.wait());
+    return out;
+  }
   // One plan for the batch, costed for its largest tensor and valid for every shape in it
   // (NOTE [step validity]: validity can depend on the shape when sizes are uneven).
   std::vector<Dims> shapes;
@@ -611,13 +631,15 @@ DTensor rand(const Dims& shape, uint64_t seed, DType dtype, std::shared_ptr<cons
   const uint64_t key = mix64(seed);
   const double scale = std::ldexp(1.0, -bits);
   return make_factory("rand", shape, dtype, std::move(comms), placements, [&](const ShardLayout& l) {
+    // A RaggedShard's layout is of the flattened view, whose row-major flat index is the tensor's.
+    const Dims dims = ragged_mesh_dim(placements) >= 0 ? ragged_view(shape, placements) : shape;
     Tensor out = Tensor::empty(l.local_shape, dtype);
     std::vector<HeldIndices> held;  // no index lists: memory in the number of runs
-    for (int t = 0; t < shape.size(); ++t) held.emplace_back(l.runs[t]);
+    for (int t = 0; t < dims.size(); ++t) held.emplace_back(l.runs[t]);
     out.fill_index_([&](std::span<const int64_t> local) {
       uint64_t flat = 0;
-      for (int t = 0; t < shape.size(); ++t)
-        flat = flat * static_cast<uint64_t>(shape[t]) + static_cast<uint64_t>(held[t][local[t]]);
+      for (int t = 0; t < dims.size(); ++t)
+        flat = flat * static_cast<uint64_t>(dims[t]) + static_cast<uint64_t>(held[t][local[t]]);
       return static_cast<double>(mix64(key ^ flat) >> (64 - bits)) * scale;
     });
     return device.is_cpu() ? out : out.to(device);  // drawn on the host, like the CPU values

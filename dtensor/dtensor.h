@@ -167,7 +167,9 @@ RedistributeHandle redistribute_async(const DTensor& tensor, const Placements& p
 
 // Batched redistribute: every tensor on the same mesh, with the same placements and dtype,
 // moves to `placements` with one collective per step (flat buffers). outs, when given (one per
-// tensor), receive the results as in DTensor::redistribute. Collective over the mesh.
+// tensor), receive the results as in DTensor::redistribute. Collective over the mesh. With a
+// RaggedShard on either side the tensors move one by one (a ragged plan is made per shape; all
+// are issued before the first is waited for).
 std::vector<DTensor> redistribute_batch(std::span<const DTensor> tensors, const Placements& placements,
                                         const RedistributeOptions& options = {}, std::span<const Tensor> outs = {});
 

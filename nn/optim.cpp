@@ -295,7 +295,7 @@ double clip_grad_norm_(const NamedParameters& params, double max_norm, double no
                           "the sum of the "
                           "ranks' norms; call nn::reduce_gradients (or finish FSDP's reduce-scatter) first",
                           names[i], dtensor::to_string(pl), m));
-        if (dtensor::shard_dim(pl) || dtensor::is_ragged(pl)) reduce[m] = 1;
+        if (dtensor::shard_dim(pl) || dtensor::is_ragged(pl)) reduce[m] = 1;  // Rg: FSDP's flat shards
       }
     }
     double local = 0.0;

@@ -7,7 +7,6 @@
 #include <span>
 #include <vector>
 
-#include "dtensor/layout.h"
 #include "kernels/allocator.h"
 #include "kernels/checked.h"
 #include "kernels/error.h"
@@ -160,16 +159,17 @@ void Parameter::materialize(uint64_t seed, std::string_view name) {
     return;
   }
   const dtensor::ShardLayout layout = *spec.layout(comms_->rank());
-  // A RaggedShard's layout is of the ragged view (dims d..end flattened): the same row-major index.
-  const Dims view = dtensor::ragged_view(shape_, placements_);
-  const int nd = view.size();
+  // A RaggedShard's layout is of the flattened view (NOTE [ragged view] in dtensor/layout.h),
+  // whose row-major flat index is the tensor's.
+  const Dims dims = dtensor::ragged_mesh_dim(placements_) >= 0 ? dtensor::ragged_view(shape_, placements_) : shape_;
+  const int nd = dims.size();
   // The values are written in place from the layout's runs (no index lists, no staging copy).
   Tensor local = shard_storage(name, spec, layout);
   std::vector<dtensor::HeldIndices> held;
   for (int t = 0; t < nd; ++t) held.emplace_back(layout.runs[t]);
   local.fill_index_([&](std::span<const int64_t> pos) {
     int64_t flat = 0;
-    for (int t = 0; t < nd; ++t) flat = flat * view[t] + held[t][pos[t]];
+    for (int t = 0; t < nd; ++t) flat = flat * dims[t] + held[t][pos[t]];
     return init_.value(seed, name, flat);
   });
   data_ = DTensor(comms_, spec, local);

@@ -695,8 +695,8 @@ FuzzCase random_case(Rng& g, size_t mesh_index, const DeviceMesh& mesh) {
 
 // A RaggedShard case (NOTE [ragged plans] in dtensor/plan/transition.h): one mesh dim m moves
 // among Rg(d, units with zeros, align), R, P (source) and S(d), the others keep R or S of a dim
-// before d. One case in eight is invalid on purpose: Rg -> P (Unsupported) or units that do not
-// match the mesh dim (InvalidArgument).
+// before d, or go P -> R (HSDP's all-reduce over dp_replicate). One case in eight is invalid on
+// purpose: Rg -> P (Unsupported) or units that do not match the mesh dim (InvalidArgument).
 FuzzCase random_ragged_case(Rng& g, size_t mesh_index, const DeviceMesh& mesh) {
   FuzzCase c;
   c.mesh = mesh_index;
@@ -740,8 +740,10 @@ FuzzCase random_ragged_case(Rng& g, size_t mesh_index, const DeviceMesh& mesh) {
   for (int q = 0; q < mesh.ndim(); ++q) {
     Placement keep = dtensor::Replicate{};
     if (d > 0 && g.percent(40)) keep = dtensor::Shard{g.uniform(0, d - 1)};
-    c.src.push_back(q == m ? a : keep);
-    c.dst.push_back(q == m ? b : keep);
+    // HSDP's replicate dim: an all-reduce beside the ragged step (P -> R).
+    const bool reduce = q != m && g.percent(30);
+    c.src.push_back(q == m ? a : reduce ? Placement{dtensor::Partial{g.percent(70) ? ReduceOp::kSum : ReduceOp::kAvg}} : keep);
+    c.dst.push_back(q == m ? b : reduce ? Placement{dtensor::Replicate{}} : keep);
   }
   return c;
 }

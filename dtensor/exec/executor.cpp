@@ -118,6 +118,16 @@ namespace {
 ExecHandle issue_checked(const Plan& plan, std::span<const DTensorSpec> specs, std::span<const Tensor> locals,
                          const MeshComms& comms, const ReducePolicy& policy, std::span<const Tensor> outs);
 
+// The spec of the view a plan on a RaggedShard view runs on (NOTE [ragged plans]).
+DTensorSpec view_spec(const Plan& plan, const DTensorSpec& spec) {
+  DTensorSpec view = spec;
+  view.shape = plan.shapes.front();
+  view.stride = Dims::filled(view.shape.size(), 1);
+  for (int t = view.shape.size() - 2; t >= 0; --t) view.stride[t] = view.stride[t + 1] * view.shape[t + 1];
+  view.placements = plan.src;
+  return view;
+}
+
 // NOTE [ragged plans] (transition.h): the caller's tensor as the view the plan runs on, and the
 // result back as the caller's local shape; both are reshapes of contiguous tensors (the local
 // input is copied when it is not contiguous; an out must be).
@@ -129,11 +139,7 @@ ExecHandle issue_on_view(const Plan& plan, const DTensorSpec& spec, const Tensor
   if (!plan.valid_for(spec.shape))
     throw InvalidArgument(fmt::format("execute: the tensor has global shape {}, the plan {} was made for {}",
                                       shape_text(spec.shape), to_string(plan), shape_text(plan.tensor_shape)));
-  DTensorSpec view = spec;
-  view.shape = plan.shapes.front();
-  view.stride = Dims::filled(view.shape.size(), 1);
-  for (int t = view.shape.size() - 2; t >= 0; --t) view.stride[t] = view.stride[t + 1] * view.shape[t + 1];
-  view.placements = plan.src;
+  const DTensorSpec view = view_spec(plan, spec);
   if (!comms.in_mesh()) return ExecHandle({}, {out.defined() ? out : local}, collectives::kDefaultTimeout);
   const ShardLayout mine = *spec.layout(comms.rank());
   if (!(local.shape() == mine.local_shape))
@@ -253,7 +259,30 @@ ExecHandle issue_cached(const Transition& t, const Plan& plan, std::shared_ptr<c
                         const DTensorSpec& src, const Tensor& local, const MeshComms& comms, const Tensor& out,
                         bool background) {
   if (!comms.in_mesh()) return ExecHandle({}, {out.defined() ? out : local}, collectives::kDefaultTimeout);
-  if (plan.on_view()) return issue_on_view(plan, src, local, comms, t.policy, out);  // not cached: NOTE [ragged plans]
+  if (plan.on_view()) {
+    // NOTE [ragged plans]: the recipe is of the view; the caller's tensors are reshaped to it.
+    const DTensorSpec view = view_spec(plan, src);
+    if (!recipe) {
+      recipe = make_recipe(RankContext::of(comms), plan, view, t.out_dtype.value_or(src.dtype), t.policy);
+      comms.plans().set_recipe(t, recipe);
+    }
+    if (!(local.shape() == recipe->user_src_local))
+      throw InvalidArgument(fmt::format("redistribute: local tensor of shape {} but rank {} holds {} of {}",
+                                        shape_text(local.shape()), comms.rank(), shape_text(recipe->user_src_local),
+                                        to_string(src)));
+    Tensor view_out;
+    if (out.defined()) {
+      check_out(out, local, recipe->user_dst_local, comms.rank(), plan.user_dst);
+      if (!out.is_contiguous())
+        throw InvalidArgument(fmt::format("redistribute: the out tensor of a plan on a view ({}) must be contiguous",
+                                          to_string(plan)));
+      view_out = out.view(recipe->dst_local);
+    }
+    const Tensor view_local = (local.is_contiguous() ? local : local.contiguous()).view(recipe->src_local);
+    ExecHandle h = issue_with_recipe(comms, plan, *recipe, Item{&view, view_local}, view_out, background);
+    h.view_results(recipe->user_dst_local);
+    return h;
+  }
   if (!recipe) {
     recipe = make_recipe(RankContext::of(comms), plan, src, t.out_dtype.value_or(src.dtype), t.policy);
     comms.plans().set_recipe(t, recipe);

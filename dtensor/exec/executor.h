@@ -166,7 +166,9 @@ ExecHandle issue(const Plan& plan, const DTensorSpec& src, const Tensor& local, 
 // from comms.plans(), with this rank's recipe for t: `recipe` (from the same cache entry), or,
 // when null, one made now and kept in comms.plans() for the next call. The executor never plans;
 // a repeated call costs the caller one look-up. Ranks outside the mesh get a handle with no
-// calls whose result is `out`, or `local`. REQUIRES: src is t's source, the comms' mesh.
+// calls whose result is `out`, or `local`. REQUIRES: src is t's source, the comms' mesh. A plan
+// on a RaggedShard view keeps the view's recipe, with the caller's local shapes; the caller's
+// tensors are reshaped to the view (an out must be contiguous) (NOTE [ragged plans]).
 //
 // NOTE [background copies] With background = true (redistribute_async) the caller does none of
 // the copying: the copies that read no pending data (a local step such as R -> S(0), the copy

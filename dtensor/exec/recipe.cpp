@@ -132,6 +132,10 @@ std::shared_ptr<const Recipe> make_recipe(const RankContext& rc, const Plan& pla
   r->steps = plan_dtypes(plan, mesh_shape, spec.dtype, output, policy);
   r->src_local = compute_layout(spec.shape, mesh_shape, plan.src, rc.coord).local_shape;
   r->dst_local = compute_layout(spec.shape, mesh_shape, plan.dst, rc.coord).local_shape;
+  if (plan.on_view()) {
+    r->user_src_local = compute_layout(plan.tensor_shape, mesh_shape, plan.user_src, rc.coord).local_shape;
+    r->user_dst_local = compute_layout(plan.tensor_shape, mesh_shape, plan.user_dst, rc.coord).local_shape;
+  }
   for (size_t i = 0; i < plan.steps.size(); ++i) {
     const Step& step = plan.steps[i];
     const Placements& before = plan.states[i];

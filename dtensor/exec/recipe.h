@@ -31,6 +31,9 @@ std::vector<ExecStep> plan_dtypes(const Plan& plan, const Dims& mesh_shape, DTyp
 
 struct Recipe {
   Dims src_local, dst_local;  // this rank's local shapes before and after
+  // A plan on a RaggedShard view (NOTE [ragged plans]): the recipe is of the view; these are the
+  // caller's local shapes before and after (empty for other plans).
+  Dims user_src_local, user_dst_local;
   std::vector<ExecStep> steps;
   struct PerStep {
     Placements after;

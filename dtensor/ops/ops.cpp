@@ -74,6 +74,17 @@ std::vector<DTensor> prepare(const RuleSet& rules, std::initializer_list<const D
                              const OpOptions& options, Strategy& st) {
   std::vector<DTensorSpec> specs;
   for (const DTensor* t : inputs) specs.push_back(t->spec());
+  // NOTE [ragged ops] (rules.h): a RaggedShard input only where a rule takes it as it is.
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const int r = ragged_mesh_dim(specs[i].placements);
+    if (r < 0) continue;
+    const Placement& p = specs[i].placements[r];
+    if (std::none_of(rules.rules.begin(), rules.rules.end(), [&](const Rule& rule) { return rule.inputs[i] == p; }))
+      throw Unsupported(fmt::format(
+          "{}: input {} has placements [{}]: no rule of {} takes the RaggedShard {} (only element-wise ops on "
+          "inputs of one shape keep it; redistribute it to S or R first)",
+          rules.op, i, to_string(specs[i].placements), rules.op, to_string(p)));
+  }
   st = choose_strategy(rules, specs, (*inputs.begin())->comms()->plans(), options.choose);
   std::vector<DTensor> used;
   int i = 0;
@@ -391,7 +402,9 @@ void check_broadcast(const DTensor& a, const DTensor& b, std::string_view op) {
 
 DTensor add(const DTensor& a, const DTensor& b, double alpha, const OpOptions& options, Saved* saved) {
   check_broadcast(a, b, "add");
-  const RuleSet rules = binary_rules(Pointwise::kAdd, a.spec().tensor_ndim(), b.spec().tensor_ndim());
+  const DTensorSpec specs[] = {a.spec(), b.spec()};
+  const RuleSet rules =
+      with_ragged_rules(binary_rules(Pointwise::kAdd, a.spec().tensor_ndim(), b.spec().tensor_ndim()), specs);
   Strategy st;
   std::vector<DTensor> used = prepare(rules, {&a, &b}, options, st);
   save(saved, "add", st, {&a, &b});
@@ -447,7 +460,9 @@ Grads add_backward(const Saved& saved, const DTensor& dy_in, std::span<const Gra
 
 DTensor mul(const DTensor& a, const DTensor& b, const OpOptions& options, Saved* saved) {
   check_broadcast(a, b, "mul");
-  const RuleSet rules = binary_rules(Pointwise::kMul, a.spec().tensor_ndim(), b.spec().tensor_ndim());
+  const DTensorSpec specs[] = {a.spec(), b.spec()};
+  const RuleSet rules =
+      with_ragged_rules(binary_rules(Pointwise::kMul, a.spec().tensor_ndim(), b.spec().tensor_ndim()), specs);
   Strategy st;
   std::vector<DTensor> used = prepare(rules, {&a, &b}, options, st);
   save(saved, "mul", st, {&a, &b});
@@ -491,7 +506,8 @@ enum class Unary { kScale, kGelu, kSilu };
 DTensor unary(Unary kind, const DTensor& x, double param, const OpOptions& options, Saved* saved) {
   static constexpr const char* kNames[] = {"scale", "gelu", "silu"};
   const char* name = kNames[static_cast<int>(kind)];
-  const RuleSet rules = unary_rules(name, x.spec().tensor_ndim(), kind == Unary::kScale);
+  const RuleSet rules =
+      with_ragged_rules(unary_rules(name, x.spec().tensor_ndim(), kind == Unary::kScale), std::span(&x.spec(), 1));
   Strategy st;
   std::vector<DTensor> used = prepare(rules, {&x}, options, st);
   save(saved, name, st, {&x});

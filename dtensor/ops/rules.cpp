@@ -138,6 +138,20 @@ RuleSet unary_rules(std::string_view op, int ndim, bool linear) {
   return rs;
 }
 
+RuleSet with_ragged_rules(RuleSet rules, std::span<const DTensorSpec> inputs) {
+  if (inputs.empty() || rules.outputs != 1 || static_cast<int>(inputs.size()) != rules.inputs) return rules;
+  for (const DTensorSpec& s : inputs)
+    if (!(s.shape == inputs[0].shape)) return rules;  // a broadcast: the pieces would not line up
+  const int n = static_cast<int>(inputs.size());
+  for (const DTensorSpec& s : inputs)
+    for (const Placement& p : s.placements) {
+      if (!is_ragged(p)) continue;
+      Rule r{std::vector<Placement>(n, p), {p}, std::vector<Placement>(n, p)};
+      if (std::find(rules.rules.begin(), rules.rules.end(), r) == rules.rules.end()) rules.rules.push_back(std::move(r));
+    }
+  return rules;
+}
+
 RuleSet sum_rules(int ndim, std::span<const int> dims) {
   std::vector<char> reduced(ndim, 0);
   for (int d : dims) {

@@ -71,6 +71,14 @@ RuleSet binary_rules(Pointwise op, int a_ndim, int b_ndim);
 // A unary element-wise op (gelu, silu, scale): S(d) -> S(d), R -> R; `linear` ops (scale)
 // also keep P(sum).
 RuleSet unary_rules(std::string_view op, int ndim, bool linear);
+// NOTE [ragged ops] A RaggedShard (a flat-buffer placement: FSDP's sharded parameters and
+// gradients) is kept by the element-wise ops (unary, add, mul) whose inputs all have the output's
+// shape: every rank holds the same range of each, so the op runs on the pieces. `rules` plus,
+// for each RaggedShard an input holds, the rule Rg,..,Rg -> Rg (grads Rg); `rules` unchanged
+// for a broadcast. Every other op refuses a ragged input, naming it (ops.cpp: prepare).
+//   with_ragged_rules(unary_rules("gelu", 2, false), {[Rg(0,[1,2],4)] of [9,4]}) adds
+//   "Rg(0,[1,2],4) -> Rg(0,[1,2],4) | grads Rg(0,[1,2],4)".
+RuleSet with_ragged_rules(RuleSet rules, std::span<const DTensorSpec> inputs);
 // Sum over `dims` (keepdim = false): a reduced S(d) gives P(sum), a kept S(d) moves to its new
 // index; R -> R, P -> P.
 RuleSet sum_rules(int ndim, std::span<const int> dims);

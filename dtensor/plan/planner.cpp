@@ -347,15 +347,29 @@ Plan plan_transition(const Transition& t) { return plan_transition(t, Algebra{})
 Plan plan_transition(const Transition& t, const StepOracle& oracle) {
   Context ctx(t, oracle);
   if (!t.tensor_shape.empty()) {
-    // NOTE [ragged plans]: one mesh dim changes, by its one direct step, for either planner.
-    Builder b(ctx, t.planner);
-    for (int m = 0; m < t.mesh_shape.size(); ++m) {
-      if (t.src[m] == t.dst[m]) continue;
-      std::optional<Step> step = step_between(m, t.src[m], t.dst[m], /*direct=*/true);
-      if (!step) throw Unsupported(fmt::format("no route for {}", to_string(t)));
-      b.add(ctx.with_wire(*step));
-    }
-    Plan p = b.finish();
+    // NOTE [ragged plans]: each changed mesh dim moves by its one direct step, for either
+    // planner; with several (HSDP: P -> R beside the ragged dim), the cheapest order.
+    std::vector<int> changed;
+    for (int m = 0; m < t.mesh_shape.size(); ++m)
+      if (t.src[m] != t.dst[m]) changed.push_back(m);
+    std::optional<Plan> best;
+    do {
+      Builder b(ctx, t.planner);
+      bool ok = true;
+      for (int m : changed) {
+        std::optional<Step> step = step_between(m, b.current()[m], t.dst[m], /*direct=*/true);
+        if (!step || !ctx.valid(ctx.with_wire(*step), b.current())) {
+          ok = false;
+          break;
+        }
+        b.add(ctx.with_wire(*step));
+      }
+      if (!ok) continue;
+      Plan q = b.finish();
+      if (!best || q.cost_us < best->cost_us) best = std::move(q);
+    } while (std::next_permutation(changed.begin(), changed.end()));
+    if (!best) throw Unsupported(fmt::format("no route for {}", to_string(t)));
+    Plan p = std::move(*best);
     p.tensor_shape = t.tensor_shape;
     p.user_src = {t.user_src.begin(), t.user_src.end()};
     p.user_dst = {t.user_dst.begin(), t.user_dst.end()};

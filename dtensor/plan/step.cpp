@@ -74,6 +74,8 @@ std::optional<bool> ragged_step_valid(const Step& step, const Placements& before
   // NOTE [ragged plans]: steps on the ragged dim only where no other mesh dim splits it; steps
   // on other dims only while the ragged mesh dim stays put.
   const int m = mesh_dim_of(step);
+  // Beside the ragged mesh dim, only all-reduces (HSDP's replicate dim: P -> R of every piece).
+  if (m != r) return std::holds_alternative<AllReduce>(step);
   const int d = view_shape.size() - 1;
   const std::vector<int> touched = touched_dims(step);
   if (std::find(touched.begin(), touched.end(), d) == touched.end()) return false;

@@ -129,8 +129,9 @@ std::optional<int> split_dim(const Placement& p);
 // for a tensor of `global_shape`. Throws Unsupported past the budget (chain.h: WorkBudget).
 bool is_valid_step(const Step& step, const Placements& before, const Dims& global_shape, const Dims& mesh_shape);
 // NOTE [ragged plans] (transition.h): nullopt when neither state has a RaggedShard; otherwise
-// whether the step is valid on the view `view_shape`: both states are its layouts, the step
-// touches the ragged (last) dim and no other mesh dim of size > 1 splits it.
+// whether the step is valid on the view `view_shape`: both states are its layouts, and either the
+// step touches the ragged (last) dim and no other mesh dim of size > 1 splits it, or it is an
+// all-reduce on another mesh dim (HSDP's dp_replicate).
 std::optional<bool> ragged_step_valid(const Step& step, const Placements& before, const Placements& after,
                                       const Dims& view_shape, const Dims& mesh_shape);
 bool is_valid_step(const Step& step, const Placements& before, const Dims& global_shape, const Dims& mesh_shape,

@@ -519,35 +519,67 @@ Wide largest_other_sizes(const Placements& ps, const Dims& shape, const Dims& me
   return out;
 }
 
-std::optional<Traffic> ragged_step_traffic(const Step& step, const Placements& before, const Dims& shape,
-                                           const Dims& mesh, DType dtype, WorkBudget& work) {
-  const Placements after = apply_step(step, before);
-  if (ragged_mesh_dim(before) < 0 && ragged_mesh_dim(after) < 0) return std::nullopt;
+// What the busiest rank at each coordinate c of the ragged mesh dim r sends and receives in the
+// step, in bytes: a step on r moves pieces of the ragged dim; an all-reduce on another mesh dim
+// (HSDP's replicate dim) reduces c's piece. Every rank's bytes grow with its sizes along dims < d,
+// which the step leaves alone, so the busiest rank at c holds the largest of them.
+struct CoordBytes {
+  std::vector<Wide> sent, received;
+};
+CoordBytes ragged_coord_bytes(const Step& step, const Placements& before, int r, const Dims& shape, const Dims& mesh,
+                              DType dtype, WorkBudget& work) {
+  const int64_t kr = mesh[r];
+  CoordBytes out{std::vector<Wide>(kr, 0), std::vector<Wide>(kr, 0)};
   const int m = mesh_dim_of(step);
   const int64_t k = mesh[m];
-  if (!communicates(step) || k == 1) return Traffic{};
+  if (!communicates(step) || k == 1) return out;
+  const WireBytes wb = wire_bytes(step, mesh, dtype);
   const int64_t n = shape[shape.size() - 1];
-  const auto* rs = std::get_if<ReduceScatter>(&step);
-  const std::optional<DType> wire = rs != nullptr ? rs->wire : std::nullopt;
-  const int64_t item = static_cast<int64_t>(kernels::itemsize(wire.value_or(dtype)));
-  const int64_t scale = wire && (*wire == DType::kF8E4M3 || *wire == DType::kF8E5M2) ? 4 * (k - 1) : 0;
-  work.add(k);
-  Wide sent = 0, received = 0;
-  const Pieces pa(before[m], n, k), pb(after[m], n, k);
-  for (int64_t c = 0; c < k; ++c) {
+  const Wide others = largest_other_sizes(before, shape, mesh, work);
+  work.add(kr);
+  const Placements after = apply_step(step, before);
+  const Pieces pa(before[r], n, kr), pb(after[r], n, kr);
+  for (int64_t c = 0; c < kr; ++c) {
     const Chunk a = pa[c], b = pb[c];
-    if (rs != nullptr) {  // every member's contribution to c's range in, c's to every other out
-      received = std::max(received, Wide{k - 1} * b.size);
-      sent = std::max(sent, Wide{n} - b.size);
+    Wide sent = 0, received = 0;
+    if (m != r) {  // an all-reduce of c's piece over k members (class_elements' model)
+      const Wide e = Wide{a.size} * others;
+      sent = received = wb.wire_ar ? e + Wide{k - 2} * ((e + k - 1) / k) : (Wide{2} * (k - 1) * e + k - 1) / k;
+    } else if (std::holds_alternative<ReduceScatter>(step)) {
+      // every member's contribution to c's range in, c's to every other out
+      received = Wide{k - 1} * b.size * others;
+      sent = (Wide{n} - b.size) * others;
     } else {  // an exchange: what c holds after and not before in; out, its piece to every peer
       // that holds it after (all of them for R, else the one piece of a partition holding it)
       const int64_t kept = overlap(a, b);
-      received = std::max(received, Wide{b.size} - kept);
-      sent = std::max(sent, is_replicate(after[m]) ? Wide{k - 1} * a.size : Wide{a.size} - kept);
+      received = (Wide{b.size} - kept) * others;
+      sent = (is_replicate(after[m]) ? Wide{k - 1} * a.size : Wide{a.size} - kept) * others;
     }
+    out.sent[c] = sent * wb.item + wb.scale;
+    out.received[c] = received * wb.item + wb.scale;
   }
-  const Wide others = largest_other_sizes(before, shape, mesh, work);
-  return Traffic{to_bytes(sent * others * item + scale, shape, dtype), to_bytes(received * others * item + scale, shape, dtype)};
+  return out;
+}
+
+// The ragged mesh dim of a route, -1 when none of its states has one.
+int ragged_mesh_dim_of(std::span<const Placements> states) {
+  for (const Placements& ps : states)
+    if (const int r = ragged_mesh_dim(ps); r >= 0) return r;
+  return -1;
+}
+
+std::optional<Traffic> ragged_step_traffic(const Step& step, const Placements& before, const Dims& shape,
+                                           const Dims& mesh, DType dtype, WorkBudget& work) {
+  const Placements after = apply_step(step, before);
+  const int r = std::max(ragged_mesh_dim(before), ragged_mesh_dim(after));
+  if (r < 0) return std::nullopt;
+  const CoordBytes b = ragged_coord_bytes(step, before, r, shape, mesh, dtype, work);
+  Wide sent = 0, received = 0;
+  for (size_t c = 0; c < b.sent.size(); ++c) {
+    sent = std::max(sent, b.sent[c]);
+    received = std::max(received, b.received[c]);
+  }
+  return Traffic{to_bytes(sent, shape, dtype), to_bytes(received, shape, dtype)};
 }
 
 }  // namespace
@@ -587,16 +619,23 @@ Traffic step_traffic(const Step& step, const Placements& before, const Dims& glo
 
 Traffic route_traffic(std::span<const Step> steps, std::span<const Placements> states, const Dims& global_shape,
                       const Dims& mesh_shape, DType dtype, WorkBudget& work) {
-  if (std::any_of(states.begin(), states.end(), [](const Placements& ps) { return ragged_mesh_dim(ps) >= 0; })) {
-    // NOTE [ragged plans]: one step per plan, so its traffic is the route's (the sum over several
-    // would bound the busiest rank's from above).
-    Traffic sum;
+  if (const int r = ragged_mesh_dim_of(states); r >= 0) {
+    // NOTE [ragged plans]: every step's bytes depend on the ragged coordinate c alone (the
+    // others' sizes at their largest), so the busiest rank's route is the busiest c's sum.
+    std::vector<Wide> sent(mesh_shape[r], 0), received(mesh_shape[r], 0);
     for (size_t i = 0; i < steps.size(); ++i) {
-      const Traffic t = step_traffic(steps[i], states[i], global_shape, mesh_shape, dtype, work);
-      sum.sent = kernels::checked_add(sum.sent, t.sent, "route bytes");
-      sum.received = kernels::checked_add(sum.received, t.received, "route bytes");
+      const CoordBytes b = ragged_coord_bytes(steps[i], states[i], r, global_shape, mesh_shape, dtype, work);
+      for (size_t c = 0; c < sent.size(); ++c) {
+        sent[c] += b.sent[c];
+        received[c] += b.received[c];
+      }
     }
-    return sum;
+    Traffic out;
+    for (size_t c = 0; c < sent.size(); ++c) {
+      out.sent = std::max(out.sent, to_bytes(sent[c], global_shape, dtype));
+      out.received = std::max(out.received, to_bytes(received[c], global_shape, dtype));
+    }
+    return out;
   }
   ChainSet set(mesh_shape);
   std::vector<Term> terms;
@@ -611,35 +650,37 @@ Traffic ragged_lower_bound(const DTensorSpec& src, const RaggedMapping& v) {
   const Dims& mesh = src.mesh->shape();
   const Dims& shape = v.view;
   const int64_t item = static_cast<int64_t>(kernels::itemsize(src.dtype));
-  int m = -1;
-  for (int q = 0; q < mesh.size(); ++q)
-    if (v.src[q] != v.dst[q]) m = q;
-  if (m < 0 || mesh[m] == 1) return {};
-  const int64_t k = mesh[m], n = shape[shape.size() - 1];
+  const int r = std::max(ragged_mesh_dim(v.src), ragged_mesh_dim(v.dst));
+  const int64_t k = mesh[r], n = shape[shape.size() - 1];
   WorkBudget work(kMaxPlanWork, [&] { return fmt::format("the lower bound of [{}] -> [{}]", to_string(v.src), to_string(v.dst)); });
   work.add(k);
   const Wide others = largest_other_sizes(v.src, shape, mesh, work);
   Wide largest_after = 0, received = 0;
-  const Pieces pa(v.src[m], n, k), pb(v.dst[m], n, k);
+  const Pieces pa(v.src[r], n, k), pb(v.dst[r], n, k);
   for (int64_t c = 0; c < k; ++c) {
     const Chunk a = pa[c], b = pb[c];
     largest_after = std::max(largest_after, Wide{b.size});
     received = std::max(received, Wide{b.size} - overlap(a, b));
   }
-  if (!is_partial(v.src[m])) return {0, to_bytes(received * others * item, shape, src.dtype)};
-  // A reduction over the k members (planner.h's model): the mesh receives at least
-  // numel x (k - 2) x the kept-Partial classes + every rank's new local size; the busiest rank
+  // Partial mesh dims reduced (the ragged one's P -> Rg, others' P -> R) and kept.
+  Wide contributions = 1, classes = 1;
+  for (int q = 0; q < mesh.size(); ++q) {
+    if (!is_partial(v.src[q])) continue;
+    if (is_partial(v.dst[q])) classes *= mesh[q];
+    else contributions *= mesh[q];
+  }
+  if (contributions == 1) return {0, to_bytes(received * others * item, shape, src.dtype)};
+  // A reduction of C contributions (planner.h's model): the mesh receives at least
+  // numel x (C - 2) x the kept-Partial classes + every rank's new local size; the busiest rank
   // at least the average and at least its own new local size.
-  Wide numel = 1, classes = 1, held_after = 1;
+  Wide numel = 1, held_after = 1;
   for (int64_t s : shape) numel *= s;
   held_after = numel;
-  for (int q = 0; q < mesh.size(); ++q) {
-    if (q != m && is_partial(v.src[q])) classes *= mesh[q];
+  for (int q = 0; q < mesh.size(); ++q)
     if (!split_dim(v.dst[q])) held_after *= mesh[q];
-  }
   Wide world = 1;
   for (int64_t s : mesh) world *= s;
-  const Wide total = numel * (k - 2) * classes + held_after;
+  const Wide total = numel * (contributions - 2) * classes + held_after;
   const Wide average = (total + world - 1) / world;
   return {0, to_bytes(std::max(average, largest_after * others) * item, shape, src.dtype)};
 }

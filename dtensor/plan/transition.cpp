@@ -195,17 +195,27 @@ std::optional<RaggedMapping> map_ragged_transition(const Dims& mesh_shape, const
   if (rs >= 0 && rd >= 0 && *ragged_dim(dst[rd]) != d)
     throw Unsupported(fmt::format("{}: the RaggedShards flatten from different dims ({} and {}; expected the same)",
                                   what, d, *ragged_dim(dst[rd])));
+  if (rs >= 0 && rd >= 0 && rs != rd)
+    throw Unsupported(fmt::format("{}: the RaggedShards sit on different mesh dims ({} and {}; expected the same)",
+                                  what, rs, rd));
+  // m: the ragged mesh dim. Besides it, a mesh dim may only go P -> R (an all-reduce: HSDP's
+  // replicate dim) or stay as it is.
+  const int m = rs >= 0 ? rs : rd;
   std::vector<int> changed;
-  for (size_t q = 0; q < src.size(); ++q)
-    if (src[q] != dst[q]) changed.push_back(static_cast<int>(q));
-  if (changed.size() > 1)
-    throw Unsupported(fmt::format("{}: a RaggedShard transition changes one mesh dim at a time (here {})", what,
-                                  fmt::join(changed, ", ")));
-  const int m = changed.empty() ? (rs >= 0 ? rs : rd) : changed[0];
+  bool others_ok = true;
+  for (size_t q = 0; q < src.size(); ++q) {
+    if (src[q] == dst[q]) continue;
+    changed.push_back(static_cast<int>(q));
+    if (static_cast<int>(q) != m && !(is_partial(src[q]) && is_replicate(dst[q]))) others_ok = false;
+  }
+  if (!others_ok)
+    throw Unsupported(fmt::format("{}: a RaggedShard transition changes one mesh dim at a time (here {}), besides "
+                                  "all-reducing others (P -> R)",
+                                  what, fmt::join(changed, ", ")));
   for (int q = 0; q < static_cast<int>(src.size()); ++q) {
     if (q == m) continue;
     const std::optional<int> t = shard_dim(src[q]);
-    if ((t && *t >= d && mesh_shape[q] > 1) || is_ragged(src[q]))
+    if ((t && *t >= d && mesh_shape[q] > 1) || is_ragged(src[q]) || is_ragged(dst[q]))
       throw Unsupported(fmt::format("{}: {} on mesh dim {} also splits the flattened dims {}.. (ragged transitions "
                                     "take R, P or S/_S of dims < {} on the other mesh dims)",
                                     what, to_string(src[q]), q, d, d));

@@ -92,14 +92,18 @@ Transition make_transition(const DTensorSpec& src, const Placements& dst, Planne
                            const CostModel& cost = {}, bool allow_partial_target = false,
                            const std::vector<Dims>& also_valid_for = {});
 
-// NOTE [ragged plans] A RaggedShard transition changes ONE mesh dim m, from and to R, P (source
-// only), S(d) or Rg(d) (d the ragged dim, at least one side ragged); no other mesh dim of size > 1
-// splits dims >= d. It is planned on the view [s_0..s_{d-1}, s_d x ... x s_{n-1}], where S(d)
-// over k ranks is Rg(d,[torch.chunk row counts],s_{d+1} x ... x s_{n-1}) (exact: the same ranges),
-// as one step: Rg -> R an all-gather of exact pieces (AG), R -> Rg a local chunk, P -> Rg a
-// reduce-scatter (RS(m:Rg(..),op)), Rg/S(d) -> Rg/S(d) one exchange of the overlaps (regroup).
+// NOTE [ragged plans] A RaggedShard transition changes its ragged mesh dim m, from and to R, P
+// (source only), S(d) or Rg(d) (d the ragged dim, at least one side ragged), and any other mesh
+// dim only P -> R (an all-reduce: HSDP's dp_replicate); no other mesh dim of size > 1 splits
+// dims >= d. It is planned on the view [s_0..s_{d-1}, s_d x ... x s_{n-1}], where S(d) over k
+// ranks is Rg(d,[torch.chunk row counts],s_{d+1} x ... x s_{n-1}) (exact: the same ranges), one
+// step per changed mesh dim, in the cheapest order: Rg -> R an all-gather of exact pieces (AG),
+// R -> Rg a local chunk, P -> Rg a reduce-scatter (RS(m:Rg(..),op)), Rg/S(d) -> Rg/S(d) one
+// exchange of the overlaps (regroup), P -> R elsewhere an all-reduce of the piece.
 //   [S(0)] -> [Rg(0,[1,2,0,1],1)] of f32 [9,4] on mesh [4]: view [36],
 //   "[S(0)] as [Rg(0,[3,3,3,0],4)] -regroup(0:Rg(0,[3,3,3,0],4)->Rg(0,[1,2,0,1],1))-> [Rg(0,[1,2,0,1],1)]"
+//   [P,P] -> [R,Rg(0,[1,2,0,1],2)] of f32 [9,4] on mesh [2,4] (HSDP's gradient reduce):
+//   "[P,P] -RS(1:Rg(0,[1,2,0,1],2),sum)-> [P,Rg(0,[1,2,0,1],2)] -AR(0,sum)-> [R,Rg(0,[1,2,0,1],2)]"
 // Anything else with a RaggedShard is Unsupported, naming both placement lists.
 struct RaggedMapping {
   Dims view;

@@ -207,6 +207,10 @@ for src, dst, shapes in [("Rg(0,[1,2,0,1],4)", "R", [[9, 4]] * 4),
                     collectives=1, shapes=shapes)
     ragged_ok += plan is not None
 check(ragged_ok == 3, f"{ragged_ok} ragged redistributes ran, expected 3")
+# HSDP on (dp_replicate 2, dp_shard 2): the gradient reduce is a reduce-scatter + an all-reduce.
+plan = check_ok(redistribute("2x2", "9,4", "P,P", "R,Rg(0,[1,2],2)", "--dtype", "bf16"), 4, "ragged HSDP reduce",
+                collectives=2, shapes=[[12], [24], [12], [24]])
+check(plan is not None and plan["plan"].endswith("-AR(0,sum)-> [R,Rg(0,[1,2],2)]"), f"ragged HSDP plan {plan}")
 for src, dst, needle in [("Rg(0,[1,1,1,1],1)", "P", "never becomes Partial"),
                          ("Rg(0,[1,1,1,1],1)", "S(1)", "[Rg(0,[1,1,1,1],1)] -> [S(1)]")]:
     r = redistribute("4", "8,4", src, dst)

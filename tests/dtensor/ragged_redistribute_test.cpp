@@ -71,6 +71,22 @@ TEST_CASE("ragged plans: one step of each kind, printed", "[dtensor][ragged][pla
         "[S(0),Rg(1,[1,0,2],2)] -AG(1)-> [S(0),R]");
   CHECK(plan_text({2, 3}, {6, 2}, "R,R", "R,Rg(0,[1,0,2],1)") == "[R,R] -chunk(1->Rg(0,[1,0,2],1))-> [R,Rg(0,[1,0,2],1)]");
   CHECK(plan_text({2, 3}, {6, 2}, "Rg(0,[3,1],1),P", "R,P") == "[Rg(0,[3,1],1),P] -AG(0)-> [R,P]");
+  // HSDP (dp_replicate x dp_shard): the gradient reduce is a reduce-scatter over dp_shard, then an
+  // all-reduce of the shard over dp_replicate, as for the padded layout's [P,P] -> [R,S(0)];
+  // accumulation keeps dp_replicate Partial and all-reduces the shard later.
+  CHECK(plan_text({2, 4}, {9, 4}, "P,P", "R,Rg(0,[1,2,0,1],2)") ==
+        "[P,P] -RS(1:Rg(0,[1,2,0,1],2),sum)-> [P,Rg(0,[1,2,0,1],2)] -AR(0,sum)-> [R,Rg(0,[1,2,0,1],2)]");
+  CHECK(plan_text({2, 4}, {16}, "P,P", "R,S(0)") == "[P,P] -RS(1:0,sum)-> [P,S(0)] -AR(0,sum)-> [R,S(0)]");
+  CHECK(plan_text({2, 4}, {9, 4}, "R,Rg(0,[1,2,0,1],2)", "R,R") == "[R,Rg(0,[1,2,0,1],2)] -AG(1)-> [R,R]");
+  CHECK(plan_text({2, 4}, {9, 4}, "P,P", "P,Rg(0,[1,2,0,1],2)") ==
+        "[P,P] -RS(1:Rg(0,[1,2,0,1],2),sum)-> [P,Rg(0,[1,2,0,1],2)]");
+  CHECK(plan_text({2, 4}, {9, 4}, "P,Rg(0,[1,2,0,1],2)", "R,Rg(0,[1,2,0,1],2)") ==
+        "[P,Rg(0,[1,2,0,1],2)] -AR(0,sum)-> [R,Rg(0,[1,2,0,1],2)]");
+  // The ragged mesh dim first: the all-reduce runs on the dp_shard-sized piece.
+  CHECK(plan_text({4, 2}, {9, 4}, "P(avg),P(avg)", "Rg(0,[1,2,0,1],2),R") ==
+        "[P(avg),P(avg)] -RS(0:Rg(0,[1,2,0,1],2),avg)-> [Rg(0,[1,2,0,1],2),P(avg)] -AR(1,avg)-> [Rg(0,[1,2,0,1],2),R]");
+  CHECK(plan_text({2, 4}, {9, 4}, "P,P", "R,Rg(0,[1,2,0,1],2)", PlannerKind::kGreedy) ==
+        plan_text({2, 4}, {9, 4}, "P,P", "R,Rg(0,[1,2,0,1],2)"));
   // Greedy plans the same single step.
   CHECK(plan_text({4}, {10}, "Rg(0,[1,2,0,1],1)", "Rg(0,[1,1,1,1],2)", PlannerKind::kGreedy) ==
         plan_text({4}, {10}, "Rg(0,[1,2,0,1],1)", "Rg(0,[1,1,1,1],2)"));
@@ -104,8 +120,11 @@ TEST_CASE("ragged plans: what does not fit is refused naming both placements", "
     }
     ++ran;
   }
-  // Two mesh dims at once, and another mesh dim splitting the flattened dims.
+  // Two mesh dims at once (beside the ragged one, only P -> R may change), the RaggedShards on two
+  // mesh dims, and another mesh dim splitting the flattened dims.
   CHECK(refused({2, 2}, {8, 4}, "Rg(0,[1,1],1),S(0)", "R,R").find("one mesh dim at a time") != std::string::npos);
+  CHECK(refused({2, 2}, {8, 4}, "S(0),P", "R,Rg(1,[1,1],1)").find("one mesh dim at a time") != std::string::npos);
+  CHECK(refused({2, 2}, {8, 4}, "Rg(0,[1,1],1),R", "R,Rg(0,[1,1],1)").find("different mesh dims") != std::string::npos);
   CHECK(refused({2, 2}, {8, 4}, "S(1),R", "S(1),Rg(1,[1,1],1)").find("also splits the flattened dims") != std::string::npos);
   CHECK(ran == static_cast<int>(cases.size()));
 }
@@ -136,6 +155,13 @@ TEST_CASE("ragged transitions move every rank's data", "[dtensor][ragged][redist
       {{6, 2}, "Rg(0,[3,1],1),R", "R,R"},
       {{6, 2}, "P,R", "Rg(0,[3,1],2),R"},
       {{7, 3}, "S(0),R", "Rg(0,[1,1],3),R"},
+      // HSDP on (dp_replicate 2, dp_shard 3): reduce-scatter + all-reduce, unshard, all-reduce.
+      {{7, 3}, "P,P", "R,Rg(0,[2,0,1],2)"},
+      {{4, 5, 2}, "P(avg),P(avg)", "R,Rg(1,[1,0,2],2)"},
+      {{0, 3}, "P,P", "R,Rg(0,[1,0,1],1)"},
+      {{7, 3}, "R,Rg(0,[2,0,1],2)", "R,R"},
+      {{7, 3}, "P,Rg(0,[0,3,1],1)", "R,Rg(0,[0,3,1],1)"},
+      {{6, 2}, "P,P", "Rg(0,[3,1],1),R"},
   };
   const std::vector<DType> dtypes = {DType::kF32, DType::kBF16, DType::kI32, DType::kF64};
   int64_t cases = 0;
@@ -262,6 +288,107 @@ TEST_CASE("ragged traffic: the algebra equals the rank-by-rank reference and the
     ++ran;
   }
   CHECK(ran == static_cast<int>(cases.size()));
+}
+
+TEST_CASE("ragged HSDP accumulation: [P,P] -> [P,Rg] then [P,Rg] -> [R,Rg] moves every rank's data",
+          "[dtensor][ragged][redistribute]") {
+  // The intermediate keeps dp_replicate Partial (no all-reduce per micro-batch); the check is of
+  // the all-reduced result, so both plans must be right. Mesh (dp_replicate 2, dp_shard 3).
+  const std::vector<Case> cases = {
+      {{7, 3}, "P,P", "Rg(0,[2,0,1],2)"},
+      {{4, 5, 2}, "P(avg),P(avg)", "Rg(1,[1,0,2],2)"},
+      {{5}, "P,P", "Rg(0,[0,0,1],1)"},
+  };
+  const std::vector<DType> dtypes = {DType::kF32, DType::kBF16, DType::kI32, DType::kF64};
+  auto mesh = mesh_of({2, 3});
+  int64_t ran = 0;
+  std::vector<std::string> failures;
+  std::mutex mu;
+  for (bool packed : {false, true})
+    collectives::run_ranks(6, [&](Communicator& world) {
+      NoViewsCommunicator no_views(world);
+      MeshComms comms(*mesh, packed ? static_cast<Communicator&>(no_views) : world);
+      for (DType dtype : dtypes)
+        for (const Case& c : cases) {
+          const std::string partial = c.src.substr(0, c.src.find(','));
+          const Placements src = parse_placements(c.src), mid = parse_placements(partial + "," + c.dst),
+                           dst = parse_placements("R," + c.dst);
+          std::string err;
+          try {
+            const DTensorSpec s = make_spec(mesh, src, c.shape, dtype), m = make_spec(mesh, mid, c.shape, dtype);
+            const Plan first = plan_redistribute(s, mid, PlannerKind::kSearch);
+            const Plan second = plan_redistribute(m, dst, PlannerKind::kSearch);
+            const Tensor in = make_local(data_spec(mesh, src, c.shape, dtype), world.rank());
+            const Tensor out = execute(second, m, execute(first, s, in, comms), comms);
+            err = check_local(data_spec(mesh, dst, c.shape, dtype), world.rank(), out);
+            if (!err.empty()) err += "; plans " + to_string(first) + " then " + to_string(second);
+          } catch (const std::exception& e) {
+            err = e.what();
+          }
+          std::lock_guard lk(mu);
+          if (world.rank() == 0) ++ran;
+          if (!err.empty() && failures.size() < 20)
+            failures.push_back(fmt::format("{} {} [{}] [{}] -> [{}] rank {}: {}", packed ? "packed" : "views",
+                                           kernels::to_string(dtype), fmt::join(c.shape, ","), c.src, c.dst,
+                                           world.rank(), err));
+        }
+    });
+  for (const std::string& f : failures) FAIL_CHECK(f);
+  CHECK(ran == static_cast<int64_t>(2 * dtypes.size() * cases.size()));
+}
+
+TEST_CASE("ragged HSDP traffic: the algebra equals the reference; equal ranges meet the bound and the S(0) form",
+          "[dtensor][ragged][planner]") {
+  struct Row {
+    Dims mesh, shape;
+    std::string src, dst, padded_src = "", padded_dst = "";  // the S(0) form with the same pieces
+  };
+  // [16] and [8,4] over dp_shard 4 with equal units: the ranges are S(0)'s chunks.
+  const std::vector<Row> rows = {
+      {{2, 4}, {16}, "P,P", "R,Rg(0,[1,1,1,1],1)", "P,P", "R,S(0)"},
+      {{2, 4}, {8, 4}, "P,P", "R,Rg(0,[1,1,1,1],4)", "P,P", "R,S(0)"},
+      {{4, 2}, {8, 4}, "P,P", "Rg(0,[1,1,1,1],4),R", "P,P", "S(0),R"},
+      {{2, 4}, {8, 4}, "P,P", "P,Rg(0,[1,1,1,1],4)", "P,P", "P,S(0)"},
+      {{2, 4}, {8, 4}, "P,Rg(0,[1,1,1,1],4)", "R,Rg(0,[1,1,1,1],4)", "P,S(0)", "R,S(0)"},
+      {{2, 4}, {8, 4}, "R,Rg(0,[1,1,1,1],4)", "R,R", "R,S(0)", "R,R"},
+      {{2, 4}, {9, 4}, "P,P", "R,Rg(0,[1,2,0,1],2)"},
+      {{2, 3}, {7, 3}, "P,Rg(0,[0,3,1],1)", "R,Rg(0,[0,3,1],1)"},
+      {{2, 3}, {7, 3}, "R,Rg(0,[2,0,1],2)", "R,R"},
+      {{2, 2, 2}, {4, 6}, "P,S(0),P", "R,S(0),Rg(1,[2,1],1)"},
+  };
+  int ran = 0, at_bound = 0, padded_rows = 0;
+  for (const Row& r : rows) {
+    INFO("[" << r.src << "] -> [" << r.dst << "] of [" << fmt::format("{}", fmt::join(r.shape, ",")) << "]");
+    const DTensorSpec s = make_spec(mesh_of(r.mesh), parse_placements(r.src), r.shape, DType::kF32);
+    const Placements dst = parse_placements(r.dst);
+    const Transition t = make_transition(s, dst);
+    const Plan algebra = plan_transition(t), reference = plan_transition(t, ReferenceOracle{});
+    CHECK(to_string(algebra) == to_string(reference));
+    CHECK(algebra.traffic == reference.traffic);
+    int changed = 0;
+    for (size_t m = 0; m < dst.size(); ++m) changed += s.placements[m] != dst[m] ? 1 : 0;
+    CHECK(algebra.collectives() <= changed);
+    const Traffic bound = lower_bound_traffic(s, dst);
+    CHECK(bound.received == reference_lower_bound(s, dst).busiest().received);
+    CHECK(algebra.traffic.received >= bound.received);
+    const bool even = std::count(r.dst.begin(), r.dst.end(), ',') > 0 && r.dst.find("[1,1") != std::string::npos;
+    const bool reduces_unevenly = r.src.find("Rg") == std::string::npos && r.src.find('P') != std::string::npos && !even;
+    if (!reduces_unevenly) {
+      CHECK(algebra.traffic.received == bound.received);
+      ++at_bound;
+    }
+    if (!r.padded_src.empty()) {  // the padded layout's plan: same collectives, same bytes
+      const Plan padded = plan_redistribute(make_spec(mesh_of(r.mesh), parse_placements(r.padded_src), r.shape, DType::kF32),
+                                            parse_placements(r.padded_dst), PlannerKind::kSearch);
+      ++padded_rows;
+      CHECK(padded.collectives() == algebra.collectives());
+      CHECK(padded.traffic == algebra.traffic);
+    }
+    ++ran;
+  }
+  CHECK(ran == static_cast<int>(rows.size()));
+  CHECK(at_bound == static_cast<int>(rows.size()) - 2);
+  CHECK(padded_rows == 6);
 }
 
 TEST_CASE("ragged reduce-scatter through a bf16 wire and with a divide factor", "[dtensor][ragged][redistribute]") {

@@ -323,3 +323,69 @@ TEST_CASE("optim: state comes from the mesh's allocator, so a trainer's limit an
   checks.report();
   CHECK(ran == 2);
 }
+
+TEST_CASE("optim: RaggedShard parameters (FSDP's flat shards) clip and step like S(0) and R ones", "[nn][optim]") {
+  // The same parameters and gradients placed three ways: Rg (units with a zero, align > 1; HSDP's
+  // [R,Rg] on 2x2), S(0) and R. clip_grad_norm_ reduces the ragged pieces' squares over the Rg
+  // mesh dim (each element counted once); SGD and AdamW steps give the same parameters.
+  testing_support::Checks checks;
+  int ran = 0;
+  std::mutex mu;
+  for (const Dims& mesh_shape : {Dims{4}, Dims{2, 2}}) {
+    const bool hsdp = mesh_shape.size() == 2;
+    const std::vector<std::string> layouts = hsdp ? std::vector<std::string>{"R,Rg(0,[2,1],2)", "R,S(0)", "R,R"}
+                                                  : std::vector<std::string>{"Rg(0,[1,0,2,1],2)", "S(0)", "R"};
+    on_mesh(mesh_shape, [&](std::shared_ptr<MeshComms> comms, Communicator& world) {
+      std::vector<std::vector<Tensor>> results;
+      std::vector<double> norms, inf_norms;
+      for (const std::string& layout : layouts) {
+        const dtensor::Placements pl = dtensor::parse_placements(layout);
+        NamedParameters params;
+        for (const auto& [name, shape] : {std::pair<std::string, Dims>{"w", {9, 4}}, {"b", {5}}, {"e", {3, 0}}})
+          params.emplace_back(name, std::make_shared<Parameter>(comms, shape, DType::kF64, Init::zeros(), pl));
+        for (auto& [n, p] : params) p->materialize(3, n);
+        kernels::AdamWOptions ao;
+        ao.lr = 1e-2;
+        ao.weight_decay = 0.1;
+        kernels::SgdOptions so;
+        so.lr = 0.1;
+        so.momentum = 0.9;
+        so.weight_decay = 0.01;
+        AdamW adamw(params, ao);
+        SGD sgd(params, so);
+        for (int step = 0; step < 2; ++step) {
+          for (auto& [n, p] : params)
+            p->grad() = dtensor::distribute_tensor(values(p->shape(), static_cast<int>(n[0]) + step), comms,
+                                                   p->placements(), std::nullopt);
+          if (step == 0) inf_norms.push_back(clip_grad_norm_(params, 0.0, INFINITY));
+          const double norm = clip_grad_norm_(params, 1.0);  // clipping active: the norm is > 1
+          if (step == 0) norms.push_back(norm);
+          adamw.step();
+          sgd.step();
+        }
+        std::vector<Tensor> full;
+        for (auto& [n, p] : params) {
+          checks.check(p->data().placements() == pl && adamw.state(n, "exp_avg").placements() == pl,
+                       layout + ": placements of " + n);
+          full.push_back(p->data().full_tensor().clone());
+        }
+        results.push_back(std::move(full));
+      }
+      double want = 0;
+      for (const auto& [name, shape] : {std::pair<std::string, Dims>{"w", {9, 4}}, {"b", {5}}, {"e", {3, 0}}})
+        for (double v : values(shape, static_cast<int>(name[0])).to_vector()) want += v * v;
+      for (size_t i = 0; i < layouts.size(); ++i) {
+        checks.check(std::abs(norms[i] - std::sqrt(want)) < 1e-12,
+                     fmt::format("{}: norm {} vs {}", layouts[i], norms[i], std::sqrt(want)));
+        checks.check(inf_norms[i] == inf_norms.back(), fmt::format("{}: inf norm {}", layouts[i], inf_norms[i]));
+        for (size_t t = 0; t < results[i].size(); ++t)
+          checks.check(max_abs_diff(results[i][t], results.back()[t]) < 1e-12,
+                       fmt::format("{}: parameter {} after the steps", layouts[i], t));
+      }
+      std::lock_guard lk(mu);
+      if (world.rank() == 0) ++ran;
+    });
+  }
+  checks.report();
+  CHECK(ran == 2);
+}
