@@ -24,6 +24,8 @@
 //                        P -> S(0) (HSDP: [P,P] -> [R,S(0)]) with the precision policy;
 //   reshard_after_forward = k: the unsharded buffer viewed on the dp sub-mesh unflattened to
 //                        (.., dp_shard / k, k) and moved R -> S(0) over the last dim.
+// That is the default, padded layout; Layout::kContiguous (below) makes the flat buffer
+// parameter-major and RaggedShard, so unshard and gradient sync copy nothing.
 // fsdp/ issues no collective itself: every byte moves through dtensor redistribute.
 //
 // Gradients: the model's loss is a DTensor (the global mean over the dp-sharded batch), so its
