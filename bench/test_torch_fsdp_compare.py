@@ -7,7 +7,8 @@ Run:  python3 bench/test_torch_fsdp_compare.py        (from anywhere; exit statu
 It runs the script as a user would, with ours played by a fake `fsdp-train` (a small Python program
 in a temporary build directory that prints fsdp-train's progress lines and last-line JSON, and logs
 its command line) and torch's side taken from a recorded --torch-only JSON (--torch-json), then
-checks: the flags each config passes to fsdp-train, the merged record (max relative loss
+checks: the flags each config passes to fsdp-train (and to a fake `fsdp-bench` for exposed
+communication), the merged record (exposed communication ours vs torch and its targets) (max relative loss
 difference, step-time ratio from the medians without the first step, ours' peak bytes from the
 JSON and the per-kind peaks from the progress line, null when fsdp-train reports none), exit 1
 when the losses differ beyond the tolerance, exit 2 on a bad config; the config names, the data
@@ -70,19 +71,39 @@ print(json.dumps(summary))
 '''
 
 
+# The fake fsdp-bench: writes its --json with one padded prefetch 1 row, step 30 ms, compute 20 ms,
+# comm FAKE_BENCH_COMM ms (default 50): exposed (30 - 20) / 50 = 0.2; logs its command line.
+FAKE_BENCH = r'''#!/usr/bin/env python3
+import json, os, sys
+args = sys.argv[1:]
+with open(os.environ["FAKE_BENCH_LOG"], "a") as f:
+    f.write(json.dumps(args) + "\n")
+comm = float(os.environ.get("FAKE_BENCH_COMM", "50"))
+rows = [{"layout": "padded", "prefetch": 1, "step_ms": 30.0, "compute_ms": 20.0, "comm_ms": comm,
+         "exposed": 10.0 / comm, "peak_bytes": 1, "copy_bytes_per_step": 0}]
+with open(args[args.index("--json") + 1], "w") as f:
+    f.write("".join(json.dumps(r) + "\n" for r in rows))
+'''
+
+# torch's exposed parts in the record (fsdp4, hsdp2x2): step 60 ms, compute 20, comm 80 -> 0.5.
+TORCH_EXPOSED = {"step_ms": 60.0, "compute_ms": 20.0, "lost_ms": 40.0, "comm_ms": 80.0, "exposed": 0.5,
+                 "collective_ms": 8.889}
+
+
 def torch_record():
     """What a --torch-only run prints last: torch losses 4 - 0.25 s exactly, step 20 ms, peak 8000."""
     configs = []
     for name in ("fsdp4", "hsdp2x2", "fsdp2xtp2"):
         configs.append({"config": name, "torch_losses": [4 - 0.25 * s for s in range(STEPS)], "torch_step_ms": 20.0,
                         "torch_peak_bytes": 8000, "torch_peak_breakdown": {"Total": 8000},
-                        "torch_peak_rss_delta_bytes": 123456, "torch_ref_max_rel_diff": 2e-7, "world": 4})
+                        "torch_peak_rss_delta_bytes": 123456, "torch_ref_max_rel_diff": 2e-7, "world": 4,
+                        "torch_exposed_parts": None if name == "fsdp2xtp2" else TORCH_EXPOSED})
     return json.dumps({"max_rel_loss_diff": None, "torch_only": True, "configs": configs})
 
 
 def run(build, torch_json, log, configs="fsdp4,hsdp2x2,fsdp2xtp2", env_extra=None, extra=()):
-    env = dict(os.environ, FAKE_LOG=log, **(env_extra or {}))
-    for k in ("FAKE_PERTURB", "FAKE_NO_PEAK", "FAKE_DETAIL"):
+    env = dict(os.environ, FAKE_LOG=log, FAKE_BENCH_LOG=log + ".bench", **(env_extra or {}))
+    for k in ("FAKE_PERTURB", "FAKE_NO_PEAK", "FAKE_DETAIL", "FAKE_BENCH_COMM"):
         if k not in (env_extra or {}):
             env.pop(k, None)
     cmd = [sys.executable, SCRIPT, "--build-dir", build, "--torch-json", torch_json, "--configs", configs,
@@ -138,6 +159,26 @@ def main():
     check(p["losses"] == [2.5] and p["ms"] == [3.0] and p["summary"] == {},
           "parse_progress: loss and ms survive an odd tail; a line without them is skipped")
     check(ttc.max_rel_diff([1.0, 2.2], [1.0, 2.0]) == abs(2.2 - 2.0) / 2.0, "max_rel_diff")
+    parts = [{"step_s": 0.030, "compute_s": 0.020, "comm_s": 0.010, "collectives": 4},
+             {"step_s": 0.050, "compute_s": 0.021, "comm_s": 0.020, "collectives": 4},
+             {"step_s": 0.031, "compute_s": 0.019, "comm_s": 0.012, "collectives": 4}, None]
+    e = tfc.exposed_summary(parts)
+    check(e == {"step_ms": 31.0, "compute_ms": 20.0, "comm_ms": 12.0, "lost_ms": 11.0, "exposed": 0.917,
+               "collective_ms": 3.0},
+          f"exposed_summary: per-part medians over repeats, then (31 - 20) / 12: {e}")
+    check(tfc.exposed_summary([None]) is None, "exposed_summary: nothing measured -> None")
+
+    class P:  # a parameter's shape, as flat_reduce_numel reads it
+        def __init__(self, *shape):
+            self.shape = shape
+
+        def numel(self):
+            n = 1
+            for d in self.shape:
+                n *= d
+            return n
+    check(tfc.flat_reduce_numel([P(10, 3), P(4), P(1, 5)], 4) == 12 * 3 + 4 + 4 * 5,
+          "flat_reduce_numel: dim 0 padded to whole shards (10x3 -> 12x3, 4, 1x5 -> 4x5)")
 
     with tempfile.TemporaryDirectory() as tmp:
         build = os.path.join(tmp, "build")
@@ -146,6 +187,11 @@ def main():
         with open(exe, "w") as f:
             f.write(FAKE)
         os.chmod(exe, os.stat(exe).st_mode | stat.S_IEXEC)
+        os.makedirs(os.path.join(build, "bench"))
+        bench = os.path.join(build, "bench", "fsdp-bench")
+        with open(bench, "w") as f:
+            f.write(FAKE_BENCH)
+        os.chmod(bench, os.stat(bench).st_mode | stat.S_IEXEC)
         torch_json = os.path.join(tmp, "torch.json")
         with open(torch_json, "w") as f:
             f.write("torch_fsdp_compare noise line\n" + torch_record() + "\n")
@@ -177,6 +223,54 @@ def main():
                     "torch_peak_bytes", "torch_ref_max_rel_diff", "ours_losses", "torch_losses"):
             check(all(key in rec for rec in by.values()), f"every record has {key}")
         check(close(data.get("max_rel_loss_diff"), 0.0, 1e-12) and data.get("tolerance") == 1e-4, "top-level JSON")
+
+        # Exposed communication: fsdp-bench once per FSDP / HSDP config (no TP), FSDP2's defaults.
+        with open(log + ".bench") as f:
+            bench_calls = [json.loads(line) for line in f]
+        check(len(bench_calls) == 2, f"fsdp-bench ran for fsdp4 and hsdp2x2 only ({len(bench_calls)})")
+        if len(bench_calls) == 2:
+            flags = [" ".join(c[:c.index("--layers")]) for c in bench_calls]
+            check(flags == ["--backend local --dp-shard 4", "--backend local --dp-replicate 2 --dp-shard 2"],
+                  f"fsdp-bench layout flags: {flags}")
+            c = bench_calls[0]
+            got = {k: c[c.index(k) + 1] for k in ("--layers", "--dim", "--heads", "--vocab", "--seq", "--batch",
+                                                   "--threads", "--prefetch", "--layouts", "--iters")}
+            check(got == {"--layers": "2", "--dim": "64", "--heads": "4", "--vocab": "64", "--seq": "32", "--batch": "8",
+                          "--threads": "1", "--prefetch": "1", "--layouts": "padded", "--iters": "5"},
+                  f"fsdp-bench: the same model, prefetch 1, padded, 5 rounds: {got}")
+        # fsdp4: ours (30 - 20) / 50 = 0.2 over 3 x 3 collectives (5.556 ms each: the absolute
+        # target applies and is missed), torch 0.5: ours <= torch.
+        o = r.get("ours_exposed_parts") or {}
+        check(close(o.get("exposed"), 0.2) and close(o.get("collective_ms"), 5.5556, 1e-4) and close(o.get("comm_ms"), 50.0),
+              f"fsdp4 ours exposed parts: {o}")
+        check(close(r.get("ours_exposed"), 0.2) and close(r.get("torch_exposed"), 0.5)
+              and r.get("exposed_vs_torch_ok") is True and r.get("exposed_absolute_applies") is True
+              and r.get("exposed_absolute_ok") is False,
+              f"fsdp4 exposed verdict: {[r.get(k) for k in ('ours_exposed', 'torch_exposed', 'exposed_vs_torch_ok', 'exposed_absolute_applies', 'exposed_absolute_ok')]}")
+        h = by.get("hsdp2x2", {}).get("ours_exposed_parts") or {}
+        check(close(h.get("collective_ms"), 50.0 / 12, 1e-3), f"hsdp2x2: 3 groups x 4 collectives: {h}")
+        t = by.get("fsdp2xtp2", {})
+        check(t.get("ours_exposed_parts") is None and t.get("exposed_vs_torch_ok") is None
+              and t.get("exposed_absolute_applies") is False, "fsdp2xtp2: no exposed figures (fsdp-bench has no TP)")
+        check("| fsdp4 | ours | 30.00 | 20.00 | 10.00 | 50.00 | 5.556 | 0.200 | ours <= torch: yes; <= 0.1: no |" in proc.stdout
+              and "| fsdp4 | torch | 60.00 | 20.00 | 40.00 | 80.00 | 8.889 | 0.500 |" in proc.stdout
+              and "| fsdp2xtp2 |" not in proc.stdout, "the exposed table: ours and torch side by side")
+
+        # Collectives under 1 ms each: the absolute target does not apply; ours > torch is reported.
+        proc, data = run(build, torch_json, log, configs="fsdp4", env_extra={"FAKE_BENCH_COMM": "5"})
+        r = (data.get("configs") or [{}])[0]
+        check(proc.returncode == 0 and close(r.get("ours_exposed"), 2.0) and r.get("exposed_absolute_applies") is False
+              and r.get("exposed_absolute_ok") is None and r.get("exposed_vs_torch_ok") is False,
+              f"collectives of 0.56 ms: only ours <= torch applies, and fails: {r.get('exposed_vs_torch_ok')}")
+        # --exposed-iters 0: no fsdp-bench run, null figures; a negative count is refused.
+        open(log + ".bench", "w").close()
+        proc, data = run(build, torch_json, log, configs="fsdp4", extra=["--exposed-iters", "0"])
+        r = (data.get("configs") or [{}])[0]
+        with open(log + ".bench") as f:
+            check(proc.returncode == 0 and not f.read() and r.get("ours_exposed_parts") is None
+                  and r.get("exposed_vs_torch_ok") is None, "--exposed-iters 0: no fsdp-bench, no exposed figures")
+        proc, _ = run(build, torch_json, log, configs="fsdp4", extra=["--exposed-iters", "-1"])
+        check(proc.returncode == 2 and "--exposed-iters -1" in proc.stderr, "--exposed-iters -1: exit 2 naming it")
 
         # No peak_bytes in fsdp-train's JSON: null, not a made-up number.
         proc, data = run(build, torch_json, log, configs="hsdp2x2", env_extra={"FAKE_NO_PEAK": "1"})

@@ -43,6 +43,19 @@ torch_train_compare.py) and reports torch_ref_max_rel_diff, FSDP2's losses again
 --reference-tolerance, default 1e-5; fp32 only: under --mp bf16 it is null), and that process's
 peak (torch's MemTracker, the same way) as torch_one_process_peak_bytes.
 
+Exposed communication (FSDP and HSDP configs in fp32; fsdp-bench has no TP), both sides split
+the same way as fsdp-bench: step = forward + backward under FSDP (no optimizer), compute = the
+same forward + backward without FSDP on the local batch, comm = the step's collectives alone in
+sequence (per FSDP module two unshard + reshard, one reduce-scatter of its flat gradient, HSDP
+then an all-reduce over the replicate dim); exposed = (step - compute) / comm, medians over
+--exposed-iters interleaved rounds (default 5; 0: off), then over repeats. Ours: fsdp-bench with
+the same model, dp layout and threads at FSDP2's defaults (prefetch 1, the padded layout). Torch:
+the same FSDP2 model after its timed steps; compute on an unsharded copy from the same weights;
+comm: FSDPModule.unshard() / reshard() and dist.reduce_scatter_tensor of FSDP2's padded flat
+size (flat_reduce_numel), on gloo. Targets per config: ours <= torch's (exposed_vs_torch_ok),
+and ours <= 0.10 only where our collectives take >= 1 ms each (exposed_absolute_applies /
+exposed_absolute_ok); shorter collectives are dominated by per-call costs no overlap hides.
+
 Usage (from the repository root):
     python3 bench/torch_fsdp_compare.py --python /path/to/python-with-torch [--build-dir build]
     TORCH_PYTHON=... BUILD_DIR=... python3 bench/torch_fsdp_compare.py --configs fsdp4,hsdp2x2
@@ -51,7 +64,10 @@ Usage (from the repository root):
 The last line of the output is one JSON object:
     {"max_rel_loss_diff": .., "configs": [{"config": "fsdp4", "max_rel_loss_diff": ..,
       "ours_step_ms": .., "torch_step_ms": .., "ratio": .., "ours_peak_bytes": ..,
-      "torch_peak_bytes": .., ...}, ...]}
+      "torch_peak_bytes": .., "ours_exposed": .., "torch_exposed": .., "exposed_vs_torch_ok": ..,
+      "ours_exposed_parts": {"step_ms", "compute_ms", "lost_ms", "comm_ms", "collective_ms",
+      "exposed"}, ...}, ...]}
+(a Markdown table of the exposed communication, ours and torch side by side, comes before it).
 Exit status: 0 when every config's losses agree within --tolerance (default 1e-4; bf16 2e-2) and
 torch FSDP2 agrees with torch on one process within --reference-tolerance; 1 otherwise; 2 bad
 arguments.
@@ -65,6 +81,7 @@ import os
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 
@@ -175,6 +192,10 @@ def fsdp_worker(rank: int, world: int, cfg: dict, port: int, out_path: str) -> N
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     losses, times = ttc.timed_steps(step_fn, cfg["steps"])
     rss_delta = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024  # KiB on Linux
+    exposed = None
+    if cfg.get("exposed_iters", 0) > 0 and layout["kind"] in ("fsdp", "hsdp"):
+        model.set_requires_gradient_sync(True)
+        exposed = exposed_parts(model, cfg, dp_mesh, layout["kind"] == "hsdp", dp_rows(0, 0, B, 1, dp_rank, dp_size))
 
     # Peak live tensor bytes: torch's tracker over one more (untimed) step.
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -207,8 +228,78 @@ def fsdp_worker(rank: int, world: int, cfg: dict, port: int, out_path: str) -> N
                        "peak_breakdown": None if errors else per_rank[worst]["breakdown"],
                        "peak_error": errors[0] if errors else None,
                        "peak_bytes_per_rank": [r["peak"] for r in per_rank],
-                       "rss_delta_bytes": max(r["rss_delta"] for r in per_rank)}, f)
+                       "rss_delta_bytes": max(r["rss_delta"] for r in per_rank), "exposed": exposed}, f)
     dist.destroy_process_group()
+
+
+def flat_reduce_numel(params, shard: int) -> int:
+    """FSDP2's reduce-scatter input elements for one group: each parameter's dim 0 padded to a
+    multiple of the shard ranks, summed (what FSDP2's copy-in fills)."""
+    total = 0
+    for p in params:
+        rows = -(-p.shape[0] // shard) * shard
+        total += rows * (p.numel() // p.shape[0] if p.shape[0] else 0)
+    return total
+
+
+def exposed_parts(model, cfg: dict, dp_mesh, hsdp: bool, rows: tuple[int, int]) -> dict:
+    """fsdp-bench's decomposition for torch FSDP2 (fwd + bwd, no optimizer), `exposed_iters`
+    rounds interleaved, medians, seconds:
+      step     forward + backward of the FSDP2 model on this rank's rows
+      compute  the same forward + backward on an unsharded copy of the model (no FSDP)
+      comm     per FSDP module (blocks, then the root) two unshard() + reshard() and one
+               reduce_scatter_tensor of its flat gradient size (HSDP: then all_reduce of the shard
+               over the replicate group), in sequence
+    each between two barriers. REQUIRES: a 1-D (shard) or 2-D (replicate, shard) dp_mesh."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    positions = torch.arange(cfg["seq"])
+    ids, targets = ttc.make_batch(cfg["seed"], 0, rows[0], rows[1], cfg["seq"], cfg["vocab"])
+    ids, targets = torch.tensor(ids, dtype=torch.long), torch.tensor(targets, dtype=torch.long)
+    plain = ttc.build_gpt(cfg)  # the same weights, no FSDP
+
+    def fwd_bwd(m) -> None:
+        F.cross_entropy(m(ids, positions).flatten(0, 1), targets.flatten(0, 1)).backward()
+        m.zero_grad(set_to_none=True)
+
+    shard_group = dp_mesh["shard"].get_group() if hsdp else dp_mesh.get_group()
+    rep_group = dp_mesh["replicate"].get_group() if hsdp else None
+    shard = dist.get_world_size(shard_group)
+    modules = list(model.blocks) + [model]
+    in_blocks = {id(p) for b in model.blocks for p in b.parameters()}
+    owned = [list(b.parameters()) for b in model.blocks] + [[p for p in model.parameters() if id(p) not in in_blocks]]
+    flats = [torch.zeros(flat_reduce_numel(ps, shard)) for ps in owned]
+    outs = [torch.empty(f.numel() // shard) for f in flats]
+
+    def comm_only() -> None:
+        for m, flat, out in zip(modules, flats, outs):
+            for _ in range(2):  # the forward and the backward all-gather
+                m.unshard()
+                m.reshard()
+            dist.reduce_scatter_tensor(out, flat, group=shard_group)
+            if rep_group is not None:
+                dist.all_reduce(out, group=rep_group)
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    for fn in (lambda: fwd_bwd(plain), comm_only, lambda: fwd_bwd(model)):  # warm-up
+        timed(fn)
+    step, compute, comm = [], [], []
+    for _ in range(cfg["exposed_iters"]):  # rounds interleave, as fsdp-bench
+        compute.append(timed(lambda: fwd_bwd(plain)))
+        comm.append(timed(comm_only))
+        step.append(timed(lambda: fwd_bwd(model)))
+    return {"step_s": statistics.median(step), "compute_s": statistics.median(compute),
+            "comm_s": statistics.median(comm), "collectives": len(modules) * (4 if hsdp else 3)}
 
 
 def torch_main(args) -> None:
@@ -238,6 +329,72 @@ def run_ours(build: str, layout: dict, model_args: list[str], threads: int, extr
     return ttc.run_fsdp_train(cmd, TAG)
 
 
+def fsdp_bench_exe(build: str) -> str:
+    exe = os.path.join(build, "bench", "fsdp-bench")
+    if not os.path.exists(exe):
+        sys.exit(f"{exe} not found: build it (ninja -C {build} bench/fsdp-bench), pass --build-dir, or --exposed-iters 0")
+    return exe
+
+
+def run_ours_exposed(build: str, layout: dict, args, threads: int) -> dict:
+    """fsdp-bench on the same model and dp layout, FSDP2's defaults (prefetch 1, the padded layout):
+    {"step_s", "compute_s", "comm_s", "collectives"} of rank 0, as exposed_parts gives torch's."""
+    exe = fsdp_bench_exe(build)
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    cmd = [exe, "--backend", layout["backend"]] + layout["ours"] + [
+        "--layers", str(args.layers), "--dim", str(args.dim), "--heads", str(args.heads), "--vocab", str(args.vocab),
+        "--seq", str(args.seq), "--batch", str(args.batch), "--threads", str(threads), "--prefetch", "1",
+        "--layouts", "padded", "--iters", str(args.exposed_iters), "--warmup", "1", "--json", out]
+    if layout["backend"] == "mpi":
+        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(layout["world"])] + cmd
+    log("ours: " + " ".join(cmd))
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        if r.returncode != 0:
+            sys.exit(f"fsdp-bench failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+        with open(out) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    finally:
+        os.unlink(out)
+    row = next((x for x in rows if x.get("layout") == "padded" and x.get("prefetch") == 1), None)
+    if row is None:
+        sys.exit(f"fsdp-bench printed no padded prefetch 1 row: {rows}")
+    groups = args.layers + 1
+    return {"step_s": row["step_ms"] / 1e3, "compute_s": row["compute_ms"] / 1e3, "comm_s": row["comm_ms"] / 1e3,
+            "collectives": groups * (4 if layout["kind"] == "hsdp" else 3)}
+
+
+def exposed_summary(parts: list[dict]):
+    """Medians over repeats of each part -> {step_ms, compute_ms, comm_ms, exposed, collective_ms};
+    None when there are no parts (TP configs, --exposed-iters 0, an old torch record)."""
+    parts = [p for p in parts if p]
+    if not parts:
+        return None
+    step, compute, comm = (statistics.median(p[k] for p in parts) * 1e3 for k in ("step_s", "compute_s", "comm_s"))
+    return {"step_ms": round(step, 3), "compute_ms": round(compute, 3), "comm_ms": round(comm, 3),
+            "lost_ms": round(step - compute, 3), "exposed": round((step - compute) / comm, 3) if comm > 0 else None,
+            "collective_ms": round(comm / parts[0]["collectives"], 4)}
+
+
+# The absolute target applies where each collective takes at least this long (shorter ones are
+# dominated by fixed per-call costs that no overlap can hide).
+ABSOLUTE_EXPOSED = 0.10
+ABSOLUTE_MIN_COLLECTIVE_MS = 1.0
+
+
+def exposed_verdict(ours, torch_side) -> dict:
+    """The exposed-communication targets of one config: ours <= torch's (both measured), and
+    ours <= 0.10 where our collectives take >= 1 ms each."""
+    oe = ours["exposed"] if ours else None
+    te = torch_side["exposed"] if torch_side else None
+    applies = bool(ours) and ours["collective_ms"] >= ABSOLUTE_MIN_COLLECTIVE_MS and oe is not None
+    return {"ours_exposed": oe, "torch_exposed": te,
+            "exposed_vs_torch_ok": None if oe is None or te is None else oe <= te,
+            "exposed_absolute_applies": applies,
+            "exposed_absolute_ok": (oe <= ABSOLUTE_EXPOSED) if applies else None}
+
+
 def ours_peak(runs: list[dict]):
     """fsdp-train's `peak_bytes` (max over repeats), None when its JSON has no such key; plus the
     progress line's other peak_* figures (the FSDP issue's per-kind peaks) when present."""
@@ -257,11 +414,13 @@ def torch_entry(name: str, runs: list[dict], ref_losses: list[float] | None) -> 
             "torch_peak_bytes": None if None in peaks else max(peaks),
             "torch_peak_breakdown": runs[0].get("peak_breakdown"), "torch_peak_error": runs[0].get("peak_error"),
             "torch_peak_rss_delta_bytes": max(r["rss_delta_bytes"] for r in runs),
-            "torch_ref_max_rel_diff": ttc.max_rel_diff(losses, ref_losses) if ref_losses else None}
+            "torch_ref_max_rel_diff": ttc.max_rel_diff(losses, ref_losses) if ref_losses else None,
+            "torch_exposed_parts": exposed_summary([r.get("exposed") for r in runs])}
 
 
-def merge(layout: dict, ours_runs: list[dict], t: dict, steps: int, tokens: int) -> dict:
-    """One config's record: ours' runs against the torch entry `t` (torch_entry)."""
+def merge(layout: dict, ours_runs: list[dict], t: dict, steps: int, tokens: int, ours_exposed=None) -> dict:
+    """One config's record: ours' runs against the torch entry `t` (torch_entry); ours_exposed:
+    exposed_summary of fsdp-bench's runs (None: not measured)."""
     name = layout["name"]
     ours_losses, torch_losses = ours_runs[0]["losses"], t["torch_losses"]
     if len(ours_losses) != steps or len(torch_losses) != steps:
@@ -281,12 +440,45 @@ def merge(layout: dict, ours_runs: list[dict], t: dict, steps: int, tokens: int)
             "torch_peak_rss_delta_bytes": t.get("torch_peak_rss_delta_bytes"),
             "torch_ref_max_rel_diff": t.get("torch_ref_max_rel_diff"),
             "torch_one_process_peak_bytes": t.get("torch_one_process_peak_bytes"),
+            "ours_exposed_parts": ours_exposed, "torch_exposed_parts": t.get("torch_exposed_parts"),
+            **exposed_verdict(ours_exposed, t.get("torch_exposed_parts")),
             "first_loss": ours_losses[0], "last_loss": ours_losses[-1],
             "ours_losses": ours_losses, "torch_losses": torch_losses}
 
 
 def fmt_bytes(b) -> str:
     return "-" if b is None else f"{b / 1024:.1f}K"
+
+
+def fmt_exposed(ours, torch_side) -> str:
+    def one(x):
+        return "-" if not x or x["exposed"] is None else f"{x['exposed']:.3f} ({x['collective_ms']:.3f} ms/collective)"
+    return f"ours {one(ours)} torch {one(torch_side)}"
+
+
+def exposed_table(results: list[dict]) -> str:
+    """Markdown: exposed communication, ours and torch side by side, per config measured."""
+    lines = ["| config | side | step ms | compute ms | step - compute ms | comm ms | ms / collective | exposed | target |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        ours, theirs = r.get("ours_exposed_parts"), r.get("torch_exposed_parts")
+        if not ours and not theirs:
+            continue
+        for side, x in (("ours", ours), ("torch", theirs)):
+            if not x:
+                lines.append(f"| {r['config']} | {side} | - | - | - | - | - | - | |")
+                continue
+            target = ""
+            if side == "ours":
+                vs = r.get("exposed_vs_torch_ok")
+                target = "ours <= torch: " + ("-" if vs is None else "yes" if vs else "no")
+                if r.get("exposed_absolute_applies"):
+                    target += f"; <= {ABSOLUTE_EXPOSED}: " + ("yes" if r.get("exposed_absolute_ok") else "no")
+            exposed = "-" if x["exposed"] is None else f"{x['exposed']:.3f}"
+            lines.append(f"| {r['config']} | {side} | {x['step_ms']:.2f} | {x['compute_ms']:.2f} | {x['lost_ms']:.2f} | "
+                         f"{x['comm_ms']:.2f} | "
+                         f"{x['collective_ms']:.3f} | {exposed} | {target} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def main() -> int:
@@ -300,6 +492,8 @@ def main() -> int:
     ap.add_argument("--torch-only", action="store_true", help="run and report torch's side only")
     ap.add_argument("--torch-json", help="take torch's side from this file (the last line of a --torch-only run)")
     ap.add_argument("--init", help="initial weights (safetensors); default: fsdp-train --dump-init")
+    ap.add_argument("--exposed-iters", type=int, default=5,
+                    help="rounds of the exposed-communication measurement per side and repeat (0: off)")
     args = ap.parse_args()
     if args.torch_worker:
         torch_main(args)
@@ -315,6 +509,8 @@ def main() -> int:
             if args.grad_accum < 1 or args.batch % args.grad_accum or micro % lay["dp"]:
                 raise ValueError(f"{lay['name']}: --batch {args.batch} / --grad-accum {args.grad_accum} = {micro} "
                                  f"sequences per microbatch, not divisible over {lay['dp']} dp ranks")
+        if args.exposed_iters < 0:
+            raise ValueError(f"--exposed-iters {args.exposed_iters}: expected >= 0")
         if args.torch_only and args.torch_json:
             raise ValueError("--torch-only and --torch-json exclude each other")
     except ValueError as e:
@@ -345,7 +541,8 @@ def main() -> int:
             if not init:
                 init = os.path.join(work, "init.safetensors")
                 dump_init(args.build_dir, model_args, init)
-            cfg = dict(ttc.torch_model_cfg(args, init), mp=args.mp, no_sync=args.no_sync)
+            cfg = dict(ttc.torch_model_cfg(args, init), mp=args.mp, no_sync=args.no_sync,
+                       exposed_iters=args.exposed_iters)
             # torch on one process (torch_train_compare's tp1 path): validates torch's FSDP2 alone.
             ref_losses, ref_peak = None, None
             if args.mp == "fp32":
@@ -356,12 +553,17 @@ def main() -> int:
         results = []
         for lay in layouts:
             threads = max(1, args.cores // lay["world"])  # per rank, the same on both sides
-            ours_runs, torch_runs = [], []
+            ours_runs, torch_runs, ours_exposed = [], [], []
+            # fsdp-bench has no TP and runs fp32: exposed communication for FSDP / HSDP in fp32.
+            exposed = args.exposed_iters > 0 and lay["kind"] != "fsdp_tp" and args.mp == "fp32"
             for _ in range(args.repeats):  # the two sides alternate
                 if not args.torch_only:
                     ours_runs.append(run_ours(args.build_dir, lay, model_args, threads, extra))
+                    if exposed:
+                        ours_exposed.append(run_ours_exposed(args.build_dir, lay, args, threads))
                 if not recorded:
-                    tcfg = dict(cfg, world=lay["world"], threads=threads, layout=lay, name=lay["name"])
+                    tcfg = dict(cfg, world=lay["world"], threads=threads, layout=lay, name=lay["name"],
+                                exposed_iters=args.exposed_iters if exposed else 0)
                     # One retry: gloo on a loaded machine has been seen to abort a process at random
                     # (std::terminate) once in about twenty runs; said on stderr when it happens.
                     torch_runs.append(ttc.run_torch(py, tcfg, script=os.path.abspath(__file__), tag=TAG, retries=1))
@@ -383,17 +585,21 @@ def main() -> int:
                     for i, (a, b) in enumerate(zip(t["torch_losses"], ref_losses)):
                         print(f"    step {i + 1:3d} fsdp2 {a:.8f} one process {b:.8f} rel {abs(a - b) / abs(b):.2e}")
             else:
-                entry = merge(lay, ours_runs, t, args.steps, tokens)
+                entry = merge(lay, ours_runs, t, args.steps, tokens, exposed_summary(ours_exposed))
                 print(f"{lay['name']:10s} max rel loss diff {entry['max_rel_loss_diff']:.3e}   step ms ours "
                       f"{entry['ours_step_ms']:8.3f} torch {entry['torch_step_ms']:8.3f} (ratio {entry['ratio']:.3f})   "
-                      f"peak ours {fmt_bytes(entry['ours_peak_bytes'])} torch {fmt_bytes(entry['torch_peak_bytes'])}",
-                      flush=True)
+                      f"peak ours {fmt_bytes(entry['ours_peak_bytes'])} torch {fmt_bytes(entry['torch_peak_bytes'])}   "
+                      f"exposed {fmt_exposed(entry['ours_exposed_parts'], entry['torch_exposed_parts'])}", flush=True)
                 for i, (a, b) in enumerate(zip(entry["ours_losses"], entry["torch_losses"])):
                     print(f"    step {i + 1:3d} ours {a:.8f} torch {b:.8f} rel {abs(a - b) / abs(b):.2e}")
             results.append(entry)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
+    table = "" if args.torch_only else exposed_table(results)
+    if table:
+        print("\nExposed communication, (step - compute) / comm (fsdp-bench's decomposition; ours: prefetch 1, "
+              "padded):\n" + table + "\n", flush=True)
     refs = [r["torch_ref_max_rel_diff"] for r in results if r.get("torch_ref_max_rel_diff") is not None]
     ref_ok = all(v <= ref_tolerance for v in refs)
     if args.torch_only:

@@ -140,12 +140,12 @@ with tempfile.TemporaryDirectory() as d:
     # fsdp-bench, the smallest configuration.
     p = os.path.join(d, "fsdp.json")
     r = run([fsdp_bench, "--dp-shard", "2", "--layers", "2", "--dim", "32", "--vocab", "64", "--seq", "16",
-             "--batch", "4", "--iters", "1", "--warmup", "0", "--trace", p])
+             "--batch", "4", "--iters", "1", "--warmup", "0", "--layouts", "padded", "--trace", p])
     check(r.returncode == 0, f"fsdp-bench exit {r.returncode}: {r.stderr}")
     if r.returncode == 0:
-        steps = {f"FSDP step, prefetch {k}": 1 for k in range(3)}
-        check_file("fsdp-bench", p, 2, dict(steps, **{"compute alone": 1, "communication alone": 1}), True, 100,
-                   20000)
+        steps = {f"FSDP step, padded, prefetch {k}": 1 for k in range(3)}
+        check_file("fsdp-bench", p, 2, dict(steps, **{"compute alone": 1, "communication alone, padded": 1}), True,
+                   100, 20000)
         ran += 1
 
     # Under mpirun: one file, both processes' events.
