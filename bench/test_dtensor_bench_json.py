@@ -135,7 +135,9 @@ def main():
                   f"host world {r['world']}: time_us / mesh")
         overlap_records = json.load(open(overlap))
         names = {r.get("transition") for r in overlap_records}
-        check(names == {"S(0)->R", "R->S(0)", "P->R", "P->S(0)", "S(0)->S(1)"}, f"overlap transitions {names}")
+        check(names == {"S(0)->R", "R->S(0)", "P->R", "P->S(0)", "S(0)->S(1)", "Rg(0,[1,2,0,1],4)->R",
+                        "P->Rg(0,[1,2,0,1],4)", "Rg(0,[1,2,0,1],4)->Rg(0,[1,1,1,1],1)"},
+              f"overlap transitions {names}")
         check(len(overlap_records) == 2 * len(names), f"{len(overlap_records)} overlap records for {len(names)} x 2 sizes")
         for r in overlap_records:
             name = f"overlap {r.get('transition')} {r.get('bytes')}"
