@@ -24,15 +24,6 @@
 
 namespace fsdp {
 
-using dtensor::DTensorSpec;
-using dtensor::Placement;
-using dtensor::Placements;
-using kernels::Dims;
-using kernels::InvalidArgument;
-using kernels::Storage;
-using kernels::Tensor;
-using kernels::Unsupported;
-
 namespace {
 
 constexpr const char* kExtension = "fsdp";

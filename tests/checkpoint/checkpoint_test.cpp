@@ -26,6 +26,7 @@
 #include "layouts.h"
 #include "support/checks.h"
 #include "support/local_mesh.h"
+#include "support/temp_dir.h"
 
 namespace fs = std::filesystem;
 using collectives::Communicator;
@@ -43,22 +44,8 @@ using testing_support::on_mesh;
 namespace {
 
 // A fresh directory under the system temp dir, removed at scope exit.
-struct TempDir {
-  fs::path path;
-  explicit TempDir(const std::string& tag) {
-    path = fs::temp_directory_path() / fmt::format("ckpt-test-{}-{}-{}", tag, ::getpid(), counter()++);
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string str(const std::string& sub = "") const { return (sub.empty() ? path : path / sub).string(); }
-  static int& counter() {
-    static int c = 0;
-    return c;
-  }
+struct TempDir : testing_support::TempDir {
+  explicit TempDir(const std::string& tag) : testing_support::TempDir("ckpt-test", tag) {}
 };
 
 struct TensorCase {

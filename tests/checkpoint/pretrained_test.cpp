@@ -22,6 +22,7 @@
 #include "nn/transformer.h"
 #include "support/checks.h"
 #include "support/local_mesh.h"
+#include "support/temp_dir.h"
 
 namespace fs = std::filesystem;
 using collectives::Communicator;
@@ -35,19 +36,8 @@ using testing_support::on_mesh;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  explicit TempDir(const std::string& tag) {
-    static std::atomic<int> counter{0};
-    path = fs::temp_directory_path() / fmt::format("pretrained-test-{}-{}-{}", tag, ::getpid(), counter++);
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string str(const std::string& sub = "") const { return (sub.empty() ? path : path / sub).string(); }
+struct TempDir : testing_support::TempDir {
+  explicit TempDir(const std::string& tag) : testing_support::TempDir("pretrained-test", tag) {}
 };
 
 nn::GPTConfig config() {

@@ -19,6 +19,7 @@
 #include "kernels/format.h"
 #include "support/checks.h"
 #include "support/local_mesh.h"
+#include "support/temp_dir.h"
 
 namespace fs = std::filesystem;
 using collectives::Communicator;
@@ -33,19 +34,8 @@ using testing_support::on_mesh;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  explicit TempDir(const std::string& tag) {
-    static int counter = 0;
-    path = fs::temp_directory_path() / fmt::format("ckpt-ragged-{}-{}-{}", tag, ::getpid(), counter++);
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string str(const std::string& sub) const { return (path / sub).string(); }
+struct TempDir : testing_support::TempDir {
+  explicit TempDir(const std::string& tag) : testing_support::TempDir("ckpt-ragged", tag) {}
 };
 
 // Element value of tensor `key` at global flat index i: exact in f32 and bf16.
