@@ -144,11 +144,7 @@ void Group::post_backward_contiguous() {
     return;
   }
   if (rt && !is_follower)
-    while (!rt->pending.empty()) {
-      Group* g = rt->pending.front();
-      rt->pending.erase(rt->pending.begin());
-      g->finish_reduce();
-    }
+    finish_pending_reductions();
   DTensor flat_in(dp_comms, grad_flat_spec(filled(dp_ndim(), dtensor::Partial{}), reduce_dtype), grad_in);
   issue_reduce(flat_in, grad_in);
   grad_in = Tensor();

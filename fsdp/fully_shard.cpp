@@ -132,13 +132,7 @@ void Group::on_post_backward(nn::Ctx& ctx, std::optional<DTensor>& grad_input) {
 }
 
 void Group::finalize_backward() {
-  if (is_last_backward) {
-    while (!rt->pending.empty()) {
-      Group* g = rt->pending.front();
-      rt->pending.erase(rt->pending.begin());
-      g->finish_reduce();
-    }
-  }
+  if (is_last_backward) finish_pending_reductions();
   for (Group* g : rt->groups) {
     g->fwd_pre = g->fwd_post = g->bwd_pre = g->bwd_post = 0;
     if (g->state == State::kResharded || g->state == State::kUnsharding) g->reshard();

@@ -612,11 +612,7 @@ class Group {
     // Keep at most two reduce-scatter inputs alive: finish the older reductions first (a
     // follower leaves that to its leader, which just did it: its own reduction overlaps too).
     if (rt && !is_follower)
-      while (!rt->pending.empty()) {
-        Group* g = rt->pending.front();
-        rt->pending.erase(rt->pending.begin());
-        g->finish_reduce();
-      }
+      finish_pending_reductions();
     // Chunk-cat copy-in: one pass over every gradient and rank, the cast to the reduce dtype
     // and the zero padding (and zeros for a gradient this rank lacks) fused into it.
     for (size_t i = 0; i < slots.size(); ++i) {
@@ -675,6 +671,14 @@ class Group {
     if (rt) rt->pending.push_back(this);
   }
 
+  // Finishes every reduction in flight on this tree, oldest first.
+  void finish_pending_reductions() {
+    while (!rt->pending.empty()) {
+      Group* g = rt->pending.front();
+      rt->pending.erase(rt->pending.begin());
+      g->finish_reduce();
+    }
+  }
   void finish_reduce() {
     if (!pending) return;
     Pending p = std::move(*pending);
