@@ -93,30 +93,55 @@ void lay_out_contiguous(Group& g) {
   g.grad_flat_numel = l.grad_numel;
 }
 
+// The flat reduce-scatter input, allocated at the group's first gradient write (or at its
+// post-backward when backward wrote none here): the previous group's reduction is finished
+// first, so its input is freed before this one exists (the padded layout holds the previous
+// input only beside the gradients backward has produced so far; two whole flat inputs beside
+// a block's activation gradients would be a higher peak). The gaps between parameters are zeroed
+// (they are reduced too). Its dtype: the parameter dtype where that is narrower than the reduce
+// dtype on a synchronising backward (one cast pass before the reduce-scatter, the size of
+// padded's copy-in, instead of a reduce-dtype buffer alive through backward), else the reduce
+// dtype (no-sync microbatches accumulate in it).
+void Group::ensure_grad_in() {
+  if (grad_in.defined()) return;
+  if (rt && !is_follower) finish_pending_reductions();
+  const DType dtype = requires_gradient_sync && kernels::itemsize(param_dtype) < kernels::itemsize(reduce_dtype)
+                          ? param_dtype
+                          : reduce_dtype;
+  grad_in = Tensor::empty(Dims{clayout->grad_numel}, dtype, compute_device, buffer_alloc);
+  for (size_t i = 0; i < grad_slots; ++i) {
+    const int64_t end = i + 1 < grad_slots ? slots[i + 1].offset : clayout->grad_numel;
+    const int64_t from = slots[i].offset + slots[i].padded_numel;
+    if (end > from) grad_in.narrow(0, from, end - from).fill_(0.0);
+  }
+  grad_in_accumulating = false;
+}
+
+DTensor Group::grad_in_view(size_t i) const {
+  const Slot& s = slots[i];
+  Placements pl = s.unsharded_spec.placements;
+  for (int m : dp_dims) pl[m] = dtensor::Partial{};
+  const DTensorSpec spec = dtensor::make_spec(mesh_ptr(comms), pl, s.unsharded_spec.shape, grad_in.dtype());
+  return DTensor(comms, spec, grad_in.narrow(0, s.offset, s.padded_numel).view(s.local_shape));
+}
+
 // Before backward: every trainable parameter's gradient buffer is its view of the flat
-// reduce-scatter input (reduce dtype, Partial over dp), so backward writes the gradient there:
-// over it for the first write of this sync window (the gaps between parameters zeroed once at
-// allocation), added for tied weights and later no-sync microbatches.
+// reduce-scatter input (Partial over dp), so backward writes the gradient there: over it for the
+// first write of this sync window, added for tied weights and later no-sync microbatches. The
+// input is allocated lazily (ensure_grad_in) unless earlier microbatches' sums are in it.
 void Group::set_grad_buffers() {
   if (clayout->grad_numel == 0) return;  // (the global prefix: a rank with an empty range reduces too)
-  if (!grad_in.defined()) {
-    grad_in = Tensor::empty(Dims{clayout->grad_numel}, reduce_dtype, compute_device, buffer_alloc);
-    for (size_t i = 0; i < grad_slots; ++i) {  // the alignment gaps: zero (they are reduced too)
-      const int64_t end = i + 1 < grad_slots ? slots[i + 1].offset : clayout->grad_numel;
-      const int64_t from = slots[i].offset + slots[i].padded_numel;
-      if (end > from) grad_in.narrow(0, from, end - from).fill_(0.0);
-    }
-    grad_in_accumulating = false;
-  }
   for (size_t i = 0; i < grad_slots; ++i) {
     Slot& s = slots[i];
     if (!s.param->requires_grad) continue;
-    Placements pl = s.unsharded_spec.placements;
-    for (int m : dp_dims) pl[m] = dtensor::Partial{};
-    const DTensorSpec spec = dtensor::make_spec(mesh_ptr(comms), pl, s.unsharded_spec.shape, reduce_dtype);
-    s.param->set_grad_buffer(
-        DTensor(comms, spec, grad_in.narrow(0, s.offset, s.padded_numel).view(s.local_shape)),
-        grad_in_accumulating);
+    if (grad_in.defined()) {
+      s.param->set_grad_buffer(grad_in_view(i), grad_in_accumulating);
+    } else {
+      s.param->set_grad_buffer_lazy([this, i] {
+        ensure_grad_in();
+        return grad_in_view(i);
+      });
+    }
   }
 }
 
@@ -126,11 +151,16 @@ void Group::post_backward_contiguous() {
   bool any = false;
   for (size_t i = 0; i < slots.size(); ++i) {
     check_frozen(i);
+    any = any || slots[i].param->requires_grad;
+  }
+  // A synchronising backward reduces on every rank, even where backward wrote no gradient here.
+  if (requires_gradient_sync && any && clayout->grad_numel > 0) ensure_grad_in();
+  for (size_t i = 0; i < slots.size(); ++i) {
     Slot& s = slots[i];
-    any = any || s.param->requires_grad;
-    if (i < grad_slots && s.param->requires_grad && !grad_in_accumulating && s.param->grad_unwritten())
+    if (grad_in.defined() && i < grad_slots && s.param->requires_grad && !grad_in_accumulating &&
+        s.param->grad_unwritten())
       grad_in.narrow(0, s.offset, s.padded_numel).fill_(0.0);
-    s.param->grad().reset();
+    s.param->zero_grad(/*set_to_none=*/true);  // (also drops a lazy buffer nobody wrote)
   }
   if (!requires_gradient_sync) {
     grad_in_accumulating = grad_in.defined();
@@ -145,11 +175,21 @@ void Group::post_backward_contiguous() {
   }
   if (rt && !is_follower)
     finish_pending_reductions();
-  DTensor flat_in(dp_comms, grad_flat_spec(filled(dp_ndim(), dtensor::Partial{}), reduce_dtype), grad_in);
-  issue_reduce(flat_in, grad_in);
+  reshard();  // the reduction needs no unsharded parameter: freed before the cast allocates
+  Tensor in = grad_in;
   grad_in = Tensor();
   grad_in_accumulating = false;
-  reshard();
+  if (in.dtype() != reduce_dtype) {  // the one cast pass (bf16 gradients, f32 reduction)
+    Tensor cast = Tensor::empty(in.shape(), reduce_dtype, compute_device, buffer_alloc);
+    {
+      const kernels::TraceSpan span(tracer(), trace_pid(), "copies", "FSDP gradient cast");
+      cast.copy_(in);
+    }
+    stats.copy_bytes += static_cast<int64_t>(cast.nbytes());
+    in = cast;
+  }
+  DTensor flat_in(dp_comms, grad_flat_spec(filled(dp_ndim(), dtensor::Partial{}), reduce_dtype), in);
+  issue_reduce(flat_in, in);
 }
 
 }  // namespace fsdp

@@ -96,7 +96,7 @@ class Group {
   // Layout::kContiguous (fsdp/contiguous.h): the parameter-major layout and this rank's range;
   // unset: padded.
   std::optional<detail::ContiguousLayout> clayout;
-  Tensor grad_in;           // contiguous: the flat reduce-scatter input the gradients are written into
+  Tensor grad_in;           // contiguous: the flat input the gradients are written into (ensure_grad_in)
   bool grad_in_accumulating = false;  // it holds earlier no-sync microbatches' sums
   // The trainable prefix: parameters with requires_grad come first in the slots, so gradients
   // (reduce-scatter, sharded gradient buffer) cover only the first grad_numel of the P
@@ -568,8 +568,13 @@ class Group {
 
   // ---- gradients, contiguous layout (fsdp/contiguous.cpp) ----
   // Before backward: every trainable parameter's gradient buffer is its view of the flat
-  // reduce-scatter input (reduce dtype, Partial over dp), so backward writes the gradient there.
+  // reduce-scatter input (Partial over dp), so backward writes the gradient there; the input is
+  // allocated at the group's first gradient write.
   void set_grad_buffers();
+  // The flat gradient input, allocated (after the reduction in flight finishes) if not yet.
+  void ensure_grad_in();
+  // Slot i's gradient: its view of grad_in, Partial over dp.
+  DTensor grad_in_view(size_t i) const;
   // After backward: the flat input P -> the sharded gradients (or kept, without gradient sync).
   void post_backward_contiguous();
 

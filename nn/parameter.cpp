@@ -106,6 +106,7 @@ void Parameter::set_placements(const Placements& placements) {
   if (data_ && !(p == placements_)) {
     data_ = data_->redistribute(p);
     grad_.reset();
+    grad_maker_ = nullptr;
   }
   placements_ = p;
 }
@@ -119,6 +120,7 @@ void Parameter::set_dtype(DType dtype) {
     spec.dtype = dtype;
     data_ = DTensor(d.comms(), spec, d.to_local().to(dtype));
     grad_.reset();
+    grad_maker_ = nullptr;
   }
   dtype_ = dtype;
 }
@@ -174,6 +176,7 @@ void Parameter::materialize(uint64_t seed, std::string_view name) {
   });
   data_ = DTensor(comms_, spec, local);
   grad_.reset();
+  grad_maker_ = nullptr;
 }
 
 void Parameter::to_empty(std::string_view name) {
@@ -186,9 +189,11 @@ void Parameter::to_empty(std::string_view name) {
   }
   data_ = DTensor(comms_, spec, shard_storage(name, spec, *spec.layout(comms_->rank())));
   grad_.reset();
+  grad_maker_ = nullptr;
 }
 
 void Parameter::zero_grad(bool set_to_none) {
+  grad_maker_ = nullptr;
   if (set_to_none) {
     grad_.reset();
     accumulate_next_ = true;
@@ -208,11 +213,23 @@ void Parameter::set_grad_buffer(DTensor buffer, bool accumulate) {
                     buffer.shape(), shape_));
   grad_ = std::move(buffer);
   accumulate_next_ = accumulate;
+  grad_maker_ = nullptr;
+}
+
+void Parameter::set_grad_buffer_lazy(std::function<DTensor()> make) {
+  grad_.reset();
+  accumulate_next_ = false;
+  grad_maker_ = std::move(make);
 }
 
 dtensor::ops::GradSink Parameter::grad_sink() {
   dtensor::ops::GradSink sink;
   sink.needed = requires_grad;
+  if (grad_maker_ && requires_grad) {
+    const std::function<DTensor()> make = std::move(grad_maker_);
+    grad_maker_ = nullptr;
+    set_grad_buffer(make(), false);
+  }
   sink.into = &grad_;
   sink.accumulate = accumulate_next_;
   accumulate_next_ = true;

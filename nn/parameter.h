@@ -96,6 +96,7 @@ class Parameter {
   void release_data() {
     data_.reset();
     grad_.reset();
+    grad_maker_ = nullptr;
   }
 
   bool requires_grad = true;
@@ -108,6 +109,12 @@ class Parameter {
   // Backward writes the next gradient into `buffer` (same global shape): over its contents when
   // accumulate is false, else added. Later gradients (tied weights, microbatches) add.
   void set_grad_buffer(DTensor buffer, bool accumulate);
+  // set_grad_buffer(make(), false) deferred to the first gradient write (grad_sink): the buffer
+  // exists only once backward produces a gradient (FSDP's flat gradient input is allocated at
+  // its group's first write, not before the group's backward). Until then grad() is empty and
+  // grad_unwritten() true. Dropped, unused, by zero_grad, set_grad_buffer and release_data.
+  // REQUIRES: make() returns a DTensor of this parameter's global shape (checked at the write).
+  void set_grad_buffer_lazy(std::function<DTensor()> make);
   // Where the next gradient goes (for the layers' backward). Marks the gradient as written:
   // writes after this one accumulate.
   dtensor::ops::GradSink grad_sink();
@@ -126,6 +133,7 @@ class Parameter {
   std::optional<DTensor> grad_;
   bool accumulate_next_ = true;
   std::function<Tensor()> target_;
+  std::function<DTensor()> grad_maker_;  // set_grad_buffer_lazy: armed until the first write
 
   // This rank's shard for materialize / to_empty: the target's tensor, else a fresh allocation
   // (checked against what the allocator can hand out first).
