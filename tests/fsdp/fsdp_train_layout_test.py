@@ -3,7 +3,8 @@
 its collectives in f32 (fsdp_copy_bytes 0 in every progress line and the JSON) while the padded
 layout copies (copy-in + copy-out > 0), and their f32 losses are equal bit for bit (the same
 sums in the same order); under --mp bf16 the contiguous layout copies only the param_dtype casts
-of the shards (fewer bytes than padded, still > 0). Uneven FSDP 3 with no-sync accumulation too.
+of the shards and one cast of each bf16 gradient buffer to f32 (fewer bytes than padded, still
+> 0), and its losses equal padded's bit for bit. Uneven FSDP 3 with no-sync accumulation too.
 A checkpoint saved under one layout (FSDP 3) resumes under the other (FSDP 2) to the same last
 loss (within 1e-6: the dp size changes the reduction order).
 
@@ -70,9 +71,10 @@ with tempfile.TemporaryDirectory() as tmp:
         check(abs(a - b) <= 1e-6 * abs(a), f"saved under {save_layout}, resumed under {load_layout}: last_loss {b} "
               f"vs {a} uninterrupted")
 
-pad, _, _ = run("--dp-shard", "4", "--mp", "bf16", "--fsdp-layout", "padded")
-con, _, con_copies = run("--dp-shard", "4", "--mp", "bf16", "--fsdp-layout", "contiguous", "--check-parity")
+pad, pad_losses, _ = run("--dp-shard", "4", "--mp", "bf16", "--fsdp-layout", "padded")
+con, con_losses, con_copies = run("--dp-shard", "4", "--mp", "bf16", "--fsdp-layout", "contiguous", "--check-parity")
 check(con.get("parity") == "ok", f"bf16 contiguous parity {con.get('parity')}")
+check(con_losses == pad_losses, f"bf16 losses differ: contiguous {con_losses} vs padded {pad_losses}")
 check(0 < con.get("fsdp_copy_bytes", 0) < pad.get("fsdp_copy_bytes", 0),
       f"bf16: contiguous copied {con.get('fsdp_copy_bytes')} bytes per step, padded {pad.get('fsdp_copy_bytes')}: "
       "expected only the casts, fewer than padded")

@@ -321,6 +321,43 @@ TEST_CASE("module: gradients written into caller buffers; an FSDP-style swap thr
   checks.report();
 }
 
+TEST_CASE("module: a lazy gradient buffer is made at the first gradient write, once", "[nn][module]") {
+  testing_support::Checks checks;
+  int ran = 0;
+  on_mesh({1}, [&](std::shared_ptr<MeshComms> comms, Communicator&) {
+    Parameter p(comms, Dims{2, 3}, DType::kF32, Init::ones());
+    p.materialize(1, "w");
+    const auto spec = dtensor::make_spec(p.data().spec().mesh, dtensor::parse_placements("P"), p.shape(), DType::kF32);
+    Tensor storage = Tensor::full({2, 3}, 7.0, DType::kF32);
+    int made = 0;
+    p.set_grad_buffer_lazy([&] {
+      ++made;
+      return DTensor(comms, spec, storage);
+    });
+    checks.check(!p.grad() && p.grad_unwritten() && made == 0, "armed: no buffer, unwritten, nothing made");
+    const dtensor::ops::GradSink first = p.grad_sink();
+    checks.check(made == 1 && p.grad() && p.grad()->to_local().data_ptr() == storage.data_ptr(), "made at the first write");
+    checks.check(!first.accumulate && first.into == &p.grad(), "the first write goes over the buffer");
+    const dtensor::ops::GradSink second = p.grad_sink();
+    checks.check(made == 1 && second.accumulate, "later writes add into the same buffer");
+    // zero_grad drops an armed maker unused; a maker of the wrong shape is refused at the write.
+    p.set_grad_buffer_lazy([&] {
+      ++made;
+      return DTensor(comms, spec, storage);
+    });
+    p.zero_grad();
+    const dtensor::ops::GradSink after = p.grad_sink();
+    checks.check(made == 1 && !p.grad() && after.accumulate, "zero_grad dropped the maker");
+    const auto wrong = dtensor::make_spec(p.data().spec().mesh, dtensor::parse_placements("P"), Dims{3, 2}, DType::kF32);
+    p.set_grad_buffer_lazy([&] { return DTensor(comms, wrong, Tensor::zeros({3, 2}, DType::kF32)); });
+    checks.throws<kernels::InvalidArgument>([&] { p.grad_sink(); }, "a buffer of shape [3,2] for a parameter of shape [2,3]",
+                                            "wrong shape");
+    ++ran;
+  });
+  checks.report();
+  CHECK(ran == 1);
+}
+
 TEST_CASE("module: a materialize target receives the shard in place; to_empty allocates without values",
           "[nn][module][init]") {
   testing_support::Checks checks;
