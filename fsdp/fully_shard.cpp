@@ -366,11 +366,10 @@ std::shared_ptr<Group> shard_group(const std::vector<nn::Module*>& modules, std:
     throw InvalidArgument(fmt::format("fully_shard: copy_threads {}: expected 0 (by size) or more", options.copy_threads));
   if (options.layout == Layout::kContiguous) {
     // What the contiguous layout does not do yet, refused before anything changes.
-    const char* refused = options.mesh_fn                     ? "per-parameter meshes (mesh_fn)"
-                          : options.shard_placement_fn        ? "shard_placement_fn (Shard(d > 0))"
-                          : options.all_gather_extension_fn   ? "all-gather extensions (all_gather_extension_fn)"
-                          : options.offload_policy.offload_to_cpu ? "CPU offload (offload_policy)"
-                                                                  : nullptr;
+    const char* refused = options.mesh_fn                   ? "per-parameter meshes (mesh_fn)"
+                          : options.shard_placement_fn      ? "shard_placement_fn (Shard(d > 0))"
+                          : options.all_gather_extension_fn ? "all-gather extensions (all_gather_extension_fn)"
+                                                            : nullptr;
     if (refused)
       throw Unsupported(fmt::format("fully_shard: layout contiguous does not support {} yet; use Layout::kPadded",
                                     refused));

@@ -401,7 +401,6 @@ TEST_CASE("fsdp contiguous: refuses what it does not support yet, naming the opt
   refused(Dims{2, 2}, {"dp_shard", "tp"}, none, "FSDP x TP");
   refused(Dims{4}, {"dp_shard"}, [](fsdp::FullyShardOptions& o) { o.reshard_after_forward = fsdp::ReshardAfterForward::to(2); },
           "reshard_after_forward = 2", {fsdp::reshard_unflattening(DeviceMesh::from_shape(Dims{4}, {"dp_shard"}), 0, 2)});
-  refused(Dims{2}, {"dp_shard"}, [](fsdp::FullyShardOptions& o) { o.offload_policy.offload_to_cpu = true; }, "offload");
   refused(Dims{2}, {"dp_shard"}, [](fsdp::FullyShardOptions& o) {
     o.all_gather_extension_fn = [](const std::string&, const nn::Parameter&) { return std::shared_ptr<fsdp::AllGatherExtension>(); };
   }, "all_gather_extension_fn");
@@ -412,7 +411,7 @@ TEST_CASE("fsdp contiguous: refuses what it does not support yet, naming the opt
     o.shard_placement_fn = [](const std::string&, const nn::Parameter&) { return std::optional<int>(); };
   }, "shard_placement_fn");
   checks.report();
-  CHECK(cases == 7);
+  CHECK(cases == 6);
 }
 
 namespace {
