@@ -109,7 +109,6 @@ void validate(const Args& a) {
     // What fsdp::Layout::kContiguous does not support yet (fully_shard refuses it too).
     const char* with = a.dp_replicate > 1   ? "--dp-replicate (HSDP)"
                        : a.tp > 1             ? "--tp (FSDP x TP)"
-                       : a.offload            ? "--offload"
                        : !a.all_gather.empty() ? "--all-gather"
                        : a.qlora > 0          ? "--qlora"
                        : a.moe.ep > 1         ? "--ep"
