@@ -116,7 +116,12 @@ void validate(const Args& a) {
                            ? "--reshard-after-forward K"
                        : a.estimate || a.memory_limit > 0 ? "--estimate / --memory-limit (the estimate models the padded layout)"
                            : nullptr;
-    if (with) bad(fmt::format("--fsdp-layout contiguous does not support {} yet; use --fsdp-layout padded", with));
+    const char* why = !a.all_gather.empty() || a.qlora > 0
+                          ? " (its all-gather extensions encode padded per-parameter shards; a contiguous shard is a "
+                            "flat range that may split a row)"
+                          : "";
+    if (with)
+      bad(fmt::format("--fsdp-layout contiguous does not support {} yet{}; use --fsdp-layout padded", with, why));
   }
   if (a.no_pin_memory && !a.offload) bad("--no-pin-memory needs --offload");
   if ((a.offload || a.no_sync || r != "auto") && !a.fsdp)

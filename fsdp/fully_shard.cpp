@@ -370,9 +370,18 @@ std::shared_ptr<Group> shard_group(const std::vector<nn::Module*>& modules, std:
                           : options.shard_placement_fn      ? "shard_placement_fn (Shard(d > 0))"
                           : options.all_gather_extension_fn ? "all-gather extensions (all_gather_extension_fn)"
                                                             : nullptr;
+    // Extensions: the AllGatherExtension contract (fsdp/all_gather_extension.h) has no flat-range form.
+    const bool extensions = !options.mesh_fn && !options.shard_placement_fn && options.all_gather_extension_fn;
+    const char* why =
+        extensions
+            ? ": an extension encodes each parameter's padded shard, a chunk along a tensor dim, into inputs of one "
+              "shape on every rank and decodes the gathered bytes into storage of its own, while a contiguous shard "
+              "is a flat range of uneven length that may split a row, and the parameters are views of the all-gather "
+              "output"
+            : "";
     if (refused)
-      throw Unsupported(fmt::format("fully_shard: layout contiguous does not support {} yet; use Layout::kPadded",
-                                    refused));
+      throw Unsupported(fmt::format("fully_shard: layout contiguous does not support {} yet{}; use Layout::kPadded",
+                                    refused, why));
   }
   auto group = std::make_shared<Group>();
   Group& g = *group;

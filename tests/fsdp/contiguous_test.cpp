@@ -403,7 +403,7 @@ TEST_CASE("fsdp contiguous: refuses what it does not support yet, naming the opt
           "reshard_after_forward = 2", {fsdp::reshard_unflattening(DeviceMesh::from_shape(Dims{4}, {"dp_shard"}), 0, 2)});
   refused(Dims{2}, {"dp_shard"}, [](fsdp::FullyShardOptions& o) {
     o.all_gather_extension_fn = [](const std::string&, const nn::Parameter&) { return std::shared_ptr<fsdp::AllGatherExtension>(); };
-  }, "all_gather_extension_fn");
+  }, "all-gather extensions (all_gather_extension_fn) yet: an extension encodes each parameter's padded shard");
   refused(Dims{2}, {"dp_shard"}, [](fsdp::FullyShardOptions& o) {
     o.mesh_fn = [](const std::string&, const nn::Parameter&) { return std::optional<fsdp::ParamMesh>(); };
   }, "mesh_fn");
