@@ -4,8 +4,9 @@
 // without offload (the optimizer then steps on the GPU instead of the host: within 1e-5); the
 // sharded state is in pinned host memory and every copy ran on the device's copy stream (an
 // event recorded there per copy; the compute stream waited for each copy-in, the host for the
-// rest). The contiguous layout (Layout::kContiguous) with pinned offload equals its synchronous
-// offload bit for bit and padded pinned offload within 1e-5. Exits 77 (skipped) without a GPU.
+// rest). The contiguous layout (Layout::kContiguous) with pinned offload, on 5 ranks some of
+// which hold empty ranges, equals its synchronous offload bit for bit and padded pinned offload
+// within 1e-5. Exits 77 (skipped) without a GPU.
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -91,8 +92,11 @@ TEST_CASE("fsdp offload [gpu]: the contiguous layout's pinned offload trains lik
   const Device gpu = Device::cuda(0);
   offload_test::Run sync;  // contiguous, offload, copies synchronous from ordinary memory
   sync.device = gpu;
-  sync.ranks = 2;
+  sync.ranks = 5;
   sync.steps = 4;
+  sync.batch = 10;
+  sync.norm_groups = true;  // 10 groups; LayerNorms of 8 + 8 elements: some ranks' ranges are empty
+  sync.cfg.dim = 8;
   sync.options.layout = fsdp::Layout::kContiguous;
   sync.options.offload_policy.offload_to_cpu = true;
   sync.options.offload_policy.pin_memory = false;
@@ -126,10 +130,11 @@ TEST_CASE("fsdp offload [gpu]: the contiguous layout's pinned offload trains lik
   CHECK(offload_test::max_param_diff(got, padded) <= 1e-5);
   CHECK(got.copy_bytes == 0);  // f32: the layout copies nothing around its collectives
   for (size_t r = 0; r < engines.size(); ++r) {
-    // One copy per group and unshard, one per group's sharded gradient: as many as padded's.
+    // One copy per group and unshard (forward 10, backward 9), one per group's sharded gradient
+    // (empty ones included): as many as padded's.
     const fsdp::StreamCopyEngine::Stats s = engines[r]->stats(), p = padded_engines[r]->stats();
-    CHECK(s.host_to_device == 4 * 7);
-    CHECK(s.device_to_host == 4 * 4);
+    CHECK(s.host_to_device == 4 * 19);
+    CHECK(s.device_to_host == 4 * 10);
     CHECK(s.host_to_device == p.host_to_device);
     CHECK(s.device_to_host == p.device_to_host);
     CHECK(s.compute_waits == s.host_to_device);
