@@ -107,8 +107,7 @@ void validate(const Args& a) {
   if (a.fsdp_layout == "contiguous") {
     if (!a.fsdp) bad("--fsdp-layout contiguous needs FSDP (--dp-shard)");
     // What fsdp::Layout::kContiguous does not support yet (fully_shard refuses it too).
-    const char* with = a.dp_replicate > 1   ? "--dp-replicate (HSDP)"
-                       : a.tp > 1             ? "--tp (FSDP x TP)"
+    const char* with = a.tp > 1             ? "--tp (FSDP x TP)"
                        : a.offload            ? "--offload"
                        : !a.all_gather.empty() ? "--all-gather"
                        : a.qlora > 0          ? "--qlora"

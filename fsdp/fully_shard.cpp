@@ -405,12 +405,11 @@ std::shared_ptr<Group> shard_group(const std::vector<nn::Module*>& modules, std:
   g.my_coord = comms->coord()[dims.shard];
   g.dp_comms = comms->slice_dims(g.dp_dims);
   if (options.layout == Layout::kContiguous) {
-    if (dims.replicate)
-      throw Unsupported("fully_shard: layout contiguous does not support HSDP (a dp_replicate mesh dim) yet; use "
-                        "Layout::kPadded");
-    if (mesh.ndim() != 1)
-      throw Unsupported(fmt::format("fully_shard: layout contiguous needs a 1-D data-parallel mesh; {} has other dims "
-                                    "(FSDP x TP is not supported yet); use Layout::kPadded",
+    // HSDP: the flat buffer is [R, Rg] over (dp_replicate, dp_shard), gradients [P,P] -> [R,Rg].
+    if (mesh.ndim() != g.dp_ndim())
+      throw Unsupported(fmt::format("fully_shard: layout contiguous needs a data-parallel mesh (dp_shard, optionally "
+                                    "dp_replicate); {} has other dims (FSDP x TP is not supported yet); use "
+                                    "Layout::kPadded",
                                     dtensor::to_string(mesh)));
     const auto& r = options.reshard_after_forward;
     if (r.kind == ReshardAfterForward::Kind::kInt && r.k > 1 && r.k < g.dp)

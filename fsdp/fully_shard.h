@@ -156,8 +156,11 @@ using ParamMeshFn = std::function<std::optional<ParamMesh>(const std::string& na
 // gradient sync: w and b (the trainable prefix, Ng = 18) are backward's gradient buffers at 0
 // and 12 of an 18-element P buffer (gap [10,12) zero); P -> Rg(0,[4,8,6],1) into the sharded
 // gradient buffer whose views are the sharded parameters' grads.
-// Refused for now (Unsupported naming the option; use kPadded): HSDP, other mesh dims (FSDP x
-// TP), reshard_after_forward = k, all-gather extensions, offload, mesh_fn, shard_placement_fn,
+// HSDP: the flat buffer is [R, Rg(0,[1,...,1],align)] over (dp_replicate, dp_shard), each
+// parameter [R, Rg(overlaps)], and gradient sync [P,P] -> [R,Rg] (reduce-scatter over dp_shard,
+// all-reduce over dp_replicate: padded HSDP's collectives, reduce dtype and divide factor).
+// Refused for now (Unsupported naming the option; use kPadded): other mesh dims (FSDP x TP),
+// reshard_after_forward = k, all-gather extensions, offload, mesh_fn, shard_placement_fn,
 // parameters without elements.
 enum class Layout { kPadded, kContiguous };
 

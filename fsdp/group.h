@@ -698,15 +698,15 @@ class Group {
     if (p.all_reduce_after) {
       kernels::add_out(result, result, partial_acc);
       partial_acc = Tensor();
-      Placements from = flat_sharded_placements();
+      Placements from = grad_flat_sharded_placements();
       for (int m = 0; m < dp_ndim(); ++m)
         if (m != dp_index) from[m] = dtensor::Partial{};
       DTensor part(dp_comms, grad_flat_spec(from, reduce_dtype), result);
       dtensor::RedistributeOptions ro;
       ro.reduce_dtype = reduce_dtype;
       ro.wire_dtype = reduce_wire;
-      result = part.redistribute(flat_sharded_placements(), ro).to_local();
-      stats.reduce_bytes += part.plan_to(flat_sharded_placements(), ro).bytes_per_rank();
+      result = part.redistribute(grad_flat_sharded_placements(), ro).to_local();
+      stats.reduce_bytes += part.plan_to(grad_flat_sharded_placements(), ro).bytes_per_rank();
       ++stats.all_reduces;
     }
     if (!p.into_grad) {
