@@ -112,8 +112,6 @@ void validate(const Args& a) {
                        : !a.all_gather.empty() ? "--all-gather"
                        : a.qlora > 0          ? "--qlora"
                        : a.moe.ep > 1         ? "--ep"
-                       : r != "auto" && r != "true" && r != "false" && r != "1" && r != std::to_string(a.dp_shard)
-                           ? "--reshard-after-forward K"
                        : a.estimate || a.memory_limit > 0 ? "--estimate / --memory-limit (the estimate models the padded layout)"
                            : nullptr;
     if (with) bad(fmt::format("--fsdp-layout contiguous does not support {} yet; use --fsdp-layout padded", with));

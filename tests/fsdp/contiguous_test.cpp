@@ -60,6 +60,7 @@ struct Run {
   int64_t replicate = 1;    // > 1: HSDP on (dp_replicate, dp_shard)
   bool no_all_reduce = false;  // HSDP: set_requires_all_reduce(false) before the last microbatch
   double divide_factor = 0;    // > 0: set_gradient_divide_factor
+  int k = 0;                   // > 0: reshard_after_forward = k
   fsdp::Layout layout = fsdp::Layout::kContiguous;
   bool tie = false;
   bool meta = true;         // shard on meta, then materialize
@@ -108,11 +109,14 @@ Result train(const Run& r, testing_support::Checks& checks) {
   const int nd = mesh.ndim();
   Result result;
   collectives::run_ranks(static_cast<int>(mesh.size()), [&](Communicator& world) {
-    auto comms = MeshComms::create(mesh, world);
+    std::vector<dtensor::Unflattening> unflatten;
+    if (r.k > 0) unflatten.push_back(fsdp::reshard_unflattening(mesh, nd - 1, r.k));
+    auto comms = MeshComms::create(mesh, world, {}, nullptr, unflatten);
     nn::GPT model(nn::ModuleOptions{comms, DType::kF32, {}}, small(r.tie));
     if (!r.meta) nn::materialize(model, 5);
     fsdp::FullyShardOptions o;
     o.layout = r.layout;
+    if (r.k > 0) o.reshard_after_forward = fsdp::ReshardAfterForward::to(r.k);
     if (r.bf16) {
       o.mp_policy.param_dtype = DType::kBF16;
       o.mp_policy.reduce_dtype = DType::kF32;
@@ -468,11 +472,57 @@ TEST_CASE("fsdp contiguous: HSDP accumulation without sync or all-reduce, gradie
   CHECK(ran == 1);
 }
 
+TEST_CASE("fsdp contiguous: reshard_after_forward = k equals padded with k bit for bit, FSDP and HSDP",
+          "[fsdp][contiguous][k]") {
+  struct Config {
+    int64_t replicate, dp;
+    int k;
+  };
+  int ran = 0;
+  for (const Config& cfg : {Config{1, 4, 2}, Config{1, 6, 3}, Config{2, 4, 2}}) {
+    DYNAMIC_SECTION(cfg.replicate << "x" << cfg.dp << " k " << cfg.k) {
+      Run r;
+      r.replicate = cfg.replicate;
+      r.dp = cfg.dp;
+      r.k = cfg.k;
+      r.after = [cfg](nn::GPT& model, fsdp::FSDPModule&, std::shared_ptr<MeshComms>, testing_support::Checks& c) {
+        // A non-root group keeps ~1/k of its unsharded flat buffer between forward and backward.
+        fsdp::FSDPModule* block = fsdp::state(model.blocks()[0]);
+        const int64_t flat = block->sharded_bytes();  // this rank's dp range: ~1/dp of the buffer
+        const int64_t kept = block->resharded_k_bytes();
+        c.check(kept > 0 && kept >= flat && kept <= (cfg.dp / cfg.k) * flat + 64,
+                "k buffer " + std::to_string(kept) + " bytes against a dp shard of " + std::to_string(flat));
+      };
+      testing_support::Checks checks;
+      const Result got = train(r, checks);
+      checks.report();
+      Run p = r;
+      p.layout = fsdp::Layout::kPadded;
+      p.after = nullptr;
+      const Result want = train(p, checks);
+      Run full = r;
+      full.k = 0;
+      full.after = nullptr;
+      const Result no_k = train(full, checks);
+      check_same(got, want, 0.0);
+      check_same(got, no_k, 0.0);
+      CHECK(got.copy_bytes == 0);
+      INFO("all-gather bytes " << got.all_gather_bytes << " vs padded " << want.all_gather_bytes << ", without k "
+                               << no_k.all_gather_bytes);
+      CHECK(got.all_gather_bytes <= want.all_gather_bytes);
+      CHECK(got.all_gather_bytes < no_k.all_gather_bytes);  // backward gathers over k ranks only
+      ++ran;
+    }
+  }
+  CHECK(ran == 1);
+}
+
 TEST_CASE("fsdp contiguous: mp bf16 copies only the casts; within bf16 rounding of padded", "[fsdp][contiguous]") {
   int ran = 0;
-  for (int64_t dp : {2, 5}) {
-    DYNAMIC_SECTION("dp " << dp) {
+  for (const auto& [replicate, dp] : std::vector<std::pair<int64_t, int64_t>>{{1, 2}, {1, 5}, {2, 2}}) {
+    DYNAMIC_SECTION(replicate << "x" << dp) {
       Run r;
+      r.replicate = replicate;
       r.dp = dp;
       r.bf16 = true;
       r.after = [](nn::GPT& model, fsdp::FSDPModule&, std::shared_ptr<MeshComms>, testing_support::Checks& c) {
@@ -521,8 +571,6 @@ TEST_CASE("fsdp contiguous: refuses what it does not support yet, naming the opt
   auto none = [](fsdp::FullyShardOptions&) {};
   refused(Dims{2, 2, 2}, {"dp_replicate", "dp_shard", "tp"}, none, "FSDP x TP");
   refused(Dims{2, 2}, {"dp_shard", "tp"}, none, "FSDP x TP");
-  refused(Dims{4}, {"dp_shard"}, [](fsdp::FullyShardOptions& o) { o.reshard_after_forward = fsdp::ReshardAfterForward::to(2); },
-          "reshard_after_forward = 2", {fsdp::reshard_unflattening(DeviceMesh::from_shape(Dims{4}, {"dp_shard"}), 0, 2)});
   refused(Dims{2}, {"dp_shard"}, [](fsdp::FullyShardOptions& o) { o.offload_policy.offload_to_cpu = true; }, "offload");
   refused(Dims{2}, {"dp_shard"}, [](fsdp::FullyShardOptions& o) {
     o.all_gather_extension_fn = [](const std::string&, const nn::Parameter&) { return std::shared_ptr<fsdp::AllGatherExtension>(); };
@@ -534,7 +582,7 @@ TEST_CASE("fsdp contiguous: refuses what it does not support yet, naming the opt
     o.shard_placement_fn = [](const std::string&, const nn::Parameter&) { return std::optional<int>(); };
   }, "shard_placement_fn");
   checks.report();
-  CHECK(cases == 7);
+  CHECK(cases == 6);
 }
 
 namespace {
