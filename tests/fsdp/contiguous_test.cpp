@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <functional>
@@ -61,6 +62,7 @@ struct Run {
   bool no_all_reduce = false;  // HSDP: set_requires_all_reduce(false) before the last microbatch
   double divide_factor = 0;    // > 0: set_gradient_divide_factor
   int k = 0;                   // > 0: reshard_after_forward = k
+  std::vector<std::string> freeze;  // requires_grad = false for parameters whose name contains one
   fsdp::Layout layout = fsdp::Layout::kContiguous;
   bool tie = false;
   bool meta = true;         // shard on meta, then materialize
@@ -114,6 +116,9 @@ Result train(const Run& r, testing_support::Checks& checks) {
     auto comms = MeshComms::create(mesh, world, {}, nullptr, unflatten);
     nn::GPT model(nn::ModuleOptions{comms, DType::kF32, {}}, small(r.tie));
     if (!r.meta) nn::materialize(model, 5);
+    for (const auto& [name, p] : model.named_parameters())
+      for (const std::string& f : r.freeze)
+        if (name.find(f) != std::string::npos) p->requires_grad = false;
     fsdp::FullyShardOptions o;
     o.layout = r.layout;
     if (r.k > 0) o.reshard_after_forward = fsdp::ReshardAfterForward::to(r.k);
@@ -450,6 +455,26 @@ TEST_CASE("fsdp contiguous: HSDP accumulation without sync or all-reduce, gradie
     CHECK(a.all_reduces == b.all_reduces);
     ++ran;
   }
+  SECTION("2x3, set_requires_all_reduce(false) with frozen parameters (a shorter gradient buffer)") {
+    Run r;
+    r.replicate = 2;
+    r.dp = 3;
+    r.accum = 2;
+    r.no_all_reduce = true;
+    r.freeze = {"pos_emb", "blocks.0.ln1", "mlp.fc2.bias"};
+    Run p = r;
+    p.layout = fsdp::Layout::kPadded;
+    testing_support::Checks checks;
+    const Result a = train(r, checks), b = train(p, checks);
+    checks.report();
+    check_same(a, b, 0.0);
+    for (const auto& [name, t] : a.params)
+      if (name.find("pos_emb") != std::string::npos) {
+        INFO(name);
+        CHECK(t.to_vector() == a.initial.at(name).to_vector());  // frozen: unchanged
+      }
+    ++ran;
+  }
   SECTION("2x2, set_gradient_divide_factor(3)") {
     Run r;
     r.replicate = 2;
@@ -659,10 +684,11 @@ TEST_CASE("fsdp contiguous: a checkpoint saved under one layout loads under the 
       std::filesystem::remove_all(dir);
       testing_support::Checks checks;
       std::map<std::string, Tensor> saved, loaded;
+      std::atomic<uint64_t> written{0};
       with_trained(cr.save.replicate, cr.save.dp, cr.save.layout, 5, 2,
                    [&](nn::GPT& model, nn::AdamW& opt, std::shared_ptr<MeshComms>, Communicator& world) {
                      const nn::StateDict sd = full_state(model, opt);
-                     checkpoint::save(dir.string(), sd, world);
+                     written += checkpoint::save(dir.string(), sd, world).bytes_written;
                      nn::for_each_full_tensor(sd, true, [&](const std::string& key, const Tensor& full) {
                        saved[key] = full.clone();
                      });
@@ -687,6 +713,10 @@ TEST_CASE("fsdp contiguous: a checkpoint saved under one layout loads under the 
       checks.report();
       REQUIRE(saved.size() == loaded.size());
       CHECK(saved.size() > 30);  // parameters, exp_avg and exp_avg_sq of each
+      // Every element written once over all ranks (HSDP's replicas write nothing twice).
+      uint64_t state_bytes = 0;
+      for (const auto& [key, t] : saved) state_bytes += t.nbytes();
+      CHECK(written.load() == state_bytes);
       int compared = 0;
       for (const auto& [key, t] : saved) {
         auto it = loaded.find(key);
