@@ -239,6 +239,8 @@ TEST_CASE("fsdp offload: training over the deferred engine equals training witho
     bool bf16;
     int accum = 1;
     bool norm_groups = false;  // 10 groups instead of 4 (contiguous: some ranks hold no LayerNorm)
+    int64_t replicate = 1;     // > 1: HSDP (replicate, ranks / replicate)
+    int k = 0;                 // > 0: reshard_after_forward = k
   };
   using fsdp::Layout;
   const std::vector<Case> cases = {
@@ -251,7 +253,10 @@ TEST_CASE("fsdp offload: training over the deferred engine equals training witho
       {"contiguous FSDP 4, prefetch 2", Layout::kContiguous, 4, 2, false},
       {"contiguous FSDP 5, LayerNorm groups (empty ranges), dim 8", Layout::kContiguous, 5, 1, false, 1, true},
       {"contiguous FSDP 2, bf16 parameters, f32 reduction", Layout::kContiguous, 2, 1, true},
-      {"contiguous FSDP 3, 2 microbatches without sync", Layout::kContiguous, 3, 1, false, 2}};
+      {"contiguous FSDP 3, 2 microbatches without sync", Layout::kContiguous, 3, 1, false, 2},
+      {"contiguous HSDP 2x3", Layout::kContiguous, 6, 1, false, 1, false, 2},
+      {"contiguous FSDP 4, reshard_after_forward = 2", Layout::kContiguous, 4, 1, false, 1, false, 1, 2},
+      {"contiguous HSDP 2x4, reshard_after_forward = 2", Layout::kContiguous, 8, 1, false, 1, false, 2, 2}};
   int ran = 0, against_padded = 0;
   for (const Case& c : cases) {
     INFO(c.what);
@@ -261,6 +266,8 @@ TEST_CASE("fsdp offload: training over the deferred engine equals training witho
     plain.options.layout = c.layout;
     plain.accum = c.accum;
     plain.norm_groups = c.norm_groups;
+    plain.replicate = c.replicate;
+    if (c.k > 0) plain.options.reshard_after_forward = fsdp::ReshardAfterForward::to(c.k);
     if (c.norm_groups) {
       plain.cfg.dim = 8;  // LayerNorms of 8 + 8 elements: 4 alignment units over 5 ranks
       plain.batch = 10;
@@ -296,11 +303,12 @@ TEST_CASE("fsdp offload: training over the deferred engine equals training witho
       CHECK(offload_test::max_param_diff(got, ref.result) == 0.0);
       ++against_padded;
     }
-    // Per step a copy-in per unshard (per microbatch: every group in forward, every group but the
-    // root in backward: the root stays unsharded in between), each used, and one copy-out per
-    // group (of its whole sharded gradient, after its reduce-scatter).
+    // Per step a copy-in per unshard from the shard (per microbatch: every group in forward, every
+    // group but the root in backward: the root stays unsharded in between; with k, backward
+    // gathers the k buffers instead, none copied in), each used, and one copy-out per group (of
+    // its whole sharded gradient, after its reduce-scatter).
     const int64_t groups = c.norm_groups ? 10 : 4;
-    const int64_t copies_in = 3 * c.accum * (2 * groups - 1);
+    const int64_t copies_in = 3 * c.accum * (c.k > 0 ? groups : 2 * groups - 1);
     const int64_t trainable = static_cast<int64_t>(want.params.size());
     int64_t empty = 0;
     for (size_t r = 0; r < off.engines.size(); ++r) {
@@ -326,8 +334,8 @@ TEST_CASE("fsdp offload: training over the deferred engine equals training witho
     if (c.norm_groups) CHECK(empty > 0);  // some rank's range held none of some LayerNorm
     ++ran;
   }
-  CHECK(ran == 10);
-  CHECK(against_padded == 4);
+  CHECK(ran == 13);
+  CHECK(against_padded == 7);
 }
 
 TEST_CASE("fsdp offload: experts on a carved mesh (follower groups) over the deferred engine equal no offload",

@@ -48,6 +48,8 @@ struct Run {
   // > 1 (cfg with MoE blocks): the experts on the dp mesh carved into (dp_mod_ep, ep), sharded
   // over dp_mod_ep by follower groups (per-parameter meshes, FullyShardOptions::mesh_fn).
   int64_t ep = 1;
+  // > 1: HSDP, the mesh (dp_replicate = replicate, dp_shard = ranks / replicate).
+  int64_t replicate = 1;
   nn::GPTConfig cfg = tiny();
   fsdp::FullyShardOptions options;
   // Per rank, before fully_shard: adjusts that rank's options (e.g. its own copy engine).
@@ -75,11 +77,16 @@ inline Tensor ids(int step, int64_t first, int64_t rows, int64_t seq, int64_t vo
 }
 
 inline Result train(const Run& run) {
-  const auto mesh = dtensor::DeviceMesh::from_shape({run.ranks}, {"dp_shard"});
+  const auto mesh = run.replicate > 1 ? dtensor::DeviceMesh::from_shape({run.replicate, run.ranks / run.replicate},
+                                                                         {"dp_replicate", "dp_shard"})
+                                      : dtensor::DeviceMesh::from_shape({run.ranks}, {"dp_shard"});
   Result result;
   collectives::run_ranks(run.ranks, [&](collectives::Communicator& world) {
     std::vector<dtensor::Unflattening> un;
     if (run.ep > 1) un.push_back({0, dtensor::Dims{run.ranks / run.ep, run.ep}, {"dp_mod_ep", "ep"}});
+    const fsdp::ReshardAfterForward& raf = run.options.reshard_after_forward;
+    if (raf.kind == fsdp::ReshardAfterForward::Kind::kInt)  // the k ranks' sub-mesh
+      un.push_back(fsdp::reshard_unflattening(mesh, mesh.ndim() - 1, raf.k));
     auto comms = MeshComms::create(mesh, world, {}, nullptr, un);
     std::shared_ptr<const MeshComms> ep_comms =
         run.ep > 1 ? comms->unflatten(0, un[0].sizes, un[0].names) : nullptr;
@@ -108,10 +115,11 @@ inline Result train(const Run& run) {
     kernels::AdamWOptions ao;
     ao.lr = 1e-2;
     nn::AdamW opt(model.named_parameters(), ao);
-    const dtensor::Placements batch_pl{dtensor::Shard{0}};
+    const auto nd = static_cast<size_t>(mesh.ndim());
+    const dtensor::Placements batch_pl(nd, dtensor::Shard{0});
     nn::CrossEntropyLoss loss_fn;
     auto shared_mesh = std::shared_ptr<const dtensor::DeviceMesh>(comms, &comms->mesh());
-    const DTensor dloss(comms, dtensor::make_spec(shared_mesh, {dtensor::Replicate{}}, {}, DType::kF64),
+    const DTensor dloss(comms, dtensor::make_spec(shared_mesh, dtensor::Placements(nd, dtensor::Replicate{}), {}, DType::kF64),
                         Tensor::full({}, 1.0 / run.accum, DType::kF64, run.device));
     const int64_t micro = run.batch / run.accum;
     for (int step = 0; step < run.steps; ++step) {
