@@ -177,6 +177,7 @@ struct Group {
   enum class State { kSharded, kUnsharding, kUnsharded, kResharded } state = State::kSharded;
   H flat, unsharded, ag_input, k_buffer;
   H rs_input, rs_output, rs_staging;
+  H grad_flat;             // the sharded gradients (from the first reduction of the step on)
   std::vector<H> rs_wire;  // a wire reduction's exchange buffers
   bool pending = false, into_grad = true, has_sharded_grad = false;
   std::vector<H> grads, accum;  // unsharded gradients (per parameter), no-sync accumulation
@@ -256,7 +257,9 @@ class Replay {
             for (int64_t bytes : {(padded(p) + 1) / 2, blocks, 4 * ceil_div(blocks, kNf4ScalerBlock), int64_t{4}})
               g.persistent.push_back(sim_.alloc(kParams, bytes));
           }
-        g.persistent.push_back(sim_.alloc(kGrads, g.G * ms_));
+        // The sharded gradients' flat buffer: kept over the steps when offloaded (host memory);
+        // otherwise freed by zero_grad and allocated by the group's first reduction of a step.
+        if (offload_separate_) g.persistent.push_back(sim_.alloc(kGrads, g.G * ms_));
         for (const Param& p : g.params)
           if (!p.frozen)
             for (int s = 0; s < c_.optimizer_states; ++s) g.persistent.push_back(sim_.alloc(kOptim, padded(p) * ms_));
@@ -383,9 +386,13 @@ class Replay {
     if (c_.fsdp) g.grads.push_back(sim_.alloc(kUnsharded, p.numel() * ps_));
     else if (micro_ == 0) g.persistent.push_back(sim_.alloc(kGrads, p.numel() * ms_));
   }
+  void allocate_grad_flat(Group& g) {
+    if (!g.grad_flat && !offload_separate_) g.grad_flat = sim_.alloc(kGrads, g.G * ms_);
+  }
   void finish_reduce(Group& g) {
     if (!g.pending) return;
     g.pending = false;
+    allocate_grad_flat(g);
     g.rs_input.reset();
     g.rs_output.reset();
     g.rs_staging.reset();
@@ -424,6 +431,7 @@ class Replay {
     g.accum.clear();
     g.into_grad = !g.has_sharded_grad;
     if (!g.into_grad) g.rs_output = sim_.alloc(kReduce, g.G * rs_);
+    else allocate_grad_flat(g);
     reduce_transition(g);
     g.pending = true;
     pending_.push_back(&g);
