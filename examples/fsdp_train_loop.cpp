@@ -344,8 +344,8 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
       if (root && a.no_sync) root->set_requires_gradient_sync(m + 1 == a.grad_accum);
       nn::Ctx ctx(&ops), lctx(&ops);
       std::optional<kernels::TraceSpan> span(std::in_place, tracer, me, "compute", "forward");
-      DTensor logits = model.forward(ctx, ids);
-      DTensor loss = loss_fn.forward(lctx, logits, targets);
+      // The logits die with the loss's forward (it keeps their gradient, not them), as in PyTorch.
+      const DTensor loss = loss_fn.forward(lctx, model.forward(ctx, ids), targets);
       const double micro_loss = loss.full_tensor().to(kernels::Device{}).item({});
       span.reset();
       // The same value on every rank (a replicated scalar): every rank stops at the same step.

@@ -643,6 +643,9 @@ class Group {
         throw InvalidArgument(fmt::format("FSDP group '{}': the gradient of '{}' has local shape {}, expected {}", name,
                                           slots[i].name, kernels::to_string(grads[i].shape()),
                                           kernels::to_string(slots[i].local_shape)));
+    // Resharded before the copy-in, as FSDP2 does: the unsharded parameters are not alive
+    // beside both the gradients and the reduce-scatter input.
+    reshard();  // a synchronising backward: the optimizer steps the sharded parameters next
     Tensor in = Tensor::empty(Dims{dp * grad_numel}, reduce_dtype, compute_device, buffer_alloc);
     grads.resize(grad_slots);  // the frozen slots (after the prefix) hold no gradient
     {
@@ -653,7 +656,6 @@ class Group {
     grads.clear();
     DTensor flat_in(dp_comms, grad_flat_spec(filled(dp_ndim(), dtensor::Partial{}), reduce_dtype), in);
     issue_reduce(flat_in, in);
-    reshard();  // a synchronising backward: the optimizer steps the sharded parameters next
   }
 
   // The flat P input -> the sharded gradient flat buffer (or a temporary), asynchronously.

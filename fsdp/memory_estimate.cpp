@@ -426,6 +426,7 @@ class Replay {
       reshard(g);
       return;
     }
+    reshard(g);  // before the copy-in (FSDP2's order)
     g.rs_input = sim_.alloc(kReduce, dp_ * g.G * rs_);
     g.grads.clear();
     g.accum.clear();
@@ -435,7 +436,6 @@ class Replay {
     reduce_transition(g);
     g.pending = true;
     pending_.push_back(&g);
-    reshard(g);
   }
   void finalize_backward() {
     if (!c_.fsdp) return;
@@ -502,20 +502,20 @@ class Replay {
     H l1s, l1m;          // ln1's statistics
     H l1g;               // wq / wk / wv's input: ln1's output (gathered over tp)
     H q, k, v, o, lse;   // attention's inputs, output and log-sum-exp
-    H a;                 // the attention's output (the residual add keeps it)
+    H a;                 // the attention's output (do_forward's local: the add keeps only shapes)
     H h, l2s, l2m, l2g;  // after the first residual; ln2's statistics; fc1's input
-    H f1, g, f2;         // mlp: fc1's output (gelu keeps it), gelu's (fc2 keeps it), fc2's
+    H f1, g, f2;         // mlp: fc1's output (gelu keeps it), gelu's (fc2 keeps it), fc2's (a local)
     std::vector<H> lora; // each LoRA projection's h = x A^T and l = h B^T
   };
 
   // LoRA on a projection of `out` features (nn/layers.cpp's Linear): h = x A^T (kept for
-  // backward), l = h B^T (the add keeps it: its shape), then y + s l as a new tensor (the caller
-  // drops the base y).
+  // backward), l = h B^T (a local: the add keeps only its shape), then y + s l as a new tensor
+  // (the caller drops the base y).
   H lora_forward(H y, int64_t out, BlockSaved& s) {
     if (m_.r == 0) return y;
     const int64_t n = m_.b * m_.T;
     s.lora.push_back(act(n * m_.r));
-    s.lora.push_back(act(n * out));
+    H l = act(n * out);
     return act(n * out);
   }
   // Its backward before the base's: dl = s dy, dh (lora_B's gradient), dx_lora (lora_A's),
@@ -582,6 +582,8 @@ class Replay {
       s.f2 = lora_forward(rowwise_output(m_.D), m_.D, s);
     }
     H y = act(nt * m_.D);
+    s.a.reset();  // do_forward's locals: the residual adds keep only shapes
+    s.f2.reset();
     post_forward(gi);
     return y;
   }
@@ -612,6 +614,7 @@ class Replay {
         s.g.reset();
         H df1 = act(n * m_.Hdt);
         dg.reset();
+        s.f1.reset();  // MLP::do_backward drops gelu's input once gelu's backward ran
         lx = lora_backward(grad, "mlp.fc1", m_.D, m_.Hdt);
         dl2 = act(n * m_.D);
         grad("mlp.fc1.weight");
@@ -642,11 +645,20 @@ class Replay {
         dm = lora_input_grad(dm, lx, m_.Dt);
         dyg.reset();
         H dq = act(n * m_.Dt), dk = act(n * m_.Dt), dv = act(n * m_.Dt);
+        // CausalSelfAttention::do_backward drops wo's input gradient and the attention's saved
+        // tensors here, each head gradient after its projection's backward.
+        dm.reset();
+        s.q.reset();
+        s.k.reset();
+        s.v.reset();
+        s.o.reset();
+        s.lse.reset();
         lx = lora_backward(grad, "attn.wq", m_.D, m_.Dt);
         H acc = act(n * m_.D);
         grad("attn.wq.weight");
         if (m_.bias) grad("attn.wq.bias");
         acc = lora_input_grad(acc, lx, m_.D);
+        dq.reset();
         for (const char* w : {"attn.wk", "attn.wv"}) {
           lx = lora_backward(grad, w, m_.D, m_.Dt);
           H part = act(n * m_.D);
@@ -655,6 +667,7 @@ class Replay {
           part = lora_input_grad(part, lx, m_.D);
           if (std::string(w) == "attn.wv") s.l1g.reset();  // wv kept the last reference to its input
           acc = act(n * m_.D);
+          if (std::string(w) == "attn.wk") dk.reset();
         }
         dattn = acc;
       }
@@ -699,7 +712,7 @@ class Replay {
     {
       H emb = rowwise_output(m_.D);  // tok_emb (row-wise over tp: a partial sum, reduced)
       if (m_.pos) {
-        pos_out = act(m_.Tt * m_.D);  // the add keeps it
+        pos_out = act(m_.Tt * m_.D);  // do_forward's local (the add keeps only shapes)
         x = act(nt * m_.D);
       } else {
         x = emb;
@@ -735,10 +748,12 @@ class Replay {
       x.reset();
       logits = act(n * m_.Vt);
     }
+    pos_out.reset();
     post_forward(0);
-    // The loss keeps the logits' gradient (the trainer keeps the logits until the step ends).
+    // The loss keeps the logits' gradient; the logits die with its forward (fsdp-train).
     sim_.at("loss");
     H dlogits = act(n * m_.Vt);
+    logits.reset();
     if (c_.batch.grad_accum > 1) dlogits = act(n * m_.Vt);  // scaled by 1 / grad_accum
     // Backward.
     pre_backward(0);

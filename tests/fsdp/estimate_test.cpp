@@ -168,8 +168,7 @@ Measured measure(const Case& k, const fsdp::BatchShape& batch) {
         const DTensor x = dtensor::distribute_tensor(ids, comms, batch_pl, std::nullopt);
         const DTensor y = dtensor::distribute_tensor(tgt, comms, batch_pl, std::nullopt);
         nn::Ctx ctx, lctx;
-        DTensor logits = m.forward(ctx, x);
-        DTensor loss = loss_fn.forward(lctx, logits, y);
+        const DTensor loss = loss_fn.forward(lctx, m.forward(ctx, x), y);  // the logits die here (fsdp-train)
         (void)loss.full_tensor();
         DTensor dlogits = loss_fn.backward(lctx, dloss);
         m.backward(ctx, dlogits);
