@@ -358,8 +358,8 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
       span.emplace(tracer, me, "compute", "backward");
       const double seed = (scaler ? scaler->scale() : 1.0) / a.grad_accum;
       if (a.moe.experts > 0) fsdp_train::set_moe_aux_grad_scale(model, seed);
-      DTensor dlogits = loss_fn.backward(lctx, as_dtensor(Tensor::full({}, seed, DType::kF64)));
-      model.backward(ctx, dlogits);
+      // Taken over by backward: the logits' gradient dies once lm_head's backward read it.
+      model.backward(ctx, loss_fn.backward(lctx, as_dtensor(Tensor::full({}, seed, DType::kF64))));
     }
     std::optional<kernels::TraceSpan> optimizer_span(std::in_place, tracer, me, "compute", "optimizer");
     if (bf16 && !use_fsdp)

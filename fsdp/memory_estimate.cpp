@@ -589,7 +589,9 @@ class Replay {
   }
 
   // Returns the input's gradient (the caller keeps the incoming one alive until then).
-  H block_backward(size_t gi, BlockSaved& s) {
+  // incoming: the gradient the block took over (dies before its post-backward); null inside a
+  // Checkpoint wrapper (the wrapper's post-backward comes after).
+  H block_backward(size_t gi, BlockSaved& s, H* incoming = nullptr) {
     pre_backward(gi);
     sim_.at("backward: " + groups_[gi].name);
     const int64_t nt = m_.b * m_.Tt;
@@ -688,6 +690,7 @@ class Replay {
     H out = act(nt * m_.D);  // the residual's two gradients summed
     dx.reset();
     dh.reset();
+    if (incoming) incoming->reset();
     post_backward(gi);
     s.a.reset();
     s.f2.reset();
@@ -764,6 +767,7 @@ class Replay {
       root_grad("lm_head.weight");
       lfg.reset();
       dx = colwise_input_grad(dx, m_.D);
+      dlogits.reset();  // taken over by GPT::backward: it dies with lm_head's backward
       dh = act(nt * m_.D);  // ln_f
       root_grad("ln_f.weight");
       if (m_.layer_norm) root_grad("ln_f.bias");
@@ -771,9 +775,8 @@ class Replay {
       lfs.reset();
       lfm.reset();
     }
-    // GPT::do_backward's dh (and the blocks' Module::backward copy) keep ln_f's gradient until
-    // every block's backward has returned.
-    H top = dh;
+    // Each block takes its incoming gradient over (Module::backward's rvalue form): it dies before
+    // the block's post-backward.
     for (int64_t i = m_.L - 1; i >= 0; --i) {
       const size_t gi = static_cast<size_t>(i) + 1;
       if (m_.ckpt) {
@@ -786,13 +789,13 @@ class Replay {
           block_inner(gi, [&] { return block_forward(gi, in, s); });  // the recompute (output dropped)
           dx = block_inner(gi, [&] { return block_backward(gi, s); });
         }
+        dh.reset();
         post_backward(gi);
         dh = dx;
       } else {
-        dh = block_backward(gi, saved[static_cast<size_t>(i)]);
+        dh = block_backward(gi, saved[static_cast<size_t>(i)], &dh);
       }
     }
-    top.reset();
     sim_.at("backward: root (embeddings)");
     if (m_.pos) {
       H dpos = act(m_.Tt * m_.D);

@@ -198,11 +198,14 @@ DTensor GPT::do_forward(Ctx& ctx, const DTensor& ids) {
   return lm_head_->forward(ctx.child("lm_head"), h);
 }
 
-std::optional<DTensor> GPT::do_backward(Ctx& ctx, const DTensor& dy) {
+std::optional<DTensor> GPT::do_backward(Ctx& ctx, const DTensor& dy) { return do_backward_owned(ctx, dy); }
+
+// The logits' gradient dies in lm_head's backward, ln_f's in the last block's (as in autograd).
+std::optional<DTensor> GPT::do_backward_owned(Ctx& ctx, DTensor dy) {
   const ops::OpOptions& o = ctx.ops();
-  DTensor dh = *lm_head_->backward(ctx.child("lm_head"), dy);
-  dh = *ln_f_->backward(ctx.child("ln_f"), dh);
-  dh = *blocks_->backward(ctx.child("blocks"), dh);
+  DTensor dh = *lm_head_->backward(ctx.child("lm_head"), std::move(dy));
+  dh = *ln_f_->backward(ctx.child("ln_f"), std::move(dh));
+  dh = *blocks_->backward(ctx.child("blocks"), std::move(dh));
   if (pos_emb_) {
     const ops::GradSink both[2] = {};
     ops::Grads g = ops::add_backward(ctx.op(0), dh, both, o);
