@@ -18,7 +18,6 @@ either script does not import torch.
 
 import json
 import os
-import stat
 import subprocess
 import sys
 import tempfile
@@ -28,15 +27,10 @@ SCRIPT = os.path.join(HERE, "torch_fsdp_compare.py")
 sys.path.insert(0, HERE)
 import torch_fsdp_compare as tfc  # noqa: E402
 import torch_train_compare as ttc  # noqa: E402
+from fake_programs import Checks, imports_torch, install_fake, read_calls  # noqa: E402
 
-failures = []
+check = Checks()
 STEPS = 4
-
-
-def check(cond, what):
-    print(("ok    " if cond else "FAIL  ") + what)
-    if not cond:
-        failures.append(what)
 
 
 def close(a, b, tol=1e-9):
@@ -46,12 +40,7 @@ def close(a, b, tol=1e-9):
 # The fake fsdp-train: loss of step s = 4 - 0.25 s (times 1 + FAKE_PERTURB), step ms 10 + s
 # (the first step 100), peak_bytes 5000 + world in the JSON unless FAKE_NO_PEAK is set; with
 # FAKE_DETAIL the progress line also carries peak_param_bytes 111 and peak_grad_bytes 222.
-FAKE = r'''#!/usr/bin/env python3
-import json, os, sys
-args = sys.argv[1:]
-with open(os.environ["FAKE_LOG"], "a") as f:
-    f.write(json.dumps(args) + "\n")
-def opt(name, default):
+FAKE = r'''def opt(name, default):
     return int(args[args.index(name) + 1]) if name in args else default
 steps = opt("--steps", 20)
 world = opt("--dp-shard", 1) * opt("--dp-replicate", 1) * opt("--tp", 1)
@@ -73,12 +62,7 @@ print(json.dumps(summary))
 
 # The fake fsdp-bench: writes its --json with one padded prefetch 1 row, step 30 ms, compute 20 ms,
 # comm FAKE_BENCH_COMM ms (default 50): exposed (30 - 20) / 50 = 0.2; logs its command line.
-FAKE_BENCH = r'''#!/usr/bin/env python3
-import json, os, sys
-args = sys.argv[1:]
-with open(os.environ["FAKE_BENCH_LOG"], "a") as f:
-    f.write(json.dumps(args) + "\n")
-comm = float(os.environ.get("FAKE_BENCH_COMM", "50"))
+FAKE_BENCH = r'''comm = float(os.environ.get("FAKE_BENCH_COMM", "50"))
 rows = [{"layout": "padded", "prefetch": 1, "step_ms": 30.0, "compute_ms": 20.0, "comm_ms": comm,
          "exposed": 10.0 / comm, "peak_bytes": 1, "copy_bytes_per_step": 0}]
 with open(args[args.index("--json") + 1], "w") as f:
@@ -182,16 +166,8 @@ def main():
 
     with tempfile.TemporaryDirectory() as tmp:
         build = os.path.join(tmp, "build")
-        os.makedirs(os.path.join(build, "examples"))
-        exe = os.path.join(build, "examples", "fsdp-train")
-        with open(exe, "w") as f:
-            f.write(FAKE)
-        os.chmod(exe, os.stat(exe).st_mode | stat.S_IEXEC)
-        os.makedirs(os.path.join(build, "bench"))
-        bench = os.path.join(build, "bench", "fsdp-bench")
-        with open(bench, "w") as f:
-            f.write(FAKE_BENCH)
-        os.chmod(bench, os.stat(bench).st_mode | stat.S_IEXEC)
+        install_fake(build, "examples/fsdp-train", FAKE)
+        install_fake(build, "bench/fsdp-bench", FAKE_BENCH, log_env="FAKE_BENCH_LOG")
         torch_json = os.path.join(tmp, "torch.json")
         with open(torch_json, "w") as f:
             f.write("torch_fsdp_compare noise line\n" + torch_record() + "\n")
@@ -200,8 +176,7 @@ def main():
         # Agreement: losses equal, ratio (11, 12, 13 -> median 12) / 20 = 0.6, peaks 5004 / 8000.
         proc, data = run(build, torch_json, log, env_extra={"FAKE_DETAIL": "1"})
         check(proc.returncode == 0, f"agreeing run exits 0 (stderr: {proc.stderr.strip()[-300:]!r})")
-        with open(log) as f:
-            calls = [json.loads(line) for line in f]
+        calls = read_calls(log)
         check(len(calls) == 3, f"fsdp-train ran once per config ({len(calls)})")
         flags = [" ".join(c[:c.index("--log-every")]) for c in calls]
         check(flags == ["--backend local --dp-shard 4", "--backend local --dp-replicate 2 --dp-shard 2",
@@ -225,8 +200,7 @@ def main():
         check(close(data.get("max_rel_loss_diff"), 0.0, 1e-12) and data.get("tolerance") == 1e-4, "top-level JSON")
 
         # Exposed communication: fsdp-bench once per FSDP / HSDP config (no TP), FSDP2's defaults.
-        with open(log + ".bench") as f:
-            bench_calls = [json.loads(line) for line in f]
+        bench_calls = read_calls(log + ".bench")
         check(len(bench_calls) == 2, f"fsdp-bench ran for fsdp4 and hsdp2x2 only ({len(bench_calls)})")
         if len(bench_calls) == 2:
             flags = [" ".join(c[:c.index("--layers")]) for c in bench_calls]
@@ -304,13 +278,9 @@ def main():
         proc, _ = run(build, torch_json, log, configs="fsdp4")
         check(proc.returncode == 2 and "--layers 3" in proc.stderr, "torch record of another model: exit 2")
 
-    probe = ("import sys; sys.path.insert(0, sys.argv[1]); import torch_fsdp_compare, torch_train_compare; "
-             "sys.exit(1 if 'torch' in sys.modules else 0)")
-    proc = subprocess.run([sys.executable, "-c", probe, HERE])
-    check(proc.returncode == 0, "importing the scripts does not import torch")
-
-    print(f"{'FAILED' if failures else 'passed'}: {len(failures)} failure(s)")
-    return 1 if failures else 0
+    check(not imports_torch(HERE, "torch_fsdp_compare", "torch_train_compare"),
+          "importing the scripts does not import torch")
+    return check.finish()
 
 
 if __name__ == "__main__":
