@@ -11,7 +11,9 @@
 //   exposed   (step - compute) / comm: the share of communication not hidden behind compute
 //   CPU       the same three as CPU time per rank (this process's CPU time over its ranks), and
 //             exposed on CPU time: where the collectives are copies by CPU threads and the ranks
-//             keep every core busy, wall-clock exposed cannot fall below about this figure
+//             keep every core busy, wall-clock exposed cannot fall below about this figure on an
+//             idle machine; under other jobs' load it is the figure to read (wall time favours
+//             the step, which runs more threads)
 //   per collective   comm / the collectives of one comm pass (groups x 3; HSDP x 4)
 //   peak      rank 0's peak bytes during the step of the layout's own mesh and FSDP allocators
 //             (its model, gradients, activations, FSDP buffers; each layout and the replicated
