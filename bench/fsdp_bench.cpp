@@ -146,16 +146,15 @@ const char* comm_name(fsdp::Layout l) {
 struct Timing {
   double wall = 0, cpu = 0;
 };
-std::vector<double> walls(const std::vector<Timing>& t) {
+// One field of every measurement: part(t, &Timing::cpu).
+std::vector<double> part(const std::vector<Timing>& t, double Timing::*field) {
   std::vector<double> out;
-  for (const Timing& x : t) out.push_back(x.wall);
+  out.reserve(t.size());
+  for (const Timing& x : t) out.push_back(x.*field);
   return out;
 }
-std::vector<double> cpus(const std::vector<Timing>& t) {
-  std::vector<double> out;
-  for (const Timing& x : t) out.push_back(x.cpu);
-  return out;
-}
+std::vector<double> walls(const std::vector<Timing>& t) { return part(t, &Timing::wall); }
+std::vector<double> cpus(const std::vector<Timing>& t) { return part(t, &Timing::cpu); }
 
 // Every rank of `world` runs this; rank 0's rows come back. `ranks_in_process`: the ranks that
 // share this process's CPU clock (local: all; mpi: 1).
