@@ -107,17 +107,18 @@ void validate(const Args& a) {
   if (a.fsdp_layout == "contiguous") {
     if (!a.fsdp) bad("--fsdp-layout contiguous needs FSDP (--dp-shard)");
     // What fsdp::Layout::kContiguous does not support yet (fully_shard refuses it too).
-    const char* with = a.dp_replicate > 1   ? "--dp-replicate (HSDP)"
-                       : a.tp > 1             ? "--tp (FSDP x TP)"
-                       : a.offload            ? "--offload"
+    const char* with = a.tp > 1             ? "--tp (FSDP x TP)"
                        : !a.all_gather.empty() ? "--all-gather"
                        : a.qlora > 0          ? "--qlora"
                        : a.moe.ep > 1         ? "--ep"
-                       : r != "auto" && r != "true" && r != "false" && r != "1" && r != std::to_string(a.dp_shard)
-                           ? "--reshard-after-forward K"
                        : a.estimate || a.memory_limit > 0 ? "--estimate / --memory-limit (the estimate models the padded layout)"
                            : nullptr;
-    if (with) bad(fmt::format("--fsdp-layout contiguous does not support {} yet; use --fsdp-layout padded", with));
+    const char* why = !a.all_gather.empty() || a.qlora > 0
+                          ? " (its all-gather extensions encode padded per-parameter shards; a contiguous shard is a "
+                            "flat range that may split a row)"
+                          : "";
+    if (with)
+      bad(fmt::format("--fsdp-layout contiguous does not support {} yet{}; use --fsdp-layout padded", with, why));
   }
   if (a.no_pin_memory && !a.offload) bad("--no-pin-memory needs --offload");
   if ((a.offload || a.no_sync || r != "auto") && !a.fsdp)

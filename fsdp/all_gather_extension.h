@@ -20,7 +20,9 @@
 //   d's rows 0..chunks[d].size - 1 into out rows chunks[d].offset ...
 //
 // Given to fully_shard per parameter by FullyShardOptions::all_gather_extension_fn. Not combined
-// with reshard_after_forward = k (refused: the k buffer holds compute-dtype parameters).
+// with reshard_after_forward = k (refused: the k buffer holds compute-dtype parameters), nor with
+// Layout::kContiguous (refused: its shards are flat ranges that may split a row, not padded
+// chunks along a tensor dim; fsdp/README.md).
 #pragma once
 
 #include <any>

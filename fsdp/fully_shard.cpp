@@ -272,9 +272,7 @@ int64_t FSDPModule::sharded_bytes() const {
 }
 int64_t FSDPModule::resharded_k_bytes() const {
   if (!group_->reshard_to_k()) return 0;
-  const auto& m = group_->k_comms->mesh();
-  return group_->dp * group_->slot_numel / m.size(m.ndim() - 1) *
-         static_cast<int64_t>(kernels::itemsize(group_->param_dtype));
+  return group_->k_numel() * static_cast<int64_t>(kernels::itemsize(group_->param_dtype));
 }
 bool FSDPModule::reshards_after_forward() const { return group_->reshards_after_forward(); }
 bool FSDPModule::is_root() const { return group_->is_root(); }
@@ -369,14 +367,22 @@ std::shared_ptr<Group> shard_group(const std::vector<nn::Module*>& modules, std:
     throw InvalidArgument(fmt::format("fully_shard: copy_threads {}: expected 0 (by size) or more", options.copy_threads));
   if (options.layout == Layout::kContiguous) {
     // What the contiguous layout does not do yet, refused before anything changes.
-    const char* refused = options.mesh_fn                     ? "per-parameter meshes (mesh_fn)"
-                          : options.shard_placement_fn        ? "shard_placement_fn (Shard(d > 0))"
-                          : options.all_gather_extension_fn   ? "all-gather extensions (all_gather_extension_fn)"
-                          : options.offload_policy.offload_to_cpu ? "CPU offload (offload_policy)"
-                                                                  : nullptr;
+    const char* refused = options.mesh_fn                   ? "per-parameter meshes (mesh_fn)"
+                          : options.shard_placement_fn      ? "shard_placement_fn (Shard(d > 0))"
+                          : options.all_gather_extension_fn ? "all-gather extensions (all_gather_extension_fn)"
+                                                            : nullptr;
+    // Extensions: the AllGatherExtension contract (fsdp/all_gather_extension.h) has no flat-range form.
+    const bool extensions = !options.mesh_fn && !options.shard_placement_fn && options.all_gather_extension_fn;
+    const char* why =
+        extensions
+            ? ": an extension encodes each parameter's padded shard, a chunk along a tensor dim, into inputs of one "
+              "shape on every rank and decodes the gathered bytes into storage of its own, while a contiguous shard "
+              "is a flat range of uneven length that may split a row, and the parameters are views of the all-gather "
+              "output"
+            : "";
     if (refused)
-      throw Unsupported(fmt::format("fully_shard: layout contiguous does not support {} yet; use Layout::kPadded",
-                                    refused));
+      throw Unsupported(fmt::format("fully_shard: layout contiguous does not support {} yet{}; use Layout::kPadded",
+                                    refused, why));
   }
   auto group = std::make_shared<Group>();
   Group& g = *group;
@@ -408,18 +414,12 @@ std::shared_ptr<Group> shard_group(const std::vector<nn::Module*>& modules, std:
   g.my_coord = comms->coord()[dims.shard];
   g.dp_comms = comms->slice_dims(g.dp_dims);
   if (options.layout == Layout::kContiguous) {
-    if (dims.replicate)
-      throw Unsupported("fully_shard: layout contiguous does not support HSDP (a dp_replicate mesh dim) yet; use "
-                        "Layout::kPadded");
-    if (mesh.ndim() != 1)
-      throw Unsupported(fmt::format("fully_shard: layout contiguous needs a 1-D data-parallel mesh; {} has other dims "
-                                    "(FSDP x TP is not supported yet); use Layout::kPadded",
+    // HSDP: the flat buffer is [R, Rg] over (dp_replicate, dp_shard), gradients [P,P] -> [R,Rg].
+    if (mesh.ndim() != g.dp_ndim())
+      throw Unsupported(fmt::format("fully_shard: layout contiguous needs a data-parallel mesh (dp_shard, optionally "
+                                    "dp_replicate); {} has other dims (FSDP x TP is not supported yet); use "
+                                    "Layout::kPadded",
                                     dtensor::to_string(mesh)));
-    const auto& r = options.reshard_after_forward;
-    if (r.kind == ReshardAfterForward::Kind::kInt && r.k > 1 && r.k < g.dp)
-      throw Unsupported(fmt::format("fully_shard: layout contiguous does not support reshard_after_forward = {} yet "
-                                    "(only true / false); use Layout::kPadded",
-                                    r.k));
   }
 
   // Parameters: everything under the modules not owned by a nested group; a parameter of a

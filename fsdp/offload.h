@@ -23,6 +23,9 @@
 //                                              copy stream
 //   end of backward                            the host waits for every copy: the optimizer reads
 //                                              the gradients and writes the parameters next
+// Each copy is one group's whole flat buffer, in either layout (FullyShardOptions::layout): the
+// padded shard or the contiguous layout's Rg range in, the sharded gradient buffer out; the
+// sharded parameters and gradients are views of the host buffers.
 //
 // NOTE [offload ordering] (what detail::OffloadCopies enforces; tests/fsdp/offload_test.cpp runs
 // FSDP over a fake engine whose copies only happen when something waits for them):

@@ -46,8 +46,9 @@ Event copy_async(const Tensor& dst, const Tensor& src, const Stream& stream) {
     throw InvalidArgument(fmt::format("copy_async: {} -> {} on a stream of {}: expected one side on the CPU and the other "
                                       "on the stream's device",
                                       to_string(sd), to_string(dd), to_string(stream.device())));
-  detail::cuda_memcpy_async_host(dst.data_ptr(), src.data_ptr(), dst.nbytes(),
-                                 reinterpret_cast<void*>(stream.id()), gpu.index);
+  if (dst.nbytes() > 0)  // an empty tensor (FSDP's contiguous layout: a rank's empty range) has no pointer
+    detail::cuda_memcpy_async_host(dst.data_ptr(), src.data_ptr(), dst.nbytes(),
+                                   reinterpret_cast<void*>(stream.id()), gpu.index);
   return Event::record(stream);
 }
 

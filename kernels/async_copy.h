@@ -45,7 +45,7 @@ class PinnedHostAllocator final : public Allocator {
 // CPU stream), or one on the CPU and the other on stream's CUDA device. Nothing is ordered before
 // the copy but the work already queued on `stream`: when the compute stream wrote the source (or
 // last used the destination), make `stream` wait for it first (the example above). Both tensors
-// must stay alive until the event has completed.
+// must stay alive until the event has completed. Zero elements: nothing is queued but the event.
 Event copy_async(const Tensor& dst, const Tensor& src, const Stream& stream);
 
 }  // namespace kernels

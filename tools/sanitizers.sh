@@ -46,7 +46,7 @@ case $kind in
            fsdp-dp-chunks checkpoint-save-plan
            checkpoint fsdp-train-fsdp4
            fsdp-train-hsdp2x2xtp2-bf16 fsdp-train-checkpoint-resume fsdp-train-fp16
-           fsdp-param-mesh fsdp-train-hsdp2x2-ep2carved fsdp-contiguous fsdp-train-fsdp4-contiguous-bf16)
+           fsdp-param-mesh fsdp-train-hsdp2x2-ep2carved fsdp-contiguous fsdp-train-fsdp4-contiguous-bf16 fsdp-offload)
     ;;
   tsan)
     dir=build-tsan
