@@ -9,6 +9,12 @@
 //             and one flat gradient reduction of the group's reduce-scatter input bytes
 //             (P -> S(0), HSDP P,P -> R,S(0)), all through FSDPModule's public API
 //   exposed   (step - compute) / comm: the share of communication not hidden behind compute
+//   CPU       the same three as CPU time per rank (this process's CPU time over its ranks), and
+//             exposed on CPU time: where the collectives are copies by CPU threads and the ranks
+//             keep every core busy, wall-clock exposed cannot fall below about this figure on an
+//             idle machine; under other jobs' load it is the figure to read (wall time favours
+//             the step, which runs more threads)
+//   per collective   comm / the collectives of one comm pass (groups x 3; HSDP x 4)
 //   peak      rank 0's peak bytes during the step of the layout's own mesh and FSDP allocators
 //             (its model, gradients, activations, FSDP buffers; each layout and the replicated
 //             copy live on meshes of their own)
@@ -36,6 +42,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <ctime>
 #include <nlohmann/json.hpp>
 #include <fstream>
 #include <memory>
@@ -87,6 +94,12 @@ struct Args {
 
 using program::median;
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+// CPU time of this process, all threads (seconds).
+double cpu_now() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
 
 nn::GPTConfig config(const Args& a, int64_t layers, int64_t dim, int64_t heads) {
   nn::GPTConfig c;
@@ -111,6 +124,8 @@ struct Row {
   fsdp::Layout layout = fsdp::Layout::kPadded;
   int prefetch = 0;
   double step_ms = 0, compute_ms = 0, comm_ms = 0, exposed = 0;
+  double collective_ms = 0;  // comm_ms / the collectives of one comm pass
+  double step_cpu_ms = 0, compute_cpu_ms = 0, comm_cpu_ms = 0, exposed_cpu = 0;  // CPU time per rank
   int64_t peak_bytes = 0, copy_bytes = 0;
   std::vector<double> rounds;  // the step's time in each round (s), for ratios paired by round
   std::string skipped;  // non-empty: why fully_shard refused this layout (no figures)
@@ -127,8 +142,23 @@ const char* comm_name(fsdp::Layout l) {
   return l == fsdp::Layout::kPadded ? "communication alone, padded" : "communication alone, contiguous";
 }
 
-// Every rank of `world` runs this; rank 0's rows come back.
-std::vector<Row> measure(Communicator& world, const Args& a, int threads) {
+// A measurement: wall-clock time and this process's CPU time per rank over the same span (s).
+struct Timing {
+  double wall = 0, cpu = 0;
+};
+// One field of every measurement: part(t, &Timing::cpu).
+std::vector<double> part(const std::vector<Timing>& t, double Timing::*field) {
+  std::vector<double> out;
+  out.reserve(t.size());
+  for (const Timing& x : t) out.push_back(x.*field);
+  return out;
+}
+std::vector<double> walls(const std::vector<Timing>& t) { return part(t, &Timing::wall); }
+std::vector<double> cpus(const std::vector<Timing>& t) { return part(t, &Timing::cpu); }
+
+// Every rank of `world` runs this; rank 0's rows come back. `ranks_in_process`: the ranks that
+// share this process's CPU clock (local: all; mpi: 1).
+std::vector<Row> measure(Communicator& world, const Args& a, int threads, int ranks_in_process) {
   std::vector<int64_t> sizes;
   std::vector<std::string> names;
   if (a.dp_replicate > 1) {
@@ -162,11 +192,13 @@ std::vector<Row> measure(Communicator& world, const Args& a, int threads) {
   };
   auto timed = [&](const char* what, const std::function<void()>& fn) {
     world.wait(world.barrier());
-    const double t0 = now();
-    const kernels::TraceSpan span(tracer, me, "compute", what);
-    fn();
-    world.wait(world.barrier());
-    return now() - t0;
+    const double t0 = now(), c0 = cpu_now();
+    {
+      const kernels::TraceSpan span(tracer, me, "compute", what);
+      fn();
+      world.wait(world.barrier());
+    }
+    return Timing{now() - t0, (cpu_now() - c0) / ranks_in_process};
   };
 
   // Compute alone: a replicated copy on its own mesh (so no layout's peak counts it), the local
@@ -178,7 +210,7 @@ std::vector<Row> measure(Communicator& world, const Args& a, int threads) {
   const DTensor py = dtensor::distribute_tensor(tgt, plain_comms, batch_pl, std::nullopt);
   auto compute_only = [&] { run_step(plain, px, py); };
   for (int i = 0; i < a.warmup; ++i) compute_only();
-  std::vector<double> compute;
+  std::vector<Timing> compute;
 
   // Per layout: the model under fully_shard on a mesh of its own, whose allocators count only it.
   struct Sharded {
@@ -190,8 +222,8 @@ std::vector<Row> measure(Communicator& world, const Args& a, int threads) {
     std::optional<DTensor> x, y;
     std::vector<fsdp::FSDPModule*> groups;  // blocks, then the root
     std::vector<DTensor> grads;             // communication alone: one flat gradient per group
-    std::vector<double> comm;
-    std::vector<std::vector<double>> steps;
+    std::vector<Timing> comm;
+    std::vector<std::vector<Timing>> steps;
     std::vector<int64_t> peaks, copies;
   };
   std::vector<Sharded> shards;
@@ -294,17 +326,32 @@ std::vector<Row> measure(Communicator& world, const Args& a, int threads) {
     }
   }
   std::vector<Row> rows;
-  const double c = median(compute);
+  const double c = median(walls(compute)), c_cpu = median(cpus(compute));
+  // One comm pass: per group two all-gathers and the reduce-scatter (HSDP: and the all-reduce).
+  const int per_group = a.dp_replicate > 1 ? 4 : 3;
   for (const Sharded& s : shards) {
     if (!s.skipped.empty()) {
       rows.push_back({.layout = s.layout, .skipped = s.skipped});
       continue;
     }
-    const double m = median(s.comm);
+    const double m = median(walls(s.comm)), m_cpu = median(cpus(s.comm));
+    const auto collectives = static_cast<double>(s.groups.size()) * per_group;
     for (size_t k = 0; k < a.prefetch.size(); ++k) {
-      const double st = median(s.steps[k]);
-      rows.push_back({s.layout, a.prefetch[k], st * 1e3, c * 1e3, m * 1e3, m > 0 ? (st - c) / m : 0, s.peaks[k],
-                      s.copies[k], s.steps[k], ""});
+      const double st = median(walls(s.steps[k])), st_cpu = median(cpus(s.steps[k]));
+      Row r{.layout = s.layout, .prefetch = a.prefetch[k]};
+      r.step_ms = st * 1e3;
+      r.compute_ms = c * 1e3;
+      r.comm_ms = m * 1e3;
+      r.exposed = m > 0 ? (st - c) / m : 0;
+      r.collective_ms = m * 1e3 / collectives;
+      r.step_cpu_ms = st_cpu * 1e3;
+      r.compute_cpu_ms = c_cpu * 1e3;
+      r.comm_cpu_ms = m_cpu * 1e3;
+      r.exposed_cpu = m_cpu > 0 ? (st_cpu - c_cpu) / m_cpu : 0;
+      r.peak_bytes = s.peaks[k];
+      r.copy_bytes = s.copies[k];
+      r.rounds = walls(s.steps[k]);
+      rows.push_back(std::move(r));
     }
   }
   return rows;
@@ -415,7 +462,7 @@ int run(int argc, char** argv) {
       }
       w->set_tracer(&tracer);
     }
-    rows = measure(*w, a, a.threads > 0 ? a.threads : 1);
+    rows = measure(*w, a, a.threads > 0 ? a.threads : 1, 1);
     if (!a.trace.empty()) collectives::write_trace(*w, tracer, trace_file);
   } else {
     if (!a.trace.empty()) try {  // before any rank starts
@@ -426,7 +473,7 @@ int run(int argc, char** argv) {
     const int hw = std::max(1u, std::thread::hardware_concurrency());
     collectives::run_ranks(world_size, [&](Communicator& w) {
       if (trace_file) w.set_tracer(&tracer);
-      auto r = measure(w, a, a.threads > 0 ? a.threads : std::max(1, hw / world_size));
+      auto r = measure(w, a, a.threads > 0 ? a.threads : std::max(1, hw / world_size), world_size);
       if (w.rank() == 0) rows = r;
     });
     if (trace_file) kernels::write_chrome_trace(*trace_file, tracer.events());
@@ -435,21 +482,32 @@ int run(int argc, char** argv) {
   const std::string mode = a.dp_replicate > 1 ? fmt::format("HSDP {}x{}", a.dp_replicate, a.dp_shard)
                                               : fmt::format("FSDP {}", a.dp_shard);
   fmt::print("{} on {} ({} blocks, dim {}, batch {} x {})\n\n", mode, a.backend, a.layers, a.dim, a.batch, a.seq);
-  fmt::print("| layout | prefetch | step ms | compute ms | comm ms | exposed | peak bytes | copy bytes / step |\n"
-             "|---|---|---|---|---|---|---|---|\n");
+  fmt::print("| layout | prefetch | step ms | compute ms | comm ms | ms / collective | exposed | exposed (CPU) | peak bytes | copy bytes / step |\n"
+             "|---|---|---|---|---|---|---|---|---|---|\n");
   std::string lines;
   for (const Row& r : rows) {
     const char* layout = layout_name(r.layout);
     if (!r.skipped.empty()) {
-      fmt::print("| {} | skipped: {} | | | | | | |\n", layout, r.skipped);
+      fmt::print("| {} | skipped: {} | | | | | | | | |\n", layout, r.skipped);
       lines += nlohmann::json{{"mode", mode}, {"backend", a.backend}, {"layout", layout}, {"skipped", r.skipped}}.dump() + "\n";
       continue;
     }
-    fmt::print("| {} | {} | {:.2f} | {:.2f} | {:.2f} | {:.3f} | {} | {} |\n", layout, r.prefetch, r.step_ms, r.compute_ms,
-               r.comm_ms, r.exposed, r.peak_bytes, r.copy_bytes);
-    nlohmann::json j = {{"mode", mode},          {"backend", a.backend},       {"layout", layout},
-                        {"prefetch", r.prefetch}, {"step_ms", r.step_ms},       {"compute_ms", r.compute_ms},
-                        {"comm_ms", r.comm_ms},   {"exposed", r.exposed},       {"peak_bytes", r.peak_bytes},
+    fmt::print("| {} | {} | {:.2f} | {:.2f} | {:.2f} | {:.3f} | {:.3f} | {:.3f} | {} | {} |\n", layout, r.prefetch,
+               r.step_ms, r.compute_ms, r.comm_ms, r.collective_ms, r.exposed, r.exposed_cpu, r.peak_bytes, r.copy_bytes);
+    nlohmann::json j = {{"mode", mode},
+                        {"backend", a.backend},
+                        {"layout", layout},
+                        {"prefetch", r.prefetch},
+                        {"step_ms", r.step_ms},
+                        {"compute_ms", r.compute_ms},
+                        {"comm_ms", r.comm_ms},
+                        {"collective_ms", r.collective_ms},
+                        {"exposed", r.exposed},
+                        {"step_cpu_ms", r.step_cpu_ms},
+                        {"compute_cpu_ms", r.compute_cpu_ms},
+                        {"comm_cpu_ms", r.comm_cpu_ms},
+                        {"exposed_cpu", r.exposed_cpu},
+                        {"peak_bytes", r.peak_bytes},
                         {"copy_bytes_per_step", r.copy_bytes}};
     lines += j.dump() + "\n";
   }

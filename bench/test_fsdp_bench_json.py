@@ -6,8 +6,9 @@
 Runs FSDP over 2 local ranks with both layouts (`--layouts padded,contiguous`) and --host-cost,
 then HSDP 2x2 with the padded layout alone, and checks: per requested layout either one record
 per prefetch depth or one `skipped` record with its reason (a layout fully_shard refuses); the
-documented keys and types; exposed == (step - compute) / comm; one compute figure for all rows
-and one comm figure per layout; a `contiguous/padded` ratio record per depth exactly when both
+documented keys and types; exposed == (step - compute) / comm, the same on the CPU times;
+ms per collective == comm / (groups x 3, HSDP x 4); one compute figure for all rows and one comm
+figure per layout; a `contiguous/padded` ratio record per depth exactly when both
 layouts were measured, equal to the rows' quotients, and then the contiguous layout copying no
 more bytes than the padded one; the host-cost record's group count.
 """
@@ -18,7 +19,8 @@ import sys
 import tempfile
 
 ROW_KEYS = {"mode": str, "backend": str, "layout": str, "prefetch": int, "step_ms": float, "compute_ms": float,
-            "comm_ms": float, "exposed": float, "peak_bytes": int, "copy_bytes_per_step": int}
+            "comm_ms": float, "collective_ms": float, "exposed": float, "step_cpu_ms": float, "compute_cpu_ms": float,
+            "comm_cpu_ms": float, "exposed_cpu": float, "peak_bytes": int, "copy_bytes_per_step": int}
 TINY = ["--layers", "2", "--dim", "32", "--vocab", "64", "--seq", "16", "--batch", "4", "--iters", "1", "--warmup", "0"]
 
 failures = []
@@ -50,7 +52,7 @@ def run(exe, args, tmp):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def check_layouts(what, records, layouts, prefetch):
+def check_layouts(what, records, layouts, prefetch, collectives):
     """The row, skipped and ratio records of one run; returns the number of layouts measured."""
     rows = [r for r in records if "step_ms" in r]
     skipped = [r for r in records if "skipped" in r]
@@ -74,8 +76,15 @@ def check_layouts(what, records, layouts, prefetch):
                   and r["copy_bytes_per_step"] >= 0, f"{what} {layout} prefetch {r['prefetch']}: positive figures")
             check(close(r["exposed"], (r["step_ms"] - r["compute_ms"]) / r["comm_ms"], 1e-6),
                   f"{what} {layout} prefetch {r['prefetch']}: exposed == (step - compute) / comm")
-        check(len({r.get("comm_ms") for r in mine}) == 1, f"{what} {layout}: one comm figure for its rows")
-    check(len({r.get("compute_ms") for r in rows}) <= 1, f"{what}: one compute figure for every row")
+            check(r["step_cpu_ms"] > 0 and r["compute_cpu_ms"] > 0 and r["comm_cpu_ms"] > 0
+                  and close(r["exposed_cpu"], (r["step_cpu_ms"] - r["compute_cpu_ms"]) / r["comm_cpu_ms"], 1e-6),
+                  f"{what} {layout} prefetch {r['prefetch']}: CPU times positive, exposed_cpu == their quotient")
+            check(close(r["collective_ms"], r["comm_ms"] / collectives, 1e-6),
+                  f"{what} {layout} prefetch {r['prefetch']}: collective_ms == comm_ms / {collectives}")
+        check(len({r.get("comm_ms") for r in mine}) == 1 and len({r.get("comm_cpu_ms") for r in mine}) == 1,
+              f"{what} {layout}: one comm figure (wall, CPU) for its rows")
+    check(len({r.get("compute_ms") for r in rows}) <= 1 and len({r.get("compute_cpu_ms") for r in rows}) <= 1,
+          f"{what}: one compute figure (wall, CPU) for every row")
     check(all(r.get("layout") in layouts for r in rows + skipped), f"{what}: only the requested layouts")
     both = "padded" in measured and "contiguous" in measured
     check(len(ratios) == (len(prefetch) if both else 0), f"{what}: {len(ratios)} ratio records, both measured: {both}")
@@ -103,7 +112,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         records = run(exe, ["--dp-shard", "2"] + TINY + ["--host-cost", "--host-layers", "4"], tmp)
         if records:
-            measured = check_layouts("FSDP 2", records, ["padded", "contiguous"], [0, 1, 2])
+            # 2 blocks + the root, 3 collectives each (2 all-gathers, 1 reduce-scatter).
+            measured = check_layouts("FSDP 2", records, ["padded", "contiguous"], [0, 1, 2], 9)
             check(measured >= 1, "FSDP 2: the padded layout is always measured")
             host = [r for r in records if "host_us_per_group_step" in r]
             check(len(host) == 1 and host[0].get("groups") == 5 and typed(host[0].get("host_us_per_group_step"), float),
@@ -111,7 +121,8 @@ def main():
             cases += 1
         records = run(exe, ["--dp-replicate", "2", "--dp-shard", "2", "--layouts", "padded", "--prefetch", "1"] + TINY, tmp)
         if records:
-            check(check_layouts("HSDP 2x2", records, ["padded"], [1]) == 1, "HSDP 2x2: padded measured")
+            # HSDP: the reduction is a reduce-scatter and an all-reduce, 4 collectives per group.
+            check(check_layouts("HSDP 2x2", records, ["padded"], [1], 12) == 1, "HSDP 2x2: padded measured")
             check(all(r.get("mode") == "HSDP 2x2" for r in records), "HSDP 2x2: mode")
             cases += 1
     check(cases == 2, f"2 runs checked ({cases})")

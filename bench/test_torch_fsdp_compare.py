@@ -8,7 +8,8 @@ It runs the script as a user would, with ours played by a fake `fsdp-train` (a s
 in a temporary build directory that prints fsdp-train's progress lines and last-line JSON, and logs
 its command line) and torch's side taken from a recorded --torch-only JSON (--torch-json), then
 checks: the flags each config passes to fsdp-train (and to a fake `fsdp-bench` for exposed
-communication), the merged record (exposed communication ours vs torch and its targets) (max relative loss
+communication), the merged record (exposed communication ours vs torch, wall and CPU time, and its
+targets; no verdict where the step beat compute alone) (max relative loss
 difference, step-time ratio from the medians without the first step, ours' peak bytes from the
 JSON and the per-kind peaks from the progress line, null when fsdp-train reports none), exit 1
 when the losses differ beyond the tolerance, exit 2 on a bad config; the config names, the data
@@ -18,7 +19,6 @@ either script does not import torch.
 
 import json
 import os
-import stat
 import subprocess
 import sys
 import tempfile
@@ -28,15 +28,10 @@ SCRIPT = os.path.join(HERE, "torch_fsdp_compare.py")
 sys.path.insert(0, HERE)
 import torch_fsdp_compare as tfc  # noqa: E402
 import torch_train_compare as ttc  # noqa: E402
+from fake_programs import Checks, imports_torch, install_fake, read_calls  # noqa: E402
 
-failures = []
+check = Checks()
 STEPS = 4
-
-
-def check(cond, what):
-    print(("ok    " if cond else "FAIL  ") + what)
-    if not cond:
-        failures.append(what)
 
 
 def close(a, b, tol=1e-9):
@@ -46,12 +41,7 @@ def close(a, b, tol=1e-9):
 # The fake fsdp-train: loss of step s = 4 - 0.25 s (times 1 + FAKE_PERTURB), step ms 10 + s
 # (the first step 100), peak_bytes 5000 + world in the JSON unless FAKE_NO_PEAK is set; with
 # FAKE_DETAIL the progress line also carries peak_param_bytes 111 and peak_grad_bytes 222.
-FAKE = r'''#!/usr/bin/env python3
-import json, os, sys
-args = sys.argv[1:]
-with open(os.environ["FAKE_LOG"], "a") as f:
-    f.write(json.dumps(args) + "\n")
-def opt(name, default):
+FAKE = r'''def opt(name, default):
     return int(args[args.index(name) + 1]) if name in args else default
 steps = opt("--steps", 20)
 world = opt("--dp-shard", 1) * opt("--dp-replicate", 1) * opt("--tp", 1)
@@ -71,23 +61,23 @@ print(json.dumps(summary))
 '''
 
 
-# The fake fsdp-bench: writes its --json with one padded prefetch 1 row, step 30 ms, compute 20 ms,
-# comm FAKE_BENCH_COMM ms (default 50): exposed (30 - 20) / 50 = 0.2; logs its command line.
-FAKE_BENCH = r'''#!/usr/bin/env python3
-import json, os, sys
-args = sys.argv[1:]
-with open(os.environ["FAKE_BENCH_LOG"], "a") as f:
-    f.write(json.dumps(args) + "\n")
-comm = float(os.environ.get("FAKE_BENCH_COMM", "50"))
-rows = [{"layout": "padded", "prefetch": 1, "step_ms": 30.0, "compute_ms": 20.0, "comm_ms": comm,
-         "exposed": 10.0 / comm, "peak_bytes": 1, "copy_bytes_per_step": 0}]
+# The fake fsdp-bench: writes its --json with one padded prefetch 1 row, step FAKE_BENCH_STEP ms
+# (default 30), compute 20 ms, comm FAKE_BENCH_COMM ms (default 50): exposed (30 - 20) / 50 = 0.2;
+# CPU time step 60, compute 40, comm 25 ms: exposed_cpu 0.8; logs its command line.
+FAKE_BENCH = r'''comm = float(os.environ.get("FAKE_BENCH_COMM", "50"))
+step = float(os.environ.get("FAKE_BENCH_STEP", "30"))
+rows = [{"layout": "padded", "prefetch": 1, "step_ms": step, "compute_ms": 20.0, "comm_ms": comm,
+         "exposed": (step - 20.0) / comm, "step_cpu_ms": 60.0, "compute_cpu_ms": 40.0, "comm_cpu_ms": 25.0,
+         "exposed_cpu": 0.8, "peak_bytes": 1, "copy_bytes_per_step": 0}]
 with open(args[args.index("--json") + 1], "w") as f:
     f.write("".join(json.dumps(r) + "\n" for r in rows))
 '''
 
-# torch's exposed parts in the record (fsdp4, hsdp2x2): step 60 ms, compute 20, comm 80 -> 0.5.
+# torch's exposed parts in the record (fsdp4, hsdp2x2): step 60 ms, compute 20, comm 80 -> 0.5;
+# CPU time 70, 30, 40 -> 1.0.
 TORCH_EXPOSED = {"step_ms": 60.0, "compute_ms": 20.0, "lost_ms": 40.0, "comm_ms": 80.0, "exposed": 0.5,
-                 "collective_ms": 8.889}
+                 "collective_ms": 8.889, "step_cpu_ms": 70.0, "compute_cpu_ms": 30.0, "comm_cpu_ms": 40.0,
+                 "exposed_cpu": 1.0}
 
 
 def torch_record():
@@ -103,7 +93,7 @@ def torch_record():
 
 def run(build, torch_json, log, configs="fsdp4,hsdp2x2,fsdp2xtp2", env_extra=None, extra=()):
     env = dict(os.environ, FAKE_LOG=log, FAKE_BENCH_LOG=log + ".bench", **(env_extra or {}))
-    for k in ("FAKE_PERTURB", "FAKE_NO_PEAK", "FAKE_DETAIL", "FAKE_BENCH_COMM"):
+    for k in ("FAKE_PERTURB", "FAKE_NO_PEAK", "FAKE_DETAIL", "FAKE_BENCH_COMM", "FAKE_BENCH_STEP"):
         if k not in (env_extra or {}):
             env.pop(k, None)
     cmd = [sys.executable, SCRIPT, "--build-dir", build, "--torch-json", torch_json, "--configs", configs,
@@ -164,8 +154,16 @@ def main():
              {"step_s": 0.031, "compute_s": 0.019, "comm_s": 0.012, "collectives": 4}, None]
     e = tfc.exposed_summary(parts)
     check(e == {"step_ms": 31.0, "compute_ms": 20.0, "comm_ms": 12.0, "lost_ms": 11.0, "exposed": 0.917,
-               "collective_ms": 3.0},
-          f"exposed_summary: per-part medians over repeats, then (31 - 20) / 12: {e}")
+               "collective_ms": 3.0, "step_cpu_ms": None, "compute_cpu_ms": None, "comm_cpu_ms": None,
+               "exposed_cpu": None},
+          f"exposed_summary: per-part medians over repeats, then (31 - 20) / 12; no CPU figures: {e}")
+    cpu_parts = [dict(p, step_cpu_s=0.06 + i / 1e3, compute_cpu_s=0.04, comm_cpu_s=0.02 + i / 1e3)
+                 for i, p in enumerate(parts[:3])]
+    e = tfc.exposed_summary(cpu_parts + [dict(parts[0])])
+    check(e["exposed_cpu"] is None, f"exposed_summary: a part without CPU figures -> none: {e}")
+    e = tfc.exposed_summary(cpu_parts)
+    check(e["step_cpu_ms"] == 61.0 and e["compute_cpu_ms"] == 40.0 and e["comm_cpu_ms"] == 21.0
+          and e["exposed_cpu"] == 1.0, f"exposed_summary: CPU medians 61, 40, 21 -> (61 - 40) / 21: {e}")
     check(tfc.exposed_summary([None]) is None, "exposed_summary: nothing measured -> None")
 
     class P:  # a parameter's shape, as flat_reduce_numel reads it
@@ -182,16 +180,8 @@ def main():
 
     with tempfile.TemporaryDirectory() as tmp:
         build = os.path.join(tmp, "build")
-        os.makedirs(os.path.join(build, "examples"))
-        exe = os.path.join(build, "examples", "fsdp-train")
-        with open(exe, "w") as f:
-            f.write(FAKE)
-        os.chmod(exe, os.stat(exe).st_mode | stat.S_IEXEC)
-        os.makedirs(os.path.join(build, "bench"))
-        bench = os.path.join(build, "bench", "fsdp-bench")
-        with open(bench, "w") as f:
-            f.write(FAKE_BENCH)
-        os.chmod(bench, os.stat(bench).st_mode | stat.S_IEXEC)
+        install_fake(build, "examples/fsdp-train", FAKE)
+        install_fake(build, "bench/fsdp-bench", FAKE_BENCH, log_env="FAKE_BENCH_LOG")
         torch_json = os.path.join(tmp, "torch.json")
         with open(torch_json, "w") as f:
             f.write("torch_fsdp_compare noise line\n" + torch_record() + "\n")
@@ -200,8 +190,7 @@ def main():
         # Agreement: losses equal, ratio (11, 12, 13 -> median 12) / 20 = 0.6, peaks 5004 / 8000.
         proc, data = run(build, torch_json, log, env_extra={"FAKE_DETAIL": "1"})
         check(proc.returncode == 0, f"agreeing run exits 0 (stderr: {proc.stderr.strip()[-300:]!r})")
-        with open(log) as f:
-            calls = [json.loads(line) for line in f]
+        calls = read_calls(log)
         check(len(calls) == 3, f"fsdp-train ran once per config ({len(calls)})")
         flags = [" ".join(c[:c.index("--log-every")]) for c in calls]
         check(flags == ["--backend local --dp-shard 4", "--backend local --dp-replicate 2 --dp-shard 2",
@@ -225,8 +214,7 @@ def main():
         check(close(data.get("max_rel_loss_diff"), 0.0, 1e-12) and data.get("tolerance") == 1e-4, "top-level JSON")
 
         # Exposed communication: fsdp-bench once per FSDP / HSDP config (no TP), FSDP2's defaults.
-        with open(log + ".bench") as f:
-            bench_calls = [json.loads(line) for line in f]
+        bench_calls = read_calls(log + ".bench")
         check(len(bench_calls) == 2, f"fsdp-bench ran for fsdp4 and hsdp2x2 only ({len(bench_calls)})")
         if len(bench_calls) == 2:
             flags = [" ".join(c[:c.index("--layers")]) for c in bench_calls]
@@ -241,8 +229,9 @@ def main():
         # fsdp4: ours (30 - 20) / 50 = 0.2 over 3 x 3 collectives (5.556 ms each: the absolute
         # target applies and is missed), torch 0.5: ours <= torch.
         o = r.get("ours_exposed_parts") or {}
-        check(close(o.get("exposed"), 0.2) and close(o.get("collective_ms"), 5.5556, 1e-4) and close(o.get("comm_ms"), 50.0),
-              f"fsdp4 ours exposed parts: {o}")
+        check(close(o.get("exposed"), 0.2) and close(o.get("collective_ms"), 5.5556, 1e-4) and close(o.get("comm_ms"), 50.0)
+              and close(o.get("exposed_cpu"), 0.8) and close(o.get("comm_cpu_ms"), 25.0),
+              f"fsdp4 ours exposed parts (CPU from fsdp-bench's JSON): {o}")
         check(close(r.get("ours_exposed"), 0.2) and close(r.get("torch_exposed"), 0.5)
               and r.get("exposed_vs_torch_ok") is True and r.get("exposed_absolute_applies") is True
               and r.get("exposed_absolute_ok") is False,
@@ -252,8 +241,9 @@ def main():
         t = by.get("fsdp2xtp2", {})
         check(t.get("ours_exposed_parts") is None and t.get("exposed_vs_torch_ok") is None
               and t.get("exposed_absolute_applies") is False, "fsdp2xtp2: no exposed figures (fsdp-bench has no TP)")
-        check("| fsdp4 | ours | 30.00 | 20.00 | 10.00 | 50.00 | 5.556 | 0.200 | ours <= torch: yes; <= 0.1: no |" in proc.stdout
-              and "| fsdp4 | torch | 60.00 | 20.00 | 40.00 | 80.00 | 8.889 | 0.500 |" in proc.stdout
+        check("| fsdp4 | ours | 30.00 | 20.00 | 10.00 | 50.00 | 5.556 | 0.200 | 0.800 | ours <= torch: yes; <= 0.1: no |"
+              in proc.stdout
+              and "| fsdp4 | torch | 60.00 | 20.00 | 40.00 | 80.00 | 8.889 | 0.500 | 1.000 |" in proc.stdout
               and "| fsdp2xtp2 |" not in proc.stdout, "the exposed table: ours and torch side by side")
 
         # Collectives under 1 ms each: the absolute target does not apply; ours > torch is reported.
@@ -262,6 +252,13 @@ def main():
         check(proc.returncode == 0 and close(r.get("ours_exposed"), 2.0) and r.get("exposed_absolute_applies") is False
               and r.get("exposed_absolute_ok") is None and r.get("exposed_vs_torch_ok") is False,
               f"collectives of 0.56 ms: only ours <= torch applies, and fails: {r.get('exposed_vs_torch_ok')}")
+        # A step faster than compute alone (load): no verdict, a note, the figures still shown.
+        proc, data = run(build, torch_json, log, configs="fsdp4", env_extra={"FAKE_BENCH_STEP": "15"})
+        r = (data.get("configs") or [{}])[0]
+        check(proc.returncode == 0 and close(r.get("ours_exposed"), -0.1) and r.get("exposed_vs_torch_ok") is None
+              and r.get("exposed_absolute_ok") is None and "ours" in (r.get("exposed_note") or "")
+              and "not a figure" in proc.stdout,
+              f"step 15 ms < compute 20 ms: no verdict, noted: {[r.get(k) for k in ('ours_exposed', 'exposed_note')]}")
         # --exposed-iters 0: no fsdp-bench run, null figures; a negative count is refused.
         open(log + ".bench", "w").close()
         proc, data = run(build, torch_json, log, configs="fsdp4", extra=["--exposed-iters", "0"])
@@ -304,13 +301,9 @@ def main():
         proc, _ = run(build, torch_json, log, configs="fsdp4")
         check(proc.returncode == 2 and "--layers 3" in proc.stderr, "torch record of another model: exit 2")
 
-    probe = ("import sys; sys.path.insert(0, sys.argv[1]); import torch_fsdp_compare, torch_train_compare; "
-             "sys.exit(1 if 'torch' in sys.modules else 0)")
-    proc = subprocess.run([sys.executable, "-c", probe, HERE])
-    check(proc.returncode == 0, "importing the scripts does not import torch")
-
-    print(f"{'FAILED' if failures else 'passed'}: {len(failures)} failure(s)")
-    return 1 if failures else 0
+    check(not imports_torch(HERE, "torch_fsdp_compare", "torch_train_compare"),
+          "importing the scripts does not import torch")
+    return check.finish()
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ import contextlib
 import io
 import json
 import os
-import stat
 import subprocess
 import sys
 import tempfile
@@ -28,25 +27,15 @@ SCRIPT = os.path.join(HERE, "torch_moe_compare.py")
 sys.path.insert(0, HERE)
 import torch_common as tc  # noqa: E402
 import torch_moe_compare as tmc  # noqa: E402
+from fake_programs import Checks, imports_torch, install_fake, read_calls  # noqa: E402
 
-failures = []
+check = Checks()
 STEPS = 3
-
-
-def check(cond, what):
-    print(("ok    " if cond else "FAIL  ") + what)
-    if not cond:
-        failures.append(what)
 
 
 # Step s (from 0): loss 4 - 0.5 s, ms 10 + s, aux_loss 0.01 + 0.001 s; then a "step" line without
 # loss and ms, which is not a progress line.
-FAKE = r'''#!/usr/bin/env python3
-import json, os, sys
-args = sys.argv[1:]
-with open(os.environ["FAKE_LOG"], "a") as f:
-    f.write(json.dumps(args) + "\n")
-steps = int(args[args.index("--steps") + 1])
+FAKE = r'''steps = int(args[args.index("--steps") + 1])
 for s in range(steps):
     print(f"step {s + 1}/{steps} loss {4 - 0.5 * s} ms {10 + s:.3f} tokens/s 1000 peak_bytes 4000 "
           f"aux_loss {0.01 + 0.001 * s:.9g} imbalance 1.5")
@@ -66,19 +55,14 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         build = os.path.join(tmp, "build")
-        os.makedirs(os.path.join(build, "examples"))
-        exe = os.path.join(build, "examples", "fsdp-train")
-        with open(exe, "w") as f:
-            f.write(FAKE)
-        os.chmod(exe, os.stat(exe).st_mode | stat.S_IEXEC)
+        install_fake(build, "examples/fsdp-train", FAKE)
         log = os.path.join(tmp, "log")
         os.environ["FAKE_LOG"] = log
         args = argparse.Namespace(build_dir=build, cores=4)
         model_args = ["--steps", str(STEPS)]
         out = tmc.run_ours(args, 2, model_args, os.path.join(tmp, "init.safetensors"))
         out1 = tmc.run_ours(args, 1, model_args, None)
-        with open(log) as f:
-            calls = [json.loads(line) for line in f]
+        calls = read_calls(log)
         check(len(calls) == 2, f"fsdp-train ran once per run_ours ({len(calls)})")
         if len(calls) == 2:
             c, c1 = calls
@@ -111,13 +95,8 @@ def main() -> int:
                           capture_output=True, text=True, cwd=tempfile.gettempdir())
     check(proc.returncode != 0 and "ep0x" in proc.stderr, f"unknown config refused naming it: {proc.stderr!r}")
 
-    probe = ("import sys; sys.path.insert(0, sys.argv[1]); import torch_common, torch_moe_compare; "
-             "sys.exit(1 if 'torch' in sys.modules else 0)")
-    proc = subprocess.run([sys.executable, "-c", probe, HERE])
-    check(proc.returncode == 0, "importing the scripts does not import torch")
-
-    print(f"{'FAILED' if failures else 'passed'}: {len(failures)} failure(s)")
-    return 1 if failures else 0
+    check(not imports_torch(HERE, "torch_common", "torch_moe_compare"), "importing the scripts does not import torch")
+    return check.finish()
 
 
 if __name__ == "__main__":

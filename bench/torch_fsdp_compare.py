@@ -54,7 +54,12 @@ the same FSDP2 model after its timed steps; compute on an unsharded copy from th
 comm: FSDPModule.unshard() / reshard() and dist.reduce_scatter_tensor of FSDP2's padded flat
 size (flat_reduce_numel), on gloo. Targets per config: ours <= torch's (exposed_vs_torch_ok),
 and ours <= 0.10 only where our collectives take >= 1 ms each (exposed_absolute_applies /
-exposed_absolute_ok); shorter collectives are dominated by per-call costs no overlap hides.
+exposed_absolute_ok); shorter collectives are dominated by per-call costs no overlap hides. A
+median step faster than the median compute alone (a load swing between the two) gives no
+verdict (exposed_note). Both sides also give the three parts as CPU time per rank (each side's
+process CPU time over its ranks) and exposed_cpu, their quotient: where the collectives are
+copies by CPU threads on cores the compute already fills, wall-clock exposed cannot drop far
+below it, and CPU time is much less disturbed by other jobs' load than wall time.
 
 Usage (from the repository root):
     python3 bench/torch_fsdp_compare.py --python /path/to/python-with-torch [--build-dir build]
@@ -66,7 +71,7 @@ The last line of the output is one JSON object:
       "ours_step_ms": .., "torch_step_ms": .., "ratio": .., "ours_peak_bytes": ..,
       "torch_peak_bytes": .., "ours_exposed": .., "torch_exposed": .., "exposed_vs_torch_ok": ..,
       "ours_exposed_parts": {"step_ms", "compute_ms", "lost_ms", "comm_ms", "collective_ms",
-      "exposed"}, ...}, ...]}
+      "exposed", "step_cpu_ms", "compute_cpu_ms", "comm_cpu_ms", "exposed_cpu"}, ...}, ...]}
 (a Markdown table of the exposed communication, ours and torch side by side, comes before it).
 Exit status: 0 when every config's losses agree within --tolerance (default 1e-4; bf16 2e-2) and
 torch FSDP2 agrees with torch on one process within --reference-tolerance; 1 otherwise; 2 bad
@@ -284,12 +289,13 @@ def exposed_parts(model, cfg: dict, dp_mesh, hsdp: bool, rows: tuple[int, int]) 
             if rep_group is not None:
                 dist.all_reduce(out, group=rep_group)
 
-    def timed(fn) -> float:
+    def timed(fn) -> tuple[float, float]:
+        """Wall-clock and this process's (this rank's) CPU time, seconds."""
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
         dist.barrier()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
     for fn in (lambda: fwd_bwd(plain), comm_only, lambda: fwd_bwd(model)):  # warm-up
         timed(fn)
@@ -298,8 +304,11 @@ def exposed_parts(model, cfg: dict, dp_mesh, hsdp: bool, rows: tuple[int, int]) 
         compute.append(timed(lambda: fwd_bwd(plain)))
         comm.append(timed(comm_only))
         step.append(timed(lambda: fwd_bwd(model)))
-    return {"step_s": statistics.median(step), "compute_s": statistics.median(compute),
-            "comm_s": statistics.median(comm), "collectives": len(modules) * (4 if hsdp else 3)}
+    out = {"collectives": len(modules) * (4 if hsdp else 3)}
+    for name, times in (("step", step), ("compute", compute), ("comm", comm)):
+        out[f"{name}_s"] = statistics.median(t[0] for t in times)
+        out[f"{name}_cpu_s"] = statistics.median(t[1] for t in times)
+    return out
 
 
 def torch_main(args) -> None:
@@ -338,7 +347,8 @@ def fsdp_bench_exe(build: str) -> str:
 
 def run_ours_exposed(build: str, layout: dict, args, threads: int) -> dict:
     """fsdp-bench on the same model and dp layout, FSDP2's defaults (prefetch 1, the padded layout):
-    {"step_s", "compute_s", "comm_s", "collectives"} of rank 0, as exposed_parts gives torch's."""
+    {"step_s", "compute_s", "comm_s", their *_cpu_s, "collectives"} of rank 0, as exposed_parts
+    gives torch's (no *_cpu_s from an fsdp-bench without them)."""
     exe = fsdp_bench_exe(build)
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
@@ -361,20 +371,32 @@ def run_ours_exposed(build: str, layout: dict, args, threads: int) -> dict:
     if row is None:
         sys.exit(f"fsdp-bench printed no padded prefetch 1 row: {rows}")
     groups = args.layers + 1
-    return {"step_s": row["step_ms"] / 1e3, "compute_s": row["compute_ms"] / 1e3, "comm_s": row["comm_ms"] / 1e3,
-            "collectives": groups * (4 if layout["kind"] == "hsdp" else 3)}
+    out = {"collectives": groups * (4 if layout["kind"] == "hsdp" else 3)}
+    for name in ("step", "compute", "comm"):
+        out[f"{name}_s"] = row[f"{name}_ms"] / 1e3
+        if f"{name}_cpu_ms" in row:
+            out[f"{name}_cpu_s"] = row[f"{name}_cpu_ms"] / 1e3
+    return out
 
 
 def exposed_summary(parts: list[dict]):
-    """Medians over repeats of each part -> {step_ms, compute_ms, comm_ms, exposed, collective_ms};
-    None when there are no parts (TP configs, --exposed-iters 0, an old torch record)."""
+    """Medians over repeats of each part -> {step_ms, compute_ms, comm_ms, exposed, collective_ms,
+    step_cpu_ms, compute_cpu_ms, comm_cpu_ms, exposed_cpu}; the CPU figures None unless every part
+    has them. None when there are no parts (TP configs, --exposed-iters 0, an old torch record)."""
     parts = [p for p in parts if p]
     if not parts:
         return None
     step, compute, comm = (statistics.median(p[k] for p in parts) * 1e3 for k in ("step_s", "compute_s", "comm_s"))
-    return {"step_ms": round(step, 3), "compute_ms": round(compute, 3), "comm_ms": round(comm, 3),
-            "lost_ms": round(step - compute, 3), "exposed": round((step - compute) / comm, 3) if comm > 0 else None,
-            "collective_ms": round(comm / parts[0]["collectives"], 4)}
+    out = {"step_ms": round(step, 3), "compute_ms": round(compute, 3), "comm_ms": round(comm, 3),
+           "lost_ms": round(step - compute, 3), "exposed": round((step - compute) / comm, 3) if comm > 0 else None,
+           "collective_ms": round(comm / parts[0]["collectives"], 4),
+           "step_cpu_ms": None, "compute_cpu_ms": None, "comm_cpu_ms": None, "exposed_cpu": None}
+    if all("step_cpu_s" in p for p in parts):
+        cpu = {k: statistics.median(p[f"{k}_cpu_s"] for p in parts) * 1e3 for k in ("step", "compute", "comm")}
+        out.update({f"{k}_cpu_ms": round(v, 3) for k, v in cpu.items()})
+        if cpu["comm"] > 0:
+            out["exposed_cpu"] = round((cpu["step"] - cpu["compute"]) / cpu["comm"], 3)
+    return out
 
 
 # The absolute target applies where each collective takes at least this long (shorter ones are
@@ -385,14 +407,19 @@ ABSOLUTE_MIN_COLLECTIVE_MS = 1.0
 
 def exposed_verdict(ours, torch_side) -> dict:
     """The exposed-communication targets of one config: ours <= torch's (both measured), and
-    ours <= 0.10 where our collectives take >= 1 ms each."""
+    ours <= 0.10 where our collectives take >= 1 ms each. A side whose median step is faster than
+    its median compute alone (load moved between them) is no figure: no verdict, exposed_note."""
     oe = ours["exposed"] if ours else None
     te = torch_side["exposed"] if torch_side else None
     applies = bool(ours) and ours["collective_ms"] >= ABSOLUTE_MIN_COLLECTIVE_MS and oe is not None
-    return {"ours_exposed": oe, "torch_exposed": te,
-            "exposed_vs_torch_ok": None if oe is None or te is None else oe <= te,
-            "exposed_absolute_applies": applies,
-            "exposed_absolute_ok": (oe <= ABSOLUTE_EXPOSED) if applies else None}
+    noisy = [side for side, x in (("ours", ours), ("torch", torch_side)) if x and x["lost_ms"] < 0]
+    out = {"ours_exposed": oe, "torch_exposed": te,
+           "exposed_vs_torch_ok": None if oe is None or te is None or noisy else oe <= te,
+           "exposed_absolute_applies": applies,
+           "exposed_absolute_ok": (oe <= ABSOLUTE_EXPOSED) if applies and "ours" not in noisy else None}
+    if noisy:
+        out["exposed_note"] = f"{' and '.join(noisy)}: step faster than compute alone (load): not a figure"
+    return out
 
 
 def ours_peak(runs: list[dict]):
@@ -458,26 +485,31 @@ def fmt_exposed(ours, torch_side) -> str:
 
 def exposed_table(results: list[dict]) -> str:
     """Markdown: exposed communication, ours and torch side by side, per config measured."""
-    lines = ["| config | side | step ms | compute ms | step - compute ms | comm ms | ms / collective | exposed | target |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| config | side | step ms | compute ms | step - compute ms | comm ms | ms / collective | exposed | "
+             "exposed (CPU) | target |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         ours, theirs = r.get("ours_exposed_parts"), r.get("torch_exposed_parts")
         if not ours and not theirs:
             continue
         for side, x in (("ours", ours), ("torch", theirs)):
             if not x:
-                lines.append(f"| {r['config']} | {side} | - | - | - | - | - | - | |")
+                lines.append(f"| {r['config']} | {side} | - | - | - | - | - | - | - | |")
                 continue
             target = ""
             if side == "ours":
                 vs = r.get("exposed_vs_torch_ok")
                 target = "ours <= torch: " + ("-" if vs is None else "yes" if vs else "no")
                 if r.get("exposed_absolute_applies"):
-                    target += f"; <= {ABSOLUTE_EXPOSED}: " + ("yes" if r.get("exposed_absolute_ok") else "no")
+                    ok = r.get("exposed_absolute_ok")
+                    target += f"; <= {ABSOLUTE_EXPOSED}: " + ("-" if ok is None else "yes" if ok else "no")
+                if r.get("exposed_note"):
+                    target += f" ({r['exposed_note']})"
             exposed = "-" if x["exposed"] is None else f"{x['exposed']:.3f}"
+            cpu = "-" if x.get("exposed_cpu") is None else f"{x['exposed_cpu']:.3f}"
             lines.append(f"| {r['config']} | {side} | {x['step_ms']:.2f} | {x['compute_ms']:.2f} | {x['lost_ms']:.2f} | "
                          f"{x['comm_ms']:.2f} | "
-                         f"{x['collective_ms']:.3f} | {exposed} | {target} |")
+                         f"{x['collective_ms']:.3f} | {exposed} | {cpu} | {target} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 

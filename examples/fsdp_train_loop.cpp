@@ -344,8 +344,8 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
       if (root && a.no_sync) root->set_requires_gradient_sync(m + 1 == a.grad_accum);
       nn::Ctx ctx(&ops), lctx(&ops);
       std::optional<kernels::TraceSpan> span(std::in_place, tracer, me, "compute", "forward");
-      DTensor logits = model.forward(ctx, ids);
-      DTensor loss = loss_fn.forward(lctx, logits, targets);
+      // The logits die with the loss's forward (it keeps their gradient, not them), as in PyTorch.
+      const DTensor loss = loss_fn.forward(lctx, model.forward(ctx, ids), targets);
       const double micro_loss = loss.full_tensor().to(kernels::Device{}).item({});
       span.reset();
       // The same value on every rank (a replicated scalar): every rank stops at the same step.
@@ -358,8 +358,8 @@ RunResult train(Communicator& world, const Args& a, bool parallel, bool print, i
       span.emplace(tracer, me, "compute", "backward");
       const double seed = (scaler ? scaler->scale() : 1.0) / a.grad_accum;
       if (a.moe.experts > 0) fsdp_train::set_moe_aux_grad_scale(model, seed);
-      DTensor dlogits = loss_fn.backward(lctx, as_dtensor(Tensor::full({}, seed, DType::kF64)));
-      model.backward(ctx, dlogits);
+      // Taken over by backward: the logits' gradient dies once lm_head's backward read it.
+      model.backward(ctx, loss_fn.backward(lctx, as_dtensor(Tensor::full({}, seed, DType::kF64))));
     }
     std::optional<kernels::TraceSpan> optimizer_span(std::in_place, tracer, me, "compute", "optimizer");
     if (bf16 && !use_fsdp)

@@ -80,7 +80,10 @@ void Group::on_pre_forward(nn::Ctx& ctx, DTensor& input) {
   if (ctx.recomputing()) {
     wait_unshard();  // an activation-checkpoint recompute inside backward
   } else if (fwd_pre++ == 0) {
-    if (is_root()) rt->current.clear();
+    if (is_root()) {
+      rt->current.clear();
+      for (Group* g : rt->groups) g->release_unused_grad_flat();
+    }
     rt->current.push_back(this);
     wait_unshard();
     prefetch(fwd_prefetch ? *fwd_prefetch : implicit_targets(true));

@@ -539,9 +539,24 @@ class Group {
       g.reset();
     }
   }
-  void allocate_grad_flat() {
+  // zero: false when a reduction writes every element next.
+  void allocate_grad_flat(bool zero = true) {
     grad_flat = Tensor::empty(Dims{grad_numel}, orig_dtype, storage_device, state_alloc());
-    grad_flat.fill_(0.0);
+    if (zero) grad_flat.fill_(0.0);
+  }
+  // Drops the sharded gradients' flat buffer once no parameter holds a view of it (the
+  // optimizer's zero_grad(set_to_none) released them): as in PyTorch, a step's forward and
+  // backward do not carry the last step's gradients. The next reduction allocates it again.
+  // Offloaded gradients (host memory, maybe pinned: slow to allocate) stay.
+  void release_unused_grad_flat() {
+    for (auto& f : followers) f->release_unused_grad_flat();
+    if (!grad_flat.defined() || !(storage_device == compute_device)) return;
+    for (const Slot& s : slots) {
+      const auto& g = s.param->grad();
+      if (g && g->to_local().shares_storage_with(grad_flat)) return;
+    }
+    grad_flat = Tensor();
+    has_sharded_grad = false;
   }
   void install_grads() {
     for (size_t i = 0; i < grad_slots; ++i)
@@ -650,6 +665,9 @@ class Group {
         throw InvalidArgument(fmt::format("FSDP group '{}': the gradient of '{}' has local shape {}, expected {}", name,
                                           slots[i].name, kernels::to_string(grads[i].shape()),
                                           kernels::to_string(slots[i].local_shape)));
+    // Resharded before the copy-in, as FSDP2 does: the unsharded parameters are not alive
+    // beside both the gradients and the reduce-scatter input.
+    reshard();  // a synchronising backward: the optimizer steps the sharded parameters next
     Tensor in = Tensor::empty(Dims{dp * grad_numel}, reduce_dtype, compute_device, buffer_alloc);
     grads.resize(grad_slots);  // the frozen slots (after the prefix) hold no gradient
     {
@@ -660,7 +678,6 @@ class Group {
     grads.clear();
     DTensor flat_in(dp_comms, grad_flat_spec(filled(dp_ndim(), dtensor::Partial{}), reduce_dtype), in);
     issue_reduce(flat_in, in);
-    reshard();  // a synchronising backward: the optimizer steps the sharded parameters next
   }
 
   // The flat P input -> the sharded gradient flat buffer (or a temporary), asynchronously.
@@ -679,7 +696,7 @@ class Group {
     ro.wire_dtype = reduce_wire;
     p.into_grad = !has_sharded_grad && !p.to_partial && !p.all_reduce_after && storage_device == compute_device && !offload;
     if (p.into_grad) {
-      if (!grad_flat.defined()) allocate_grad_flat();
+      if (!grad_flat.defined()) allocate_grad_flat(/*zero=*/false);
       p.out = grad_flat;
     } else {
       p.out = Tensor::empty(Dims{grad_numel}, reduce_dtype, compute_device, buffer_alloc);

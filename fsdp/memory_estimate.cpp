@@ -177,6 +177,7 @@ struct Group {
   enum class State { kSharded, kUnsharding, kUnsharded, kResharded } state = State::kSharded;
   H flat, unsharded, ag_input, k_buffer;
   H rs_input, rs_output, rs_staging;
+  H grad_flat;             // the sharded gradients (from the first reduction of the step on)
   std::vector<H> rs_wire;  // a wire reduction's exchange buffers
   bool pending = false, into_grad = true, has_sharded_grad = false;
   std::vector<H> grads, accum;  // unsharded gradients (per parameter), no-sync accumulation
@@ -256,7 +257,9 @@ class Replay {
             for (int64_t bytes : {(padded(p) + 1) / 2, blocks, 4 * ceil_div(blocks, kNf4ScalerBlock), int64_t{4}})
               g.persistent.push_back(sim_.alloc(kParams, bytes));
           }
-        g.persistent.push_back(sim_.alloc(kGrads, g.G * ms_));
+        // The sharded gradients' flat buffer: kept over the steps when offloaded (host memory);
+        // otherwise freed by zero_grad and allocated by the group's first reduction of a step.
+        if (offload_separate_) g.persistent.push_back(sim_.alloc(kGrads, g.G * ms_));
         for (const Param& p : g.params)
           if (!p.frozen)
             for (int s = 0; s < c_.optimizer_states; ++s) g.persistent.push_back(sim_.alloc(kOptim, padded(p) * ms_));
@@ -383,9 +386,13 @@ class Replay {
     if (c_.fsdp) g.grads.push_back(sim_.alloc(kUnsharded, p.numel() * ps_));
     else if (micro_ == 0) g.persistent.push_back(sim_.alloc(kGrads, p.numel() * ms_));
   }
+  void allocate_grad_flat(Group& g) {
+    if (!g.grad_flat && !offload_separate_) g.grad_flat = sim_.alloc(kGrads, g.G * ms_);
+  }
   void finish_reduce(Group& g) {
     if (!g.pending) return;
     g.pending = false;
+    allocate_grad_flat(g);
     g.rs_input.reset();
     g.rs_output.reset();
     g.rs_staging.reset();
@@ -419,15 +426,16 @@ class Replay {
       reshard(g);
       return;
     }
+    reshard(g);  // before the copy-in (FSDP2's order)
     g.rs_input = sim_.alloc(kReduce, dp_ * g.G * rs_);
     g.grads.clear();
     g.accum.clear();
     g.into_grad = !g.has_sharded_grad;
     if (!g.into_grad) g.rs_output = sim_.alloc(kReduce, g.G * rs_);
+    else allocate_grad_flat(g);
     reduce_transition(g);
     g.pending = true;
     pending_.push_back(&g);
-    reshard(g);
   }
   void finalize_backward() {
     if (!c_.fsdp) return;
@@ -494,20 +502,20 @@ class Replay {
     H l1s, l1m;          // ln1's statistics
     H l1g;               // wq / wk / wv's input: ln1's output (gathered over tp)
     H q, k, v, o, lse;   // attention's inputs, output and log-sum-exp
-    H a;                 // the attention's output (the residual add keeps it)
+    H a;                 // the attention's output (do_forward's local: the add keeps only shapes)
     H h, l2s, l2m, l2g;  // after the first residual; ln2's statistics; fc1's input
-    H f1, g, f2;         // mlp: fc1's output (gelu keeps it), gelu's (fc2 keeps it), fc2's
+    H f1, g, f2;         // mlp: fc1's output (gelu keeps it), gelu's (fc2 keeps it), fc2's (a local)
     std::vector<H> lora; // each LoRA projection's h = x A^T and l = h B^T
   };
 
   // LoRA on a projection of `out` features (nn/layers.cpp's Linear): h = x A^T (kept for
-  // backward), l = h B^T (the add keeps it: its shape), then y + s l as a new tensor (the caller
-  // drops the base y).
+  // backward), l = h B^T (a local: the add keeps only its shape), then y + s l as a new tensor
+  // (the caller drops the base y).
   H lora_forward(H y, int64_t out, BlockSaved& s) {
     if (m_.r == 0) return y;
     const int64_t n = m_.b * m_.T;
     s.lora.push_back(act(n * m_.r));
-    s.lora.push_back(act(n * out));
+    H l = act(n * out);
     return act(n * out);
   }
   // Its backward before the base's: dl = s dy, dh (lora_B's gradient), dx_lora (lora_A's),
@@ -574,12 +582,16 @@ class Replay {
       s.f2 = lora_forward(rowwise_output(m_.D), m_.D, s);
     }
     H y = act(nt * m_.D);
+    s.a.reset();  // do_forward's locals: the residual adds keep only shapes
+    s.f2.reset();
     post_forward(gi);
     return y;
   }
 
   // Returns the input's gradient (the caller keeps the incoming one alive until then).
-  H block_backward(size_t gi, BlockSaved& s) {
+  // incoming: the gradient the block took over (dies before its post-backward); null inside a
+  // Checkpoint wrapper (the wrapper's post-backward comes after).
+  H block_backward(size_t gi, BlockSaved& s, H* incoming = nullptr) {
     pre_backward(gi);
     sim_.at("backward: " + groups_[gi].name);
     const int64_t nt = m_.b * m_.Tt;
@@ -604,6 +616,7 @@ class Replay {
         s.g.reset();
         H df1 = act(n * m_.Hdt);
         dg.reset();
+        s.f1.reset();  // MLP::do_backward drops gelu's input once gelu's backward ran
         lx = lora_backward(grad, "mlp.fc1", m_.D, m_.Hdt);
         dl2 = act(n * m_.D);
         grad("mlp.fc1.weight");
@@ -634,11 +647,20 @@ class Replay {
         dm = lora_input_grad(dm, lx, m_.Dt);
         dyg.reset();
         H dq = act(n * m_.Dt), dk = act(n * m_.Dt), dv = act(n * m_.Dt);
+        // CausalSelfAttention::do_backward drops wo's input gradient and the attention's saved
+        // tensors here, each head gradient after its projection's backward.
+        dm.reset();
+        s.q.reset();
+        s.k.reset();
+        s.v.reset();
+        s.o.reset();
+        s.lse.reset();
         lx = lora_backward(grad, "attn.wq", m_.D, m_.Dt);
         H acc = act(n * m_.D);
         grad("attn.wq.weight");
         if (m_.bias) grad("attn.wq.bias");
         acc = lora_input_grad(acc, lx, m_.D);
+        dq.reset();
         for (const char* w : {"attn.wk", "attn.wv"}) {
           lx = lora_backward(grad, w, m_.D, m_.Dt);
           H part = act(n * m_.D);
@@ -647,6 +669,7 @@ class Replay {
           part = lora_input_grad(part, lx, m_.D);
           if (std::string(w) == "attn.wv") s.l1g.reset();  // wv kept the last reference to its input
           acc = act(n * m_.D);
+          if (std::string(w) == "attn.wk") dk.reset();
         }
         dattn = acc;
       }
@@ -667,6 +690,7 @@ class Replay {
     H out = act(nt * m_.D);  // the residual's two gradients summed
     dx.reset();
     dh.reset();
+    if (incoming) incoming->reset();
     post_backward(gi);
     s.a.reset();
     s.f2.reset();
@@ -691,7 +715,7 @@ class Replay {
     {
       H emb = rowwise_output(m_.D);  // tok_emb (row-wise over tp: a partial sum, reduced)
       if (m_.pos) {
-        pos_out = act(m_.Tt * m_.D);  // the add keeps it
+        pos_out = act(m_.Tt * m_.D);  // do_forward's local (the add keeps only shapes)
         x = act(nt * m_.D);
       } else {
         x = emb;
@@ -727,10 +751,12 @@ class Replay {
       x.reset();
       logits = act(n * m_.Vt);
     }
+    pos_out.reset();
     post_forward(0);
-    // The loss keeps the logits' gradient (the trainer keeps the logits until the step ends).
+    // The loss keeps the logits' gradient; the logits die with its forward (fsdp-train).
     sim_.at("loss");
     H dlogits = act(n * m_.Vt);
+    logits.reset();
     if (c_.batch.grad_accum > 1) dlogits = act(n * m_.Vt);  // scaled by 1 / grad_accum
     // Backward.
     pre_backward(0);
@@ -741,6 +767,7 @@ class Replay {
       root_grad("lm_head.weight");
       lfg.reset();
       dx = colwise_input_grad(dx, m_.D);
+      dlogits.reset();  // taken over by GPT::backward: it dies with lm_head's backward
       dh = act(nt * m_.D);  // ln_f
       root_grad("ln_f.weight");
       if (m_.layer_norm) root_grad("ln_f.bias");
@@ -748,9 +775,8 @@ class Replay {
       lfs.reset();
       lfm.reset();
     }
-    // GPT::do_backward's dh (and the blocks' Module::backward copy) keep ln_f's gradient until
-    // every block's backward has returned.
-    H top = dh;
+    // Each block takes its incoming gradient over (Module::backward's rvalue form): it dies before
+    // the block's post-backward.
     for (int64_t i = m_.L - 1; i >= 0; --i) {
       const size_t gi = static_cast<size_t>(i) + 1;
       if (m_.ckpt) {
@@ -763,13 +789,13 @@ class Replay {
           block_inner(gi, [&] { return block_forward(gi, in, s); });  // the recompute (output dropped)
           dx = block_inner(gi, [&] { return block_backward(gi, s); });
         }
+        dh.reset();
         post_backward(gi);
         dh = dx;
       } else {
-        dh = block_backward(gi, saved[static_cast<size_t>(i)]);
+        dh = block_backward(gi, saved[static_cast<size_t>(i)], &dh);
       }
     }
-    top.reset();
     sim_.at("backward: root (embeddings)");
     if (m_.pos) {
       H dpos = act(m_.Tt * m_.D);

@@ -60,9 +60,13 @@ DTensor Module::forward(Ctx& ctx, const DTensor& input) {
 }
 
 std::optional<DTensor> Module::backward(Ctx& ctx, const DTensor& grad_output) {
-  DTensor dy = grad_output;
+  return backward(ctx, DTensor(grad_output));
+}
+
+std::optional<DTensor> Module::backward(Ctx& ctx, DTensor&& grad_output) {
+  DTensor dy = std::move(grad_output);
   for (auto& [id, h] : pre_backward_.list) h(*this, ctx, dy);
-  std::optional<DTensor> dx = do_backward(ctx, dy);
+  std::optional<DTensor> dx = do_backward_owned(ctx, std::move(dy));
   for (auto& [id, h] : post_backward_.list) h(*this, ctx, dx);
   ctx.clear();
   return dx;
@@ -229,12 +233,19 @@ DTensor Sequential::do_forward(Ctx& ctx, const DTensor& input) {
 }
 
 std::optional<DTensor> Sequential::do_backward(Ctx& ctx, const DTensor& grad_output) {
-  std::optional<DTensor> dy = grad_output;
+  return do_backward_owned(ctx, grad_output);
+}
+
+// Each child takes its gradient over: none outlives the child that reads it.
+std::optional<DTensor> Sequential::do_backward_owned(Ctx& ctx, DTensor grad_output) {
+  std::optional<DTensor> dy = std::move(grad_output);
   for (auto it = children().rbegin(); it != children().rend(); ++it) {
     if (!dy)
       throw InvalidArgument(
           fmt::format("Sequential: child '{}' needs a gradient but its successor returned none", it->first));
-    dy = it->second->backward(ctx.child(it->first), *dy);
+    DTensor g = std::move(*dy);
+    dy.reset();
+    dy = it->second->backward(ctx.child(it->first), std::move(g));
   }
   return dy;
 }

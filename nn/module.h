@@ -101,6 +101,10 @@ class Module {
   // The input's gradient (nullopt when the input has none, e.g. token ids); parameter
   // gradients go to their Parameter. Releases ctx.
   std::optional<DTensor> backward(Ctx& ctx, const DTensor& grad_output);
+  // The same, taking grad_output over: a module that reads it only early in its backward (GPT:
+  // the logits' gradient, Sequential: its last child's) frees it then, as autograd does.
+  //   model.backward(ctx, loss_fn.backward(lctx, seed));   // the logits' gradient dies early
+  std::optional<DTensor> backward(Ctx& ctx, DTensor&& grad_output);
 
   // ---- names ----
   // Every parameter once (the first name of a tied one), in registration order, depth first:
@@ -150,6 +154,11 @@ class Module {
  protected:
   virtual DTensor do_forward(Ctx& ctx, const DTensor& input) = 0;
   virtual std::optional<DTensor> do_backward(Ctx& ctx, const DTensor& grad_output) = 0;
+  // backward's work on a gradient this call owns (by default do_backward on it): an override
+  // may drop it once read.
+  virtual std::optional<DTensor> do_backward_owned(Ctx& ctx, DTensor grad_output) {
+    return do_backward(ctx, grad_output);
+  }
 
   std::shared_ptr<Parameter> add_parameter(std::string name, std::shared_ptr<Parameter> parameter);
   // Replaces a registered parameter (weight tying).
@@ -189,6 +198,7 @@ class Sequential : public Module {
  protected:
   DTensor do_forward(Ctx& ctx, const DTensor& input) override;
   std::optional<DTensor> do_backward(Ctx& ctx, const DTensor& grad_output) override;
+  std::optional<DTensor> do_backward_owned(Ctx& ctx, DTensor grad_output) override;
 };
 
 // Allocates every meta parameter of `module` (its shard under the parameter's placements) with

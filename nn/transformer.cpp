@@ -38,6 +38,7 @@ DTensor MLP::do_forward(Ctx& ctx, const DTensor& x) {
 std::optional<DTensor> MLP::do_backward(Ctx& ctx, const DTensor& dy) {
   DTensor dh = *fc2_->backward(ctx.child("fc2"), dy);
   dh = ops::unary_backward(ctx.op(0), dh, ctx.ops());
+  ctx.op(0) = ops::Saved{};  // the activation's input (fc1's output): not needed by fc1's backward
   return fc1_->backward(ctx.child("fc1"), dh);
 }
 
@@ -75,13 +76,21 @@ DTensor CausalSelfAttention::do_forward(Ctx& ctx, const DTensor& x) {
 std::optional<DTensor> CausalSelfAttention::do_backward(Ctx& ctx, const DTensor& dy) {
   const int64_t B = dy.shape()[0], T = dy.shape()[1], E = dim_ / heads_;
   const ops::OpOptions& o = ctx.ops();
-  DTensor dm = *wo_->backward(ctx.child("wo"), dy);
-  DTensor da = ops::transpose(ops::view(dm, {B, T, heads_, E}, o), 1, 2, o);
-  const ops::GradSink sinks[3] = {};
-  ops::Grads g = ops::attention_backward(ctx.op(0), da, sinks, o);
+  // Every tensor dies once the last step that reads it ran (as autograd frees them): wo's input
+  // gradient after the attention's backward, q, k, v, its output and statistics then too, each
+  // head gradient after its projection's backward.
+  ops::Grads g = [&] {
+    DTensor dm = *wo_->backward(ctx.child("wo"), dy);
+    DTensor da = ops::transpose(ops::view(dm, {B, T, heads_, E}, o), 1, 2, o);
+    const ops::GradSink sinks[3] = {};
+    return ops::attention_backward(ctx.op(0), da, sinks, o);
+  }();
+  ctx.op(0) = ops::Saved{};
   auto merge_heads = [&](const DTensor& t) { return ops::view(ops::transpose(t, 1, 2, o), {B, T, dim_}, o); };
   DTensor dx = *wq_->backward(ctx.child("wq"), merge_heads(*g[0]));
+  g[0].reset();
   dx = sum_grads(dx, *wk_->backward(ctx.child("wk"), merge_heads(*g[1])), o);
+  g[1].reset();
   dx = sum_grads(dx, *wv_->backward(ctx.child("wv"), merge_heads(*g[2])), o);
   return dx;
 }
@@ -189,11 +198,14 @@ DTensor GPT::do_forward(Ctx& ctx, const DTensor& ids) {
   return lm_head_->forward(ctx.child("lm_head"), h);
 }
 
-std::optional<DTensor> GPT::do_backward(Ctx& ctx, const DTensor& dy) {
+std::optional<DTensor> GPT::do_backward(Ctx& ctx, const DTensor& dy) { return do_backward_owned(ctx, dy); }
+
+// The logits' gradient dies in lm_head's backward, ln_f's in the last block's (as in autograd).
+std::optional<DTensor> GPT::do_backward_owned(Ctx& ctx, DTensor dy) {
   const ops::OpOptions& o = ctx.ops();
-  DTensor dh = *lm_head_->backward(ctx.child("lm_head"), dy);
-  dh = *ln_f_->backward(ctx.child("ln_f"), dh);
-  dh = *blocks_->backward(ctx.child("blocks"), dh);
+  DTensor dh = *lm_head_->backward(ctx.child("lm_head"), std::move(dy));
+  dh = *ln_f_->backward(ctx.child("ln_f"), std::move(dh));
+  dh = *blocks_->backward(ctx.child("blocks"), std::move(dh));
   if (pos_emb_) {
     const ops::GradSink both[2] = {};
     ops::Grads g = ops::add_backward(ctx.op(0), dh, both, o);

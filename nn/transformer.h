@@ -124,6 +124,7 @@ class GPT : public Module {
   // ids [B, T] (i64) -> logits [B, T, vocab].
   DTensor do_forward(Ctx& ctx, const DTensor& ids) override;
   std::optional<DTensor> do_backward(Ctx& ctx, const DTensor& grad_output) override;
+  std::optional<DTensor> do_backward_owned(Ctx& ctx, DTensor grad_output) override;
 
  private:
   GPTConfig config_;

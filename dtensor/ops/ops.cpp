@@ -408,9 +408,9 @@ DTensor add(const DTensor& a, const DTensor& b, double alpha, const OpOptions& o
   Strategy st;
   std::vector<DTensor> used = prepare(rules, {&a, &b}, options, st);
   save(saved, "add", st, {&a, &b});
-  if (saved) {
+  if (saved) {  // alpha and b's global shape: the backward reads no data, so none is kept
     saved->scalars = {alpha};
-    saved->extras = {used[1]};  // for b's shape and placements only (no data read)
+    for (int64_t d : used[1].shape()) saved->scalars.push_back(static_cast<double>(d));
   }
   auto [spec, local] = new_output(a, st.outputs[0], a.shape(), a.dtype());
   if (in_mesh(a)) kernels::add_out(local, used[0].to_local(), used[1].to_local(), alpha);
@@ -423,7 +423,8 @@ Grads add_backward(const Saved& saved, const DTensor& dy_in, std::span<const Gra
   const DTensor dy = dy_for(dy_in, saved.strategy.outputs[0], options, "add backward");
   const std::vector<Placements> gp = grad_placements(saved.strategy, dy.placements());
   const double alpha = saved.scalars[0];
-  const DTensor& b = saved.extras[0];
+  Dims b_shape;
+  for (size_t i = 1; i < saved.scalars.size(); ++i) b_shape.push_back(static_cast<int64_t>(saved.scalars[i]));
   Grads out(2);
   if (sinks[0].needed) {
     DTensor g(dy.comms(), spec_like(dy, gp[0], dy.shape(), dy.dtype()), dy.to_local());
@@ -431,12 +432,12 @@ Grads add_backward(const Saved& saved, const DTensor& dy_in, std::span<const Gra
     out[0] = sink_grad(sinks[0], std::move(g), options);
   }
   if (sinks[1].needed) {
-    const int lead = dy.spec().tensor_ndim() - b.spec().tensor_ndim();
+    const int lead = dy.spec().tensor_ndim() - static_cast<int>(b_shape.size());
     Dims dims;
     for (int d = 0; d < lead; ++d) dims.push_back(d);
     bool accumulate = false;
     Tensor target =
-        direct_target(sinks[1], gp[1], b.shape(), saved.strategy.redistributed[1], dy.dtype(), accumulate);
+        direct_target(sinks[1], gp[1], b_shape, saved.strategy.redistributed[1], dy.dtype(), accumulate);
     if (lead == 0 && alpha == 1.0 && !target.defined()) {
       // Same shapes: b's gradient is dy itself (shared, as a's).
       DTensor g(dy.comms(), spec_like(dy, gp[1], dy.shape(), dy.dtype()), dy.to_local());
@@ -445,7 +446,7 @@ Grads add_backward(const Saved& saved, const DTensor& dy_in, std::span<const Gra
     } else if (target.defined() && alpha == 1.0) {
       if (in_mesh(dy)) kernels::sum_out(target, dy.to_local(), dims, false, accumulate);
     } else {
-      auto [spec, local] = new_output(dy, gp[1], b.shape(), dy.dtype());
+      auto [spec, local] = new_output(dy, gp[1], b_shape, dy.dtype());
       if (in_mesh(dy)) {
         kernels::sum_out(local, dy.to_local(), dims);
         if (alpha != 1.0) kernels::scale_out(local, local, alpha);

@@ -72,8 +72,7 @@ struct Measured {
 
 // Trains 3 steps as fsdp-train does and returns the largest peak over ranks (after the model is
 // initialised: the training's).
-Measured measure(const Case& k, const fsdp::BatchShape& batch) {
-  nn::GPTConfig cfg = model();
+Measured measure(const Case& k, const fsdp::BatchShape& batch, nn::GPTConfig cfg = model()) {
   cfg.checkpoint_blocks = k.ckpt;
   std::vector<int64_t> sizes;
   std::vector<std::string> names;
@@ -168,11 +167,9 @@ Measured measure(const Case& k, const fsdp::BatchShape& batch) {
         const DTensor x = dtensor::distribute_tensor(ids, comms, batch_pl, std::nullopt);
         const DTensor y = dtensor::distribute_tensor(tgt, comms, batch_pl, std::nullopt);
         nn::Ctx ctx, lctx;
-        DTensor logits = m.forward(ctx, x);
-        DTensor loss = loss_fn.forward(lctx, logits, y);
+        const DTensor loss = loss_fn.forward(lctx, m.forward(ctx, x), y);  // the logits die here (fsdp-train)
         (void)loss.full_tensor();
-        DTensor dlogits = loss_fn.backward(lctx, dloss);
-        m.backward(ctx, dlogits);
+        m.backward(ctx, loss_fn.backward(lctx, dloss));  // taken over (fsdp-train)
       }
       const auto params = m.named_parameters();
       nn::reduce_gradients(params);
@@ -356,4 +353,46 @@ TEST_CASE("estimate_memory: the kinds add up, sharding divides the state, bad co
   bad = c;
   bad.options.reshard_after_forward = fsdp::ReshardAfterForward::to(3);
   CHECK_THROWS_WITH(fsdp::estimate_memory(model(), bad), Catch::Contains("reshard_after_forward = 3"));
+}
+
+// The regression guard of bench/RESULTS.md's T2 / T4 comparison: fsdp-train's default GPT (2
+// layers, dim 64, 4 heads, vocab 64, seq 32, batch 8, fp32, AdamW) trained as fsdp-train trains,
+// its peak against torch FSDP2's on the same model and mesh (FSDPMemTracker's peak of the worst
+// rank, bench/results/torch_fsdp/full.txt: ours must not be larger). The peak is a byte count of
+// a deterministic schedule: no tolerance. It rose to 1.15x torch's when the optimizer state
+// began to be counted (the flat sharded gradients kept over steps, the residual adds' saved
+// operands, the attention's and gelu's saved tensors kept to the end of their module's backward,
+// the unsharded parameters alive through the reduce-scatter copy-in, the logits' gradient and
+// ln_f's kept to the end of the backward).
+TEST_CASE("fsdp-train's default GPT: the peak is not above torch FSDP2's", "[fsdp][estimate][peak]") {
+  using R = fsdp::ReshardAfterForward;
+  nn::GPTConfig cfg;
+  cfg.vocab = 64;
+  cfg.dim = 64;
+  cfg.heads = 4;
+  cfg.layers = 2;
+  cfg.max_seq = 32;
+  cfg.norm = nn::NormKind::kLayerNorm;
+  cfg.bias = false;
+  cfg.pos_embedding = true;
+  cfg.gelu = kernels::GeluApproximation::kTanh;
+  struct Row {
+    Case k;
+    int64_t bound;  // bytes
+  };
+  const std::vector<Row> rows = {
+      {{"FSDP 4", 1, 4, 1, R::automatic(), 1}, 1474544},
+      {{"FSDP x TP 2x2", 1, 2, 2, R::automatic(), 1}, 1327984},
+      {{"HSDP 2x2", 2, 2, 1, R::automatic(), 1}, 1802096},
+  };
+  const fsdp::BatchShape batch{8, 32, 1};
+  int ran = 0;
+  for (const Row& r : rows) {
+    const Measured got = measure(r.k, batch, cfg);
+    INFO(r.k.what << ": peak " << got.peak << " bytes, bound " << r.bound);
+    CHECK(got.peak > 0);
+    CHECK(got.peak <= r.bound);
+    ++ran;
+  }
+  CHECK(ran == 3);
 }

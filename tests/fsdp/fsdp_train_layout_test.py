@@ -11,37 +11,24 @@ HSDP 2x3: bit-identical losses, 0 bytes copied, all-gather and reduce bytes <= p
 
 usage: fsdp_train_layout_test.py path/to/fsdp-train
 """
-import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 
-exe = sys.argv[1]
-failures = []
-runs = 0
+from fsdp_train_run import FsdpTrain
+
 MODEL = ["--layers", "2", "--dim", "32", "--heads", "4", "--vocab", "48", "--seq", "16", "--batch", "6",
          "--log-every", "1"]
 STEP = re.compile(r"^step (\d+)/\d+ loss (\S+) .* fsdp_copy_bytes (\d+)$")
-
-
-def check(ok, what):
-    if not ok:
-        failures.append(what)
+t = FsdpTrain(sys.argv[1], MODEL, STEP)
+check = t.check
 
 
 def run(*args, steps=5):
-    global runs
-    runs += 1
-    r = subprocess.run([exe, *MODEL, "--steps", str(steps), *args], capture_output=True, text=True, timeout=280)
-    lines = r.stdout.strip().splitlines()
-    matched = [STEP.match(l) for l in lines if l.startswith("step ")]
-    check(r.returncode == 0, f"{args}: exit {r.returncode}: {r.stderr.strip()}")
-    expected = steps - (3 if "--resume-from" in args else 0)
-    check(len(matched) == expected and all(matched), f"{args}: progress lines {lines[:1]}")
-    last = json.loads(lines[-1]) if lines else {}
-    return last, [m.group(2) for m in matched if m], [int(m.group(3)) for m in matched if m]
+    """The summary, the losses (as printed) and fsdp_copy_bytes of each progress line."""
+    r = t.run(*args, steps=steps, progress=steps - (3 if "--resume-from" in args else 0))
+    return r.last, [m.group(2) for m in r.steps if m], [int(m.group(3)) for m in r.steps if m]
 
 
 for mesh, extra in ((["--dp-shard", "4"], []), (["--dp-shard", "3"], ["--grad-accum", "2", "--no-sync"]),
@@ -86,9 +73,5 @@ check(0 < con.get("fsdp_copy_bytes", 0) < pad.get("fsdp_copy_bytes", 0),
       f"bf16: contiguous copied {con.get('fsdp_copy_bytes')} bytes per step, padded {pad.get('fsdp_copy_bytes')}: "
       "expected only the casts, fewer than padded")
 
-if failures:
-    for f in failures:
-        print("FAIL:", f)
-    sys.exit(1)
-print(f"ok: {runs} runs; bf16 fsdp_copy_bytes per step: padded {pad.get('fsdp_copy_bytes')}, "
-      f"contiguous {con.get('fsdp_copy_bytes')}")
+t.finish(f"ok: {t.runs} runs; bf16 fsdp_copy_bytes per step: padded {pad.get('fsdp_copy_bytes')}, "
+         f"contiguous {con.get('fsdp_copy_bytes')}")

@@ -10,35 +10,21 @@ parity_limits): after 30 steps under FSDP 2 its loss differs from one rank's by 
 
 usage: fsdp_train_reduce_wire_test.py path/to/fsdp-train
 """
-import json
 import re
-import subprocess
 import sys
 
-exe = sys.argv[1]
-failures = []
-runs = 0
+from fsdp_train_run import FsdpTrain
+
 MODEL = ["--mp", "bf16", "--dim", "256", "--layers", "2", "--vocab", "64", "--log-every", "1"]
 STEP = re.compile(r"^step (\d+)/\d+ loss (\S+) .* reduce_bytes (\d+) fsdp_copy_bytes \d+$")
-
-
-def check(ok, what):
-    if not ok:
-        failures.append(what)
+t = FsdpTrain(sys.argv[1], MODEL, STEP)
+check = t.check
 
 
 def run(*args, steps=8):
-    global runs
-    runs += 1
-    r = subprocess.run([exe, *MODEL, "--steps", str(steps), *args], capture_output=True, text=True, timeout=280)
-    lines = r.stdout.strip().splitlines()
-    steps_seen = [STEP.match(l) for l in lines if l.startswith("step ")]
-    check(all(steps_seen) and len(steps_seen) == steps, f"{args}: progress lines {lines[:1]}")
-    steps = steps_seen
-    last = json.loads(lines[-1]) if lines else {}
-    losses = [float(m.group(2)) for m in steps if m]
-    per_step = [int(m.group(3)) for m in steps if m]
-    return r, last, losses, per_step
+    """The run, its summary, the losses and reduce_bytes of each progress line."""
+    r = t.run(*args, steps=steps)
+    return r, r.last, [float(m.group(2)) for m in r.steps if m], [int(m.group(3)) for m in r.steps if m]
 
 
 base_r, base, base_losses, base_steps = run("--dp-shard", "4", "--check-parity")
@@ -77,10 +63,7 @@ check(e30_r.returncode == 0 and e30.get("parity") == "ok" and e30_diff <= 0.125 
 check(e30_diff > 2e-2, f"e5m2 wire, FSDP 2, 30 steps: loss difference {e30_diff} is within bf16's 2e-2 (the test "
       "no longer shows that the e5m2 limit is needed)")
 
-check(runs == 6, f"{runs} runs, expected 6")
-if failures:
-    print("\n".join(failures))
-    sys.exit(1)
-print(f"ok: {runs} runs; reduce bytes per step f32 {base['reduce_bytes']}, bf16 wire {wire['reduce_bytes']}, "
-      f"e5m2 wire {e5['reduce_bytes']}; largest relative loss difference {worst:g}; e5m2 parity (FSDP 2, 30 steps) "
-      f"loss {e30_diff:g} params {e30.get('max_param_diff')}")
+check(t.runs == 6, f"{t.runs} runs, expected 6")
+t.finish(f"ok: {t.runs} runs; reduce bytes per step f32 {base['reduce_bytes']}, bf16 wire {wire['reduce_bytes']}, "
+         f"e5m2 wire {e5['reduce_bytes']}; largest relative loss difference {worst:g}; e5m2 parity (FSDP 2, 30 steps) "
+         f"loss {e30_diff:g} params {e30.get('max_param_diff')}")
