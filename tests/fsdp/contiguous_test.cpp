@@ -801,11 +801,12 @@ TEST_CASE("fsdp contiguous: peak memory at most the padded layout's, f32 and bf1
   // previous group's reduce-scatter finished (two whole inputs beside a block's activation
   // gradients were the peak), the unsharded parameters are freed before the reduction, and
   // under bf16 the input is bf16 until one cast before the reduce-scatter (an f32 buffer alive
-  // through backward was the peak). Before: f32 1,926,144 against padded's 1,901,568, bf16
-  // 1,610,624 against 1,484,928 (this model).
-  // Not covered: where activation gradients dominate (a large batch x seq against dim), the
-  // first group in backward holds its whole input at its activation peak while padded holds
-  // only the gradients produced so far, and contiguous is still above (fsdp-bench's default).
+  // through backward was the peak). This model: f32 1,553,792 bytes against padded's 1,660,160
+  // (1,734,784 before), bf16 1,232,896 against 1,302,400 (1,453,312 before).
+  // Not covered: where the first group in backward peaks inside its own backward (activation
+  // gradients large against the model, or padded's other peaks lower), that group holds its whole
+  // input there while padded holds only the gradients produced so far, and contiguous is still
+  // above (fsdp-bench's default model; fsdp-train's 2 x 32 in f32).
   int ran = 0;
   for (const bool bf16 : {false, true}) {
     PeakRun r;
