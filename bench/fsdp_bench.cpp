@@ -21,7 +21,7 @@
 //
 //   fsdp-bench --backend local --dp-shard 4
 //   fsdp-bench --backend local --dp-shard 4 --dim 512 --layers 8 --prefetch 1
-//   fsdp-bench --backend local --dp-replicate 2 --dp-shard 2 --layouts padded
+//   fsdp-bench --backend local --dp-replicate 2 --dp-shard 2
 //   mpirun -np 4 fsdp-bench --backend mpi --dp-shard 4
 //   fsdp-bench --host-cost
 //   fsdp-bench --dp-shard 2 --iters 1 --trace t.json   # a Chrome trace (ui.perfetto.dev): per rank

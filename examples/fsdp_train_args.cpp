@@ -107,14 +107,11 @@ void validate(const Args& a) {
   if (a.fsdp_layout == "contiguous") {
     if (!a.fsdp) bad("--fsdp-layout contiguous needs FSDP (--dp-shard)");
     // What fsdp::Layout::kContiguous does not support yet (fully_shard refuses it too).
-    const char* with = a.dp_replicate > 1   ? "--dp-replicate (HSDP)"
-                       : a.tp > 1             ? "--tp (FSDP x TP)"
+    const char* with = a.tp > 1             ? "--tp (FSDP x TP)"
                        : a.offload            ? "--offload"
                        : !a.all_gather.empty() ? "--all-gather"
                        : a.qlora > 0          ? "--qlora"
                        : a.moe.ep > 1         ? "--ep"
-                       : r != "auto" && r != "true" && r != "false" && r != "1" && r != std::to_string(a.dp_shard)
-                           ? "--reshard-after-forward K"
                        : a.estimate || a.memory_limit > 0 ? "--estimate / --memory-limit (the estimate models the padded layout)"
                            : nullptr;
     if (with) bad(fmt::format("--fsdp-layout contiguous does not support {} yet; use --fsdp-layout padded", with));

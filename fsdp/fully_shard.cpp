@@ -269,9 +269,7 @@ int64_t FSDPModule::sharded_bytes() const {
 }
 int64_t FSDPModule::resharded_k_bytes() const {
   if (!group_->reshard_to_k()) return 0;
-  const auto& m = group_->k_comms->mesh();
-  return group_->dp * group_->slot_numel / m.size(m.ndim() - 1) *
-         static_cast<int64_t>(kernels::itemsize(group_->param_dtype));
+  return group_->k_numel() * static_cast<int64_t>(kernels::itemsize(group_->param_dtype));
 }
 bool FSDPModule::reshards_after_forward() const { return group_->reshards_after_forward(); }
 bool FSDPModule::is_root() const { return group_->is_root(); }
@@ -405,18 +403,12 @@ std::shared_ptr<Group> shard_group(const std::vector<nn::Module*>& modules, std:
   g.my_coord = comms->coord()[dims.shard];
   g.dp_comms = comms->slice_dims(g.dp_dims);
   if (options.layout == Layout::kContiguous) {
-    if (dims.replicate)
-      throw Unsupported("fully_shard: layout contiguous does not support HSDP (a dp_replicate mesh dim) yet; use "
-                        "Layout::kPadded");
-    if (mesh.ndim() != 1)
-      throw Unsupported(fmt::format("fully_shard: layout contiguous needs a 1-D data-parallel mesh; {} has other dims "
-                                    "(FSDP x TP is not supported yet); use Layout::kPadded",
+    // HSDP: the flat buffer is [R, Rg] over (dp_replicate, dp_shard), gradients [P,P] -> [R,Rg].
+    if (mesh.ndim() != g.dp_ndim())
+      throw Unsupported(fmt::format("fully_shard: layout contiguous needs a data-parallel mesh (dp_shard, optionally "
+                                    "dp_replicate); {} has other dims (FSDP x TP is not supported yet); use "
+                                    "Layout::kPadded",
                                     dtensor::to_string(mesh)));
-    const auto& r = options.reshard_after_forward;
-    if (r.kind == ReshardAfterForward::Kind::kInt && r.k > 1 && r.k < g.dp)
-      throw Unsupported(fmt::format("fully_shard: layout contiguous does not support reshard_after_forward = {} yet "
-                                    "(only true / false); use Layout::kPadded",
-                                    r.k));
   }
 
   // Parameters: everything under the modules not owned by a nested group; a parameter of a

@@ -157,9 +157,13 @@ using ParamMeshFn = std::function<std::optional<ParamMesh>(const std::string& na
 // gradient sync: w and b (the trainable prefix, Ng = 18) are backward's gradient buffers at 0
 // and 12 of an 18-element P buffer (gap [10,12) zero); P -> Rg(0,[8,8,2],1) into the sharded
 // gradient buffer whose views are the sharded parameters' grads.
-// Refused for now (Unsupported naming the option; use kPadded): HSDP, other mesh dims (FSDP x
-// TP), reshard_after_forward = k, all-gather extensions, offload, mesh_fn, shard_placement_fn,
-// parameters without elements.
+// HSDP: the flat buffer is [R, Rg(0,[1,...,1],align)] over (dp_replicate, dp_shard), each
+// parameter [R, Rg(overlaps)], and gradient sync [P,P] -> [R,Rg] (reduce-scatter over dp_shard,
+// all-reduce over dp_replicate: padded HSDP's collectives, reduce dtype and divide factor).
+// reshard_after_forward = k: after forward the unsharded buffer becomes Rg(0,[1,...,1],align)
+// over the k ranks (a local slice), gathered back over those k ranks for backward.
+// Refused for now (Unsupported naming the option; use kPadded): other mesh dims (FSDP x TP),
+// all-gather extensions, offload, mesh_fn, shard_placement_fn, parameters without elements.
 enum class Layout { kPadded, kContiguous };
 
 struct FullyShardOptions {

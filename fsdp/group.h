@@ -437,23 +437,40 @@ class Group {
     return released;
   }
 
-  // Post-forward with k: the unsharded parameters packed rank-major (the all-gather layout),
-  // viewed on (.., dp / k, k) and moved R -> S(0) over the k ranks (a local slice), kept until
-  // backward.
+  // reshard_after_forward = k: the k buffer's placements on k_comms, R but over the k ranks:
+  // padded S(0) of the rank-major buffer, contiguous Rg(0,[1,...,1],align) of the parameter-major
+  // one (a range of whole parameters' elements, like the dp shards).
+  Placements k_placements() const {
+    const int kn = k_comms->mesh().ndim();
+    Placements to = filled(kn, dtensor::Replicate{});
+    const int64_t k = k_comms->mesh().size(kn - 1);
+    to[kn - 1] = contiguous() ? Placement{dtensor::RaggedShard{0, std::vector<int64_t>(static_cast<size_t>(k), 1), clayout->align}}
+                              : Placement{dtensor::Shard{0}};
+    return to;
+  }
+  // This rank's elements of the k buffer.
+  int64_t k_numel() const {
+    return dtensor::make_spec(mesh_ptr(k_comms), k_placements(), Dims{flat_numel}, param_dtype)
+        .layout(k_comms->rank())
+        ->local_shape.product();
+  }
+  // Post-forward with k: the unsharded flat buffer (padded: the parameters packed rank-major
+  // first, the all-gather layout; contiguous: the all-gather output the parameters are views
+  // of), viewed on (.., dp / k, k) and moved R -> S(0) / Rg over the k ranks (a local slice),
+  // kept until backward.
   void reshard_to_k_buffer() {
     const Tensor flat = flat_view();
-    std::vector<Tensor> ins;
-    ins.reserve(slots.size());
-    for (const Slot& s : slots) ins.push_back(unsharded_local(s));
-    kernels::chunk_cat(flat, ins, layout, opts.copy_threads);
+    if (!contiguous()) {
+      std::vector<Tensor> ins;
+      ins.reserve(slots.size());
+      for (const Slot& s : slots) ins.push_back(unsharded_local(s));
+      kernels::chunk_cat(flat, ins, layout, opts.copy_threads);
+    }
     DTensor whole(dp_comms, flat_spec(filled(dp_ndim(), dtensor::Replicate{}), param_dtype), flat);
     const int kn = k_comms->mesh().ndim();
     DTensor on_k = whole.view_on(k_comms, filled(kn, dtensor::Replicate{}));
-    Placements to = filled(kn, dtensor::Replicate{});
-    to[kn - 1] = dtensor::Shard{0};
-    const int64_t k = k_comms->mesh().size(kn - 1);
-    Tensor out = Tensor::empty(Dims{dp * slot_numel / k}, param_dtype, compute_device, unsharded_alloc);
-    DTensor kept = on_k.redistribute(to, out);
+    Tensor out = Tensor::empty(Dims{k_numel()}, param_dtype, compute_device, unsharded_alloc);
+    DTensor kept = on_k.redistribute(k_placements(), out);
     reshard();
     k_buffer = kept;
     state = State::kResharded;
@@ -699,15 +716,15 @@ class Group {
     if (p.all_reduce_after) {
       kernels::add_out(result, result, partial_acc);
       partial_acc = Tensor();
-      Placements from = flat_sharded_placements();
+      Placements from = grad_flat_sharded_placements();
       for (int m = 0; m < dp_ndim(); ++m)
         if (m != dp_index) from[m] = dtensor::Partial{};
       DTensor part(dp_comms, grad_flat_spec(from, reduce_dtype), result);
       dtensor::RedistributeOptions ro;
       ro.reduce_dtype = reduce_dtype;
       ro.wire_dtype = reduce_wire;
-      result = part.redistribute(flat_sharded_placements(), ro).to_local();
-      stats.reduce_bytes += part.plan_to(flat_sharded_placements(), ro).bytes_per_rank();
+      result = part.redistribute(grad_flat_sharded_placements(), ro).to_local();
+      stats.reduce_bytes += part.plan_to(grad_flat_sharded_placements(), ro).bytes_per_rank();
       ++stats.all_reduces;
     }
     if (!p.into_grad) {

@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <functional>
@@ -57,6 +58,11 @@ Tensor batch_ids(int step, int64_t first, int64_t rows, int64_t seq, int64_t voc
 
 struct Run {
   int64_t dp = 2;
+  int64_t replicate = 1;    // > 1: HSDP on (dp_replicate, dp_shard)
+  bool no_all_reduce = false;  // HSDP: set_requires_all_reduce(false) before the last microbatch
+  double divide_factor = 0;    // > 0: set_gradient_divide_factor
+  int k = 0;                   // > 0: reshard_after_forward = k
+  std::vector<std::string> freeze;  // requires_grad = false for parameters whose name contains one
   fsdp::Layout layout = fsdp::Layout::kContiguous;
   bool tie = false;
   bool meta = true;         // shard on meta, then materialize
@@ -74,6 +80,7 @@ struct Result {
   std::map<std::string, Tensor> params;
   std::map<std::string, Tensor> initial;  // the parameters' full values before training
   int64_t copy_bytes = 0;                 // rank 0, every group, the whole run
+  int64_t reduce_bytes = 0, all_gather_bytes = 0, all_reduces = 0;  // the same
 };
 
 // Blocks' LayerNorms get a group of their own (small groups: empty ranges), then the blocks,
@@ -94,20 +101,34 @@ std::vector<fsdp::FSDPModule*> groups(nn::GPT& model) {
   return out;
 }
 
+DeviceMesh dp_mesh(int64_t replicate, int64_t dp) {
+  if (replicate > 1) return DeviceMesh::from_shape(Dims{replicate, dp}, {"dp_replicate", "dp_shard"});
+  return DeviceMesh::from_shape(Dims{dp}, {"dp_shard"});
+}
+
 Result train(const Run& r, testing_support::Checks& checks) {
-  const DeviceMesh mesh = DeviceMesh::from_shape(Dims{r.dp}, {"dp_shard"});
+  const DeviceMesh mesh = dp_mesh(r.replicate, r.dp);
+  const int nd = mesh.ndim();
   Result result;
-  collectives::run_ranks(static_cast<int>(r.dp), [&](Communicator& world) {
-    auto comms = MeshComms::create(mesh, world);
+  collectives::run_ranks(static_cast<int>(mesh.size()), [&](Communicator& world) {
+    std::vector<dtensor::Unflattening> unflatten;
+    if (r.k > 0) unflatten.push_back(fsdp::reshard_unflattening(mesh, nd - 1, r.k));
+    auto comms = MeshComms::create(mesh, world, {}, nullptr, unflatten);
     nn::GPT model(nn::ModuleOptions{comms, DType::kF32, {}}, small(r.tie));
     if (!r.meta) nn::materialize(model, 5);
+    for (const auto& [name, p] : model.named_parameters())
+      for (const std::string& f : r.freeze)
+        if (name.find(f) != std::string::npos) p->requires_grad = false;
     fsdp::FullyShardOptions o;
     o.layout = r.layout;
+    if (r.k > 0) o.reshard_after_forward = fsdp::ReshardAfterForward::to(r.k);
     if (r.bf16) {
       o.mp_policy.param_dtype = DType::kBF16;
       o.mp_policy.reduce_dtype = DType::kF32;
     }
     fsdp::FSDPModule& root = shard(model, comms, o);
+    if (r.divide_factor > 0)
+      for (fsdp::FSDPModule* g : groups(model)) g->set_gradient_divide_factor(r.divide_factor);
     if (r.meta) nn::materialize(model, 5);
     for (const auto& [name, p] : model.named_parameters()) {
       Tensor full = p->data().full_tensor();
@@ -119,19 +140,21 @@ Result train(const Run& r, testing_support::Checks& checks) {
     nn::CrossEntropyLoss loss_fn;
     const int64_t micro = r.batch / r.accum;
     auto shared_mesh = std::shared_ptr<const DeviceMesh>(comms, &comms->mesh());
-    const DTensor dloss(comms, dtensor::make_spec(shared_mesh, Placements{dtensor::Replicate{}}, {}, DType::kF64),
+    const DTensor dloss(comms, dtensor::make_spec(shared_mesh, Placements(nd, dtensor::Replicate{}), {}, DType::kF64),
                         Tensor::full({}, 1.0 / r.accum, DType::kF64));
     const nn::GPTConfig cfg = small(r.tie);
+    const Placements batch_sharded(nd, dtensor::Shard{0});
     for (int step = 0; step < r.steps; ++step) {
       double step_loss = 0;
       for (int m = 0; m < r.accum; ++m) {
-        root.set_requires_gradient_sync(m + 1 == r.accum);
+        if (r.no_all_reduce) root.set_requires_all_reduce(m + 1 == r.accum);
+        else root.set_requires_gradient_sync(m + 1 == r.accum);
         if (r.keep_unsharded) root.set_reshard_after_backward(m + 1 == r.accum);
         const int64_t first = step * r.batch + m * micro;
         const DTensor x = dtensor::distribute_tensor(batch_ids(step, first, micro, cfg.max_seq, cfg.vocab, 0), comms,
-                                                     Placements{dtensor::Shard{0}}, std::nullopt);
+                                                     batch_sharded, std::nullopt);
         const DTensor y = dtensor::distribute_tensor(batch_ids(step, first, micro, cfg.max_seq, cfg.vocab, 1), comms,
-                                                     Placements{dtensor::Shard{0}}, std::nullopt);
+                                                     batch_sharded, std::nullopt);
         nn::Ctx ctx, lctx;
         DTensor logits = model.forward(ctx, x);
         DTensor loss = loss_fn.forward(lctx, logits, y);
@@ -154,7 +177,12 @@ Result train(const Run& r, testing_support::Checks& checks) {
       if (world.rank() == 0) result.params[name] = full.clone();
     }
     if (world.rank() == 0)
-      for (fsdp::FSDPModule* g : groups(model)) result.copy_bytes += g->stats().copy_bytes;
+      for (fsdp::FSDPModule* g : groups(model)) {
+        result.copy_bytes += g->stats().copy_bytes;
+        result.reduce_bytes += g->stats().reduce_bytes;
+        result.all_gather_bytes += g->stats().all_gather_bytes;
+        result.all_reduces += g->stats().all_reduces;
+      }
   });
   return result;
 }
@@ -363,11 +391,180 @@ TEST_CASE("fsdp contiguous: materialise before sharding, tied weights, clipping,
   CHECK(ran == 1);
 }
 
+TEST_CASE("fsdp contiguous: HSDP 2x2 and 2x3 equal padded HSDP bit for bit in f32, no more bytes on the wire",
+          "[fsdp][contiguous][hsdp]") {
+  int ran = 0;
+  for (int64_t dp : {2, 3}) {
+    DYNAMIC_SECTION("HSDP 2x" << dp) {
+      testing_support::Checks checks;
+      Run r;
+      r.replicate = 2;
+      r.dp = dp;
+      r.after = [dp](nn::GPT& model, fsdp::FSDPModule&, std::shared_ptr<MeshComms> comms, testing_support::Checks& c) {
+        // [R, Rg(overlaps)]: every replica holds the same 1-D range of the shard dim's rank.
+        int ragged = 0;
+        for (const auto& [name, p] : model.named_parameters()) {
+          const Placements& pl = p->placements();
+          c.check(pl.size() == 2 && dtensor::is_replicate(pl[0]) && dtensor::is_ragged(pl[1]),
+                  name + ": placements " + dtensor::to_string(pl) + ", expected [R, Rg]");
+          if (pl.size() != 2 || !dtensor::is_ragged(pl[1])) continue;
+          ++ragged;
+          const auto& rg = std::get<dtensor::RaggedShard>(pl[1]);
+          c.check(static_cast<int64_t>(rg.units.size()) == dp, name + ": units over dp_shard");
+          c.check(p->data().to_local().numel() == rg.units[comms->coord()[1]], name + ": local is the shard rank's range");
+        }
+        c.check(ragged == static_cast<int>(model.named_parameters().size()), "every parameter is [R, Rg]");
+      };
+      const Result got = train(r, checks);
+      checks.report();
+      Run p = r;
+      p.layout = fsdp::Layout::kPadded;
+      p.after = nullptr;
+      const Result want = train(p, checks);
+      check_same(got, want, 0.0);
+      CHECK(got.copy_bytes == 0);
+      CHECK(want.copy_bytes > 0);
+      // The same collectives (one all-gather per unshard, RS + AR per gradient sync), no more
+      // bytes: the ragged ranges carry no per-parameter padding.
+      INFO("reduce bytes " << got.reduce_bytes << " vs padded " << want.reduce_bytes << "; all-gather bytes "
+                           << got.all_gather_bytes << " vs " << want.all_gather_bytes);
+      CHECK(got.all_reduces == want.all_reduces);
+      CHECK(got.all_reduces > 0);
+      CHECK(got.reduce_bytes <= want.reduce_bytes);
+      CHECK(got.all_gather_bytes <= want.all_gather_bytes);
+      CHECK(got.reduce_bytes > 0);
+      ++ran;
+    }
+  }
+  CHECK(ran == 1);
+}
+
+TEST_CASE("fsdp contiguous: HSDP accumulation without sync or all-reduce, gradient divide factor",
+          "[fsdp][contiguous][hsdp]") {
+  int ran = 0;
+  SECTION("2x3, set_requires_gradient_sync(false) over 2 microbatches") {
+    Run r;
+    r.replicate = 2;
+    r.dp = 3;
+    r.accum = 2;
+    Run p = r;
+    p.layout = fsdp::Layout::kPadded;
+    testing_support::Checks checks;
+    const Result a = train(r, checks), b = train(p, checks);
+    checks.report();
+    // As without HSDP: the second microbatch accumulates inside the matmul kernels.
+    check_same(a, b, 1e-6, /*l2=*/true);
+    ++ran;
+  }
+  SECTION("2x3, set_requires_all_reduce(false): [P,P] -> [P,Rg], summed, then all-reduced once") {
+    Run r;
+    r.replicate = 2;
+    r.dp = 3;
+    r.accum = 2;
+    r.no_all_reduce = true;
+    Run p = r;
+    p.layout = fsdp::Layout::kPadded;
+    testing_support::Checks checks;
+    const Result a = train(r, checks), b = train(p, checks);
+    checks.report();
+    check_same(a, b, 0.0);  // every microbatch reduce-scatters its own gradients: the same sums
+    CHECK(a.copy_bytes == 0);
+    CHECK(a.all_reduces == b.all_reduces);
+    ++ran;
+  }
+  SECTION("2x3, set_requires_all_reduce(false) with frozen parameters (a shorter gradient buffer)") {
+    Run r;
+    r.replicate = 2;
+    r.dp = 3;
+    r.accum = 2;
+    r.no_all_reduce = true;
+    r.freeze = {"pos_emb", "blocks.0.ln1", "mlp.fc2.bias"};
+    Run p = r;
+    p.layout = fsdp::Layout::kPadded;
+    testing_support::Checks checks;
+    const Result a = train(r, checks), b = train(p, checks);
+    checks.report();
+    check_same(a, b, 0.0);
+    for (const auto& [name, t] : a.params)
+      if (name.find("pos_emb") != std::string::npos) {
+        INFO(name);
+        CHECK(t.to_vector() == a.initial.at(name).to_vector());  // frozen: unchanged
+      }
+    ++ran;
+  }
+  SECTION("2x2, set_gradient_divide_factor(3)") {
+    Run r;
+    r.replicate = 2;
+    r.dp = 2;
+    r.divide_factor = 3;
+    Run p = r;
+    p.layout = fsdp::Layout::kPadded;
+    Run plain = r;
+    plain.divide_factor = 0;
+    testing_support::Checks checks;
+    const Result a = train(r, checks), b = train(p, checks), c = train(plain, checks);
+    checks.report();
+    check_same(a, b, 0.0);
+    // The first step's gradients (the same parameters) are the plain sums divided by 3.
+    REQUIRE(!a.norms.empty());
+    INFO("gradient norm " << a.norms[0] << " with the factor, " << c.norms[0] << " without");
+    CHECK(std::abs(3 * a.norms[0] - c.norms[0]) <= 1e-6 * c.norms[0]);
+    ++ran;
+  }
+  CHECK(ran == 1);
+}
+
+TEST_CASE("fsdp contiguous: reshard_after_forward = k equals padded with k bit for bit, FSDP and HSDP",
+          "[fsdp][contiguous][k]") {
+  struct Config {
+    int64_t replicate, dp;
+    int k;
+  };
+  int ran = 0;
+  for (const Config& cfg : {Config{1, 4, 2}, Config{1, 6, 3}, Config{2, 4, 2}}) {
+    DYNAMIC_SECTION(cfg.replicate << "x" << cfg.dp << " k " << cfg.k) {
+      Run r;
+      r.replicate = cfg.replicate;
+      r.dp = cfg.dp;
+      r.k = cfg.k;
+      r.after = [cfg](nn::GPT& model, fsdp::FSDPModule&, std::shared_ptr<MeshComms>, testing_support::Checks& c) {
+        // A non-root group keeps ~1/k of its unsharded flat buffer between forward and backward.
+        fsdp::FSDPModule* block = fsdp::state(model.blocks()[0]);
+        const int64_t flat = block->sharded_bytes();  // this rank's dp range: ~1/dp of the buffer
+        const int64_t kept = block->resharded_k_bytes();
+        c.check(kept > 0 && kept >= flat && kept <= (cfg.dp / cfg.k) * flat + 64,
+                "k buffer " + std::to_string(kept) + " bytes against a dp shard of " + std::to_string(flat));
+      };
+      testing_support::Checks checks;
+      const Result got = train(r, checks);
+      checks.report();
+      Run p = r;
+      p.layout = fsdp::Layout::kPadded;
+      p.after = nullptr;
+      const Result want = train(p, checks);
+      Run full = r;
+      full.k = 0;
+      full.after = nullptr;
+      const Result no_k = train(full, checks);
+      check_same(got, want, 0.0);
+      check_same(got, no_k, 0.0);
+      CHECK(got.copy_bytes == 0);
+      INFO("all-gather bytes " << got.all_gather_bytes << " vs padded " << want.all_gather_bytes << ", without k "
+                               << no_k.all_gather_bytes);
+      CHECK(got.all_gather_bytes <= want.all_gather_bytes);
+      CHECK(got.all_gather_bytes < no_k.all_gather_bytes);  // backward gathers over k ranks only
+      ++ran;
+    }
+  }
+  CHECK(ran == 1);
+}
+
 TEST_CASE("fsdp contiguous: mp bf16 copies only the casts; within bf16 rounding of padded", "[fsdp][contiguous]") {
   int ran = 0;
-  for (int64_t dp : {2, 5}) {
-    DYNAMIC_SECTION("dp " << dp) {
+  for (const auto& [replicate, dp] : std::vector<std::pair<int64_t, int64_t>>{{1, 2}, {1, 5}, {2, 2}}) {
+    DYNAMIC_SECTION(replicate << "x" << dp) {
       Run r;
+      r.replicate = replicate;
       r.dp = dp;
       r.bf16 = true;
       r.after = [](nn::GPT& model, fsdp::FSDPModule&, std::shared_ptr<MeshComms>, testing_support::Checks& c) {
@@ -414,10 +611,8 @@ TEST_CASE("fsdp contiguous: refuses what it does not support yet, naming the opt
     });
   };
   auto none = [](fsdp::FullyShardOptions&) {};
-  refused(Dims{2, 2}, {"dp_replicate", "dp_shard"}, none, "HSDP");
+  refused(Dims{2, 2, 2}, {"dp_replicate", "dp_shard", "tp"}, none, "FSDP x TP");
   refused(Dims{2, 2}, {"dp_shard", "tp"}, none, "FSDP x TP");
-  refused(Dims{4}, {"dp_shard"}, [](fsdp::FullyShardOptions& o) { o.reshard_after_forward = fsdp::ReshardAfterForward::to(2); },
-          "reshard_after_forward = 2", {fsdp::reshard_unflattening(DeviceMesh::from_shape(Dims{4}, {"dp_shard"}), 0, 2)});
   refused(Dims{2}, {"dp_shard"}, [](fsdp::FullyShardOptions& o) { o.offload_policy.offload_to_cpu = true; }, "offload");
   refused(Dims{2}, {"dp_shard"}, [](fsdp::FullyShardOptions& o) {
     o.all_gather_extension_fn = [](const std::string&, const nn::Parameter&) { return std::shared_ptr<fsdp::AllGatherExtension>(); };
@@ -429,17 +624,19 @@ TEST_CASE("fsdp contiguous: refuses what it does not support yet, naming the opt
     o.shard_placement_fn = [](const std::string&, const nn::Parameter&) { return std::optional<int>(); };
   }, "shard_placement_fn");
   checks.report();
-  CHECK(cases == 7);
+  CHECK(cases == 6);
 }
 
 namespace {
 
 // Shards a fresh meta GPT (dp ranks, the given layout), materialises it (seed), trains `steps`
 // steps with AdamW; then `then(model, opt, comms, world)` on every rank.
-void with_trained(int64_t dp, fsdp::Layout layout, uint64_t seed, int steps,
+// replicate > 1: HSDP on (dp_replicate, dp_shard).
+void with_trained(int64_t replicate, int64_t dp, fsdp::Layout layout, uint64_t seed, int steps,
                   const std::function<void(nn::GPT&, nn::AdamW&, std::shared_ptr<MeshComms>, Communicator&)>& then) {
-  const DeviceMesh mesh = DeviceMesh::from_shape(Dims{dp}, {"dp_shard"});
-  collectives::run_ranks(static_cast<int>(dp), [&](Communicator& world) {
+  const DeviceMesh mesh = dp_mesh(replicate, dp);
+  const int nd = mesh.ndim();
+  collectives::run_ranks(static_cast<int>(mesh.size()), [&](Communicator& world) {
     auto comms = MeshComms::create(mesh, world);
     const nn::GPTConfig cfg = small(true);
     nn::GPT model(nn::ModuleOptions{comms, DType::kF32, {}}, cfg);
@@ -452,13 +649,14 @@ void with_trained(int64_t dp, fsdp::Layout layout, uint64_t seed, int steps,
     nn::AdamW opt(model.named_parameters(), ao);
     nn::CrossEntropyLoss loss_fn;
     auto shared_mesh = std::shared_ptr<const DeviceMesh>(comms, &comms->mesh());
-    const DTensor dloss(comms, dtensor::make_spec(shared_mesh, Placements{dtensor::Replicate{}}, {}, DType::kF64),
+    const DTensor dloss(comms, dtensor::make_spec(shared_mesh, Placements(nd, dtensor::Replicate{}), {}, DType::kF64),
                         Tensor::full({}, 1.0, DType::kF64));
+    const Placements batch_sharded(nd, dtensor::Shard{0});
     for (int step = 0; step < steps; ++step) {
       const DTensor x = dtensor::distribute_tensor(batch_ids(step, step * 6, 6, cfg.max_seq, cfg.vocab, 0), comms,
-                                                   Placements{dtensor::Shard{0}}, std::nullopt);
+                                                   batch_sharded, std::nullopt);
       const DTensor y = dtensor::distribute_tensor(batch_ids(step, step * 6, 6, cfg.max_seq, cfg.vocab, 1), comms,
-                                                   Placements{dtensor::Shard{0}}, std::nullopt);
+                                                   batch_sharded, std::nullopt);
       nn::Ctx ctx, lctx;
       DTensor loss = loss_fn.forward(lctx, model.forward(ctx, x), y);
       model.backward(ctx, loss_fn.backward(lctx, dloss));
@@ -479,37 +677,63 @@ nn::StateDict full_state(nn::GPT& model, nn::AdamW& opt) {
 
 TEST_CASE("fsdp contiguous: a checkpoint saved under one layout loads under the other bit for bit",
           "[fsdp][contiguous][checkpoint]") {
+  struct Side {
+    int64_t replicate, dp;
+    fsdp::Layout layout;
+  };
+  struct Crossing {
+    const char* name;
+    Side save, load;
+  };
+  const fsdp::Layout C = fsdp::Layout::kContiguous, P = fsdp::Layout::kPadded;
+  const std::vector<Crossing> crossings = {
+      {"contiguous dp 3 -> padded dp 2", {1, 3, C}, {1, 2, P}},
+      {"padded dp 3 -> contiguous dp 2", {1, 3, P}, {1, 2, C}},
+      {"contiguous HSDP 2x2 -> padded HSDP 2x3", {2, 2, C}, {2, 3, P}},
+      {"padded HSDP 2x3 -> contiguous HSDP 2x2", {2, 3, P}, {2, 2, C}},
+      {"contiguous HSDP 2x3 -> contiguous dp 4", {2, 3, C}, {1, 4, C}},
+  };
   int ran = 0;
-  for (const bool from_contiguous : {true, false}) {
-    DYNAMIC_SECTION((from_contiguous ? "contiguous dp 3 -> padded dp 2" : "padded dp 3 -> contiguous dp 2")) {
-      const fsdp::Layout save_layout = from_contiguous ? fsdp::Layout::kContiguous : fsdp::Layout::kPadded;
-      const fsdp::Layout load_layout = from_contiguous ? fsdp::Layout::kPadded : fsdp::Layout::kContiguous;
+  for (const Crossing& cr : crossings) {
+    DYNAMIC_SECTION(cr.name) {
       const std::filesystem::path dir =
           std::filesystem::temp_directory_path() / ("fsdp-contiguous-ckpt-" + std::to_string(::getpid()));
       std::filesystem::remove_all(dir);
       testing_support::Checks checks;
       std::map<std::string, Tensor> saved, loaded;
-      with_trained(3, save_layout, 5, 2, [&](nn::GPT& model, nn::AdamW& opt, std::shared_ptr<MeshComms>, Communicator& world) {
-        const nn::StateDict sd = full_state(model, opt);
-        checkpoint::save(dir.string(), sd, world);
-        nn::for_each_full_tensor(sd, true, [&](const std::string& key, const Tensor& full) { saved[key] = full.clone(); });
-      });
-      // Another layout, another dp size, other initial values: everything comes from the files.
-      with_trained(2, load_layout, 6, 0, [&](nn::GPT& model, nn::AdamW& opt, std::shared_ptr<MeshComms>, Communicator& world) {
-        opt.init_state();
-        nn::StateDict sd = full_state(model, opt);
-        checkpoint::load(dir.string(), sd, world);
-        opt.load_state_dict(sd.sub("optim."));
-        const nn::StateDict after = full_state(model, opt);
-        int ragged = 0;
-        for (const auto& [key, t] : after.tensors) ragged += dtensor::is_ragged(t.placements()[0]) ? 1 : 0;
-        checks.check((ragged > 0) == (load_layout == fsdp::Layout::kContiguous), "the loaded state's placements");
-        nn::for_each_full_tensor(after, true, [&](const std::string& key, const Tensor& full) { loaded[key] = full.clone(); });
-      });
+      std::atomic<uint64_t> written{0};
+      with_trained(cr.save.replicate, cr.save.dp, cr.save.layout, 5, 2,
+                   [&](nn::GPT& model, nn::AdamW& opt, std::shared_ptr<MeshComms>, Communicator& world) {
+                     const nn::StateDict sd = full_state(model, opt);
+                     written += checkpoint::save(dir.string(), sd, world).bytes_written;
+                     nn::for_each_full_tensor(sd, true, [&](const std::string& key, const Tensor& full) {
+                       saved[key] = full.clone();
+                     });
+                   });
+      // Another layout, another mesh, other initial values: everything comes from the files.
+      with_trained(cr.load.replicate, cr.load.dp, cr.load.layout, 6, 0,
+                   [&](nn::GPT& model, nn::AdamW& opt, std::shared_ptr<MeshComms>, Communicator& world) {
+                     opt.init_state();
+                     nn::StateDict sd = full_state(model, opt);
+                     checkpoint::load(dir.string(), sd, world);
+                     opt.load_state_dict(sd.sub("optim."));
+                     const nn::StateDict after = full_state(model, opt);
+                     int ragged = 0;
+                     for (const auto& [key, t] : after.tensors)
+                       for (const auto& pl : t.placements()) ragged += dtensor::is_ragged(pl) ? 1 : 0;
+                     checks.check((ragged > 0) == (cr.load.layout == C), "the loaded state's placements");
+                     nn::for_each_full_tensor(after, true, [&](const std::string& key, const Tensor& full) {
+                       loaded[key] = full.clone();
+                     });
+                   });
       std::filesystem::remove_all(dir);
       checks.report();
       REQUIRE(saved.size() == loaded.size());
       CHECK(saved.size() > 30);  // parameters, exp_avg and exp_avg_sq of each
+      // Every element written once over all ranks (HSDP's replicas write nothing twice).
+      uint64_t state_bytes = 0;
+      for (const auto& [key, t] : saved) state_bytes += t.nbytes();
+      CHECK(written.load() == state_bytes);
       int compared = 0;
       for (const auto& [key, t] : saved) {
         auto it = loaded.find(key);

@@ -5,7 +5,8 @@ layout copies (copy-in + copy-out > 0), and their f32 losses are equal bit for b
 sums in the same order); under --mp bf16 the contiguous layout copies only the param_dtype casts
 of the shards (fewer bytes than padded, still > 0). Uneven FSDP 3 with no-sync accumulation too.
 A checkpoint saved under one layout (FSDP 3) resumes under the other (FSDP 2) to the same last
-loss (within 1e-6: the dp size changes the reduction order).
+loss (within 1e-6: the dp size changes the reduction order), and HSDP 2x2 <-> FSDP 3 the same.
+HSDP 2x3: bit-identical losses, 0 bytes copied, all-gather and reduce bytes <= padded's.
 
 usage: fsdp_train_layout_test.py path/to/fsdp-train
 """
@@ -42,10 +43,14 @@ def run(*args, steps=5):
     return last, [m.group(2) for m in matched if m], [int(m.group(3)) for m in matched if m]
 
 
-for dp, extra in (("4", []), ("3", ["--grad-accum", "2", "--no-sync"])):
-    pad, pad_losses, pad_copies = run("--dp-shard", dp, "--fsdp-layout", "padded", *extra)
-    con, con_losses, con_copies = run("--dp-shard", dp, "--fsdp-layout", "contiguous", "--check-parity", *extra)
-    what = f"--dp-shard {dp} {' '.join(extra)}"
+for mesh, extra in ((["--dp-shard", "4"], []), (["--dp-shard", "3"], ["--grad-accum", "2", "--no-sync"]),
+                    (["--dp-replicate", "2", "--dp-shard", "3"], [])):
+    pad, pad_losses, pad_copies = run(*mesh, "--fsdp-layout", "padded", *extra)
+    con, con_losses, con_copies = run(*mesh, "--fsdp-layout", "contiguous", "--check-parity", *extra)
+    what = f"{' '.join(mesh)} {' '.join(extra)}"
+    # The same collectives, no more bytes (no per-parameter padding in the ragged ranges).
+    for key in ("all_gather_bytes", "reduce_bytes"):
+        check(0 < con.get(key, 0) <= pad.get(key, 0), f"{what}: {key} {con.get(key)} vs padded {pad.get(key)}")
     check(con.get("parity") == "ok", f"{what}: contiguous parity {con.get('parity')}")
     check(con.get("fsdp_copy_bytes") == 0 and set(con_copies) == {0},
           f"{what}: contiguous f32 copied {con.get('fsdp_copy_bytes')} bytes per step ({con_copies}), expected 0")
@@ -59,16 +64,18 @@ for dp, extra in (("4", []), ("3", ["--grad-accum", "2", "--no-sync"])):
 
 # Checkpoints cross between the layouts (and dp sizes): a run saved at step 3 and resumed under
 # the other layout ends where the uninterrupted run does.
+FSDP3, FSDP2, HSDP2x2 = ["--dp-shard", "3"], ["--dp-shard", "2"], ["--dp-replicate", "2", "--dp-shard", "2"]
 with tempfile.TemporaryDirectory() as tmp:
-    for save_layout, load_layout in (("contiguous", "padded"), ("padded", "contiguous")):
-        d = os.path.join(tmp, save_layout)
-        whole, _, _ = run("--dp-shard", "3", "--fsdp-layout", save_layout, "--save-every", "3", "--save-dir", d,
-                          steps=6)
-        resumed, _, _ = run("--dp-shard", "2", "--fsdp-layout", load_layout, "--resume-from",
+    for i, (save_mesh, save_layout, load_mesh, load_layout) in enumerate((
+            (FSDP3, "contiguous", FSDP2, "padded"), (FSDP3, "padded", FSDP2, "contiguous"),
+            (HSDP2x2, "contiguous", FSDP3, "padded"), (FSDP3, "padded", HSDP2x2, "contiguous"))):
+        d = os.path.join(tmp, str(i))
+        whole, _, _ = run(*save_mesh, "--fsdp-layout", save_layout, "--save-every", "3", "--save-dir", d, steps=6)
+        resumed, _, _ = run(*load_mesh, "--fsdp-layout", load_layout, "--resume-from",
                             os.path.join(d, "step-00000003"), steps=6)
         a, b = whole.get("last_loss", 0.0), resumed.get("last_loss", 1.0)
-        check(abs(a - b) <= 1e-6 * abs(a), f"saved under {save_layout}, resumed under {load_layout}: last_loss {b} "
-              f"vs {a} uninterrupted")
+        check(abs(a - b) <= 1e-6 * abs(a), f"saved under {save_layout} {save_mesh}, resumed under {load_layout} "
+              f"{load_mesh}: last_loss {b} vs {a} uninterrupted")
 
 pad, _, _ = run("--dp-shard", "4", "--mp", "bf16", "--fsdp-layout", "padded")
 con, _, con_copies = run("--dp-shard", "4", "--mp", "bf16", "--fsdp-layout", "contiguous", "--check-parity")
