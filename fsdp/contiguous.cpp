@@ -52,7 +52,13 @@ ContiguousLayout lay_out_contiguous(const std::vector<int64_t>& numels, size_t t
     end = kernels::checked_add(off, numels[i], "FSDP flat buffer elements");
     if (i + 1 == trainable) l.grad_numel = end;
   }
-  l.numel = end;
+  // N rounded up to whole dp x align blocks: every rank's range has N / dp elements, so the
+  // all-gather and reduce-scatter take their equal-count forms (an uneven reduce-scatter stages
+  // each peer's piece in a temporary before it sums them). The tail is zero, like the gaps.
+  const int64_t block = kernels::checked_mul(dp, align, "FSDP flat block");
+  l.numel = kernels::checked_mul(kernels::checked_ceil_div(end, block, "FSDP flat buffer elements"), block,
+                                 "FSDP flat buffer elements");
+  if (trainable == numels.size()) l.grad_numel = l.numel;  // all trainable: the same equal ranges
   l.bounds = dtensor::ragged_boundaries(l.numel, std::vector<int64_t>(static_cast<size_t>(dp), 1), align);
   return l;
 }
@@ -86,6 +92,9 @@ void lay_out_contiguous(Group& g) {
     Placements p = s.unsharded_spec.placements;
     p[g.shard_mesh_dim] = l.param_placement(i);
     s.sharded_spec = dtensor::make_spec(mesh_ptr(g.comms), p, s.unsharded_spec.shape, s.unsharded_spec.dtype);
+    Placements gp = s.unsharded_spec.placements;
+    for (int m : g.dp_dims) gp[m] = dtensor::Partial{};
+    s.grad_spec = dtensor::make_spec(mesh_ptr(g.comms), gp, s.unsharded_spec.shape, g.reduce_dtype);
   }
   g.slot_numel = l.size(me);
   g.flat_numel = g.unsharded_numel = l.numel;
@@ -119,10 +128,11 @@ void Group::ensure_grad_in() {
 
 DTensor Group::grad_in_view(size_t i) const {
   const Slot& s = slots[i];
-  Placements pl = s.unsharded_spec.placements;
-  for (int m : dp_dims) pl[m] = dtensor::Partial{};
-  const DTensorSpec spec = dtensor::make_spec(mesh_ptr(comms), pl, s.unsharded_spec.shape, grad_in.dtype());
-  return DTensor(comms, spec, grad_in.narrow(0, s.offset, s.padded_numel).view(s.local_shape));
+  const Tensor view = grad_in.narrow(0, s.offset, s.padded_numel).view(s.local_shape);
+  if (grad_in.dtype() == s.grad_spec.dtype) return DTensor(comms, s.grad_spec, view);
+  DTensorSpec spec = s.grad_spec;  // the bf16 buffer of a synchronising backward
+  spec.dtype = grad_in.dtype();
+  return DTensor(comms, spec, view);
 }
 
 // Before backward: every trainable parameter's gradient buffer is its view of the flat

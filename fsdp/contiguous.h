@@ -3,17 +3,19 @@
 // buffer each dp rank holds, and each parameter's RaggedShard placement. Pure functions.
 //
 // A group's parameters are laid out parameter-major, each at an offset rounded up to `align`
-// elements; the flat buffer of N elements is Rg(0,[1,...,1],align) over the dp ranks (ranges
-// balanced by elements, so by bytes: one dtype per group), and parameter i is
+// elements; the flat buffer's N elements (the last parameter's end rounded up to whole blocks of
+// dp x align) are Rg(0,[1,...,1],align) over the dp ranks: N / dp elements each, so by bytes too
+// (one dtype per group), and the collectives take their equal-count forms. Parameter i is
 // Rg(0,[its overlap with each rank's range],1) of its own global shape.
 //
 //   three parameters of 10, 6 and 3 elements, align 4, dp 3:
-//     offsets 0, 12, 20 (10 -> 12 and 18 -> 20 rounded up), N = 23
-//     rank ranges (ragged_boundaries(23, [1,1,1], 4)): [0,4) [4,12) [12,23)
-//     parameter 0 [0,10):  Rg(0,[4,6,0],1)   parameter 1 [12,18): Rg(0,[0,0,6],1)
-//     parameter 2 [20,23): Rg(0,[0,0,3],1)   (the gaps [10,12) and [18,20) stay zero)
-// With frozen parameters last, the gradient buffer covers the trainable prefix [0, Ng): the same
-// rank ranges clipped to Ng, as Rg(0,[clipped sizes],1).
+//     offsets 0, 12, 20 (10 -> 12 and 18 -> 20 rounded up), end 23, N = 24 (blocks of 12)
+//     rank ranges (ragged_boundaries(24, [1,1,1], 4)): [0,8) [8,16) [16,24)
+//     parameter 0 [0,10):  Rg(0,[8,2,0],1)   parameter 1 [12,18): Rg(0,[0,4,2],1)
+//     parameter 2 [20,23): Rg(0,[0,0,3],1)   (the gaps [10,12), [18,20) and [23,24) stay zero)
+// With frozen parameters last, the gradient buffer covers the trainable prefix [0, Ng) (Ng = N
+// when every parameter is trainable): the same rank ranges clipped to Ng, as
+// Rg(0,[clipped sizes],1).
 #pragma once
 
 #include <cstdint>
@@ -26,8 +28,8 @@ namespace fsdp::detail {
 
 struct ContiguousLayout {
   int64_t align = 1;
-  int64_t numel = 0;       // N: the flat buffer's elements (end of the last parameter)
-  int64_t grad_numel = 0;  // Ng: the end of the trainable prefix (0: nothing trainable)
+  int64_t numel = 0;       // N: the flat buffer's elements (a multiple of dp x align)
+  int64_t grad_numel = 0;  // Ng: the end of the trainable prefix, N when all are (0: none)
   std::vector<int64_t> offsets, numels;  // per parameter
   std::vector<int64_t> bounds;           // dp + 1 rank boundaries of [0, N)
 

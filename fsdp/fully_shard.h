@@ -148,13 +148,14 @@ using ParamMeshFn = std::function<std::optional<ParamMesh>(const std::string& na
 //                (fsdp/contiguous.h; fsdp/README.md "The contiguous layout").
 // Example (kContiguous, f32, dp 3): a group of w [2,5] (10 elements), b [6] and g [3] (frozen).
 // Offsets are rounded up to 16 bytes of the narrowest of the param / reduce / original dtypes
-// (here 4 elements): w at 0, b at 12, g at 20; N = 23. The flat buffer is Rg(0,[1,1,1],4):
-// rank ranges [0,4) [4,12) [12,23). Sharded parameters (their own global shape):
-//   w: Rg(0,[4,6,0],1)  rank 0 holds w's flat [0,4), rank 1 [4,10), rank 2 nothing
-//   b: Rg(0,[0,0,6],1)  g: Rg(0,[0,0,3],1)
+// (here 4 elements): w at 0, b at 12, g at 20, ending at 23; N = 24 (rounded up to blocks of
+// dp x 4 = 12, so every rank holds 8). The flat buffer is Rg(0,[1,1,1],4): rank ranges [0,8)
+// [8,16) [16,24). Sharded parameters (their own global shape):
+//   w: Rg(0,[8,2,0],1)  rank 0 holds w's flat [0,8), rank 1 [8,10), rank 2 nothing
+//   b: Rg(0,[0,4,2],1)  g: Rg(0,[0,0,3],1)
 // unshard: flat Rg -> R into one N-element buffer (param dtype); w, b, g are views at 0, 12, 20.
 // gradient sync: w and b (the trainable prefix, Ng = 18) are backward's gradient buffers at 0
-// and 12 of an 18-element P buffer (gap [10,12) zero); P -> Rg(0,[4,8,6],1) into the sharded
+// and 12 of an 18-element P buffer (gap [10,12) zero); P -> Rg(0,[8,8,2],1) into the sharded
 // gradient buffer whose views are the sharded parameters' grads.
 // HSDP: the flat buffer is [R, Rg(0,[1,...,1],align)] over (dp_replicate, dp_shard), each
 // parameter [R, Rg(overlaps)], and gradient sync [P,P] -> [R,Rg] (reduce-scatter over dp_shard,

@@ -67,6 +67,7 @@ struct Slot {
   // Contiguous layout: offset is the global flat offset (unsharded_offset the same), padded_numel
   // the parameter's numel; this rank's overlap with it is [local_begin, + local_numel) of its shard.
   int64_t local_begin = 0, local_numel = 0;
+  DTensorSpec grad_spec;  // contiguous: its gradient buffer's spec (dp dims Partial, reduce dtype)
   Tensor accum;                        // no-sync: the unsharded gradient so far (reduce dtype)
   bool released = false;  // quantize_frozen: no master; its extension keeps its gathered inputs
 };

@@ -219,10 +219,30 @@ class Issuer {
   }
 
   // ---- all-gather ----
+  // A RaggedShard all-gather whose pieces are all this rank's size, of one flat tensor no other
+  // mesh dim shards (FSDP's flat buffer): the pieces in member order ARE the result's equal
+  // chunks, so it is the plain all_gather (one collective, no send_recv).
+  bool equal_flat_ragged() const {
+    const auto* rg = std::get_if<RaggedShard>(&(*before_)[m_]);
+    if (rg == nullptr || items_.size() != 1 || items_[0].spec->shape.size() != 1 || !items_[0].local.is_contiguous())
+      return false;
+    for (int d = 0; d < static_cast<int>(before_->size()); ++d)
+      if (d != m_ && !is_replicate((*before_)[d]) && !is_partial((*before_)[d])) return false;
+    const std::vector<int64_t> b = ragged_boundaries(items_[0].spec->shape[0], rg->units, rg->align);
+    for (size_t g = 0; g + 1 < b.size(); ++g)
+      if (b[g + 1] - b[g] != items_[0].local.numel()) return false;
+    return true;
+  }
+
   TensorList run_step(const AllGather& s) {
+    if (equal_flat_ragged()) {
+      Tensor out = result(0, items_[0].spec->shape, sp().work, true);
+      call(on(comm()).all_gather(items_[0].local, out));
+      return {std::move(out)};
+    }
     // A valid step that is not plain (a later mesh dim shards the dim too) gathers pieces that
     // are not the result's chunks in coordinate order: only the exchange places them.
-    // Ragged pieces differ in size even when the result divides: always the exact exchange.
+    // Ragged pieces differ in size even when the result divides: the exact exchange.
     bool direct = s.tensor_dim == 0 && is_shard((*before_)[m_]) && plain_step();
     if (items_.size() == 1 && direct) {
       // Straight from the local tensor into the result (the caller's out when contiguous).
@@ -478,7 +498,14 @@ class Issuer {
       in_place = seg[g] == 0 || flat_start(sc[0]->chunk_blocks.at(g), ins[0].shape()) == seg_off[g];
     Tensor send = in_place ? flat(ins[0]) : alloc({total}, p.work);
     if (!in_place) local([=] { pack_members(ins, sc, seg, seg_off, send); });
-    Tensor mine = alloc({seg[r]}, p.work);
+    // One flat tensor (a ragged reduce-scatter's 1-D view) whose result is contiguous in the work
+    // dtype and apart from the input: reduced straight into the result, no copy after.
+    Tensor direct;
+    if (in_place && p.out == p.work && items_[0].spec->shape.size() == 1 && sc[0]->post_shape.product() == seg[r]) {
+      Tensor o = result(0, sc[0]->post_shape, p.out, true);
+      if (!o.shares_storage_with(ins[0])) direct = o;
+    }
+    Tensor mine = direct.defined() ? flat(direct) : alloc({seg[r]}, p.work);
     if (even) {
       call(c.reduce_scatter(send, mine, p.reduction));
     } else {
@@ -493,6 +520,10 @@ class Issuer {
         for (int64_t g = 1; g < k; ++g) kernels::reduce_into(mine, got[g], red.op, m);
         if (red.op == ReduceOp::kAvg) kernels::scale_(mine, 1.0 / static_cast<double>(k));
       });
+    }
+    if (direct.defined()) {
+      if (p.post_scale != 1.0) local([=] { kernels::scale_(mine, p.post_scale); });
+      return {direct};
     }
     return unpack_members(mine, sc, p);
   }

@@ -271,6 +271,13 @@ void einsum_local(const Equation& e, const Tensor& la, const Tensor& lb, const T
     kernels::matmul_out(batch.empty() ? out.view({M, N}) : out.view({B, M, N}), A, Bm, mo);
     return;
   }
+  // One label per group: out in natural order is a (batch of) matrix view, e.g. a Linear weight's
+  // gradient "..z,..y->yz" is the transposed [z, y] product; matmul_out writes it in place (a
+  // transposed C is the product B^T A^T), with no temporary and no permuted copy.
+  if (m.size() == 1 && n.size() == 1 && batch.size() <= 1) {
+    kernels::matmul_out(out.permute(order(e.c, natural)), A, Bm, mo);
+    return;
+  }
   // Output labels in another order: the product in natural order, then a permuted copy.
   Dims natural_shape;
   for (char l : natural) natural_shape.push_back(size_of(l));

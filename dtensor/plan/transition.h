@@ -99,7 +99,11 @@ Transition make_transition(const DTensorSpec& src, const Placements& dst, Planne
 // ranks is Rg(d,[torch.chunk row counts],s_{d+1} x ... x s_{n-1}) (exact: the same ranges), one
 // step per changed mesh dim, in the cheapest order: Rg -> R an all-gather of exact pieces (AG),
 // R -> Rg a local chunk, P -> Rg a reduce-scatter (RS(m:Rg(..),op)), Rg/S(d) -> Rg/S(d) one
-// exchange of the overlaps (regroup), P -> R elsewhere an all-reduce of the piece.
+// exchange of the overlaps (regroup), P -> R elsewhere an all-reduce of the piece. Executed
+// (exec/issuer.cpp): pieces all of one size (FSDP's flat buffers) of a 1-D view make the AG the
+// plain all_gather and the RS the plain reduce_scatter; uneven ones an exact send_recv (AG), and
+// for the RS the peers' pieces of this rank's range received into buffers and summed in member
+// order straight into the result.
 //   [S(0)] -> [Rg(0,[1,2,0,1],1)] of f32 [9,4] on mesh [4]: view [36],
 //   "[S(0)] as [Rg(0,[3,3,3,0],4)] -regroup(0:Rg(0,[3,3,3,0],4)->Rg(0,[1,2,0,1],1))-> [Rg(0,[1,2,0,1],1)]"
 //   [P,P] -> [R,Rg(0,[1,2,0,1],2)] of f32 [9,4] on mesh [2,4] (HSDP's gradient reduce):

@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 #include <fmt/format.h>
 
+#include <array>
 #include <cmath>
 #include <functional>
 #include <memory>
@@ -14,6 +15,8 @@
 #include "dtensor/ops/ops.h"
 #include "kernels/error.h"
 #include "kernels/format.h"
+#include "kernels/ops/elementwise.h"
+#include "kernels/ops/matmul.h"
 #include "kernels/tensor.h"
 #include "support/checks.h"
 
@@ -494,4 +497,38 @@ TEST_CASE("ops: gradients land in caller buffers (accumulate, overwrite, other p
     checks.check(none.has_value() && to_string(none->placements()) == "P", "fresh sink");
   });
   checks.report();
+}
+
+TEST_CASE("ops: a Linear weight gradient ([..z],[..y] -> [y,z]) is written as the transposed product", "[ops]") {
+  // einsum writes the transposed product straight into the gradient (matmul_out on the [z, y]
+  // view of it: C^T = B^T A^T) instead of into a temporary copied transposed afterwards. Shapes
+  // around Eigen's tile edges and its small-product path; overwrite into a fresh output and
+  // accumulate into a caller's buffer (a Linear's sink).
+  const std::vector<std::array<int64_t, 3>> shapes = {{256, 512, 1536}, {256, 2048, 512}, {7, 5, 3},  {100, 49, 50},
+                                                      {33, 17, 130},    {64, 96, 4},      {3, 200, 1}};
+  testing_support::Checks checks;
+  int ran = 0;
+  collectives::run_ranks(1, [&](Communicator& world) {
+    auto comms = std::make_shared<MeshComms>(DeviceMesh::from_shape({1}), world);
+    for (const auto& [t, z, y] : shapes) {
+      const std::string what = fmt::format("[{}, {}] x [{}, {}]", 2 * t, z, 2 * t, y);
+      const Tensor xf = full_input({{2, t, z}}, 3).to(DType::kF32), dyf = full_input({{2, t, y}}, 4).to(DType::kF32);
+      const Tensor want = kernels::matmul(xf.view({2 * t, z}).transpose(0, 1), dyf.view({2 * t, y})).transpose(0, 1).contiguous();
+      const DTensor x = distribute_tensor(xf, comms, parse_placements("R"), std::nullopt);
+      const DTensor w = distribute_tensor(Tensor::zeros({y, z}, DType::kF32), comms, parse_placements("R"), std::nullopt);
+      Saved saved;
+      const DTensor out = einsum("abz,yz->aby", x, w, {}, &saved);
+      const DTensor dy = distribute_tensor(dyf, comms, parse_placements("R"), std::nullopt);
+      checks.check(kernels::allclose(einsum("abz,aby->yz", x, dy, {}).to_local(), want, 1e-5, 1e-5), what + ": overwrite");
+      std::optional<DTensor> buf = DTensor(comms, w.spec(), want.clone());
+      const void* before = buf->to_local().data_ptr();
+      const GradSink add[] = {GradSink{false}, GradSink{true, &buf, true}};
+      einsum_backward(saved, dy, add, {});
+      checks.check(buf->to_local().data_ptr() == before, what + ": the buffer's storage was replaced");
+      checks.check(kernels::allclose(buf->to_local(), kernels::scale(want, 2.0), 1e-5, 1e-5), what + ": accumulate");
+      ++ran;
+    }
+  });
+  checks.report();
+  CHECK(ran == static_cast<int>(shapes.size()));
 }

@@ -43,12 +43,13 @@ class CountingAllocator final : public kernels::Allocator {
  public:
   void* allocate(size_t nbytes, kernels::Device device) override {
     ++count;
+    bytes += static_cast<int64_t>(nbytes);
     return inner.allocate(nbytes, device);
   }
   void deallocate(void* p, size_t nbytes, kernels::Device device) noexcept override {
     inner.deallocate(p, nbytes, device);
   }
-  std::atomic<int64_t> count{0};
+  std::atomic<int64_t> count{0}, bytes{0};
   kernels::CachingAllocator inner;
 };
 
@@ -125,6 +126,79 @@ TEST_CASE("S(0)->R gathers into out and P->S(0) reduce-scatters from the input, 
   });
   checks.report();
   CHECK(rounds == 4);
+}
+
+TEST_CASE("ragged flat buffers: equal ranges take all_gather / reduce_scatter into out, uneven ones no copy after",
+          "[dtensor][out][ragged]") {
+  // FSDP's contiguous layout: one 1-D buffer Rg over dp. With equal ranges Rg -> R is the plain
+  // all_gather from the local shard into out and P -> Rg the plain reduce_scatter from the input
+  // into out: nothing allocated once warm. With uneven ranges (8 x 500 elements cut 1,2,0,1:
+  // 1000, 2000, 0, 1000) the reduce-scatter receives the 3 peers' pieces of this rank's range
+  // into buffers of its size and sums them straight into out: exactly 3 such buffers allocated.
+  Checks checks;
+  int64_t rounds = 0;
+  collectives::run_ranks(4, [&](Communicator& world) {
+    std::vector<Seen> seen;  // this rank's thread only
+    NoViewsCommunicator observed(world, [&](CollectiveKind kind, std::span<const Tensor> b) {
+      seen.push_back({kind, b.size() > 0 ? ptr(b[0]) : nullptr, b.size() > 1 ? ptr(b[1]) : nullptr});
+    });
+    auto alloc = std::make_shared<CountingAllocator>();
+    auto comms = std::make_shared<const MeshComms>(DeviceMesh::from_shape({4}), observed,
+                                                   std::vector<std::vector<int>>{}, alloc);
+    auto mesh = std::make_shared<const DeviceMesh>(comms->mesh());
+    const int r = world.rank();
+    const Dims flat{4000};
+    for (const char* rg : {"Rg(0,[1,1,1,1],4)", "Rg(0,[1,2,0,1],4)"}) {
+      const bool equal = std::string(rg) == "Rg(0,[1,1,1,1],4)";
+      const DTensorSpec sharded = make_spec(mesh, parse_placements(rg), flat, DType::kF32);
+      const DTensorSpec full = make_spec(mesh, parse_placements("R"), flat, DType::kF32);
+      const DTensorSpec grads = make_spec(mesh, parse_placements("P"), flat, DType::kF32);
+      const int64_t mine = sharded.layout(r)->local_shape.product();
+      const DTensor params(comms, sharded, make_local(sharded, r));
+      const DTensor grad(comms, grads, make_local(grads, r));
+      Tensor unsharded = on_storage(flat, DType::kF32);
+      Tensor grad_shard = on_storage({mine}, DType::kF32);
+      for (int round = 0; round < 3; ++round) {
+        const std::string what = fmt::format("{} rank {} round {}", rg, r, round);
+        const int64_t count0 = alloc->count.load(), bytes0 = alloc->bytes.load();
+        seen.clear();
+        const DTensor u = params.redistribute(parse_placements("R"), unsharded);
+        const int64_t gather_count = alloc->count.load() - count0;
+        const int64_t bytes1 = alloc->bytes.load();
+        const DTensor g = grad.redistribute(parse_placements(rg), grad_shard);
+        const int64_t reduce_bytes = alloc->bytes.load() - bytes1;
+        checks.check(u.to_local().data_ptr() == unsharded.data_ptr() &&
+                         (mine == 0 || g.to_local().data_ptr() == grad_shard.data_ptr()),
+                     what + ": the results are not the out tensors");
+        if (equal) {
+          checks.check(seen.size() == 2, fmt::format("{}: {} collectives, expected 2", what, seen.size()));
+          if (seen.size() == 2) {
+            checks.check(seen[0].kind == CollectiveKind::kAllGather && seen[0].in == params.to_local().data_ptr() &&
+                             seen[0].out == unsharded.data_ptr(),
+                         what + ": the all_gather did not run from the local shard straight into out");
+            checks.check(seen[1].kind == CollectiveKind::kReduceScatter && seen[1].in == grad.to_local().data_ptr() &&
+                             seen[1].out == grad_shard.data_ptr(),
+                         what + ": the reduce_scatter did not run from the local tensor straight into out");
+          }
+          if (round > 0)
+            checks.check(alloc->bytes.load() == bytes0,
+                         fmt::format("{}: {} bytes allocated once warm", what, alloc->bytes.load() - bytes0));
+        } else if (round > 0) {
+          checks.check(gather_count == 0, fmt::format("{}: the all-gather allocated {} tensors", what, gather_count));
+          checks.check(reduce_bytes == 3 * mine * 4,
+                       fmt::format("{}: the reduce-scatter allocated {} bytes, expected 3 x {} x 4 (the peers' pieces)",
+                                   what, reduce_bytes, mine));
+        }
+        for (const auto& [spec, t] : {std::pair{full, u.to_local()}, std::pair{sharded, g.to_local()}}) {
+          const std::string err = check_local(spec, r, t);
+          checks.check(err.empty(), what + ": " + err);
+        }
+        if (r == 0) ++rounds;
+      }
+    }
+  });
+  checks.report();
+  CHECK(rounds == 2 * 3);
 }
 
 TEST_CASE("bf16 gradients reduce-scatter in f32 straight into an f32 out", "[dtensor][out][precision]") {

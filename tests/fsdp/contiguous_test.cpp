@@ -232,18 +232,35 @@ void check_same(const Result& a, const Result& b, double tol, bool l2 = false) {
 TEST_CASE("fsdp contiguous: offsets, rank ranges and RaggedShard units (the header's example)", "[fsdp][contiguous]") {
   const fsdp::detail::ContiguousLayout l = fsdp::detail::lay_out_contiguous({10, 6, 3}, 2, 3, 4);
   CHECK(l.offsets == std::vector<int64_t>{0, 12, 20});
-  CHECK(l.numel == 23);
+  CHECK(l.numel == 24);  // 23 rounded up to blocks of dp x align = 12: equal ranges
   CHECK(l.grad_numel == 18);
-  CHECK(l.bounds == std::vector<int64_t>{0, 4, 12, 23});
+  CHECK(l.bounds == std::vector<int64_t>{0, 8, 16, 24});
   CHECK(dtensor::to_string(l.flat_placement()) == dtensor::to_string(dtensor::Placement{dtensor::RaggedShard{0, {1, 1, 1}, 4}}));
-  CHECK(std::get<dtensor::RaggedShard>(l.param_placement(0)).units == std::vector<int64_t>{4, 6, 0});
-  CHECK(std::get<dtensor::RaggedShard>(l.param_placement(1)).units == std::vector<int64_t>{0, 0, 6});
+  CHECK(std::get<dtensor::RaggedShard>(l.param_placement(0)).units == std::vector<int64_t>{8, 2, 0});
+  CHECK(std::get<dtensor::RaggedShard>(l.param_placement(1)).units == std::vector<int64_t>{0, 4, 2});
   CHECK(std::get<dtensor::RaggedShard>(l.param_placement(2)).units == std::vector<int64_t>{0, 0, 3});
-  CHECK(std::get<dtensor::RaggedShard>(l.grad_flat_placement()).units == std::vector<int64_t>{4, 8, 6});
-  // Ranks with empty ranges: 8 elements over 5 ranks in blocks of 4.
+  CHECK(std::get<dtensor::RaggedShard>(l.grad_flat_placement()).units == std::vector<int64_t>{8, 8, 2});
+  // Every parameter trainable: the gradient ranges are the flat buffer's (equal, tail included).
+  const fsdp::detail::ContiguousLayout t = fsdp::detail::lay_out_contiguous({10, 6, 3}, 3, 3, 4);
+  CHECK(t.grad_numel == 24);
+  CHECK(std::get<dtensor::RaggedShard>(t.grad_flat_placement()).units == std::vector<int64_t>{8, 8, 8});
+  // Ranks with empty parameter overlaps: 8 elements over 5 ranks in blocks of 4 (N = 20).
   const fsdp::detail::ContiguousLayout e = fsdp::detail::lay_out_contiguous({8}, 1, 5, 4);
-  CHECK(e.bounds == std::vector<int64_t>{0, 0, 0, 4, 4, 8});
-  CHECK(std::get<dtensor::RaggedShard>(e.param_placement(0)).units == std::vector<int64_t>{0, 0, 4, 0, 4});
+  CHECK(e.bounds == std::vector<int64_t>{0, 4, 8, 12, 16, 20});
+  CHECK(std::get<dtensor::RaggedShard>(e.param_placement(0)).units == std::vector<int64_t>{4, 4, 0, 0, 0});
+  // Equal ranges for any sizes, dp and alignment: N is the end rounded up to dp x align.
+  int cases = 0;
+  for (int64_t dp = 1; dp <= 6; ++dp)
+    for (int64_t align : {1, 4, 8})
+      for (const std::vector<int64_t>& numels : {std::vector<int64_t>{1}, {7, 3}, {512, 1536, 513}, {1000, 1, 1}}) {
+        const fsdp::detail::ContiguousLayout c = fsdp::detail::lay_out_contiguous(numels, numels.size(), dp, align);
+        const int64_t end = c.offsets.back() + numels.back();
+        CHECK(c.numel % (dp * align) == 0);
+        CHECK((c.numel >= end && c.numel - end < dp * align));
+        for (int64_t r = 0; r < dp; ++r) CHECK((c.size(r) == c.numel / dp && c.grad_size(r) == c.size(r)));
+        ++cases;
+      }
+  CHECK(cases == 6 * 3 * 4);
   CHECK(fsdp::detail::contiguous_align(DType::kF32, DType::kF32, DType::kF32) == 4);
   CHECK(fsdp::detail::contiguous_align(DType::kF32, DType::kBF16, DType::kF32) == 8);
 }
