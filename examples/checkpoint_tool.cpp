@@ -85,9 +85,10 @@ DemoLayout demo_layout(const std::string& mesh_text, const std::string& p2, cons
   const dtensor::Placements two_d = dtensor::parse_placements(p2);
   dtensor::Placements one_d = p1.empty() ? two_d : dtensor::parse_placements(p1);
   if (p1.empty())  // the 1-D tensor takes the 2-D placements with shards of dim >= 1 replicated
-    for (dtensor::Placement& p : one_d)
-      if (auto d = dtensor::shard_dim(p); d && *d >= 1) p = dtensor::Replicate{};
-      else if (auto r = dtensor::ragged_dim(p); r && *r >= 1) p = dtensor::Replicate{};
+    for (dtensor::Placement& p : one_d) {
+      const auto d = dtensor::shard_dim(p), r = dtensor::ragged_dim(p);
+      if ((d && *d >= 1) || (r && *r >= 1)) p = dtensor::Replicate{};
+    }
   dtensor::DeviceMesh mesh = dtensor::DeviceMesh::from_shape(dtensor::DeviceMesh::parse(shape_text).shape());
   if (mesh.size() > 64)
     throw kernels::InvalidArgument(
