@@ -1,10 +1,13 @@
 #include "fsdp/contiguous.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 
 #include "dtensor/layout.h"
 #include "fsdp/group.h"
 #include "kernels/checked.h"
+#include "kernels/format.h"
 
 namespace fsdp::detail {
 
