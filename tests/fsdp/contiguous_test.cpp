@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <unistd.h>
@@ -190,6 +191,17 @@ Result train(const Run& r, testing_support::Checks& checks) {
 
 // Losses and final parameters bit for bit (tol 0) or within a relative tolerance (per element;
 // l2: the parameters' relative L2 difference instead); initial values always bit for bit.
+// The run `r` and the same run under the padded layout (without r's `after` hook): {r's, padded's}.
+std::pair<Result, Result> with_padded(const Run& r) {
+  Run p = r;
+  p.layout = fsdp::Layout::kPadded;
+  p.after = nullptr;
+  testing_support::Checks checks;
+  Result a = train(r, checks), b = train(p, checks);
+  checks.report();
+  return {std::move(a), std::move(b)};
+}
+
 void check_same(const Result& a, const Result& b, double tol, bool l2 = false) {
   REQUIRE(a.losses.size() == b.losses.size());
   REQUIRE(!a.losses.empty());
@@ -344,11 +356,7 @@ TEST_CASE("fsdp contiguous: materialise before sharding, tied weights, clipping,
     Run r;
     r.dp = 4;
     r.tie = true;
-    Run p = r;
-    p.layout = fsdp::Layout::kPadded;
-    testing_support::Checks checks;
-    const Result a = train(r, checks), b = train(p, checks);
-    checks.report();
+    const auto [a, b] = with_padded(r);
     check_same(a, b, 0.0);
     ++ran;
   }
@@ -356,11 +364,7 @@ TEST_CASE("fsdp contiguous: materialise before sharding, tied weights, clipping,
     Run r;
     r.dp = 3;
     r.clip = true;
-    Run p = r;
-    p.layout = fsdp::Layout::kPadded;
-    testing_support::Checks checks;
-    const Result a = train(r, checks), b = train(p, checks);
-    checks.report();
+    const auto [a, b] = with_padded(r);
     REQUIRE(a.norms.size() == 3);
     for (size_t i = 0; i < a.norms.size(); ++i) {
       INFO("norm " << a.norms[i] << " vs padded " << b.norms[i]);
@@ -377,11 +381,7 @@ TEST_CASE("fsdp contiguous: materialise before sharding, tied weights, clipping,
       r.dp = 3;
       r.accum = 2;
       r.keep_unsharded = keep;
-      Run p = r;
-      p.layout = fsdp::Layout::kPadded;
-      testing_support::Checks checks;
-      const Result a = train(r, checks), b = train(p, checks);
-      checks.report();
+      const auto [a, b] = with_padded(r);
       // Not bit for bit: the second microbatch's matmul gradients accumulate inside the kernel
       // (its sum starts from the first's value) where the padded layout adds two finished
       // products; the same sums, rounded in another order.
@@ -448,11 +448,7 @@ TEST_CASE("fsdp contiguous: HSDP accumulation without sync or all-reduce, gradie
     r.replicate = 2;
     r.dp = 3;
     r.accum = 2;
-    Run p = r;
-    p.layout = fsdp::Layout::kPadded;
-    testing_support::Checks checks;
-    const Result a = train(r, checks), b = train(p, checks);
-    checks.report();
+    const auto [a, b] = with_padded(r);
     // As without HSDP: the second microbatch accumulates inside the matmul kernels.
     check_same(a, b, 1e-6, /*l2=*/true);
     ++ran;
@@ -463,11 +459,7 @@ TEST_CASE("fsdp contiguous: HSDP accumulation without sync or all-reduce, gradie
     r.dp = 3;
     r.accum = 2;
     r.no_all_reduce = true;
-    Run p = r;
-    p.layout = fsdp::Layout::kPadded;
-    testing_support::Checks checks;
-    const Result a = train(r, checks), b = train(p, checks);
-    checks.report();
+    const auto [a, b] = with_padded(r);
     check_same(a, b, 0.0);  // every microbatch reduce-scatters its own gradients: the same sums
     CHECK(a.copy_bytes == 0);
     CHECK(a.all_reduces == b.all_reduces);
@@ -480,11 +472,7 @@ TEST_CASE("fsdp contiguous: HSDP accumulation without sync or all-reduce, gradie
     r.accum = 2;
     r.no_all_reduce = true;
     r.freeze = {"pos_emb", "blocks.0.ln1", "mlp.fc2.bias"};
-    Run p = r;
-    p.layout = fsdp::Layout::kPadded;
-    testing_support::Checks checks;
-    const Result a = train(r, checks), b = train(p, checks);
-    checks.report();
+    const auto [a, b] = with_padded(r);
     check_same(a, b, 0.0);
     for (const auto& [name, t] : a.params)
       if (name.find("pos_emb") != std::string::npos) {
