@@ -446,7 +446,7 @@ class Replay {
   // The buffers inside the gradient reduction (the executor's, dtensor/exec), alive until the
   // reduction is waited for: none on top of FSDP's input and output for a flat reduce-scatter
   // (the input is in the reduce dtype already); HSDP's all-reduce of the shard over the
-  // replicate dim works on a copy of it.
+  // replicate dim runs in place on FSDP's output (dtensor/exec/memory_check.h).
   // A wire dtype narrower than the reduce dtype makes the reduce-scatter an exchange
   // (dtensor/exec/issuer.cpp's wire_reduce_scatter): the input packed into the wire (staged in
   // the reduce dtype first for an fp8 wire's scale), the dp - 1 pieces received, the sum; for
@@ -476,7 +476,6 @@ class Replay {
       g.rs_wire.push_back(sim_.alloc(kTransitions, chunk * rs_));
       return;
     }
-    if (hsdp_) g.rs_staging = sim_.alloc(kTransitions, g.G * rs_);
   }
 
   // ---- tensor parallelism's redistributes on the activations ----

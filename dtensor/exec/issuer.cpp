@@ -82,6 +82,11 @@ class Issuer {
   ExecHandle run() {
     check_memory();
     works_.reserve(plan_.steps.size());
+    for (const Item& it : items_) inputs_.push_back(it.local);
+    // The final step writes into the caller's outs; so does the step before a run of in-place
+    // all-reduces (HSDP's reduce-scatter then all-reduce: the all-reduce runs on the out).
+    size_t writes_out = plan_.steps.empty() ? 0 : plan_.steps.size() - 1;
+    while (writes_out > 0 && items_.size() == 1 && in_place_step(writes_out)) --writes_out;
     for (size_t i = 0; i < plan_.steps.size(); ++i) {
       const Placements& before = plan_.states[i];
       const Step& step = plan_.steps[i];
@@ -99,9 +104,8 @@ class Issuer {
       const collectives::TraceLabel label(comm(), [&] {  // the trace's "label": the transition
         return fmt::format("{} -> {} on mesh dim {} ({})", to_string(before), to_string(*after_), m_, to_string(step));
       });
-      const bool final_step = i + 1 == plan_.steps.size();
-      dests_.clear();  // only the final step may write into the caller's outs
-      if (final_step && !outs_.empty()) {
+      dests_.clear();  // only the steps from writes_out on may write into the caller's outs
+      if (i >= writes_out && !outs_.empty()) {
         dests_.assign(items_.size(), Tensor());
         for (size_t j = 0; j < items_.size(); ++j)
           if (outs_[j].dtype() == sp().out) dests_[j] = outs_[j];
@@ -159,6 +163,13 @@ class Issuer {
                               : is_plain_step(plan_.steps[step_], *before_, comms_.mesh().shape());
   }
   const ExecStep& sp() const { return (*steps_)[step_]; }
+  bool in_place_step(size_t i) const {
+    const ExecStep& p = (*steps_)[i];
+    const Step& s = plan_.steps[i];
+    return all_reduces_in_place(s, comms_.mesh().size(mesh_dim_of(s)), {p.in, p.out, p.work, p.post_scale != 1.0, p.wire});
+  }
+  // Item j's current tensor is the plan's (an intermediate or the caller's out), not the input.
+  bool owned(size_t j) const { return !items_[j].local.shares_storage_with(inputs_[j]); }
 
   // Refuses, before any buffer is allocated, a transition the allocator cannot serve
   // (NOTE [memory limit] in kernels/allocator.h); a recipe knows its bytes already.
@@ -179,10 +190,12 @@ class Issuer {
   // The step's result for item j: the caller's out when it fits (the final step writes straight
   // into it), else a new tensor.
   Tensor result(size_t j, const Dims& shape, DType dtype, bool need_contiguous) const {
-    if (j >= dests_.size()) return alloc(shape, dtype);
+    return fits_dest(j, shape, dtype, need_contiguous) ? dests_[j] : alloc(shape, dtype);
+  }
+  bool fits_dest(size_t j, const Dims& shape, DType dtype, bool need_contiguous) const {
+    if (j >= dests_.size()) return false;
     const Tensor& d = dests_[j];
-    if (d.defined() && d.dtype() == dtype && d.shape() == shape && (!need_contiguous || d.is_contiguous())) return d;
-    return alloc(shape, dtype);
+    return d.defined() && d.dtype() == dtype && d.shape() == shape && (!need_contiguous || d.is_contiguous());
   }
   // The recipe's schedule, or (a batch, or a path the recipe did not expect) one computed now.
   std::shared_ptr<const StepSchedule> sched(size_t j, Path path, bool per_member = false) const {
@@ -370,7 +383,8 @@ class Issuer {
     Tensor in;
     TensorList ins;
     for (const Item& it : items_) ins.push_back(it.local);
-    if (single && ins[0].is_contiguous() && p.in == p.work) {
+    const bool whole = single && ins[0].is_contiguous() && p.in == p.work;
+    if (whole) {
       in = ins[0].view({total});
     } else {
       in = alloc({total}, p.work);
@@ -382,10 +396,14 @@ class Issuer {
         }
       });
     }
-    // Output: straight into the result (the caller's out when it fits) when no cast or scale
-    // follows, else one buffer (results are views of it, or casts).
+    // Output: straight into the result when no cast or scale follows: the caller's out when it
+    // fits, else in place when the input is the plan's (never the caller's input), else new;
+    // otherwise one buffer (results are views of it, or casts).
     const bool into_out = single && p.out == p.work && p.post_scale == 1.0;
-    Tensor direct = into_out ? result(0, ins[0].shape(), p.out, true) : Tensor();
+    Tensor direct;
+    if (into_out)
+      direct = !fits_dest(0, ins[0].shape(), p.out, true) && whole && owned(0) ? ins[0]
+                                                                               : result(0, ins[0].shape(), p.out, true);
     Tensor buf = into_out ? direct.view({total}) : alloc({total}, p.work);
     call(c.all_reduce(in, buf, p.reduction));
     TensorList outs;
@@ -833,6 +851,7 @@ class Issuer {
   boost::container::small_vector<Item, 1> items_;
   bool background_ = false;
   TensorList outs_;
+  TensorList inputs_;  // per item: the caller's input (never written)
   std::vector<ExecStep> own_steps_;
   const std::vector<ExecStep>* steps_ = nullptr;
   // The current step.

@@ -28,6 +28,11 @@ int64_t size_of(kernels::DType d) { return static_cast<int64_t>(kernels::itemsiz
 
 }  // namespace
 
+bool all_reduces_in_place(const Step& step, int64_t group_size, const StepDTypes& d) {
+  return std::holds_alternative<AllReduce>(step) && group_size > 1 && d.in == d.work && d.out == d.work &&
+         !d.scaled && (!d.wire || *d.wire == d.work);
+}
+
 int64_t transition_bytes(const Plan& plan, std::span<const DTensorSpec* const> specs, const RankContext& rank,
                          std::span<const StepDTypes> dtypes, bool caller_outs) {
   const size_t n = plan.steps.size();
@@ -42,6 +47,12 @@ int64_t transition_bytes(const Plan& plan, std::span<const DTensorSpec* const> s
       numel[i] = numel[i] > kMax - e ? kMax : numel[i] + e;
     }
   const bool batch = specs.size() > 1;
+  // The first step that writes into the caller's outs: the final one, or the one before a run of
+  // in-place all-reduces (the issuer's rule).
+  size_t writes_out = n - 1;
+  while (writes_out > 0 && !batch &&
+         all_reduces_in_place(plan.steps[writes_out], mesh_shape[mesh_dim_of(plan.steps[writes_out])], dtypes[writes_out]))
+    --writes_out;
   int64_t total = 0;
   for (size_t i = 0; i < n; ++i) {
     const Step& step = plan.steps[i];
@@ -53,7 +64,7 @@ int64_t transition_bytes(const Plan& plan, std::span<const DTensorSpec* const> s
     const bool reducing = std::holds_alternative<AllReduce>(step) || std::holds_alternative<ReduceScatter>(step);
     // The caller's out holds the final result when its dtype is the step's (the executor writes
     // straight into it then, else it allocates the result and copies at the end).
-    const bool result_is_out = caller_outs && i + 1 == n;
+    const bool result_is_out = caller_outs && i >= writes_out;
     if (k == 1) {
       // Nothing moves; a reduction over one member that casts or scales makes a new tensor.
       if (reducing && (d.in != d.out || d.work != d.out || d.scaled)) {
@@ -83,7 +94,13 @@ int64_t transition_bytes(const Plan& plan, std::span<const DTensorSpec* const> s
             }
             if (d.in != d.work || batch) total = add_bytes(total, pre, work_sz);  // the input copy
             const bool into_result = !batch && d.out == d.work && !d.scaled;
-            total = add_bytes(total, post, work_sz);  // the reduced buffer (the result when into_result)
+            // In place on the previous reduction's result (a new buffer or the caller's out).
+            const bool on_previous = into_result && d.in == d.work && i > 0 &&
+                                     (std::holds_alternative<AllReduce>(plan.steps[i - 1]) ||
+                                      std::holds_alternative<ReduceScatter>(plan.steps[i - 1])) &&
+                                     mesh_shape[mesh_dim_of(plan.steps[i - 1])] > 1 &&
+                                     (!dtypes[i - 1].wire || *dtypes[i - 1].wire == dtypes[i - 1].work);
+            if (!on_previous) total = add_bytes(total, post, work_sz);  // the reduced buffer (the result when into_result)
             if (!into_result && !result_is_out) total = add_bytes(total, post, out_sz);
           } else if constexpr (std::is_same_v<T, ReduceScatter>) {
             if (wire) {

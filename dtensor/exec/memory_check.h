@@ -38,6 +38,13 @@ struct StepDTypes {
   std::optional<kernels::DType> wire;  // a reducing step's narrower wire dtype (NOTE [wire dtype])
 };
 
+// A step the executor runs in place on the previous step's result when that is the plan's (an
+// intermediate or the caller's out, never the caller's input): an all-reduce over more than one
+// member without a cast, a post-scale or a narrower wire. E.g. HSDP's [P,P] -> [R,S(0)]: the
+// reduce-scatter over dp_shard writes into the caller's out, the all-reduce over dp_replicate
+// reduces it there (as FSDP2 does), no buffer between them.
+bool all_reduces_in_place(const Step& step, int64_t group_size, const StepDTypes& d);
+
 // The bytes issuing `plan` for the tensors `specs` (one batch, one dtype) allocates on this rank
 // (what counts: above), saturating at INT64_MAX. caller_outs: the final step writes into the
 // caller's tensors, whose bytes do not count. REQUIRES: dtypes.size() == plan.steps.size(),

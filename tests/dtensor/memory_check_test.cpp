@@ -92,6 +92,33 @@ ExecHandle issue_cached_to(const DTensorSpec& spec, const Placements& dst, const
 
 }  // namespace
 
+TEST_CASE("transition_bytes: HSDP's all-reduce after the reduce-scatter counts nothing (in place)",
+          "[dtensor][memory][hsdp]") {
+  Checks checks;
+  int ran = 0;
+  collectives::run_ranks(4, [&](Communicator& world) {
+    auto mesh = std::make_shared<const DeviceMesh>(DeviceMesh::from_shape({2, 2}));
+    MeshComms comms(*mesh, world);
+    const auto spec = make_spec(mesh, parse_placements("P,P"), {4000}, DType::kF32);
+    const Plan plan = plan_redistribute(spec, parse_placements("R,S(0)"), PlannerKind::kSearch);
+    const StepDTypes f32{DType::kF32, DType::kF32, DType::kF32, false};
+    const std::vector<StepDTypes> dtypes(plan.steps.size(), f32);
+    const DTensorSpec* specs[] = {&spec};
+    checks.check(plan.steps.size() == 2 && std::holds_alternative<ReduceScatter>(plan.steps[0]) &&
+                     std::holds_alternative<AllReduce>(plan.steps[1]),
+                 fmt::format("{}: expected a reduce-scatter, then an all-reduce", to_string(plan)));
+    // The reduce-scatter's packed input (16000) and reduced chunk (8000); its result (8000)
+    // unless it is the caller's out; the all-reduce: nothing.
+    const int64_t with_out = transition_bytes(plan, specs, comms, dtypes, true);
+    const int64_t without = transition_bytes(plan, specs, comms, dtypes, false);
+    checks.check(with_out == 24000, fmt::format("[P,P] -> [R,S(0)] into out: {} bytes, expected 24000", with_out));
+    checks.check(without == 32000, fmt::format("[P,P] -> [R,S(0)]: {} bytes, expected 32000", without));
+    if (comms.rank() == 0) ++ran;
+  });
+  checks.report();
+  CHECK(ran == 1);
+}
+
 TEST_CASE("transition_bytes counts results and staging in the steps' dtypes, not the caller's out",
           "[dtensor][memory]") {
   Checks checks;

@@ -339,3 +339,75 @@ TEST_CASE("bad outs are refused before anything is issued", "[dtensor][out]") {
   });
   checks.report();
 }
+
+TEST_CASE("HSDP [P,P] -> [R,S(0)] / [R,Rg]: the all-reduce runs in place on the reduce-scatter's result, never on the input",
+          "[dtensor][out][hsdp]") {
+  // FSDP2's gradient sync under HSDP: the reduce-scatter over dp_shard (mesh dim 1) writes into
+  // out, the all-reduce over dp_replicate (mesh dim 0) reduces out in place: once warm nothing is
+  // allocated. Without an out, the all-reduce runs in place on the reduce-scatter's result (one
+  // shard allocated). A single all-reduce of the caller's input ([P,P] -> [R,P]) leaves the
+  // input alone.
+  Checks checks;
+  int64_t cases = 0;
+  collectives::run_ranks(4, [&](Communicator& world) {
+    std::vector<Seen> seen;  // this rank's thread only
+    NoViewsCommunicator observed(world, [&](CollectiveKind kind, std::span<const Tensor> b) {
+      seen.push_back({kind, b.size() > 0 ? ptr(b[0]) : nullptr, b.size() > 1 ? ptr(b[1]) : nullptr});
+    });
+    auto alloc = std::make_shared<CountingAllocator>();
+    auto comms = std::make_shared<const MeshComms>(DeviceMesh::from_shape({2, 2}), observed,
+                                                   std::vector<std::vector<int>>{}, alloc);
+    auto mesh = std::make_shared<const DeviceMesh>(comms->mesh());
+    const int r = world.rank();
+    const Dims flat{4000};
+    const DTensorSpec grads = make_spec(mesh, parse_placements("P,P"), flat, DType::kF32);
+    const Tensor input = make_local(grads, r);
+    const Tensor input_copy = input.clone();
+    const DTensor grad(comms, grads, input);
+    for (const char* dst : {"R,S(0)", "R,Rg(0,[1,1],4)"}) {
+      const DTensorSpec sharded = make_spec(mesh, parse_placements(dst), flat, DType::kF32);
+      const int64_t shard_bytes = 2000 * 4;
+      Tensor out = on_storage({2000}, DType::kF32);
+      for (int round = 0; round < 3; ++round) {
+        const bool into_out = round < 2;  // rounds 0, 1 into out (1: warm); round 2 without
+        const std::string what = fmt::format("rank {} {} round {}", r, dst, round);
+        seen.clear();
+        const int64_t before = alloc->bytes.load();
+        const DTensor g = into_out ? grad.redistribute(parse_placements(dst), out) : grad.redistribute(parse_placements(dst));
+        const int64_t allocated = alloc->bytes.load() - before;
+        const void* result = g.to_local().data_ptr();
+        checks.check(seen.size() == 2, fmt::format("{}: {} collectives, expected 2", what, seen.size()));
+        if (seen.size() == 2) {
+          checks.check(seen[0].kind == CollectiveKind::kReduceScatter && seen[0].in == input.data_ptr() &&
+                           seen[0].out == result,
+                       what + ": the reduce_scatter did not run from the input into the result");
+          checks.check(seen[1].kind == CollectiveKind::kAllReduce && seen[1].in == result && seen[1].out == result,
+                       what + ": the all_reduce did not run in place on the reduce_scatter's result");
+        }
+        if (into_out) {
+          checks.check(result == out.data_ptr(), what + ": the result is not out");
+          if (round == 1) checks.check(allocated == 0, fmt::format("{}: {} bytes allocated once warm", what, allocated));
+        } else {
+          checks.check(allocated == shard_bytes,
+                       fmt::format("{}: {} bytes allocated, expected one shard ({})", what, allocated, shard_bytes));
+        }
+        const std::string err = check_local(sharded, r, g.to_local());
+        checks.check(err.empty(), what + ": " + err);
+        checks.check(kernels::equal(input, input_copy), what + ": the input changed");
+        if (r == 0) ++cases;
+      }
+    }
+    // One all-reduce, of the caller's input: into a new buffer.
+    seen.clear();
+    const DTensor g = grad.redistribute(parse_placements("R,P"));
+    checks.check(seen.size() == 1 && seen[0].kind == CollectiveKind::kAllReduce && seen[0].in == input.data_ptr() &&
+                     seen[0].out != input.data_ptr(),
+                 fmt::format("rank {} [P,P] -> [R,P]: not one all_reduce from the input into a new buffer", r));
+    checks.check(kernels::equal(input, input_copy), fmt::format("rank {} [P,P] -> [R,P]: the input changed", r));
+    const DTensor full = g.redistribute(parse_placements("R,R"));  // the partial sums, summed
+    const std::string err = check_local(make_spec(mesh, parse_placements("R,R"), flat, DType::kF32), r, full.to_local());
+    checks.check(err.empty(), fmt::format("rank {} [P,P] -> [R,P]: {}", r, err));
+  });
+  checks.report();
+  CHECK(cases == 6);
+}
