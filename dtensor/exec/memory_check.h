@@ -7,8 +7,9 @@
 // What counts (per rank; an upper bound of what issue() allocates, from the local shapes): for
 // every communicating step, the step's result for every tensor of the batch in the dtype it
 // produces (the reduce dtype inside a reduction), and its staging buffers in the dtype it moves:
-// the input copy and the reduced buffer of an all-reduce, the packed input and the reduced chunk
-// of a reduce-scatter (plus one chunk per peer when the chunks are uneven), the send and receive
+// the input copy and the reduced buffer of an all-reduce (no buffer when it runs in place, below),
+// the packed input and the reduced chunk of a reduce-scatter (plus one chunk per peer when the
+// chunks are uneven), the send and receive
 // buffers of an exchange without strided views or of a batched all-gather; through a wire dtype
 // (NOTE [wire dtype] in executor.h) the input packed in the wire (and staged in the work dtype
 // first for an fp8 wire's scale or an input wider than the work dtype),
